@@ -1,0 +1,18 @@
+"""moelab: a research workbench for distributed Mixture-of-Experts systems.
+
+Real multi-process implementations (torch.distributed; gloo on CPU, NCCL on GPU), a paper-scale
+simulator that prices the same plans, and notebooks that rebuild the papers' figures.
+"""
+__version__ = "0.1.0"
+
+from moelab.config import ConfigError, RunConfig  # noqa: E402
+
+
+def launch(config, nproc=None, **overrides):
+    """Run a real multi-process job (see :func:`moelab.runtime.launch.launch`)."""
+    from moelab.runtime.launch import launch as _launch
+
+    return _launch(config, nproc=nproc, **overrides)
+
+
+__all__ = ["RunConfig", "ConfigError", "launch", "__version__"]

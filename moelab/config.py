@@ -1,0 +1,257 @@
+"""One config object for a run: model, MoE layer, parallel layout, training, emulation.
+
+Every notebook parameter and CLI ``--set key=value`` maps onto a dotted field of :class:`RunConfig`.
+``validate`` is called before any process starts, so a config that cannot work fails with a clear
+message instead of a hang or a traceback on some rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+GATES = ("topk", "gshard", "switch")
+DISPATCHERS = ("sparse", "dense")
+ARCHS = ("gpt", "bert")
+STRATEGIES = ("ep",)  # strategies register more names through moelab.strategies
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; raised before any process starts."""
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8  # experts per MoE layer (global)
+    top_k: int = 2  # experts per token (1 or 2)
+    gate: str = "topk"  # topk (renormalized top-k softmax) | gshard (top-2) | switch (top-1)
+    capacity_factor: Optional[float] = None  # None = dropless; else capacity = ceil(k*cf*T/E) per source rank
+    min_capacity: int = 0  # lower bound of the per-expert capacity
+    random_routing: bool = False  # gshard: drop the 2nd expert when 2*p2 < U(0,1)
+    balance_loss_coef: float = 0.01  # weight of the GShard/Switch load-balancing loss
+    z_loss_coef: float = 0.0  # weight of the router z-loss mean(logsumexp(logits)^2)
+    dispatcher: str = "sparse"  # sparse (count exchange + uneven all-to-all) | dense (capacity-padded, equal splits)
+    activation: str = "gelu"  # expert FFN activation: gelu | relu
+    expert_bias: bool = True  # biases in the expert FFN
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt"  # gpt (causal LM) | bert (masked LM)
+    vocab_size: int = 256  # byte-level by default
+    d_model: int = 64
+    d_ff: int = 128  # expert (and dense FFN) hidden size
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 64
+    moe_every: int = 1  # 1: every layer is MoE; 2: every other layer (odd layers)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class TopologyConfig:
+    nodes: int = 1  # declared nodes; "2 nodes x 4" works on one machine
+    ranks_per_node: Optional[int] = None  # None: nproc / nodes
+
+
+@dataclass
+class EmulationConfig:
+    """Link emulation: a collective takes at least the time the declared links would need."""
+
+    enabled: bool = False
+    intra_bw_GBps: float = 10.0  # intra-node bandwidth per rank, GB/s
+    intra_latency_us: float = 5.0
+    inter_bw_GBps: float = 1.0  # inter-node bandwidth per rank, GB/s
+    inter_latency_us: float = 20.0
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 2  # ranks (processes)
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    strategy: str = "ep"  # registered strategy name
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    # expert -> [owner, replica, ...] ; None means plain expert parallelism
+    placement: Optional[dict] = None
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 20
+    batch_size: int = 4  # sequences per rank per iteration
+    lr: float = 1e-3
+    seed: int = 0
+    dataset: str = "pydocs"  # pydocs (byte-level text of the Python installation) | random
+    dtype: str = "float32"  # float32 | float64
+    threads_per_rank: int = 1
+    timeout_s: float = 600.0  # the launcher kills the run after this
+    trace: bool = True  # write a per-rank Chrome trace
+    fault_rank: Optional[int] = None  # testing aid: this rank raises at fault_iter
+    fault_iter: int = 0
+
+
+@dataclass
+class RunConfig:
+    paper: str = "core"  # paper or experiment this run belongs to
+    name: str = "run"  # short label
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
+
+    # ---- (de)serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        return _from_dict(cls, d or {})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        import yaml
+
+        with open(path) as f:
+            return cls.from_dict(yaml.safe_load(f) or {})
+
+    def with_overrides(self, overrides: dict | None = None, **kw) -> "RunConfig":
+        """Return a copy with dotted overrides applied: ``{"model.moe.top_k": 1}`` or ``model__moe__top_k=1``."""
+        d = self.to_dict()
+        items = dict(overrides or {})
+        items.update({k.replace("__", "."): v for k, v in kw.items()})
+        for key, value in items.items():
+            _set_dotted(d, key, value)
+        return RunConfig.from_dict(d)
+
+    def short_hash(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        return hashlib.sha1(blob).hexdigest()[:8]
+
+    def run_id(self) -> str:
+        """Self-describing id: paper, name, strategy, ranks, model, key options, hash."""
+        m, moe, p = self.model, self.model.moe, self.parallel
+        parts = [
+            self.paper, self.name, p.strategy, f"n{p.nproc}",
+            f"{m.arch}-L{m.n_layers}-d{m.d_model}", f"e{moe.num_experts}k{moe.top_k}-{moe.dispatcher}",
+        ]
+        if self.emulation.enabled:
+            parts.append("emu")
+        return "_".join(str(x).replace("_", "-") for x in parts) + "_" + self.short_hash()
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self) -> "RunConfig":
+        """Raise ConfigError for a config that cannot work. Cheap; runs before any process starts."""
+        m, moe, p, t = self.model, self.model.moe, self.parallel, self.train
+        errs = []
+        if p.nproc < 1:
+            errs.append(f"parallel.nproc must be >= 1, got {p.nproc}")
+        if m.arch not in ARCHS:
+            errs.append(f"model.arch must be one of {ARCHS}, got {m.arch!r}")
+        if moe.gate not in GATES:
+            errs.append(f"model.moe.gate must be one of {GATES}, got {moe.gate!r}")
+        if moe.dispatcher not in DISPATCHERS:
+            errs.append(f"model.moe.dispatcher must be one of {DISPATCHERS}, got {moe.dispatcher!r}")
+        from moelab.strategies import known_strategies
+
+        if p.strategy not in known_strategies():
+            errs.append(f"parallel.strategy {p.strategy!r} is unknown; known: {sorted(known_strategies())}")
+        if moe.num_experts < 1:
+            errs.append(f"model.moe.num_experts must be >= 1, got {moe.num_experts}")
+        elif p.nproc >= 1 and p.placement is None and moe.num_experts % p.nproc != 0:
+            errs.append(
+                f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.nproc={p.nproc}: "
+                "expert parallelism needs the same number of experts on every rank")
+        if moe.top_k not in (1, 2) or moe.top_k > moe.num_experts:
+            errs.append(f"model.moe.top_k must be 1 or 2 and <= num_experts, got {moe.top_k}")
+        if moe.gate == "gshard" and moe.top_k != 2:
+            errs.append("model.moe.gate='gshard' is a top-2 gate: set model.moe.top_k=2")
+        if moe.gate == "switch" and moe.top_k != 1:
+            errs.append("model.moe.gate='switch' is a top-1 gate: set model.moe.top_k=1")
+        if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+            errs.append(f"model.moe.capacity_factor must be > 0 (or null for dropless), got {moe.capacity_factor}")
+        if moe.dispatcher == "dense" and moe.capacity_factor is None:
+            errs.append("the dense dispatcher pads to a capacity: set model.moe.capacity_factor")
+        if moe.dispatcher == "dense" and p.placement is not None:
+            errs.append("the dense (DeepSpeed-style) dispatcher supports plain expert parallelism only")
+        if m.d_model % m.n_heads != 0:
+            errs.append(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+        if m.moe_every not in (1, 2):
+            errs.append(f"model.moe_every must be 1 or 2, got {m.moe_every}")
+        if p.backend not in ("auto", "gloo", "nccl"):
+            errs.append(f"parallel.backend must be auto, gloo or nccl, got {p.backend!r}")
+        topo = p.topology
+        rpn = topo.ranks_per_node if topo.ranks_per_node is not None else (
+            p.nproc // topo.nodes if topo.nodes > 0 else 0)
+        if topo.nodes < 1 or rpn < 1 or topo.nodes * rpn != p.nproc:
+            errs.append(
+                f"topology {topo.nodes} nodes x {topo.ranks_per_node or '?'} ranks does not fit nproc={p.nproc}")
+        if p.placement is not None:
+            from moelab.placement import Placement
+
+            try:
+                Placement.from_mapping(p.placement, moe.num_experts, p.nproc)
+            except ValueError as e:
+                errs.append(f"parallel.placement: {e}")
+        if t.iters < 1 or t.batch_size < 1:
+            errs.append("train.iters and train.batch_size must be >= 1")
+        if t.dtype not in ("float32", "float64"):
+            errs.append(f"train.dtype must be float32 or float64, got {t.dtype!r}")
+        if t.fault_rank is not None and not 0 <= t.fault_rank < p.nproc:
+            errs.append(f"train.fault_rank={t.fault_rank} is not a rank of nproc={p.nproc}")
+        if errs:
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+        return self
+
+
+def _from_dict(cls, d: dict):
+    if not isinstance(d, dict):
+        raise ConfigError(f"expected a mapping for {cls.__name__}, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(d) - set(fields)
+    if unknown:
+        raise ConfigError(f"unknown field(s) for {cls.__name__}: {sorted(unknown)}; known: {sorted(fields)}")
+    kw = {}
+    for name, value in d.items():
+        sub = _NESTED.get((cls, name))
+        kw[name] = _from_dict(sub, value) if sub is not None and value is not None else value
+    return cls(**kw)
+
+
+_NESTED = {
+    (RunConfig, "model"): ModelConfig,
+    (RunConfig, "parallel"): ParallelConfig,
+    (RunConfig, "train"): TrainConfig,
+    (RunConfig, "emulation"): EmulationConfig,
+    (ModelConfig, "moe"): MoEConfig,
+    (ParallelConfig, "topology"): TopologyConfig,
+}
+
+
+def _set_dotted(d: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    cur = d
+    for p in parts[:-1]:
+        if p not in cur or not isinstance(cur[p], dict):
+            if p in cur and cur[p] is None:
+                cur[p] = {}
+            else:
+                raise ConfigError(f"unknown config key {key!r} (no section {p!r})")
+        cur = cur[p]
+    if parts[-1] not in cur and not (len(parts) >= 2 and parts[-2] == "placement"):
+        raise ConfigError(f"unknown config key {key!r}")
+    cur[parts[-1]] = parse_value(value)
+
+
+def parse_value(value: Any) -> Any:
+    """Parse a CLI string (``"2"``, ``"true"``, ``"null"``, ``"[0,1]"``) into a Python value; others pass through."""
+    if not isinstance(value, str):
+        return value
+    import yaml
+
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
