@@ -92,28 +92,37 @@ class Placement:
         return {e: list(h) for e, h in enumerate(self.holders)}
 
     # ---- the routing rule --------------------------------------------------------------------
-    def split_counts(self, src: int, counts: torch.Tensor) -> torch.Tensor:
-        """Where ``src``'s tokens go: ``counts[e]`` tokens for expert e -> ``out[e, r]`` tokens to rank r.
+    def blocks(self, src: int, e: int, count: int) -> list:
+        """Where ``src``'s ``count`` tokens for expert ``e`` go, as ordered ``[(rank, n), ...]`` blocks.
 
         Deterministic rule: a rank holding e keeps all its tokens for e; otherwise the tokens (in
-        their sorted order) are split into contiguous, near-equal blocks over e's holders, holders
-        on the same node as ``src`` are not preferred here (topology-aware choice belongs to
-        strategies that need it). Block i goes to holders rotated by ``src`` so different sources
-        start at different replicas.
+        their sorted order) are split into contiguous, near-equal blocks over e's holders, starting
+        at holder ``src mod n`` so different sources start at different replicas. (Topology-aware
+        replica choice belongs to strategies that need it and can override this rule.)
         """
-        counts = counts.to(torch.int64).cpu()
+        h = self.holders[e]
+        if count == 0:
+            return []
+        if src in h:
+            return [(src, count)]
+        n = len(h)
+        base, rem = divmod(count, n)
+        return [(h[(src + i) % n], base + (1 if i < rem else 0)) for i in range(n) if base + (1 if i < rem else 0)]
+
+    def split_counts(self, src: int, counts) -> torch.Tensor:
+        """``counts[e]`` tokens of ``src`` for expert e -> ``out[e, r]`` tokens sent to rank r."""
+        counts = torch.as_tensor(counts).to(torch.int64).cpu().tolist()
         out = torch.zeros(self.num_experts, self.world_size, dtype=torch.int64)
-        for e in range(self.num_experts):
-            c = int(counts[e])
-            h = self.holders[e]
-            if c == 0:
-                continue
-            if src in h or len(h) == 1:
-                out[e, src if src in h else h[0]] = c
-                continue
-            n = len(h)
-            base, rem = divmod(c, n)
-            for i in range(n):
-                r = h[(src + i) % n]
-                out[e, r] += base + (1 if i < rem else 0)
+        for e, c in enumerate(counts):
+            for r, n in self.blocks(src, e, int(c)):
+                out[e, r] += n
         return out
+
+    @cached_property
+    def slot_table(self) -> torch.Tensor:
+        """``[world, E]``: slot index of expert e on rank r, or -1."""
+        t = torch.full((self.world_size, self.num_experts), -1, dtype=torch.int64)
+        for r, es in enumerate(self._local):
+            for s, e in enumerate(es):
+                t[r, e] = s
+        return t
