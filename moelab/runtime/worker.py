@@ -1,0 +1,64 @@
+"""torchrun entry point of one rank: ``python -m moelab.runtime.worker --config C.json --out DIR``.
+
+Joins the process group from torchrun's environment (NCCL when CUDA is there and the backend is
+``auto``, else gloo), trains, writes its outputs into ``--out`` and prints progress lines from rank
+0 (``MOELAB_PROGRESS iter=.. total=.. loss=.. step_time=..``) that the launcher turns into a
+progress bar. Any exception propagates: torchrun reports the failing rank and the launcher stops
+the others.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from moelab.config import RunConfig
+
+
+def choose_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    with open(args.config) as f:
+        cfg = RunConfig.from_dict(json.load(f)).validate()
+    torch.set_num_threads(cfg.train.threads_per_rank)
+    backend = choose_backend(cfg.parallel.backend)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    dist.init_process_group(backend, timeout=timedelta(seconds=max(60.0, cfg.train.timeout_s)))
+    try:
+        from moelab.runtime.train import Trainer
+
+        trainer = Trainer.build(cfg, device)
+        total = cfg.train.iters
+
+        def progress(row):
+            if trainer.rank == 0:
+                print(f"MOELAB_PROGRESS iter={row['iter']} total={total} loss={row['loss']:.6f} "
+                      f"step_time={row['step_time_s']:.6f}", flush=True)
+
+        trainer.run(progress)
+        trainer.write_outputs(args.out)
+        with open(os.path.join(args.out, f"done_rank{trainer.rank}"), "w") as f:
+            f.write(backend)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
