@@ -216,8 +216,25 @@ def _from_dict(cls, d: dict):
     kw = {}
     for name, value in d.items():
         sub = _NESTED.get((cls, name))
-        kw[name] = _from_dict(sub, value) if sub is not None and value is not None else value
+        kw[name] = _from_dict(sub, value) if sub is not None and value is not None else _coerce(cls, fields[name], value)
     return cls(**kw)
+
+
+def _coerce(cls, f, value):
+    """Numbers given as strings ("3e-4" from a CLI or YAML 1.1) become the field's type; else a clear error."""
+    kind = str(f.type).replace("Optional[", "").rstrip("]")
+    if value is None or kind not in ("float", "int", "bool"):
+        return value
+    try:
+        if kind == "float" and isinstance(value, (str, int)) and not isinstance(value, bool):
+            return float(value)
+        if kind == "int" and isinstance(value, str):
+            return int(value)
+    except ValueError:
+        raise ConfigError(f"{cls.__name__}.{f.name} must be a {kind}, got {value!r}") from None
+    if kind == "bool" and not isinstance(value, bool):
+        raise ConfigError(f"{cls.__name__}.{f.name} must be true or false, got {value!r}")
+    return value
 
 
 _NESTED = {

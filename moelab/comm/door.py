@@ -117,6 +117,9 @@ class Communicator:
             raise ValueError(f"topology declares {topo.world_size} ranks, the process group has {self.world_size}")
         self.emulation = emulation if (emulation is not None and emulation.enabled) else None
         self.rec = recorder or Recorder(self.rank)
+        # NCCL only moves CUDA tensors: small CPU-side tensors (counts) travel through this device
+        self.device = torch.device("cuda", torch.cuda.current_device()) if (
+            self.distributed and dist.get_backend() == "nccl") else torch.device("cpu")
         self._groups: dict = {}
         world = list(range(self.world_size))
         self._groups["world"] = (None, world)
@@ -181,16 +184,17 @@ class Communicator:
         return out
 
     def all_gather(self, x: torch.Tensor, group: str = "world") -> torch.Tensor:
-        """Concatenate every member's ``x`` along a new leading dim: [n, *x.shape]."""
+        """Concatenate every member's ``x`` along a new leading dim: [n, *x.shape] (on x's device)."""
         pg, ranks = self._groups[group]
-        x = x.contiguous()
+        home = x.device
+        x = x.to(self.device).contiguous()
         flat = torch.empty(len(ranks) * x.numel(), dtype=x.dtype, device=x.device)
         t0 = time.time()
         if self.distributed and len(ranks) > 1:
             _ALL_GATHER(flat, x.reshape(-1), group=pg)
         else:
             flat.copy_(x.reshape(-1))
-        out = flat.view((len(ranks),) + tuple(x.shape))
+        out = flat.view((len(ranks),) + tuple(x.shape)).to(home)
         self._record("all_gather", group, t0, peer_bytes("all_gather", ranks, self.rank, x.numel() * x.element_size()))
         return out
 

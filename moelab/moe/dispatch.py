@@ -62,7 +62,7 @@ class SparseDispatcher:
 
     def plan(self, routing: Routing) -> DispatchPlan:
         pl, E, N, me = self.placement, self.E, self.N, self.rank
-        flat = routing.idx.reshape(-1)
+        flat = routing.idx.reshape(-1).cpu()  # planning is small integer work: on the CPU
         valid_pos = (flat >= 0).nonzero().squeeze(1)
         experts = flat[valid_pos]
         order = torch.argsort(experts, stable=True)
@@ -91,14 +91,14 @@ class SparseDispatcher:
 
     def dispatch(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
         k = routing.idx.shape[1]
-        recv = self.comm.all_to_all(x[plan.send_pos // k], plan.out_rows, plan.in_rows)
-        return recv[plan.recv_perm]
+        recv = self.comm.all_to_all(x[(plan.send_pos // k).to(x.device)], plan.out_rows, plan.in_rows)
+        return recv[plan.recv_perm.to(x.device)]
 
     def combine(self, y: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
         T, k = routing.idx.shape
-        back = torch.empty_like(y).index_copy(0, plan.recv_perm, y)  # slot-major -> source-major
+        back = torch.empty_like(y).index_copy(0, plan.recv_perm.to(y.device), y)  # slot-major -> source-major
         back = self.comm.all_to_all(back, plan.in_rows, plan.out_rows)
-        out_flat = y.new_zeros(T * k, y.shape[1]).index_copy(0, plan.send_pos, back)
+        out_flat = y.new_zeros(T * k, y.shape[1]).index_copy(0, plan.send_pos.to(y.device), back)
         return combine_slots(out_flat, routing.weights)
 
 
@@ -113,7 +113,7 @@ class DenseDispatcher:
     def plan(self, routing: Routing) -> DispatchPlan:
         if routing.capacity is None:
             raise ValueError("the dense dispatcher needs a capacity factor")
-        flat = routing.idx.reshape(-1)
+        flat = routing.idx.reshape(-1).cpu()
         lec = torch.bincount(flat[flat >= 0], minlength=self.E).to(torch.int64)
         # counts for metrics plus each rank's capacity: ranks with fewer tokens have a smaller
         # capacity, but the equal-split buffer must be the same size everywhere (the max)
