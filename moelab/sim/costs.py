@@ -1,0 +1,267 @@
+"""Cost model: compute from FLOPs, collectives as alpha-beta demands on shared links.
+
+A collective is priced as a :class:`Demand`: a fixed latency ``alpha`` plus bytes on named links.
+Links are ``("intra_out", rank)``, ``("intra_in", rank)`` (a GPU's intra-node port, per direction)
+and ``("nic_out", node)``, ``("nic_in", node)`` (a node's NIC, shared by its GPUs). Alone on its
+links a demand takes ``alpha + max_link bytes/capacity``; the event engine runs the same demands
+with fair sharing when transfers overlap. One description, two uses: the closed-form times here
+and the simulated times agree whenever nothing overlaps.
+
+Bytes on links follow the algorithm (all-to-all is direct; all-reduce/all-gather/reduce-scatter/
+broadcast are rings), while *accounted* bytes follow :mod:`moelab.comm.bytes` (pairwise, what the
+runtime records). For all-to-all and p2p both are the same; a ring crosses each node's NIC once.
+
+Where a profile carries a measured fit for an op (``profile.fits[op] = (alpha, beta)``) and the
+group sits in one node, the demand is rescaled so that alone it takes ``alpha + beta * x`` with
+x = the most non-local bytes any member sends (:func:`sent_bytes`), which is the x the calibrator
+fits against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from moelab.comm.bytes import by_link_class, peer_bytes
+from moelab.comm.topology import Topology
+
+
+@dataclass
+class Demand:
+    alpha: float  # seconds of fixed latency before the bytes flow
+    links: dict = field(default_factory=dict)  # link -> bytes
+
+    def time(self, caps: dict) -> float:
+        """Seconds alone on its links."""
+        return self.alpha + max((b / caps[l] for l, b in self.links.items() if b > 0), default=0.0)
+
+
+def link_capacities(profile, topo: Topology) -> dict:
+    """Bytes/s of every link of ``topo`` under ``profile``."""
+    intra, nic = profile.bandwidth("intra"), profile.bandwidth("inter")
+    caps = {}
+    for r in range(topo.world_size):
+        caps[("intra_out", r)] = caps[("intra_in", r)] = intra
+    for n in range(topo.nodes):
+        caps[("nic_out", n)] = caps[("nic_in", n)] = nic
+    return caps
+
+
+# ---- compute -------------------------------------------------------------------------------------
+def gemm_flops(m: int, n: int, k: int) -> float:
+    return 2.0 * m * n * k
+
+
+def ffn_flops(tokens, d: int, d_ff: int):
+    """Forward FLOPs of a 2-GEMM FFN (d -> d_ff -> d); biases and activation are noise."""
+    return 4.0 * tokens * d * d_ff
+
+
+def attention_flops(tokens, d: int, seq_len: int):
+    """Forward FLOPs of self-attention: QKV+O projections (8 t d^2) plus scores and AV (4 t s d)."""
+    return 8.0 * tokens * d * d + 4.0 * tokens * seq_len * d
+
+
+def gate_flops(tokens, d: int, num_experts: int):
+    return 2.0 * tokens * d * num_experts
+
+
+def head_flops(tokens, d: int, vocab: int):
+    """The tied LM head's logits GEMM."""
+    return 2.0 * tokens * d * vocab
+
+
+def compute_time(flops, profile) -> float:
+    """Seconds for ``flops`` at the profile's achieved GEMM throughput (backward = 2x forward)."""
+    return flops / profile.achieved_flops
+
+
+# ---- link demands --------------------------------------------------------------------------------
+def _send(links: dict, topo: Topology, src: int, dst: int, nbytes: float) -> None:
+    if src == dst or nbytes <= 0:
+        return
+    a, b = topo.node_of(src), topo.node_of(dst)
+    if a == b:
+        out, inn = ("intra_out", src), ("intra_in", dst)
+    else:
+        out, inn = ("nic_out", a), ("nic_in", b)
+    links[out] = links.get(out, 0) + nbytes
+    links[inn] = links.get(inn, 0) + nbytes
+
+
+def _spans_nodes(group: Sequence[int], topo: Topology) -> bool:
+    return len({topo.node_of(r) for r in group}) > 1
+
+
+def _class_latency(group, topo, profile) -> float:
+    if len(group) <= 1:
+        return 0.0
+    return profile.latency("inter" if _spans_nodes(group, topo) else "intra")
+
+
+def sent_bytes(op: str, group: Sequence[int], topo: Topology, nbytes: int = 0,
+               splits=None, root: Optional[int] = None) -> int:
+    """The most non-local bytes any member sends, by the shared byte rule (the calibrator's x)."""
+    best = 0
+    for i, me in enumerate(group):
+        row = None if splits is None else list(np.asarray(splits)[i])
+        cls = by_link_class(topo, me, peer_bytes(op, group, me, nbytes, splits=row, root=root))
+        best = max(best, cls["intra"] + cls["inter"])
+    return best
+
+
+def _fitted(op, demand: Demand, group, topo, profile, x_fn) -> Demand:
+    fit = profile.fits.get(op) if getattr(profile, "fits", None) else None
+    if fit is None or len(group) <= 1 or _spans_nodes(group, topo):
+        return demand
+    alpha, beta = fit
+    caps = link_capacities(profile, topo)
+    bw_part = demand.time(caps) - demand.alpha
+    want = beta * x_fn()
+    scale = want / bw_part if bw_part > 0 else 0.0
+    return Demand(alpha, {l: b * scale for l, b in demand.links.items()})
+
+
+def alltoall_demands(matrix, group: Sequence[int], topo: Topology, profile,
+                     hierarchical: bool = False) -> list:
+    """Uneven all-to-all; ``matrix[i][j]`` = bytes group member i sends to member j.
+
+    Flat: one direct phase; per rank the time is the larger of its intra-node port load and its
+    node's NIC load, plus one latency. Hierarchical (2D, as Tutel/DeepSpeed): phase 1 gathers, in the
+    node, everything bound for local index j on rank j; phase 2 ships node-to-node between ranks of
+    the same local index. Same NIC bytes, extra intra bytes, two latencies.
+    """
+    M = np.asarray(matrix, dtype=np.float64)
+    group = list(group)
+    n = len(group)
+    if n <= 1:
+        return [Demand(0.0, {})]
+    node = np.fromiter((topo.node_of(r) for r in group), dtype=np.int64, count=n)
+    if not hierarchical or not _spans_nodes(group, topo):
+        d = Demand(_class_latency(group, topo, profile), _a2a_links(M, group, node))
+        return [_fitted("all_to_all", d, group, topo, profile,
+                        lambda: sent_bytes("all_to_all", group, topo, splits=M.astype(np.int64)))]
+    # hierarchical: member i = (node a, local slot p); assume equal members per node, node-major.
+    nodes = np.unique(node)
+    g = n // len(nodes)
+    if g * len(nodes) != n or not np.all(node == np.repeat(nodes, g)):
+        raise ValueError("hierarchical all-to-all needs the same number of members on every node, node-major")
+    M4 = M.reshape(len(nodes), g, len(nodes), g)  # [a, i, b, j]
+    ph1 = M4.sum(axis=2)  # [a, i, j]: from (a,i) to (a,j), everything bound for local index j
+    P1 = np.zeros_like(M)
+    for a in range(len(nodes)):
+        blk = ph1[a].copy()
+        # what (a,i) sends to its own node's (a,j) directly is part of ph1; local (i == j) stays local
+        np.fill_diagonal(blk, 0)
+        P1[a * g:(a + 1) * g, a * g:(a + 1) * g] = blk
+    P2 = np.zeros_like(M)
+    agg = M4.sum(axis=1)  # [a, b, j]: node a's bytes for (b, j), held by (a, j) after phase 1
+    for a in range(len(nodes)):
+        for b in range(len(nodes)):
+            if a != b:
+                P2[a * g + np.arange(g), b * g + np.arange(g)] = agg[a, b]
+    return [Demand(profile.latency("intra"), _a2a_links(P1, group, node)),
+            Demand(profile.latency("inter"), _a2a_links(P2, group, node))]
+
+
+def _a2a_links(M: np.ndarray, group, node: np.ndarray) -> dict:
+    same = node[:, None] == node[None, :]
+    intra = np.where(same, M, 0.0)
+    np.fill_diagonal(intra, 0.0)
+    inter = np.where(same, 0.0, M)
+    links = {}
+    for i, (o, inn) in enumerate(zip(intra.sum(1), intra.sum(0))):
+        if o > 0:
+            links[("intra_out", group[i])] = o
+        if inn > 0:
+            links[("intra_in", group[i])] = inn
+    if inter.any():
+        uniq, inv = np.unique(node, return_inverse=True)
+        out_n = np.bincount(inv, weights=inter.sum(1), minlength=len(uniq))
+        in_n = np.bincount(inv, weights=inter.sum(0), minlength=len(uniq))
+        for k, nd in enumerate(uniq):
+            if out_n[k] > 0:
+                links[("nic_out", int(nd))] = out_n[k]
+            if in_n[k] > 0:
+                links[("nic_in", int(nd))] = in_n[k]
+    return links
+
+
+_RING = {  # op -> (bytes each rank puts on its ring edge as a function of (n, nbytes), steps)
+    "all_gather": (lambda n, s: (n - 1) * s, lambda n: n - 1),  # nbytes = the rank's block
+    "reduce_scatter": (lambda n, s: (n - 1) * s / n, lambda n: n - 1),  # nbytes = full input
+    "all_reduce": (lambda n, s: 2 * (n - 1) * s / n, lambda n: 2 * (n - 1)),
+}
+
+
+def ring_demand(op: str, group: Sequence[int], topo: Topology, profile, nbytes: int) -> Demand:
+    """Ring all-gather / reduce-scatter / all-reduce over ``group`` (node-major ring order)."""
+    group = sorted(group)
+    n = len(group)
+    if n <= 1:
+        return Demand(0.0, {})
+    per_edge, steps = _RING[op]
+    v = per_edge(n, nbytes)
+    links: dict = {}
+    for i, r in enumerate(group):
+        _send(links, topo, r, group[(i + 1) % n], v)
+    d = Demand(steps(n) * _class_latency(group, topo, profile), links)
+    return _fitted(op, d, group, topo, profile, lambda: sent_bytes(op, group, topo, nbytes))
+
+
+def broadcast_demand(group: Sequence[int], root: int, topo: Topology, profile, nbytes: int,
+                     op: str = "broadcast") -> Demand:
+    """Pipelined ring broadcast (or reduce, edges reversed): every ring edge carries S once."""
+    group = sorted(group)
+    n = len(group)
+    if n <= 1:
+        return Demand(0.0, {})
+    k = group.index(root)
+    order = group[k:] + group[:k]
+    links: dict = {}
+    for a, b in zip(order[:-1], order[1:]):
+        _send(links, topo, *((a, b) if op == "broadcast" else (b, a)), nbytes)
+    d = Demand((n - 1) * _class_latency(group, topo, profile), links)
+    return _fitted(op, d, group, topo, profile, lambda: sent_bytes(op, group, topo, nbytes, root=root))
+
+
+def p2p_demand(src: int, dst: int, topo: Topology, profile, nbytes: int) -> Demand:
+    links: dict = {}
+    _send(links, topo, src, dst, nbytes)
+    return Demand(0.0 if src == dst else profile.latency(topo.link_class(src, dst)), links)
+
+
+# ---- closed forms (a collective alone on the cluster) --------------------------------------------
+def _alone(demands, topo, profile) -> float:
+    caps = link_capacities(profile, topo)
+    return sum(d.time(caps) for d in demands)
+
+
+def alltoall_time(matrix, topo: Topology, profile, group=None, hierarchical: bool = False) -> float:
+    group = list(range(topo.world_size)) if group is None else group
+    return _alone(alltoall_demands(matrix, group, topo, profile, hierarchical), topo, profile)
+
+
+def allreduce_time(nbytes, topo: Topology, profile, group=None) -> float:
+    group = list(range(topo.world_size)) if group is None else group
+    return _alone([ring_demand("all_reduce", group, topo, profile, nbytes)], topo, profile)
+
+
+def allgather_time(block_bytes, topo: Topology, profile, group=None) -> float:
+    group = list(range(topo.world_size)) if group is None else group
+    return _alone([ring_demand("all_gather", group, topo, profile, block_bytes)], topo, profile)
+
+
+def reduce_scatter_time(nbytes, topo: Topology, profile, group=None) -> float:
+    group = list(range(topo.world_size)) if group is None else group
+    return _alone([ring_demand("reduce_scatter", group, topo, profile, nbytes)], topo, profile)
+
+
+def broadcast_time(nbytes, topo: Topology, profile, root: int = 0, group=None, op: str = "broadcast") -> float:
+    group = list(range(topo.world_size)) if group is None else group
+    return _alone([broadcast_demand(group, root, topo, profile, nbytes, op)], topo, profile)
+
+
+def p2p_time(nbytes, src: int, dst: int, topo: Topology, profile) -> float:
+    return _alone([p2p_demand(src, dst, topo, profile, nbytes)], topo, profile)

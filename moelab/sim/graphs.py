@@ -1,0 +1,271 @@
+"""Op graphs of one training iteration, built from the same plan the runtime executes.
+
+The plan is (config, placement, loads): ``loads[layer][src][expert]`` token assignments per MoE
+layer, routed to expert holders by :meth:`Placement.split_counts` (the dispatcher's rule), with
+per-peer bytes = tokens x d_model x element bytes. Every collective op carries the record the
+runtime's communicator would write (``comm``), so :func:`graph_bytes` replays the shared byte rule
+and must equal the measured bytes exactly.
+
+Strategies register their own generators with :func:`register_graph`; :func:`iteration_graph`
+picks the one named by ``cfg.parallel.strategy``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from moelab.comm.bytes import by_link_class, peer_bytes
+from moelab.comm.topology import LINK_CLASSES, Topology
+from moelab.placement import Placement
+from moelab.sim import costs
+from moelab.sim.engine import OpGraph
+
+_GRAPHS: dict = {}
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def register_graph(strategy: str, fn: Optional[Callable] = None):
+    """Register ``fn(cfg, profile, loads, placement=None, **kw) -> OpGraph`` for a strategy (also a decorator)."""
+    def deco(f):
+        _GRAPHS[strategy] = f
+        return f
+
+    return deco(fn) if fn is not None else deco
+
+
+def get_graph(strategy: str) -> Callable:
+    try:
+        return _GRAPHS[strategy]
+    except KeyError:
+        raise KeyError(f"no simulator graph for strategy {strategy!r}; registered: {sorted(_GRAPHS)}") from None
+
+
+def iteration_graph(cfg, profile, loads, placement=None, **kw) -> OpGraph:
+    """The op graph of one iteration of ``cfg.parallel.strategy``."""
+    return get_graph(cfg.parallel.strategy)(cfg, profile, loads, placement, **kw)
+
+
+# ---- what the model is made of (one place each) -------------------------------------------------
+def moe_layer_ids(model) -> list:
+    """Layers holding an MoE FFN: all (moe_every=1) or the odd ones (moe_every=2)."""
+    return [i for i in range(model.n_layers) if i % model.moe_every == model.moe_every - 1]
+
+
+def dense_param_count(model) -> int:
+    """Non-expert parameters (data-parallel, all-reduced): the model's rule, in one place.
+
+    Embeddings vocab*d + seq_len*d (head tied); per layer attention 4d^2+4d and two LayerNorms 4d;
+    a dense layer's FFN 2*d*d_ff + d_ff + d, an MoE layer's gate d*E (no bias); final LayerNorm 2d.
+    """
+    d, f, E = model.d_model, model.d_ff, model.moe.num_experts
+    moe = set(moe_layer_ids(model))
+    n = model.vocab_size * d + model.seq_len * d + 2 * d
+    for i in range(model.n_layers):
+        n += 4 * d * d + 4 * d + 4 * d
+        n += d * E if i in moe else 2 * d * f + f + d
+    return n
+
+
+def expert_param_count(model) -> int:
+    """Parameters of one expert FFN (d -> d_ff -> d)."""
+    d, f = model.d_model, model.d_ff
+    return 2 * d * f + ((f + d) if model.moe.expert_bias else 0)
+
+
+def capacity(cfg) -> Optional[int]:
+    """Tokens per expert per source rank, ``max(ceil(k*cf*T/E), min_capacity)``; None when dropless."""
+    moe = cfg.model.moe
+    if moe.capacity_factor is None:
+        return None
+    T = cfg.train.batch_size * cfg.model.seq_len
+    return max(math.ceil(moe.top_k * moe.capacity_factor * T / moe.num_experts), moe.min_capacity)
+
+
+def elem_bytes_of(cfg) -> int:
+    return DTYPE_BYTES[cfg.train.dtype]
+
+
+def topology_of(cfg) -> Topology:
+    p = cfg.parallel
+    return Topology.from_config(p.nproc, p.topology.nodes, p.topology.ranks_per_node)
+
+
+def config_for_profile(cfg, profile, **overrides):
+    """``cfg`` resized to the profile's cluster (nproc, nodes, ranks per node)."""
+    o = {"parallel.nproc": profile.world_size, "parallel.topology.nodes": profile.nodes,
+         "parallel.topology.ranks_per_node": profile.gpus_per_node}
+    o.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return cfg.with_overrides(o)
+
+
+def route_matrix(placement: Placement, layer_loads) -> np.ndarray:
+    """``tokens[src, dst]`` for one layer: ``placement.split_counts`` summed over experts.
+
+    Trivial placements (one holder each, as EP) take a vectorised path that gives the same answer
+    (tested against split_counts) because 64 ranks x 24 layers of the Python rule cost seconds.
+    """
+    L = np.asarray(layer_loads, dtype=np.int64)
+    N = placement.world_size
+    if placement.is_trivial:
+        owner = np.fromiter((h[0] for h in placement.holders), dtype=np.int64, count=placement.num_experts)
+        onehot = np.zeros((placement.num_experts, N), dtype=np.int64)
+        onehot[np.arange(placement.num_experts), owner] = 1
+        return L @ onehot
+    out = np.zeros((N, N), dtype=np.int64)
+    for src in range(N):
+        out[src] = placement.split_counts(src, torch.from_numpy(L[src])).sum(0).numpy()
+    return out
+
+
+def synthetic_loads(cfg, seed: int = 0, skew: float = 1.0) -> np.ndarray:
+    """SYNTHETIC loads ``[moe_layer, src, expert]``: per layer a Zipf(skew) popularity over a random
+    expert order; each rank draws its tokens*top_k assignments multinomially. Label results as synthetic."""
+    m = cfg.model
+    E, N, k = m.moe.num_experts, cfg.parallel.nproc, m.moe.top_k
+    T = cfg.train.batch_size * m.seq_len
+    rng = np.random.default_rng(seed)
+    layers = moe_layer_ids(m)
+    out = np.zeros((len(layers), N, E), dtype=np.int64)
+    w = 1.0 / np.arange(1, E + 1) ** skew
+    for j in range(len(layers)):
+        p = np.empty(E)
+        p[rng.permutation(E)] = w / w.sum()
+        out[j] = rng.multinomial(T * k, p, size=N)
+    return out
+
+
+# ---- the expert-parallel baseline -----------------------------------------------------------------
+def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *,
+                       elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False) -> OpGraph:
+    """One training iteration of the EP baseline, every rank, every layer.
+
+    Forward per layer: attention; for an MoE layer gate, count exchange (all_gather of an int64
+    [E] vector), dispatch all-to-all, experts on received tokens, combine all-to-all (reverse);
+    else the dense FFN. Then the tied head. Backward mirrors it with 2x compute and the two
+    all-to-alls in reverse order. Last, one all_reduce of all dense grads (one bucket).
+    Topology = ``cfg``'s (the runtime's), bandwidths = ``profile``'s; ``elem_bytes`` defaults to
+    ``cfg.train.dtype`` so bytes equal the runtime's (pass 2 to price fp16 at paper scale).
+
+    With a capacity factor, loads are clipped to the capacity (a no-op on loads recorded after
+    dropping). The ``dense`` dispatcher (DeepSpeed style) sends capacity-padded equal splits, has
+    no count exchange, and its experts compute the padded buffers.
+    """
+    m, moe = cfg.model, cfg.model.moe
+    topo = topology_of(cfg)
+    N, E, k = topo.world_size, moe.num_experts, moe.top_k
+    placement = placement or Placement.expert_parallel(E, N)
+    eb = elem_bytes or elem_bytes_of(cfg)
+    d, f, s, V = m.d_model, m.d_ff, m.seq_len, m.vocab_size
+    T = cfg.train.batch_size * s
+    moe_ids = moe_layer_ids(m)
+    loads = np.asarray(loads, dtype=np.int64)
+    if loads.shape != (len(moe_ids), N, E):
+        raise ValueError(f"loads must be [moe_layers={len(moe_ids)}][ranks={N}][experts={E}], got {loads.shape}")
+    cap = capacity(cfg)
+    dense_dispatch = moe.dispatcher == "dense"
+    if cap is not None:
+        loads = np.minimum(loads, cap)
+    if dense_dispatch:
+        per_dst = np.array([len(placement.local_experts(r)) * cap for r in range(N)], dtype=np.int64)
+        routes = [np.tile(per_dst, (N, 1)) for _ in moe_ids]
+    else:
+        routes = [route_matrix(placement, loads[j]) for j in range(len(moe_ids))]
+
+    g = OpGraph(N, costs.link_capacities(profile, topo),
+                meta={"strategy": "ep", "profile": profile.name, "topology": topo.describe(), "elem_bytes": eb})
+    ranks = list(range(N))
+    ct = lambda flops: costs.compute_time(flops, profile)  # noqa: E731
+    t_attn, t_gate = ct(costs.attention_flops(T, d, s)), ct(costs.gate_flops(T, d, E))
+    t_ffn, t_head = ct(costs.ffn_flops(T, d, f)), ct(costs.head_flops(T, d, V))
+    act_attn = T * (6 * d + m.n_heads * s) * eb  # [estimate] LN, QKV, probs, context, output
+    act_ffn_per_tok = (d + 2 * f) * eb  # [estimate] input, pre- and post-activation hidden
+
+    n_dense = dense_param_count(m)
+    n_local = [len(placement.local_experts(r)) * expert_param_count(m) for r in ranks]
+    last = [g.add("init", r, category="other", kind="compute",
+                  alloc={"params": (n_dense + n_local[r]) * eb, "grads": (n_dense + n_local[r]) * eb,
+                         "optimizer": 2 * (n_dense + n_local[r]) * 4}) for r in ranks]
+
+    def a2a(name, tokens, deps, category, layer, phase):
+        mat = tokens * d * eb
+        return g.transfer(name, ranks, costs.alltoall_demands(mat, ranks, topo, profile, hierarchical_a2a),
+                          deps=deps, category=category, layer=layer, phase=phase,
+                          comm={"op": "all_to_all", "group": ranks, "splits": mat})
+
+    # forward
+    for i in range(m.n_layers):
+        last = [g.compute(r, f"L{i}.attn.fwd", t_attn, deps=(last[r],), category="attention", layer=i,
+                          phase="fwd", alloc={"activations": act_attn}) for r in ranks]
+        if i in moe_ids:
+            j = moe_ids.index(i)
+            recv = routes[j].sum(0)
+            gates = [g.compute(r, f"L{i}.gate.fwd", t_gate, deps=(last[r],), category="gate", layer=i,
+                               phase="fwd", alloc={"activations": T * (E + k * d) * eb}) for r in ranks]
+            if dense_dispatch:
+                pre = gates
+            else:
+                pre = (g.transfer(f"L{i}.counts", ranks,
+                                  [costs.ring_demand("all_gather", ranks, topo, profile, 8 * E)],
+                                  deps=gates, category="count_exchange", layer=i, phase="fwd",
+                                  comm={"op": "all_gather", "group": ranks, "nbytes": 8 * E}),)
+            disp = a2a(f"L{i}.dispatch", routes[j], pre, "a2a", i, "fwd")
+            exps = [g.compute(r, f"L{i}.experts.fwd", ct(costs.ffn_flops(int(recv[r]), d, f)), deps=(disp,),
+                              category="expert", layer=i, phase="fwd",
+                              alloc={"activations": int(recv[r]) * act_ffn_per_tok}) for r in ranks]
+            comb = a2a(f"L{i}.combine", routes[j].T, exps, "a2a", i, "fwd")
+            last = [comb] * N
+        else:
+            last = [g.compute(r, f"L{i}.ffn.fwd", t_ffn, deps=(last[r],), category="ffn", layer=i, phase="fwd",
+                              alloc={"activations": T * act_ffn_per_tok}) for r in ranks]
+    last = [g.compute(r, "head.fwd", t_head, deps=(last[r],), category="head", phase="fwd",
+                      alloc={"activations": T * V * eb}) for r in ranks]
+    last = [g.compute(r, "head.bwd", 2 * t_head, deps=(last[r],), category="head", phase="bwd",
+                      free={"activations": T * V * eb}) for r in ranks]
+    # backward
+    for i in reversed(range(m.n_layers)):
+        if i in moe_ids:
+            j = moe_ids.index(i)
+            recv = routes[j].sum(0)
+            comb_b = a2a(f"L{i}.combine.bwd", routes[j], last, "a2a", i, "bwd")
+            exps = [g.compute(r, f"L{i}.experts.bwd", 2 * ct(costs.ffn_flops(int(recv[r]), d, f)), deps=(comb_b,),
+                              category="expert", layer=i, phase="bwd",
+                              free={"activations": int(recv[r]) * act_ffn_per_tok}) for r in ranks]
+            disp_b = a2a(f"L{i}.dispatch.bwd", routes[j].T, exps, "a2a", i, "bwd")
+            last = [g.compute(r, f"L{i}.gate.bwd", 2 * t_gate, deps=(disp_b,), category="gate", layer=i,
+                              phase="bwd", free={"activations": T * (E + k * d) * eb}) for r in ranks]
+        else:
+            last = [g.compute(r, f"L{i}.ffn.bwd", 2 * t_ffn, deps=(last[r],), category="ffn", layer=i,
+                              phase="bwd", free={"activations": T * act_ffn_per_tok}) for r in ranks]
+        last = [g.compute(r, f"L{i}.attn.bwd", 2 * t_attn, deps=(last[r],), category="attention", layer=i,
+                          phase="bwd", free={"activations": act_attn}) for r in ranks]
+    grad_bytes = n_dense * eb
+    g.transfer("dense_grads.allreduce", ranks, [costs.ring_demand("all_reduce", ranks, topo, profile, grad_bytes)],
+               deps=last, category="allreduce", phase="sync",
+               comm={"op": "all_reduce", "group": ranks, "nbytes": grad_bytes})
+    return g
+
+
+register_graph("ep", ep_iteration_graph)
+
+
+def graph_bytes(graph: OpGraph, topo: Topology, categories=None) -> dict:
+    """Per rank ``{local, intra, inter}`` bytes sent, replaying every op's ``comm`` record through
+    :func:`moelab.comm.bytes.peer_bytes` / ``by_link_class``, exactly as the runtime records them."""
+    out = {r: dict.fromkeys(LINK_CLASSES, 0) for r in range(graph.world_size)}
+    for op in graph.ops:
+        c = op.comm
+        if c is None or (categories is not None and op.category not in categories):
+            continue
+        group = list(c["group"])
+        splits = c.get("splits")
+        for i, me in enumerate(group):
+            row = None if splits is None else [int(x) for x in np.asarray(splits)[i]]
+            per = peer_bytes(c["op"], group, me, int(c.get("nbytes", 0)), splits=row, root=c.get("root"),
+                             peer=c.get("peer"))
+            for cls, b in by_link_class(topo, me, per).items():
+                out[me][cls] += b
+    return out
