@@ -73,6 +73,7 @@ class ParallelConfig:
     nproc: int = 2  # ranks (processes)
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
     strategy: str = "ep"  # registered strategy name
+    strategy_options: dict = field(default_factory=dict)  # options of that strategy (it validates them)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     # expert -> [owner, replica, ...] ; None means plain expert parallelism
     placement: Optional[dict] = None
@@ -257,7 +258,7 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
             else:
                 raise ConfigError(f"unknown config key {key!r} (no section {p!r})")
         cur = cur[p]
-    if parts[-1] not in cur and not (len(parts) >= 2 and parts[-2] == "placement"):
+    if parts[-1] not in cur and not (len(parts) >= 2 and parts[-2] in ("placement", "strategy_options")):
         raise ConfigError(f"unknown config key {key!r}")
     cur[parts[-1]] = parse_value(value)
 

@@ -57,7 +57,11 @@ class Trainer:
         rank = dist.get_rank() if dist.is_initialized() else 0
         comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank))
         dtype = DTYPES[cfg.train.dtype]
-        model = MoETransformer(cfg.model, seed=cfg.train.seed, comm=comm, placement=placement_for(cfg, world), dtype=dtype)
+        from moelab.strategies import get_strategy
+
+        factory = get_strategy(cfg.parallel.strategy)
+        model = MoETransformer(cfg.model, seed=cfg.train.seed, comm=comm, placement=placement_for(cfg, world),
+                               dtype=dtype, moe_layer_cls=factory(cfg) if factory else None)
         device = device or torch.device("cpu")
         model.to(device)
         opt = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)

@@ -1,11 +1,18 @@
-"""Strategy registry: a strategy is a name -> a factory of the MoE layer's overridable stages.
+"""Strategy registry: a strategy name -> a factory ``f(run_cfg) -> MoE layer class``.
 
-Papers' systems register here (``register``); the config validator and the launcher ask
-``known_strategies()`` so an unknown name fails before any process starts.
+The returned class takes :class:`moelab.moe.layer.MoELayer`'s constructor arguments (usually a
+subclass overriding only the stage it changes, bound to its options from
+``cfg.parallel.strategy_options`` with ``functools.partial``). ``ep`` is the baseline itself.
+Built-in strategies live in submodules imported on first use, so the validator and the launcher
+can ask ``known_strategies()`` before any process starts without importing everything.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 _REGISTRY: dict = {}
+_BUILTIN = {"fastermoe": "moelab.strategies.fastermoe"}  # name -> module that registers it
 
 
 def register(name: str, factory=None):
@@ -17,12 +24,19 @@ def register(name: str, factory=None):
 
 
 def known_strategies() -> set:
-    return {"ep", *_REGISTRY}
+    found = {"ep", *_REGISTRY}
+    for name, mod in _BUILTIN.items():
+        if importlib.util.find_spec(mod) is not None:
+            found.add(name)
+    return found
 
 
 def get_strategy(name: str):
+    """The layer-class factory of ``name`` (None for the plain EP baseline)."""
     if name == "ep":
         return None
+    if name not in _REGISTRY and name in _BUILTIN:
+        importlib.import_module(_BUILTIN[name])
     try:
         return _REGISTRY[name]
     except KeyError:
