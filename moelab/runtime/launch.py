@@ -1,0 +1,387 @@
+"""Launch a real multi-process run: validate, start torchrun, show progress, supervise, store.
+
+On one machine ``launch(cfg, nproc=4)`` validates the config (a ConfigError leaves no trace),
+writes it to ``runs/.tmp-<id>-<pid>/config.json`` and starts, in a session of its own::
+
+    python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 4 --max-restarts 0 \\
+        -m moelab.runtime.launch <worker> --config <tmp>/config.json --out <tmp>
+
+``--standalone`` lets torchrun's c10d store bind a free port itself, so two runs never race for
+a port. ``python -m moelab.runtime.launch`` is the per-rank entry: it runs the worker module
+unchanged and adds what supervision needs, because torchrun alone cannot provide it:
+
+- torchrun starts every rank in a session of its own, so killing torchrun's process group misses
+  them: each rank records its pid, and dies with torchrun (Linux ``PR_SET_PDEATHSIG``);
+- when one rank raises, the others then fail inside their collectives; torchrun's error files
+  have one-second timestamps and need the worker to use ``@record``, so each rank records its
+  exception with a precise time, and the earliest one names the rank that really failed (a rank
+  that dies without an exception, by a signal, is found in torchrun's failure report instead);
+- each rank's stderr goes to ``logs/rank{r}.stderr`` (kept in the run folder), and SIGUSR1
+  dumps every thread's stack there, which is what a timeout reports.
+
+Success: ``summary.json`` is written last and the temp folder is renamed to ``runs/<run_id>/``.
+Failure, timeout or Ctrl-C: every process is killed (SIGTERM, then SIGKILL), the temp folder is
+deleted, and :class:`RunFailed` (or :class:`RunTimeout`) names the rank and its traceback tail.
+
+On a cluster the worker is an ordinary torchrun program; on each node run::
+
+    torchrun --nnodes 2 --node-rank <k> --nproc-per-node 4 --rdzv-backend c10d \\
+        --rdzv-endpoint <node0>:29500 -m moelab.runtime.worker --config cfg.json --out runs/<id>
+
+with ``cfg.json`` from ``resolve_config(...).to_dict()``, then ``summarize`` on node 0's folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from moelab.config import RunConfig
+from moelab.runtime.progress import Progress, parse_progress
+from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text, summarize
+
+DEFAULT_WORKER = "moelab.runtime.worker"
+TAIL_LINES = 25  # lines of a traceback shown in a RunFailed message
+_ENTRY = "moelab.runtime.launch"
+_SIDE_ENV = "MOELAB_LAUNCH_SIDE"  # the per-rank entry writes pids and failure records here
+_GRACE_S = 3.0  # SIGTERM -> SIGKILL
+
+
+class RunFailed(RuntimeError):
+    """A run that did not complete; ``rank`` is the rank that failed first (None if unknown)."""
+
+    def __init__(self, run_id: str, rank: int | None, traceback_tail: str, what: str = ""):
+        self.run_id, self.rank, self.traceback_tail = run_id, rank, traceback_tail
+        what = what or (f"failed on rank {rank}" if rank is not None else "failed")
+        super().__init__(f"run {run_id} {what}:\n{traceback_tail}")
+
+
+class RunTimeout(RunFailed):
+    """The run exceeded its timeout and was killed; ``traceback_tail`` holds each rank's stack."""
+
+
+# ---- the launcher ------------------------------------------------------------------------------
+def resolve_config(config, nproc: int | None = None, overrides: dict | None = None, **kw) -> RunConfig:
+    """RunConfig / dict / YAML path + dotted overrides + nproc -> a validated RunConfig."""
+    if isinstance(config, RunConfig):
+        cfg = config
+    elif isinstance(config, dict):
+        cfg = RunConfig.from_dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        cfg = RunConfig.load(config)
+    else:
+        raise TypeError(f"config must be a RunConfig, a dict or a YAML path, got {type(config).__name__}")
+    items = dict(overrides or {})
+    items.update({k.replace("__", "."): v for k, v in kw.items()})
+    if nproc is not None:
+        items["parallel.nproc"] = nproc
+    return cfg.with_overrides(items).validate()
+
+
+def launch(config, nproc: int | None = None, *, overrides: dict | None = None, out_root="runs",
+           timeout: float | None = None, progress: bool = True, worker: str = DEFAULT_WORKER,
+           reuse: bool = False, **kw_overrides) -> RunResult:
+    """Run ``config`` on ``nproc`` local ranks and return the stored run.
+
+    ``overrides`` (``{"model.moe.top_k": 1}``) and keyword overrides (``train__iters=5``) are
+    applied before validation. ``timeout`` defaults to ``train.timeout_s``. ``reuse=True``
+    returns an existing completed run with the same id without running anything.
+    """
+    cfg = resolve_config(config, nproc, overrides, **kw_overrides)
+    run_id = cfg.run_id()
+    final = Path(out_root) / run_id
+    if reuse and (final / "summary.json").is_file():
+        return RunResult(final)
+    tmp = (Path(out_root) / f".tmp-{run_id}-{os.getpid()}").resolve()
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier, killed launcher with our pid
+    side = tmp / ".launch"
+    side.mkdir(parents=True)
+    try:
+        atomic_write_json(tmp / "config.json", cfg.to_dict())
+        wall = _run(cfg, run_id, tmp, side, worker, cfg.train.timeout_s if timeout is None else timeout,
+                    progress)
+        shutil.rmtree(side)
+        atomic_write_json(tmp / "summary.json", summarize(tmp, cfg, wall, worker))
+        _swap_in(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a success
+    return RunResult(final)
+
+
+def torchrun_command(nproc: int, worker: str, config_path: Path, out_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc-per-node", str(nproc), "--max-restarts", "0",
+            "-m", _ENTRY, worker, "--config", str(config_path), "--out", str(out_dir)]
+
+
+def _run(cfg: RunConfig, run_id: str, tmp: Path, side: Path, worker: str, timeout: float,
+         show: bool) -> float:
+    """Start torchrun, stream rank 0's progress, enforce the deadline; return the wall time."""
+    logs = tmp / "logs"
+    logs.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.train.threads_per_rank),
+           "PYTHONUNBUFFERED": "1", _SIDE_ENV: str(side)}
+    bar = Progress(f"{cfg.paper}/{cfg.name} x{cfg.parallel.nproc}", enabled=show)
+    start = time.monotonic()
+    deadline = start + timeout
+    with open(logs / "torchrun.stderr", "wb") as err, open(logs / "stdout.log", "w") as out:
+        proc = subprocess.Popen(torchrun_command(cfg.parallel.nproc, worker, tmp / "config.json", tmp),
+                                stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1,
+                                start_new_session=True)
+        try:
+            finished = _pump(_lines(proc.stdout), deadline, bar, out)
+            rc = proc.wait(timeout=max(deadline - time.monotonic(), 0)) if finished else None
+        except subprocess.TimeoutExpired:
+            rc = None
+        except BaseException:  # Ctrl-C in a notebook: leave nothing running
+            _kill(proc, side)
+            raise
+        finally:
+            bar.close()
+        if rc == 0:
+            return time.monotonic() - start
+        if rc is None:
+            _dump_stacks(side)
+            _kill(proc, side)
+            raise _timeout(run_id, timeout, logs, side)
+        _kill(proc, side)  # torchrun stopped the ranks already; make sure
+        raise _failure(run_id, rc, logs, side)
+
+
+def _lines(stream) -> queue.Queue:
+    """Read a pipe on a thread, so the main loop can watch the clock; None marks the end."""
+    q: queue.Queue = queue.Queue()
+
+    def read():
+        with stream:
+            for line in stream:
+                q.put(line)
+        q.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return q
+
+
+def _pump(lines: queue.Queue, deadline: float, bar: Progress, out) -> bool:
+    """Feed stdout to the bar and the log until it closes (True) or the deadline passes (False)."""
+    while True:
+        try:
+            line = lines.get(timeout=max(min(0.2, deadline - time.monotonic()), 0.001))
+        except queue.Empty:
+            if time.monotonic() >= deadline:
+                return False
+            continue
+        if line is None:
+            return True
+        out.write(line)
+        rec = parse_progress(line)
+        if rec is not None:
+            bar.update(rec)
+        else:
+            bar.write(line.rstrip("\n"))
+
+
+def _rank_pids(side: Path) -> list[int]:
+    return [int(p.read_text()) for p in side.glob("pid_rank*")]
+
+
+def _signal_groups(groups: list[int], sig: int) -> None:
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _kill(proc: subprocess.Popen, side: Path) -> None:
+    """SIGTERM torchrun's group and every rank's group, then SIGKILL what is left, and wait."""
+    groups = [proc.pid, *_rank_pids(side)]
+    _signal_groups(groups, signal.SIGTERM)
+    try:
+        proc.wait(timeout=_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    groups += _rank_pids(side)  # a rank may have started meanwhile
+    _signal_groups(groups, signal.SIGKILL)
+    proc.wait()
+    end = time.monotonic() + _GRACE_S
+    while any(_alive(pid) for pid in groups[1:]) and time.monotonic() < end:
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (dead, waiting for its reaper) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _dump_stacks(side: Path) -> None:
+    for pid in _rank_pids(side):
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.5)
+
+
+def _tail(text: str, n: int = TAIL_LINES) -> str:
+    return "\n".join(text.rstrip().splitlines()[-n:])
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def _stacks(logs: Path) -> str:
+    """Each rank's faulthandler dump (innermost frame first), without the launcher's own frames."""
+    parts = []
+    for p in sorted(logs.glob("rank*.stderr"), key=lambda p: int(p.stem[4:])):
+        text = _read(p)
+        m = re.search(r"^(Current thread|Thread) 0x", text, re.M)
+        if m:
+            lines = [ln for ln in text[m.start():].splitlines() if "runpy" not in ln and __file__ not in ln]
+        else:  # the rank never got going: show how far it got
+            lines = text.splitlines()[-TAIL_LINES:]
+        parts.append(f"--- {p.stem} ---\n" + "\n".join(lines[:TAIL_LINES]))
+    return "\n".join(parts) or _tail(_read(logs / "torchrun.stderr"))
+
+
+def _records(side: Path) -> dict:
+    """Each rank's recorded exception (rank -> {rank, time, traceback})."""
+    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in side.glob("failure_rank*.json"))}
+
+
+def _failure(run_id: str, rc: int, logs: Path, side: Path) -> RunFailed:
+    """Name the rank that failed first.
+
+    Once one rank is gone the others fail inside their collectives, so the earliest recorded
+    exception wins. A rank that died without one (a signal, ``os._exit``) records nothing; torchrun,
+    which watches every exit, lists it, and it is blamed first.
+    """
+    records = _records(side)
+    text = _read(logs / "torchrun.stderr")
+    crashed = _crashed(text, records)
+    if crashed is not None:
+        rank, code = crashed
+        how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+        return RunFailed(run_id, rank, _tail(_read(logs / f"rank{rank}.stderr") or text),
+                         f"failed on rank {rank} ({how}, no Python exception)")
+    if records:
+        first = min(records.values(), key=lambda r: r["time"])
+        return RunFailed(run_id, first["rank"], _tail(first["traceback"]))
+    return RunFailed(run_id, None, _tail(text), f"failed (torchrun exit code {rc})")
+
+
+def _crashed(torchrun_stderr: str, records: dict) -> tuple[int, int] | None:
+    """(rank, exit code) of a rank in torchrun's failure report that died without a recorded
+    exception and not by torchrun's own SIGTERM; torchrun's root cause first."""
+    root = torchrun_stderr.find("Root Cause")
+    found = []
+    for m in re.finditer(r"rank\s*:\s*(\d+)\s*\(local_rank.*?exitcode\s*:\s*(-?\d+)", torchrun_stderr, re.S):
+        rank, code = int(m[1]), int(m[2])
+        if rank not in records and code != -signal.SIGTERM:
+            found.append((0 <= root < m.start(), rank, code))
+    return max(found, key=lambda f: f[0])[1:] if found else None
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _timeout(run_id: str, timeout: float, logs: Path, side: Path) -> RunTimeout:
+    """Every rank's stack at the timeout, after the first exception if a rank raised before the hang."""
+    first = min(_records(side).values(), key=lambda r: r["time"], default=None)
+    what = f"timed out after {timeout:g}s and was killed"
+    if first is None:
+        return RunTimeout(run_id, None, _stacks(logs), what + "; each rank's stack at the timeout")
+    return RunTimeout(run_id, first["rank"], _tail(first["traceback"]) + "\n" + _stacks(logs),
+                      what + f" after rank {first['rank']} raised")
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Rename the finished folder into place; an older run with the same id is replaced whole."""
+    old = final.with_name(f".old-{final.name}-{os.getpid()}") if final.exists() else None
+    if old is not None:
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if old is not None:
+            os.replace(old, final)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- the per-rank entry (python -m moelab.runtime.launch <worker> args...) ----------------------
+def _rank_main(argv: list[str]) -> None:
+    """Run the worker module as ``__main__`` with the launcher's hooks (see the module docstring)."""
+    import faulthandler
+    import runpy
+
+    worker, args = argv[0], argv[1:]
+    rank = int(os.environ.get("RANK", "0"))
+    side = Path(os.environ[_SIDE_ENV]) if os.environ.get(_SIDE_ENV) else None
+    if side is not None:
+        _die_with_parent()
+        atomic_write_text(side / f"pid_rank{rank}", str(os.getpid()))
+        err = open(side.parent / "logs" / f"rank{rank}.stderr", "w", buffering=1)
+        os.dup2(err.fileno(), 2)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    sys.argv = [worker, *args]
+    try:
+        runpy.run_module(worker, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            _record_failure(side, rank, e)
+        raise
+    except BaseException as e:
+        _record_failure(side, rank, e)
+        raise
+
+
+def _record_failure(side: Path | None, rank: int, exc: BaseException) -> None:
+    """Write the rank's traceback, without this entry's and runpy's frames, with a precise time."""
+    import traceback
+
+    if side is None:
+        return
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or "runpy" in tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    atomic_write_json(side / f"failure_rank{rank}.json", {"rank": rank, "time": time.time(), "traceback": text})
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when torchrun dies, so a killed launch leaves no orphans."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])
