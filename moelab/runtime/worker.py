@@ -1,4 +1,10 @@
-"""torchrun entry point of one rank: ``python -m moelab.runtime.worker --config C.json --out DIR``.
+"""torchrun entry point of one rank: ``python -m moelab.runtime.worker --config C --out DIR [--set k=v]``.
+
+``C`` is a resolved JSON config (what the launcher writes) or an experiment YAML; ``--set``
+applies dotted overrides. On a GPU cluster this is the whole entry point: on every node run
+``torchrun --nnodes N --node-rank K --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT
+-m moelab.runtime.worker --config experiments/core/quickstart.yaml --set parallel.nproc=N*G
+--set parallel.topology.nodes=N --out runs/NAME``.
 
 Joins the process group from torchrun's environment (NCCL when CUDA is there and the backend is
 ``auto``, else gloo), trains, writes its outputs into ``--out`` and prints progress lines from rank
@@ -29,9 +35,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted config override")
     args = ap.parse_args(argv)
-    with open(args.config) as f:
-        cfg = RunConfig.from_dict(json.load(f)).validate()
+    if args.config.endswith(".json"):
+        with open(args.config) as f:
+            cfg = RunConfig.from_dict(json.load(f))
+    else:
+        cfg = RunConfig.load(args.config)
+    cfg = cfg.with_overrides(dict(kv.split("=", 1) for kv in args.set)).validate()
     torch.set_num_threads(cfg.train.threads_per_rank)
     backend = choose_backend(cfg.parallel.backend)
     device = torch.device("cpu")
