@@ -81,18 +81,22 @@ class SparseDispatcher:
         send_pos = pos_sorted[torch.argsort(key, stable=True)]
         in_rows = torch.bincount(dest, minlength=N).tolist()
 
-        recv_counts = torch.zeros(N, len(self.local), dtype=torch.int64)
         local_idx = torch.tensor(self.local, dtype=torch.int64)
-        for j in range(N):
-            if len(self.local):
-                recv_counts[j] = pl.split_counts(j, C[j])[local_idx, me]
+        if pl.is_trivial:  # plain EP: every source sends all its tokens for my experts to me
+            recv_counts = C.cpu()[:, local_idx]
+        else:
+            recv_counts = torch.zeros(N, len(self.local), dtype=torch.int64)
+            for j in range(N):
+                if len(self.local):
+                    recv_counts[j] = pl.split_counts(j, C[j])[local_idx, me]
         return DispatchPlan(C, in_rows, recv_counts.sum(1).tolist(), recv_counts.sum(0).tolist(),
                             send_pos=send_pos, recv_perm=block_permutation(recv_counts), recv_counts=recv_counts)
 
     def dispatch(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
         k = routing.idx.shape[1]
-        recv = self.comm.all_to_all(x[(plan.send_pos // k).to(x.device)], plan.out_rows, plan.in_rows)
-        return recv[plan.recv_perm.to(x.device)]
+        # index_select, not x[idx]: its backward is a plain index_add, not an accumulating index_put
+        recv = self.comm.all_to_all(x.index_select(0, (plan.send_pos // k).to(x.device)), plan.out_rows, plan.in_rows)
+        return recv.index_select(0, plan.recv_perm.to(x.device))
 
     def combine(self, y: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
         T, k = routing.idx.shape

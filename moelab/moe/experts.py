@@ -57,22 +57,29 @@ class Experts(nn.Module):
         for p in self.parameters():
             p.moelab_expert = True
 
+    def _unbound(self):
+        """Per-slot views made by one ``unbind`` per parameter: indexing ``w1[s]`` per slot would make
+        each slot's backward write a gradient the size of the whole stack (cost ~ slots^2)."""
+        return [p.unbind(0) if p is not None else None for p in (self.w1, self.b1, self.w2, self.b2)]
+
+    @staticmethod
+    def _ffn(act, x, w1, b1, w2, b2):
+        h = x @ w1 if b1 is None else torch.addmm(b1, x, w1)
+        return act(h) @ w2 if b2 is None else torch.addmm(b2, act(h), w2)
+
     def forward_slot(self, s: int, x: torch.Tensor) -> torch.Tensor:
-        h = x @ self.w1[s]
-        if self.b1 is not None:
-            h = h + self.b1[s]
-        y = self.act(h) @ self.w2[s]
-        if self.b2 is not None:
-            y = y + self.b2[s]
-        return y
+        p = [q[s] if q is not None else None for q in (self.w1, self.b1, self.w2, self.b2)]
+        return self._ffn(self.act, x, *p)
 
     def forward(self, x: torch.Tensor, rows_per_slot: Sequence[int]) -> torch.Tensor:
         """``x`` holds slot 0's rows, then slot 1's, ...; returns the outputs in the same layout."""
         outs, start = [], 0
+        w1, b1, w2, b2 = self._unbound()
         for s, n in enumerate(rows_per_slot):
             n = int(n)
             if n:
-                outs.append(self.forward_slot(s, x[start:start + n]))
+                outs.append(self._ffn(self.act, x[start:start + n], w1[s], b1[s] if b1 is not None else None,
+                                      w2[s], b2[s] if b2 is not None else None))
             start += n
         if not outs:  # keep the graph connected: every rank must run the same backward collectives
             return x * 1

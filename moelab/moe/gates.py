@@ -16,6 +16,7 @@ z-loss ``mean(logsumexp(logits)^2)``, each times its coefficient.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,7 +41,8 @@ class Routing:
 def capacity_for(num_tokens: int, num_experts: int, k: int, cf: Optional[float], min_capacity: int = 0) -> Optional[int]:
     if cf is None:
         return None
-    return max(int(math.ceil(k * cf * num_tokens / num_experts)), int(min_capacity))
+    exact = Fraction(k * num_tokens, num_experts) * Fraction(str(cf))  # exact decimal cf: no float round-up
+    return max(math.ceil(exact), int(min_capacity))
 
 
 def capacity_locations(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
