@@ -104,13 +104,17 @@ def use_fake_worker(monkeypatch) -> str:
 
 
 def leftover_processes(marker: str) -> list:
-    """Live children of this process, and any process whose command line mentions ``marker``."""
+    """Live children of this process, and any process whose command line mentions ``marker``.
+
+    The interpreter's own helpers (multiprocessing's resource tracker / forkserver, started by
+    earlier spawn-based tests in the same session) are not run processes and are ignored."""
     import psutil
 
     found = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE:
+            cmd = " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and "multiprocessing." not in cmd:
                 found.append(p)
         except psutil.NoSuchProcess:
             pass
