@@ -1,4 +1,4 @@
-"""``moelab`` command line: run a config on local ranks, list stored runs.
+"""``moelab`` command line: run a config on local ranks, list stored runs, reproduce notebooks.
 
 Exit codes: 0 success (``run`` prints the run folder), 1 a rank failed or the run timed out
 (the rank and its traceback tail go to stderr), 2 an invalid config or command line.
@@ -29,7 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     runs = sub.add_parser("runs", help="list completed runs")
     runs.add_argument("--root", default="runs", help="results root (default: runs)")
 
+    from moelab import reproduce  # light: papermill is imported only when notebooks run
+
+    rep = sub.add_parser("reproduce", help="execute notebooks at a scale with papermill and write an HTML report")
+    reproduce.add_arguments(rep)
+
     args = ap.parse_args(argv)
+    if args.cmd == "reproduce":
+        return reproduce.main(args)
     return _run(ap, args) if args.cmd == "run" else _runs(args)
 
 
