@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from moelab.comm.topology import LINK_CLASSES, Topology
 
-OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "send", "recv")
+OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "send", "p2p", "recv")
 
 
 def peer_bytes(op: str, group: Sequence[int], me: int, nbytes: int = 0,
@@ -47,7 +47,7 @@ def peer_bytes(op: str, group: Sequence[int], me: int, nbytes: int = 0,
     elif op == "reduce":
         if me != root or n == 1:
             out[root] = int(nbytes)
-    elif op == "send":
+    elif op in ("send", "p2p"):  # p2p: what Communicator.exchange records
         out[peer] = int(nbytes)
     elif op == "recv":
         pass

@@ -147,7 +147,7 @@ class Communicator:
     def _record(self, op: str, group: str, t0: float, per_peer: dict, recv_per_peer: Optional[dict] = None):
         sent = by_link_class(self.topo, self.rank, per_peer)
         emulated = 0.0
-        if self.emulation is not None:
+        if self.emulation is not None and self.rec.enabled:  # unrecorded (metric) traffic is not emulated
             recv = by_link_class(self.topo, self.rank, recv_per_peer) if recv_per_peer is not None else sent
             target = self.emulated_time(sent, recv)
             emulated = target - (time.time() - t0)

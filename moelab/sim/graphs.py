@@ -205,13 +205,11 @@ def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = Non
             recv = routes[j].sum(0)
             gates = [g.compute(r, f"L{i}.gate.fwd", t_gate, deps=(last[r],), category="gate", layer=i,
                                phase="fwd", alloc={"activations": T * (E + k * d) * eb}) for r in ranks]
-            if dense_dispatch:
-                pre = gates
-            else:
-                pre = (g.transfer(f"L{i}.counts", ranks,
-                                  [costs.ring_demand("all_gather", ranks, topo, profile, 8 * E)],
-                                  deps=gates, category="count_exchange", layer=i, phase="fwd",
-                                  comm={"op": "all_gather", "group": ranks, "nbytes": 8 * E}),)
+            # count exchange: int64 counts per expert (the dense dispatcher adds its capacity)
+            nb = 8 * (E + 1) if dense_dispatch else 8 * E
+            pre = (g.transfer(f"L{i}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile, nb)],
+                              deps=gates, category="count_exchange", layer=i, phase="fwd",
+                              comm={"op": "all_gather", "group": ranks, "nbytes": nb}),)
             disp = a2a(f"L{i}.dispatch", routes[j], pre, "a2a", i, "fwd")
             exps = [g.compute(r, f"L{i}.experts.fwd", ct(costs.ffn_flops(int(recv[r]), d, f)), deps=(disp,),
                               category="expert", layer=i, phase="fwd",
@@ -243,9 +241,25 @@ def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = Non
         last = [g.compute(r, f"L{i}.attn.bwd", 2 * t_attn, deps=(last[r],), category="attention", layer=i,
                           phase="bwd", free={"activations": act_attn}) for r in ranks]
     grad_bytes = n_dense * eb
-    g.transfer("dense_grads.allreduce", ranks, [costs.ring_demand("all_reduce", ranks, topo, profile, grad_bytes)],
-               deps=last, category="allreduce", phase="sync",
-               comm={"op": "all_reduce", "group": ranks, "nbytes": grad_bytes})
+    prev = (g.transfer("dense_grads.allreduce", ranks, [costs.ring_demand("all_reduce", ranks, topo, profile, grad_bytes)],
+                       deps=last, category="allreduce", phase="sync",
+                       comm={"op": "all_reduce", "group": ranks, "nbytes": grad_bytes}),)
+    # replica grad sync (moelab.moe.sync): per MoE layer, per replicated expert in id order, each
+    # replica sends its grad to the owner, then the owner sends the sum back
+    p_bytes = expert_param_count(m) * eb
+    for i in moe_ids:
+        for e, holders in enumerate(placement.holders):
+            owner = holders[0]
+
+            def send(src, dst, deps, what):
+                return g.transfer(f"L{i}.e{e}.{what}.{src}->{dst}", [src, dst],
+                                  [costs.p2p_demand(src, dst, topo, profile, p_bytes)], deps=deps,
+                                  category="replica_sync", layer=i, phase="sync",
+                                  comm={"op": "p2p", "group": [src], "peer": dst, "nbytes": p_bytes})
+
+            if len(holders) > 1:
+                ups = tuple(send(r, owner, prev, "grad_to_owner") for r in holders[1:])
+                prev = tuple(send(owner, r, ups, "sum_to_replica") for r in holders[1:])
     return g
 
 
