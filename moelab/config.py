@@ -159,6 +159,15 @@ class RunConfig:
 
         if p.strategy not in known_strategies():
             errs.append(f"parallel.strategy {p.strategy!r} is unknown; known: {sorted(known_strategies())}")
+        elif p.strategy == "ep" and p.strategy_options:
+            errs.append(f"parallel.strategy 'ep' takes no strategy_options, got {sorted(p.strategy_options)}")
+        elif p.strategy != "ep" and not errs:
+            from moelab.strategies import get_strategy
+
+            try:  # the strategy binds and checks its own options
+                get_strategy(p.strategy)(self)
+            except Exception as e:  # noqa: BLE001 - any complaint becomes a clear config error
+                errs.append(f"parallel.strategy_options for {p.strategy!r}: {e}")
         if moe.num_experts < 1:
             errs.append(f"model.moe.num_experts must be >= 1, got {moe.num_experts}")
         elif p.nproc >= 1 and p.placement is None and moe.num_experts % p.nproc != 0:

@@ -26,6 +26,7 @@ from moelab.testing import run_ranks
     ({"model.moe.top_k": 3}, "top_k must be 1 or 2"),
     ({"parallel.placement": {0: [0, 5]}}, "parallel.placement"),
     ({"train.fault_rank": 7}, "fault_rank=7"),
+    ({"parallel.strategy_options": {"shadow": True}}, "'ep' takes no strategy_options"),
 ])
 def test_invalid_configs_fail_clearly(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
