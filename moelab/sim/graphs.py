@@ -38,6 +38,13 @@ def register_graph(strategy: str, fn: Optional[Callable] = None):
 
 
 def get_graph(strategy: str) -> Callable:
+    if strategy not in _GRAPHS:  # built-in strategies register their graph when first imported
+        from moelab.strategies import get_strategy
+
+        try:
+            get_strategy(strategy)
+        except KeyError:
+            pass
     try:
         return _GRAPHS[strategy]
     except KeyError:

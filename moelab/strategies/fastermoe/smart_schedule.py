@@ -1,0 +1,311 @@
+"""Smart fine-grained schedule (FasterMoE §4.2, spec §2.5) on torch.distributed/gloo.
+
+The dispatch all-to-all, the expert compute and the combine all-to-all of one MoE layer become
+``G = N / Gs`` group-wise pairwise steps (plan: :mod:`.schedule`), pipelined on two "streams":
+
+- **comm stream**: one Python thread per rank with an in-order task queue (:class:`CommStream`);
+  every message of the pipeline - and, with shadowing, the parameter broadcasts and gradient
+  reduces - is issued from it, in the same order on every rank:
+  forward ``S_0 .. S_{G-1}, bcast(S), R_0 .. R_{G-1}``; backward ``S_0 .. S_{G-1}, reduce(S), R_0 .. R_{G-1}``;
+- **compute stream**: the main thread, ``C_0 .. C_{G-1}`` (then the shadowed experts in forward).
+  ``C_s`` waits for ``S_s`` (a ``threading.Event``); ``R_s`` is queued when ``C_s`` is done.
+
+``S_s``: send my tokens to the members of group ``(g+s) % G`` and receive tokens for my experts from
+group ``(g-s) % G``; ``C_s``: run each local expert on what arrived in step s (one GeMM per
+(step, expert)); ``R_s``: return those outputs, receive my own tokens' outputs from ``(g+s)``. Each
+task posts all of its step's isend/irecv at once (``Communicator.exchange``: batched p2p, a
+self-exchange is a local copy) and waits before the next task, so nothing can deadlock. Messages
+are tagged ``base(layer, fwd/bwd, S/R) + step``. Empty messages are not sent (both sides know every
+count from the all-gathered count matrix).
+
+The whole layer is one autograd Function ``(y_back, ys) = SmartMoE(x_send, x_shadow, *expert params)``.
+Forward builds a private graph per (step, expert) chunk on detached inputs and detached parameter
+leaves; backward runs the same pipeline on the gradients (S-steps on ``grad_out``, shadow backward
++ reduces, C-steps = per-chunk ``autograd.grad``, R-steps return ``grad_x``) and *returns* the
+parameter grads, so autograd does the accumulation (no side-effect backward, no stashing of shadow
+params into expert 0 as FastMoE does).
+
+gloo p2p from the second thread works here (torch 2.13 CPU, see the tests). ``threaded=False``
+runs the same tasks in the same order on the main thread (no overlap) - a fallback and a
+reference. On a 2-core CPU box the threads compete with gloo's own; speedups need emulated links
+(the comm door sleeps on the comm thread, so emulated transfers do overlap with compute).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from moelab.strategies.fastermoe.schedule import check_group_size, recv_peers, send_peers
+
+TAG_STRIDE = 4096
+
+
+# ---- the comm stream ----------------------------------------------------------------------------
+class Task:
+    def __init__(self, fn: Callable, args: tuple, name: str):
+        self.fn, self.args, self.name = fn, args, name
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.result = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # surfaced by wait() on the main thread
+            self.error = e
+        finally:
+            self.done.set()
+
+    def wait(self):
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"comm task {self.name} failed: {self.error!r}") from self.error
+        return self.result
+
+
+class CommStream:
+    """An in-order task queue served by one daemon thread (``threaded=False``: run at submit)."""
+
+    def __init__(self, threaded: bool = True):
+        self.threaded = threaded
+        self._q: "queue.Queue[Optional[Task]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def _loop(self) -> None:
+        while True:
+            task = self._q.get()
+            if task is None:
+                return
+            task.run()
+
+    def submit(self, fn: Callable, *args, name: str = "task") -> Task:
+        t = Task(fn, args, name)
+        if not self.threaded:
+            t.run()
+            return t
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="moelab-comm-stream", daemon=True)
+            self._thread.start()
+        self._q.put(t)
+        return t
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join(timeout=5)
+
+
+_STREAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def comm_stream(comm, threaded: bool = True) -> CommStream:
+    """One comm stream per communicator (and mode): every layer's pipeline uses the same thread."""
+    per = _STREAMS.setdefault(comm, {})
+    if threaded not in per:
+        per[threaded] = CommStream(threaded)
+    return per[threaded]
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+@dataclass
+class SmartPlan:
+    """Counts of one layer call (all from the all-gathered count matrix, shadowed experts removed).
+
+    ``send_counts[d][s]``: rows this rank sends to rank d for d's local slot s (the layout of
+    ``x_send``: dest-major, then slot); ``recv_counts[j][s]``: rows from rank j for my slot s."""
+
+    rank: int
+    world_size: int
+    group_size: int
+    send_counts: torch.Tensor  # [N, E_local]
+    recv_counts: torch.Tensor  # [N, E_local]
+    tag_base: int = 0
+
+    def __post_init__(self):
+        self.G = check_group_size(self.world_size, self.group_size)
+        self.in_rows = self.send_counts.sum(1).tolist()
+        self.out_rows = self.recv_counts.sum(1).tolist()
+        self.send_off = [0]
+        for n in self.in_rows:
+            self.send_off.append(self.send_off[-1] + n)
+        # offsets of each slot inside one source's received block
+        self.slot_off = (torch.cumsum(self.recv_counts, 1) - self.recv_counts).tolist()
+
+    def send_peers(self, step: int) -> List[int]:
+        return send_peers(self.rank, step, self.world_size, self.group_size)
+
+    def recv_peers(self, step: int) -> List[int]:
+        return recv_peers(self.rank, step, self.world_size, self.group_size)
+
+    def tag(self, backward: bool, phase_r: bool, step: int) -> int:
+        return self.tag_base + ((2 * int(backward) + int(phase_r)) * TAG_STRIDE) + step
+
+
+def _exchange(comm, sends: dict, recvs: dict, tag: int) -> None:
+    if sends or recvs:
+        comm.exchange(sends, recvs, tag=tag)
+
+
+class SmartPipeline:
+    """Runs the S / C / R steps of one layer call, forward and backward (see module doc)."""
+
+    def __init__(self, comm, stream: CommStream, plan: SmartPlan, experts_act, shadow=None):
+        self.comm, self.stream, self.plan = comm, stream, plan
+        self.act = experts_act
+        self.shadow = shadow  # a layer.ShadowWork, or None
+        self.chunks: list = []  # (step, slot, x_leaf, y, [(src, start, n), ...])
+        self.p_leaves: list = []
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _s_task(self, src_rows: torch.Tensor, bufs: dict, step: int, backward: bool) -> "Task":
+        """Rows for rank p (``src_rows``, dest-major by ``plan.send_off``) go to the step's send group;
+        blocks from the step's receive group land in ``bufs``."""
+        pl = self.plan
+        sends = {p: src_rows[pl.send_off[p]:pl.send_off[p + 1]] for p in pl.send_peers(step) if pl.in_rows[p]}
+        recvs = {q: bufs[q] for q in pl.recv_peers(step) if pl.out_rows[q]}
+        return self.stream.submit(_exchange, self.comm, sends, recvs, pl.tag(backward, False, step),
+                                  name=f"{'bwd' if backward else 'fwd'} S{step}")
+
+    def _r_task(self, out_bufs: dict, back_rows: torch.Tensor, step: int, backward: bool) -> "Task":
+        pl = self.plan
+        sends = {q: out_bufs[q] for q in pl.recv_peers(step) if pl.out_rows[q]}
+        recvs = {p: back_rows[pl.send_off[p]:pl.send_off[p + 1]] for p in pl.send_peers(step) if pl.in_rows[p]}
+        return self.stream.submit(_exchange, self.comm, sends, recvs, pl.tag(backward, True, step),
+                                  name=f"{'bwd' if backward else 'fwd'} R{step}")
+
+    def _step_pieces(self, step: int, slot: int):
+        pl = self.plan
+        return [(q, pl.slot_off[q][slot], int(pl.recv_counts[q, slot])) for q in pl.recv_peers(step)
+                if int(pl.recv_counts[q, slot])]
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, x_send: torch.Tensor, xs: torch.Tensor, params: Sequence[Optional[torch.Tensor]]):
+        from moelab.strategies.fastermoe.layer import ffn
+
+        pl, d = self.plan, x_send.shape[1]
+        rec = self.comm.rec
+        self.p_leaves = [None if p is None else p.detach().requires_grad_() for p in params]
+        recv = {q: x_send.new_empty(pl.out_rows[q], d) for q in range(pl.world_size)}
+        outb = {q: x_send.new_empty(pl.out_rows[q], d) for q in range(pl.world_size)}
+        y_back = x_send.new_empty(x_send.shape[0], d)
+        s_tasks = [self._s_task(x_send, recv, s, False) for s in range(pl.G)]
+        b_tasks = []
+        if self.shadow is not None:
+            for i in range(len(self.shadow.plan.experts)):
+                b_tasks.append(self.stream.submit(self.shadow.broadcast, params, i, name=f"bcast {i}"))
+        r_tasks = []
+        E_local = pl.recv_counts.shape[1]
+        for s in range(pl.G):
+            s_tasks[s].wait()
+            with rec.span(f"C{s}", "expert"):
+                for slot in range(E_local):
+                    pieces = self._step_pieces(s, slot)
+                    if not pieces:
+                        continue
+                    xin = torch.cat([recv[q][a:a + n] for q, a, n in pieces]).detach().requires_grad_()
+                    with torch.enable_grad():  # slices of the leaves too: they must be in the graph
+                        w1, b1, w2, b2 = (None if t is None else t[slot] for t in self.p_leaves)
+                        y = ffn(xin, w1, b1, w2, b2, act=self.act)
+                    self.chunks.append((s, slot, xin, y, pieces))
+                    off = 0
+                    for q, a, n in pieces:
+                        outb[q][a:a + n] = y.detach()[off:off + n]
+                        off += n
+            r_tasks.append(self._r_task(outb, y_back, s, False))
+        ys = xs.new_zeros(0, d)
+        if self.shadow is not None:
+            outs, off = [], 0
+            with rec.span("shadow", "expert"):
+                for i, n in enumerate(self.shadow.plan.counts):
+                    leaves = b_tasks[i].wait()
+                    outs.append(self.shadow.compute(xs[off:off + n], leaves))
+                    off += n
+            if outs:
+                ys = torch.cat(outs, 0)
+        for t in r_tasks:
+            t.wait()
+        return y_back, ys
+
+    # -- backward --------------------------------------------------------------------------------
+    def backward(self, g_back: torch.Tensor, g_ys: torch.Tensor, params):
+        pl, d = self.plan, g_back.shape[1]
+        rec = self.comm.rec
+        gin = {q: g_back.new_empty(pl.out_rows[q], d) for q in range(pl.world_size)}
+        gxo = {q: g_back.new_zeros(pl.out_rows[q], d) for q in range(pl.world_size)}
+        gx_send = g_back.new_empty(g_back.shape[0], d)
+        s_tasks = [self._s_task(g_back, gin, s, True) for s in range(pl.G)]
+        acc = [None if p is None else torch.zeros_like(p) for p in params]
+        sh_acc = [None if p is None else torch.zeros_like(p) for p in params]  # written by the comm thread
+        touched = False
+        gxs = g_ys.new_zeros(0, d)
+        red_tasks = []
+        if self.shadow is not None:
+            sh, parts, off = self.shadow, [], 0
+            with rec.span("shadow bwd", "expert"):
+                for i, n in enumerate(sh.plan.counts):
+                    g_rows, flat = sh.backward_expert(i, g_ys[off:off + n])
+                    parts.append(g_rows)
+                    off += n
+                    red_tasks.append(self.stream.submit(sh.reduce_to_owner, i, flat, sh_acc, name=f"reduce {i}"))
+                    touched |= sh.me == sh.plan.owners[i] and sh.plan.totals[i] > 0
+            if parts:
+                gxs = torch.cat(parts, 0)
+        by_step = {}
+        for c in self.chunks:
+            by_step.setdefault(c[0], []).append(c)
+        r_tasks = []
+        real = [t for t in self.p_leaves if t is not None]
+        for s in range(pl.G):
+            s_tasks[s].wait()
+            with rec.span(f"C{s} bwd", "expert"):
+                for _, slot, xin, y, pieces in by_step.get(s, []):
+                    g = torch.cat([gin[q][a:a + n] for q, a, n in pieces])
+                    grads = torch.autograd.grad(y, [xin] + real, g, allow_unused=True)
+                    off = 0
+                    for q, a, n in pieces:
+                        gxo[q][a:a + n] = grads[0][off:off + n]
+                        off += n
+                    j = 1
+                    for k, leaf in enumerate(self.p_leaves):
+                        if leaf is None:
+                            continue
+                        if grads[j] is not None:
+                            acc[k] += grads[j]
+                        j += 1
+                    touched = True
+            r_tasks.append(self._r_task(gxo, gx_send, s, True))
+        for t in red_tasks:  # the owner adds the reduced shadow grads once these finish
+            t.wait()
+        if red_tasks:
+            for a, b in zip(acc, sh_acc):
+                if a is not None:
+                    a += b
+        for t in r_tasks:
+            t.wait()
+        self.chunks, self.p_leaves = [], []
+        return gx_send, gxs, [a if touched else None for a in acc]
+
+
+class SmartMoE(torch.autograd.Function):
+    """``(y_back, ys) = SmartMoE.apply(x_send, xs, pipeline, *params)``."""
+
+    @staticmethod
+    def forward(ctx, x_send, xs, pipe: SmartPipeline, *params):
+        ctx.pipe = pipe
+        ctx.tags = dict(pipe.comm.rec.tags)  # the layer's tags, for the backward's records
+        ctx.save_for_backward(*params)
+        return pipe.forward(x_send.detach(), xs.detach(), params)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_back, g_ys):
+        pipe = ctx.pipe
+        with pipe.comm.rec.tagged(**{**ctx.tags, "phase": "bwd"}):
+            gx, gxs, gp = pipe.backward(g_back.contiguous(), g_ys.contiguous(), ctx.saved_tensors)
+        ctx.pipe = None
+        return (gx, gxs, None, *gp)
