@@ -19,7 +19,6 @@ import torch
 from moelab.comm.door import Communicator, Recorder
 from moelab.comm.topology import LINK_CLASSES, Topology
 from moelab.config import RunConfig
-from moelab.moe.sync import sync_dense_grads, sync_replica_grads
 from moelab.placement import Placement
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -42,7 +41,7 @@ class Trainer:
     cfg: RunConfig
     model: torch.nn.Module
     comm: Communicator
-    optimizer: torch.optim.Optimizer
+    update: "Update"
     device: torch.device
     metrics: list = field(default_factory=list)
     loads: list = field(default_factory=list)
@@ -64,8 +63,11 @@ class Trainer:
                                dtype=dtype, moe_layer_cls=factory(cfg) if factory else None)
         device = device or torch.device("cpu")
         model.to(device)
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
-        return cls(cfg, model, comm, opt, device)
+        from moelab.runtime.update import DataParallelUpdate
+        from moelab.strategies import get_update
+
+        update_cls = get_update(cfg.parallel.strategy) or DataParallelUpdate
+        return cls(cfg, model, comm, update_cls(model, comm, cfg), device)
 
     @property
     def rank(self) -> int:
@@ -89,19 +91,18 @@ class Trainer:
 
         t0 = time.time()
         with comm.rec.tagged(iter=it), comm.rec.span(f"iter {it}", "iteration"):
+            self.update.before_forward()
             with comm.rec.span("forward", "forward"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 lm = lm_loss(model, batch)
                 loss = lm + model.aux_loss()
             with comm.rec.span("backward", "backward"):
                 (loss / world).backward()
             with comm.rec.span("grad_sync", "comm"):
-                sync_dense_grads(model.dense_parameters(), comm)
-                for layer in model.moe_layers():
-                    sync_replica_grads(layer, comm)
-            mem_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+                self.update.sync()
+            mem_grads = self.update.grad_bytes()
             with comm.rec.span("optimizer", "optimizer"):
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                self.update.step()
+                self.update.zero_grad()
         step_time = time.time() - t0
 
         stats = torch.tensor([lm.detach().double().item()], dtype=torch.float64, device=self.device)
@@ -111,10 +112,9 @@ class Trainer:
         bytes_cls = comm.rec.bytes_by_class(n_rec)
         row = dict(iter=it, loss=float(stats[0]) / world, step_time_s=step_time,
                    **{f"bytes_{c}": bytes_cls[c] for c in LINK_CLASSES},
-                   mem_params_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                   mem_params_bytes=self.update.param_bytes(),
                    mem_grads_bytes=mem_grads,
-                   mem_optim_bytes=sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                                       for t in s.values() if torch.is_tensor(t)),
+                   mem_optim_bytes=self.update.optimizer_state_bytes(),
                    mem_activations_bytes=saved[0])
         self.metrics.append(row)
         for li, layer in enumerate(model.moe_layers()):

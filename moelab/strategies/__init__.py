@@ -23,6 +23,22 @@ def register(name: str, factory=None):
     return deco(factory) if factory is not None else deco
 
 
+_UPDATES: dict = {}
+
+
+def register_update(name: str, update_cls) -> None:
+    """A strategy that changes gradient sync / optimizer state registers a
+    :class:`moelab.runtime.update.Update` subclass here."""
+    _UPDATES[name] = update_cls
+
+
+def get_update(name: str):
+    """The Update class of ``name`` (None: the data-parallel default)."""
+    if name != "ep":
+        get_strategy(name)  # imports a built-in strategy, which registers its update
+    return _UPDATES.get(name)
+
+
 def known_strategies() -> set:
     found = {"ep", *_REGISTRY}
     for name, mod in _BUILTIN.items():
