@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-GATES = ("topk", "gshard", "switch")
+GATES = ("topk", "gshard", "switch", "base")
 DISPATCHERS = ("sparse", "dense")
 ARCHS = ("gpt", "bert")
 STRATEGIES = ("ep",)  # strategies register more names through moelab.strategies
@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 class MoEConfig:
     num_experts: int = 8  # experts per MoE layer (global)
     top_k: int = 2  # experts per token (1 or 2)
-    gate: str = "topk"  # topk (renormalized top-k softmax) | gshard (top-2) | switch (top-1)
+    gate: str = "topk"  # topk (renormalized top-k softmax) | gshard (top-2) | switch (top-1) | base (balanced top-1)
     capacity_factor: Optional[float] = None  # None = dropless; else capacity = ceil(k*cf*T/E) per source rank
     min_capacity: int = 0  # lower bound of the per-expert capacity
     random_routing: bool = False  # gshard: drop the 2nd expert when 2*p2 < U(0,1)
@@ -180,6 +180,10 @@ class RunConfig:
             errs.append("model.moe.gate='gshard' is a top-2 gate: set model.moe.top_k=2")
         if moe.gate == "switch" and moe.top_k != 1:
             errs.append("model.moe.gate='switch' is a top-1 gate: set model.moe.top_k=1")
+        if moe.gate == "base" and (moe.top_k != 1 or (t.batch_size * m.seq_len) % max(moe.num_experts, 1)):
+            errs.append(f"model.moe.gate='base' is a balanced top-1 gate (every expert gets exactly T/E of a rank's "
+                        f"T = train.batch_size * model.seq_len = {t.batch_size * m.seq_len} tokens): set "
+                        f"model.moe.top_k=1 (got {moe.top_k}) and make T divisible by num_experts={moe.num_experts}")
         if moe.capacity_factor is not None and moe.capacity_factor <= 0:
             errs.append(f"model.moe.capacity_factor must be > 0 (or null for dropless), got {moe.capacity_factor}")
         if moe.dispatcher == "dense" and moe.capacity_factor is None:

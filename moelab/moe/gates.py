@@ -10,6 +10,8 @@ per source rank, ``ceil(k * cf * T / E)`` (at least ``min_capacity``), as in Dee
 - ``gshard``: top-2 over the softmax of all logits, optional random routing of the 2nd expert,
   weights renormalized over the surviving slots after capacity (DeepSpeed ``top2gating``).
 - ``switch``: top-1, weight = softmax probability of the chosen expert, capacity drops.
+- ``base``: BASE layers' balanced top-1 assignment (auction), weight = sigmoid of the chosen
+  logit, no auxiliary loss: :mod:`moelab.moe.base_gate`.
 All add the GShard/Switch balance loss ``E * sum_e mean_prob_e * frac_top1_e`` and the router
 z-loss ``mean(logsumexp(logits)^2)``, each times its coefficient.
 """
@@ -72,6 +74,10 @@ class Gate(nn.Module):
         cfg, E, k = self.cfg, self.num_experts, self.k
         T = x.shape[0]
         logits = self.wg(x)
+        if cfg.gate == "base":  # balanced top-1 assignment (BASE layers): moelab.moe.base_gate
+            from moelab.moe.base_gate import base_route
+
+            return base_route(self, x, logits)
         probs = torch.softmax(logits, dim=-1)
         if cfg.gate == "topk":
             vals, idx = torch.topk(logits, k, dim=-1)

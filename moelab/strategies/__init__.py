@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 
 _REGISTRY: dict = {}
-_BUILTIN = {"fastermoe": "moelab.strategies.fastermoe"}  # name -> module that registers it
+_BUILTIN = {"fastermoe": "moelab.strategies.fastermoe", "zero": "moelab.strategies.zero"}  # name -> module that registers it
 
 
 def register(name: str, factory=None):
