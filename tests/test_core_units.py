@@ -86,12 +86,21 @@ def _emulated_a2a(rank, world):
 
     emu = EmulationConfig(enabled=True, intra_bw_GBps=100.0, inter_bw_GBps=0.0005, inter_latency_us=1000.0)
     comm = Communicator(Topology(world, 2), emu)
+    comm.rec.enabled = False  # unrecorded, so not emulated: gloo sets its connections up outside the timed calls
+    comm.all_to_all_raw(torch.ones(world, 1), [1] * world, [1] * world)
+    comm.rec.enabled = True
     x = torch.ones(4 * 250, 10, dtype=torch.float32)  # 1000 rows of 40 B; 250 rows to each rank
     t0 = time.time()
     with comm.rec.tagged(iter=0, layer=1):
         y = comm.all_to_all(x, [250] * world, [250] * world)
     elapsed = time.time() - t0
-    return dict(elapsed=elapsed, rec=comm.rec.comm[0], events=comm.rec.chrome_events(), ok=bool(torch.equal(y, x)))
+    events = comm.rec.chrome_events()
+    z = torch.ones(10_000, dtype=torch.float32)  # 40 kB all-reduced over 2 nodes x 2 ranks
+    comm.all_reduce_(z)
+    ar = comm.rec.comm[1]
+    return dict(elapsed=elapsed, rec=comm.rec.comm[0], events=events, ok=bool(torch.equal(y, x)),
+                ar=ar, ar_ok=bool((z == world).all()),
+                ar_target=comm.emulated_time(ar.bytes, ar.bytes, "all_reduce", list(range(world))))
 
 
 def test_link_emulation_slows_inter_node_traffic():
@@ -104,3 +113,9 @@ def test_link_emulation_slows_inter_node_traffic():
         names = [e["name"] for e in r["events"] if e.get("ph") == "X"]
         assert names == ["all_to_all L1"]
         json.dumps(r["events"])  # valid Chrome trace payload
+        # all-reduce: the records keep the pairwise bytes (2 (S // 4) to every member) ...
+        assert r["ar"].bytes == {"local": 20000, "intra": 20000, "inter": 40000} and r["ar_ok"]
+        # ... the time is the ring's: 2 channels, each NIC carries half of 2(n-1)/n S = 60 kB, so
+        # 30 kB at 0.5 MB/s = 60 ms, plus 2(n-1) = 6 inter latencies (the pairwise rule would say 81 ms)
+        assert r["ar_target"] == pytest.approx(0.066)
+        assert r["ar"].t_end - r["ar"].t_start >= 0.066 - 1e-4

@@ -105,6 +105,66 @@ def test_ring_collectives_bytes_and_times():
     assert p2p_time(S, 0, 2, p2.topology(), p2) == pytest.approx(S / GB)
 
 
+def test_link_capacities_honour_nics_per_node():
+    """The node's inter bandwidth is split over its NICs; GPUs attach to NICs in contiguous blocks."""
+    p4 = dataclasses.replace(flat_profile(nodes=2, gpn=4, intra=10.0, inter=8.0), nics_per_node=4)
+    caps = link_capacities(p4, p4.topology())
+    nics = sorted(k[1] for k in caps if k[0] == "nic_out")
+    assert nics == list(range(8)) and caps[("nic_out", 5)] == pytest.approx(2 * GB)
+    p2 = dataclasses.replace(p4, nics_per_node=2)
+    topo = p2.topology()
+    assert [costs.nic_of(r, topo, costs.nic_count(p2, topo)) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert link_capacities(p2, topo)[("nic_in", 3)] == pytest.approx(4 * GB)
+    # one NIC (the default) keeps the old naming: NIC i is node i; 0 NICs (single-node profiles) means one
+    for k in (1, 0):
+        c1 = link_capacities(dataclasses.replace(p4, nics_per_node=k), topo)
+        assert {l for l in c1 if l[0] == "nic_out"} == {("nic_out", 0), ("nic_out", 1)}
+        assert c1[("nic_out", 1)] == pytest.approx(8 * GB)
+    # more NICs than GPUs pool per GPU
+    assert costs.nic_count(dataclasses.replace(p4, nics_per_node=16), topo) == 4
+
+
+def test_multi_nic_alltoall_unbalanced_and_balanced():
+    """One NIC per GPU: a lone sender gets its own NIC only; balanced traffic gets the node's total."""
+    shared = flat_profile(nodes=2, gpn=4, intra=100.0, inter=4.0)
+    per_gpu = dataclasses.replace(shared, nics_per_node=4)
+    topo = shared.topology()
+    b = 1e6
+    lone = np.zeros((8, 8))
+    lone[0, 4:] = b  # rank 0 sends 4b across, nobody else sends
+    assert alltoall_time(lone, topo, shared) == pytest.approx(4 * b / (4 * GB))
+    assert alltoall_time(lone, topo, per_gpu) == pytest.approx(4 * b / (1 * GB))
+    M = np.full((8, 8), b)
+    assert alltoall_time(M, topo, per_gpu) == pytest.approx(alltoall_time(M, topo, shared))
+    # hierarchical keeps every NIC's bytes balanced: phase 2 puts 4b per rank on its own NIC
+    hier = alltoall_demands(M, range(8), topo, per_gpu, hierarchical=True)
+    assert hier[1].links[("nic_out", 2)] == pytest.approx(4 * b)
+
+
+def test_ring_channels_leave_each_node_through_every_nic():
+    p = dataclasses.replace(flat_profile(nodes=2, gpn=2, intra=10.0, inter=1.0), nics_per_node=2)
+    topo = p.topology()
+    assert costs.ring_channels(range(4), topo, 2) == [[0, 1, 2, 3], [1, 0, 3, 2]]
+    assert costs.ring_channels(range(4), topo, 1) == [[0, 1, 2, 3]]  # one NIC: the single ring
+    assert costs.ring_channels(range(2), topo, 2) == [[0, 1]]  # inside one node: one ring
+    S = 8e6
+    d = ring_demand("all_reduce", range(4), topo, p, S)
+    for r in range(4):  # each NIC carries half the ring's bytes, each port the other half
+        assert d.links[("nic_out", r)] == pytest.approx(0.75 * S) == d.links[("nic_in", r)]
+        assert d.links[("intra_out", r)] == pytest.approx(0.75 * S)
+    # the node's NICs together move the ring's bytes: the same time as one NIC of the node's bandwidth
+    one = flat_profile(nodes=2, gpn=2, intra=10.0, inter=1.0)
+    assert allreduce_time(S, topo, p) == pytest.approx(allreduce_time(S, topo, one)) == pytest.approx(1.5 * S / GB)
+    # a group with one rank per node rides that rank's NIC only
+    assert allreduce_time(S, topo, p, group=[0, 2]) == pytest.approx(S / (0.5 * GB))
+    # 4 NICs for 8 GPUs: 4 channels, 2 GPUs per NIC, NIC load = the ring's bytes / 4
+    p8 = dataclasses.replace(flat_profile(nodes=2, gpn=8, intra=100.0, inter=4.0), nics_per_node=4)
+    d8 = ring_demand("all_gather", range(16), p8.topology(), p8, S)
+    assert len(costs.ring_channels(range(16), p8.topology(), 4)) == 4
+    assert {round(b) for l, b in d8.links.items() if l[0] == "nic_out"} == {round(15 * S / 4)}
+    assert allgather_time(S, p8.topology(), p8) == pytest.approx(15 * S / (4 * GB))
+
+
 def test_compute_costs():
     p = flat_profile(flops=1e12)
     assert costs.compute_time(costs.ffn_flops(1000, 64, 128), p) == pytest.approx(4 * 1000 * 64 * 128 / 1e12)
@@ -175,9 +235,10 @@ def test_fair_sharing_two_transfers_take_twice_as_long():
     assert r.end[0] == pytest.approx(1.5) and r.end[2] == pytest.approx(2.0)
 
 
-def test_alltoall_as_p2p_flows_equals_the_collective():
+@pytest.mark.parametrize("nics", [1, 2, 4])
+def test_alltoall_as_p2p_flows_equals_the_collective(nics):
     """N(N-1) concurrent sends sharing ports and NICs fairly finish when the one-op all-to-all does."""
-    p = flat_profile(nodes=2, gpn=4, intra=10.0, inter=2.0)
+    p = dataclasses.replace(flat_profile(nodes=2, gpn=4, intra=10.0, inter=2.0), nics_per_node=nics)
     topo = p.topology()
     g = OpGraph(8, link_capacities(p, topo))
     for s in range(8):

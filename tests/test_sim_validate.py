@@ -17,7 +17,7 @@ import torch
 from moelab.comm.door import Communicator
 from moelab.comm.topology import Topology
 from moelab.config import EmulationConfig, RunConfig
-from moelab.sim import allreduce_time, alltoall_time
+from moelab.sim import allgather_time, allreduce_time, alltoall_time, broadcast_time, reduce_scatter_time
 from moelab.sim.validate import (BASE_MODEL, BytesMismatchWarning, compare, emulation_profile, machine_profile,
                                  median_rel_err, r2_score, run_real_many, simulate_real, validation_configs)
 
@@ -86,30 +86,93 @@ def test_r2_and_relative_error():
     assert median_rel_err(y, 1.1 * y) == pytest.approx(0.1)
 
 
+def _emulated(fake, op, group, topo, nbytes=0, splits=None, root=None):
+    """The emulator's time for one call: the max over members (each sleeps until its own target)."""
+    from moelab.comm.bytes import by_link_class, peer_bytes
+
+    t = []
+    for i, me in enumerate(group):
+        if op == "all_to_all":
+            sent = by_link_class(topo, me, peer_bytes(op, group, me, splits=[int(x) for x in splits[i]]))
+            recv = by_link_class(topo, me, peer_bytes(op, group, me, splits=[int(x) for x in splits[:, i]]))
+        else:
+            sent = by_link_class(topo, me, peer_bytes(op, group, me, nbytes, root=root))
+            recv = (by_link_class(topo, me, {root: nbytes}) if op == "broadcast" and me != root else sent)
+        t.append(Communicator.emulated_time(fake, sent, recv, op, group))
+    return max(t)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_emulation_profile_reproduces_the_emulator_on_one_node(n):
-    """Single node: the profile prices an uneven all-to-all and an all-reduce exactly as the emulator waits."""
+    """Single node: the profile prices an uneven all-to-all, the ring collectives and a broadcast
+    exactly as the emulator waits."""
     emu = EmulationConfig(enabled=True, intra_bw_GBps=0.01, intra_latency_us=50.0, inter_bw_GBps=0.005)
     c = cfg(n, **{"emulation.enabled": True, "emulation.intra_bw_GBps": 0.01, "emulation.intra_latency_us": 50.0})
     prof = machine_profile(c, FAKE_CAL, compute="gemm")
     assert prof.name.endswith("EMULATED") and prof.intra_bw_GBps == 0.01
     topo = Topology(n, n)
-    fake = types.SimpleNamespace(emulation=emu)
+    fake = types.SimpleNamespace(emulation=emu, topo=topo)
+    group = list(range(n))
     rng = np.random.default_rng(n)
     M = rng.integers(0, 50_000, size=(n, n)).astype(float)
-    want = max(Communicator.emulated_time(fake, {"intra": M[r].sum() - M[r, r]}, {"intra": M[:, r].sum() - M[r, r]})
-               for r in range(n))
-    assert alltoall_time(M, topo, prof) == pytest.approx(want)
+    assert alltoall_time(M, topo, prof) == pytest.approx(_emulated(fake, "all_to_all", group, topo, splits=M))
     S = 400_000
-    sent = 2 * (n - 1) * (S // n)  # the pairwise all-reduce rule, per rank
-    assert allreduce_time(S, topo, prof) == pytest.approx(Communicator.emulated_time(fake, {"intra": sent},
-                                                                                   {"intra": sent}))
+    assert allreduce_time(S, topo, prof) == pytest.approx(_emulated(fake, "all_reduce", group, topo, S))
+    # a ring of n ranks: 2(n-1) latencies + 2(n-1)/n S at the port's bandwidth
+    assert allreduce_time(S, topo, prof) == pytest.approx(2 * (n - 1) * 50e-6 + 2 * (n - 1) / n * S / 0.01e9)
+    assert allgather_time(S, topo, prof) == pytest.approx(_emulated(fake, "all_gather", group, topo, S))
+    assert broadcast_time(S, topo, prof, root=1) == pytest.approx(_emulated(fake, "broadcast", group, topo, S, root=1))
+
+
+@pytest.mark.parametrize("nodes, rpn", [(2, 2), (2, 4), (4, 2), (3, 2)])
+def test_emulation_profile_reproduces_the_emulator_across_nodes(nodes, rpn):
+    """Declared nodes: per-rank NICs on both sides (nics_per_node = ranks per node), so an unbalanced
+    all-to-all and the ring collectives (world and a one-rank-per-node group) price alike."""
+    n = nodes * rpn
+    emu = EmulationConfig(enabled=True, intra_bw_GBps=0.002, intra_latency_us=5.0, inter_bw_GBps=0.001,
+                          inter_latency_us=20.0)
+    c = cfg(n, **{"parallel.topology.nodes": nodes, "model.moe.num_experts": 2 * n, "emulation.enabled": True,
+                  "emulation.intra_bw_GBps": 0.002, "emulation.inter_bw_GBps": 0.001})
+    prof = machine_profile(c, FAKE_CAL, compute="gemm")
+    assert prof.nics_per_node == rpn and prof.inter_bw_GBps == pytest.approx(0.001 * rpn)
+    topo = Topology(n, rpn)
+    fake = types.SimpleNamespace(emulation=emu, topo=topo)
+    rng = np.random.default_rng(n)
+    M = rng.integers(0, 50_000, size=(n, n)).astype(float)
+    M[0] *= 4  # rank 0 sends much more: a shared NIC would hide it
+    world = list(range(n))
+    assert alltoall_time(M, topo, prof) == pytest.approx(_emulated(fake, "all_to_all", world, topo, splits=M), rel=1e-3)
+    S = 400_000
+    for group in (world, list(range(0, n, rpn))):  # rel: the byte rule's blocks are S // n, the ring's S / n
+        assert allreduce_time(S, topo, prof, group=group) == pytest.approx(
+            _emulated(fake, "all_reduce", group, topo, S), rel=1e-4)
+        assert allgather_time(S, topo, prof, group=group) == pytest.approx(
+            _emulated(fake, "all_gather", group, topo, S), rel=1e-4)
+        assert reduce_scatter_time(S, topo, prof, group=group) == pytest.approx(
+            _emulated(fake, "reduce_scatter", group, topo, S), rel=1e-4)
+
+
+def test_emulated_ring_time_2x2():
+    """2 nodes x 2 ranks, per-rank NICs: the all-reduce runs as two ring channels, each leaving a node
+    through a different rank's NIC: every NIC carries half of the ring's 2(n-1)/n S = 1.5 S."""
+    emu = EmulationConfig(enabled=True, intra_bw_GBps=0.002, intra_latency_us=5.0, inter_bw_GBps=0.001,
+                          inter_latency_us=20.0)
+    topo = Topology(4, 2)
+    fake = types.SimpleNamespace(emulation=emu, topo=topo)
+    S = 400_000
+    want = 6 * 20e-6 + 0.75 * S / 0.001e9  # NIC-bound (the intra half goes at twice the speed)
+    assert _emulated(fake, "all_reduce", [0, 1, 2, 3], topo, S) == pytest.approx(want)
+    # the records keep the pairwise bytes; only the time follows the ring
+    sent = {"local": 0, "intra": S // 2, "inter": S}
+    assert Communicator.emulated_time(fake, sent, sent, "all_reduce", [0, 1, 2, 3]) == pytest.approx(want)
+    assert Communicator.emulated_time(fake, sent, sent) == pytest.approx(S / 0.001e9 + 20e-6)  # no op: pairwise
 
 
 def test_emulation_profile_multi_node_nic_is_per_rank_times_ranks():
     c = cfg(4, **{"parallel.topology.nodes": 2, "emulation.enabled": True, "emulation.inter_bw_GBps": 0.01})
     prof = emulation_profile(c, dataclasses.replace(_profile(cfg(4, **{"parallel.topology.nodes": 2})), fits={}))
-    assert prof.inter_bw_GBps == pytest.approx(0.02) and prof.fits == {}
+    assert prof.inter_bw_GBps == pytest.approx(0.02) and prof.nics_per_node == 2
+    assert set(prof.fits) == {"broadcast", "reduce"}  # the ring ops need no fit: both sides run the same rings
     with pytest.raises(ValueError, match="calibration"):
         machine_profile(cfg(2), None)
 

@@ -149,7 +149,7 @@ class Communicator:
         emulated = 0.0
         if self.emulation is not None and self.rec.enabled:  # unrecorded (metric) traffic is not emulated
             recv = by_link_class(self.topo, self.rank, recv_per_peer) if recv_per_peer is not None else sent
-            target = self.emulated_time(sent, recv)
+            target = self.emulated_time(sent, recv, op, self._groups[group][1] if group in self._groups else None)
             emulated = target - (time.time() - t0)
             if emulated > 0:
                 time.sleep(emulated)
@@ -157,14 +157,68 @@ class Communicator:
         if self.rec.enabled:
             self.rec.comm.append(CommRecord(op, group, sent, t0, time.time(), dict(self.rec.tags), emulated))
 
-    def emulated_time(self, sent: dict, recv: dict) -> float:
-        """Seconds the declared links need: per link class, max(sent, received) / bandwidth + latency."""
+    def emulated_time(self, sent: dict, recv: dict, op: Optional[str] = None,
+                      ranks: Optional[Sequence[int]] = None) -> float:
+        """Seconds the declared links need for one call (EMULATED); the rank sleeps until then.
+
+        Declared hardware (``EmulationConfig``), the same the simulator prices
+        (:mod:`moelab.sim.costs` with ``nics_per_node = ranks_per_node``, as
+        :func:`moelab.sim.validate.emulation_profile` sets): every rank has its own intra-node port
+        of ``intra_bw_GBps`` and its own inter-node NIC of ``inter_bw_GBps``, each per direction
+        (multi-NIC GPU servers, one NIC per GPU); nothing is shared between ranks.
+
+        - ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` over ``ranks`` (``op`` and ``ranks``
+          given): rings as :func:`moelab.sim.costs.ring_channels` builds them: node-major; across
+          nodes one channel per member of the fullest node, channel c leaving every node through a
+          different rank's NIC, each carrying 1/C of the ring's bytes. Time = steps x latency
+          (``n-1``, all-reduce ``2(n-1)``; inter latency if the group spans nodes) + the ring's
+          bytes per rank (= this rank's recorded non-local bytes, which the pairwise rule makes
+          equal to a ring's ``(n-1) S``, ``(n-1)/n S``, ``2(n-1)/n S``) times the slowest link's
+          share / bandwidth. Every member gets the same time (a ring moves in lockstep). The link
+          shares depend only on the group: computed once per (op, group) and cached.
+        - every other call (all-to-all, p2p, broadcast, reduce): per link class,
+          ``max(sent, received) / bandwidth + latency`` of this rank's own port/NIC, the larger
+          class wins (direct transfers on per-rank links; broadcast/reduce as a flat tree from/to
+          the root, while the simulator prices a pipelined chain: they agree inside one node only
+          through ``emulation_profile``'s fits).
+
+        Bytes (``sent``/``recv``: this rank's, by link class, from :mod:`moelab.comm.bytes`) are the
+        pairwise accounting the records keep; only the time follows the algorithm.
+        """
         e = self.emulation
+        bw = {"intra": e.intra_bw_GBps * 1e9, "inter": e.inter_bw_GBps * 1e9}
+        lat = {"intra": e.intra_latency_us * 1e-6, "inter": e.inter_latency_us * 1e-6}
+        if op in ("all_reduce", "all_gather", "reduce_scatter") and ranks is not None and len(ranks) > 1:
+            v = sent.get("intra", 0) + sent.get("inter", 0)
+            if v <= 0:
+                return 0.0
+            cache = vars(self).setdefault("_ring_cost", {})
+            key = (op, tuple(ranks), e.intra_bw_GBps, e.inter_bw_GBps, e.intra_latency_us, e.inter_latency_us)
+            cost = cache.get(key)
+            if cost is None:
+                nodes: dict = {}
+                for r in sorted(ranks):
+                    nodes.setdefault(self.topo.node_of(r), []).append(r)
+                C = max(len(m) for m in nodes.values()) if len(nodes) > 1 else 1
+                share: dict = {}  # (rank, class, direction) -> fraction of the per-rank ring bytes
+                for c in range(C):
+                    order = []
+                    for m in nodes.values():
+                        k = (c + len(m) - 1) % len(m)  # the node is left by its member k
+                        order += m[k + 1:] + m[:k + 1]
+                    for a, b in zip(order, order[1:] + order[:1]):
+                        cls = self.topo.link_class(a, b)
+                        share[(a, cls, 0)] = share.get((a, cls, 0), 0.0) + 1.0 / C
+                        share[(b, cls, 1)] = share.get((b, cls, 1), 0.0) + 1.0 / C
+                steps = (2 if op == "all_reduce" else 1) * (len(ranks) - 1)
+                cost = cache[key] = (steps * lat["inter" if len(nodes) > 1 else "intra"],
+                                     max(f / bw[cls] for (_, cls, _), f in share.items()))
+            return cost[0] + v * cost[1]
         t = 0.0
-        for cls, bw, lat in (("intra", e.intra_bw_GBps, e.intra_latency_us), ("inter", e.inter_bw_GBps, e.inter_latency_us)):
+        for cls in ("intra", "inter"):
             b = max(sent.get(cls, 0), recv.get(cls, 0))
             if b > 0:
-                t = max(t, b / (bw * 1e9) + lat * 1e-6)
+                t = max(t, b / bw[cls] + lat[cls])
         return t
 
     # ---- raw (non-autograd) collectives ------------------------------------------------------

@@ -1,15 +1,29 @@
 """Cost model: compute from FLOPs, collectives as alpha-beta demands on shared links.
 
 A collective is priced as a :class:`Demand`: a fixed latency ``alpha`` plus bytes on named links.
-Links are ``("intra_out", rank)``, ``("intra_in", rank)`` (a GPU's intra-node port, per direction)
-and ``("nic_out", node)``, ``("nic_in", node)`` (a node's NIC, shared by its GPUs). Alone on its
-links a demand takes ``alpha + max_link bytes/capacity``; the event engine runs the same demands
-with fair sharing when transfers overlap. One description, two uses: the closed-form times here
-and the simulated times agree whenever nothing overlaps.
 
-Bytes on links follow the algorithm (all-to-all is direct; all-reduce/all-gather/reduce-scatter/
-broadcast are rings), while *accounted* bytes follow :mod:`moelab.comm.bytes` (pairwise, what the
-runtime records). For all-to-all and p2p both are the same; a ring crosses each node's NIC once.
+Declared hardware (the same the link emulator of :meth:`moelab.comm.door.Communicator.emulated_time`
+assumes): every GPU (rank) has its own intra-node port, ``("intra_out", rank)`` / ``("intra_in",
+rank)`` of ``profile.intra_bw_GBps`` per direction, and a node has ``k = nics_per_node`` NICs
+(at least 1, at most one per GPU), ``("nic_out", i)`` / ``("nic_in", i)`` with global NIC index
+``i = node * k + j``, each of ``profile.inter_bw_GBps / k`` per direction (the profile's inter
+bandwidth is the node's NICs together). A GPU reaches other nodes only through the NIC it is
+attached to: GPUs are attached in contiguous blocks of ``ranks_per_node / k`` (as GPUs share a PCIe
+switch with their NIC), so with ``k = 1`` all GPUs of a node share one NIC (and NIC ``i`` is node
+``i``), with ``k = ranks_per_node`` every GPU has its own (multi-NIC servers; what the emulator
+declares). Cross-node traffic uses the sender's NIC out and the receiver's NIC in, never the
+intra ports. Alone on its links a demand takes ``alpha + max_link bytes/capacity``; the event
+engine runs the same demands with fair sharing when transfers overlap. One description, two uses:
+the closed-form times here and the simulated times agree whenever nothing overlaps.
+
+Bytes on links follow the algorithm, while *accounted* bytes follow :mod:`moelab.comm.bytes`
+(pairwise, what the runtime records). All-to-all and p2p are direct (both the same). All-reduce,
+all-gather and reduce-scatter are rings over the group in node-major order (``ring_channels``):
+inside one node a single ring; across nodes one ring *channel* per NIC the members of a node are
+attached to (as NCCL runs one channel per NIC), channel c leaving every node through a different
+NIC and carrying 1/C of the data, so a node's NICs share the ring traffic; with one NIC per node
+this is exactly the single ring. A ring of n ranks costs its steps' latencies (``n-1``; all-reduce
+``2(n-1)``) plus its slowest link. Broadcast/reduce are pipelined chains (S on every edge).
 
 Where a profile carries a measured fit for an op (``profile.fits[op] = (alpha, beta)``) and the
 group sits in one node, the demand is rescaled so that alone it takes ``alpha + beta * x`` with
@@ -37,14 +51,29 @@ class Demand:
         return self.alpha + max((b / caps[l] for l, b in self.links.items() if b > 0), default=0.0)
 
 
+def nic_count(profile, topo: Topology) -> int:
+    """NICs per node in the link model: ``profile.nics_per_node`` clipped to [1, ranks per node]
+    (0, as single-node profiles declare, means one; more NICs than GPUs pool per GPU)."""
+    return max(1, min(int(getattr(profile, "nics_per_node", 1) or 1), topo.ranks_per_node))
+
+
+def nic_of(rank: int, topo: Topology, nics: int) -> int:
+    """Global index of the NIC ``rank`` uses (node * nics + its block's NIC; = node with one NIC)."""
+    node = topo.node_of(rank)
+    return node * nics + (rank - node * topo.ranks_per_node) * nics // topo.ranks_per_node
+
+
 def link_capacities(profile, topo: Topology) -> dict:
-    """Bytes/s of every link of ``topo`` under ``profile``."""
-    intra, nic = profile.bandwidth("intra"), profile.bandwidth("inter")
+    """Bytes/s of every link of ``topo`` under ``profile``: per-rank intra ports, ``nic_count`` NICs
+    per node sharing the node's inter bandwidth equally."""
+    intra = profile.bandwidth("intra")
+    k = nic_count(profile, topo)
+    nic = profile.bandwidth("inter") / k
     caps = {}
     for r in range(topo.world_size):
         caps[("intra_out", r)] = caps[("intra_in", r)] = intra
-    for n in range(topo.nodes):
-        caps[("nic_out", n)] = caps[("nic_in", n)] = nic
+    for i in range(topo.nodes * k):
+        caps[("nic_out", i)] = caps[("nic_in", i)] = nic
     return caps
 
 
@@ -78,14 +107,13 @@ def compute_time(flops, profile) -> float:
 
 
 # ---- link demands --------------------------------------------------------------------------------
-def _send(links: dict, topo: Topology, src: int, dst: int, nbytes: float) -> None:
+def _send(links: dict, topo: Topology, src: int, dst: int, nbytes: float, nics: int = 1) -> None:
     if src == dst or nbytes <= 0:
         return
-    a, b = topo.node_of(src), topo.node_of(dst)
-    if a == b:
+    if topo.node_of(src) == topo.node_of(dst):
         out, inn = ("intra_out", src), ("intra_in", dst)
     else:
-        out, inn = ("nic_out", a), ("nic_in", b)
+        out, inn = ("nic_out", nic_of(src, topo, nics)), ("nic_in", nic_of(dst, topo, nics))
     links[out] = links.get(out, 0) + nbytes
     links[inn] = links.get(inn, 0) + nbytes
 
@@ -127,10 +155,12 @@ def alltoall_demands(matrix, group: Sequence[int], topo: Topology, profile,
                      hierarchical: bool = False) -> list:
     """Uneven all-to-all; ``matrix[i][j]`` = bytes group member i sends to member j.
 
-    Flat: one direct phase; per rank the time is the larger of its intra-node port load and its
-    node's NIC load, plus one latency. Hierarchical (2D, as Tutel/DeepSpeed): phase 1 gathers, in the
-    node, everything bound for local index j on rank j; phase 2 ships node-to-node between ranks of
-    the same local index. Same NIC bytes, extra intra bytes, two latencies.
+    Flat: one direct phase; the time is the largest load of any intra-node port or NIC (a NIC
+    carries the cross-node bytes of every rank attached to it), plus one latency. Hierarchical
+    (2D, as Tutel/DeepSpeed): phase 1 gathers, in the node, everything bound for local index j on
+    rank j; phase 2 ships node-to-node between ranks of the same local index. Same NIC bytes
+    (with one NIC per GPU, rank j's NIC carries what phase 1 gathered on it), extra intra bytes,
+    two latencies.
     """
     M = np.asarray(matrix, dtype=np.float64)
     group = list(group)
@@ -138,8 +168,10 @@ def alltoall_demands(matrix, group: Sequence[int], topo: Topology, profile,
     if n <= 1:
         return [Demand(0.0, {})]
     node = np.fromiter((topo.node_of(r) for r in group), dtype=np.int64, count=n)
+    k = nic_count(profile, topo)
+    nic = np.fromiter((nic_of(r, topo, k) for r in group), dtype=np.int64, count=n)
     if not hierarchical or not _spans_nodes(group, topo):
-        d = Demand(_class_latency(group, topo, profile), _a2a_links(M, group, node))
+        d = Demand(_class_latency(group, topo, profile), _a2a_links(M, group, node, nic))
         return [_fitted("all_to_all", d, group, topo, profile,
                         lambda: sent_bytes("all_to_all", group, topo, splits=M.astype(np.int64)))]
     # hierarchical: member i = (node a, local slot p); assume equal members per node, node-major.
@@ -161,11 +193,12 @@ def alltoall_demands(matrix, group: Sequence[int], topo: Topology, profile,
         for b in range(len(nodes)):
             if a != b:
                 P2[a * g + np.arange(g), b * g + np.arange(g)] = agg[a, b]
-    return [Demand(profile.latency("intra"), _a2a_links(P1, group, node)),
-            Demand(profile.latency("inter"), _a2a_links(P2, group, node))]
+    return [Demand(profile.latency("intra"), _a2a_links(P1, group, node, nic)),
+            Demand(profile.latency("inter"), _a2a_links(P2, group, node, nic))]
 
 
-def _a2a_links(M: np.ndarray, group, node: np.ndarray) -> dict:
+def _a2a_links(M: np.ndarray, group, node: np.ndarray, nic: np.ndarray) -> dict:
+    """Port and NIC loads of a direct exchange ``M`` (node / NIC index per group member)."""
     same = node[:, None] == node[None, :]
     intra = np.where(same, M, 0.0)
     np.fill_diagonal(intra, 0.0)
@@ -177,7 +210,7 @@ def _a2a_links(M: np.ndarray, group, node: np.ndarray) -> dict:
         if inn > 0:
             links[("intra_in", group[i])] = inn
     if inter.any():
-        uniq, inv = np.unique(node, return_inverse=True)
+        uniq, inv = np.unique(nic, return_inverse=True)
         out_n = np.bincount(inv, weights=inter.sum(1), minlength=len(uniq))
         in_n = np.bincount(inv, weights=inter.sum(0), minlength=len(uniq))
         for k, nd in enumerate(uniq):
@@ -195,17 +228,53 @@ _RING = {  # op -> (bytes each rank puts on its ring edge as a function of (n, n
 }
 
 
+def ring_channels(group: Sequence[int], topo: Topology, nics: int = 1) -> list:
+    """The rings of a ring collective over ``group``: a list of rank orders (each a cycle).
+
+    Inside one node: one ring in rank order. Across nodes (node-major): one channel per NIC the
+    members of a node are attached to (C = the most over nodes); in channel c every node's members
+    are rotated so that the node is left by the last member attached to its NIC (c - 1 mod its
+    NIC count), so the channels leave each node through different NICs. Channel 0 is the plain
+    node-major ring; with one NIC per node it is the only one. Each channel carries 1/C of the bytes.
+    """
+    group = sorted(group)
+    by_node: dict = {}
+    for r in group:
+        by_node.setdefault(topo.node_of(r), []).append(r)
+    if len(by_node) <= 1:
+        return [group]
+    per_node = []
+    for mem in by_node.values():
+        last_on = {}
+        for i, r in enumerate(mem):  # mem is sorted: the last member attached to each NIC wins
+            last_on[nic_of(r, topo, nics)] = i
+        per_node.append((mem, [last_on[x] for x in sorted(last_on)]))
+    C = max(len(ex) for _, ex in per_node)
+    rings = []
+    for c in range(C):
+        order = []
+        for mem, ex in per_node:
+            k = ex[(c + len(ex) - 1) % len(ex)]
+            order += mem[k + 1:] + mem[:k + 1]
+        rings.append(order)
+    return rings
+
+
 def ring_demand(op: str, group: Sequence[int], topo: Topology, profile, nbytes: int) -> Demand:
-    """Ring all-gather / reduce-scatter / all-reduce over ``group`` (node-major ring order)."""
+    """Ring all-gather / reduce-scatter / all-reduce over ``group`` (:func:`ring_channels`: node-major,
+    one channel per NIC across nodes): every edge of a channel carries per-edge bytes / channels."""
     group = sorted(group)
     n = len(group)
     if n <= 1:
         return Demand(0.0, {})
     per_edge, steps = _RING[op]
-    v = per_edge(n, nbytes)
+    k = nic_count(profile, topo)
+    rings = ring_channels(group, topo, k)
+    v = per_edge(n, nbytes) / len(rings)
     links: dict = {}
-    for i, r in enumerate(group):
-        _send(links, topo, r, group[(i + 1) % n], v)
+    for order in rings:
+        for i, r in enumerate(order):
+            _send(links, topo, r, order[(i + 1) % n], v, k)
     d = Demand(steps(n) * _class_latency(group, topo, profile), links)
     return _fitted(op, d, group, topo, profile, lambda: sent_bytes(op, group, topo, nbytes))
 
@@ -221,14 +290,14 @@ def broadcast_demand(group: Sequence[int], root: int, topo: Topology, profile, n
     order = group[k:] + group[:k]
     links: dict = {}
     for a, b in zip(order[:-1], order[1:]):
-        _send(links, topo, *((a, b) if op == "broadcast" else (b, a)), nbytes)
+        _send(links, topo, *((a, b) if op == "broadcast" else (b, a)), nbytes, nic_count(profile, topo))
     d = Demand((n - 1) * _class_latency(group, topo, profile), links)
     return _fitted(op, d, group, topo, profile, lambda: sent_bytes(op, group, topo, nbytes, root=root))
 
 
 def p2p_demand(src: int, dst: int, topo: Topology, profile, nbytes: int) -> Demand:
     links: dict = {}
-    _send(links, topo, src, dst, nbytes)
+    _send(links, topo, src, dst, nbytes, nic_count(profile, topo))
     return Demand(0.0 if src == dst else profile.latency(topo.link_class(src, dst)), links)
 
 

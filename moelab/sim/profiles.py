@@ -2,9 +2,14 @@
 
 A profile gives the simulator what it prices plans with: GPUs per node and nodes, the GEMM
 throughput compute is charged at, and two link classes (``intra``: per GPU, per direction, inside
-a node; ``inter``: the node's NIC(s) together, per direction, shared by its GPUs). ``links`` keeps
-finer per-link detail where a paper gives it (FasterMoE's AE topology); the class bandwidths are
-then *derived* from it and the derivation is written in ``sources``. Numbers a paper does not give
+a node; ``inter``: the node's NIC(s) together, per direction). ``nics_per_node`` says how that
+bandwidth is cut: :func:`moelab.sim.costs.link_capacities` makes ``nics_per_node`` NICs of
+``inter_bw_GBps / nics_per_node`` each, with the node's GPUs attached in contiguous blocks (1: one
+NIC shared by all GPUs; ``gpus_per_node``: one NIC per GPU, as the link emulator declares; 0, for
+single-node profiles, counts as 1), so a GPU alone on the network gets its own NIC's share, not the
+node's total, and ring collectives run one channel per NIC. ``links`` keeps finer per-link detail
+where a paper gives it (FasterMoE's AE topology); the class bandwidths are then *derived* from it
+and the derivation is written in ``sources``. Numbers a paper does not give
 are labelled ``[assumption]`` in ``sources`` so a notebook can print them next to its figure.
 """
 from __future__ import annotations
@@ -33,7 +38,7 @@ class ClusterProfile:
     inter_bw_GBps: float  # per node (all its NICs together), per direction
     inter_latency_us: float  # per collective step across nodes
     mem_GB: float  # memory per GPU
-    nics_per_node: int = 1
+    nics_per_node: int = 1  # NICs sharing inter_bw_GBps equally; GPUs attach in contiguous blocks
     elem_bytes: int = 2  # bytes per activation element in the paper's runs (fp16 = 2, fp32 = 4)
     links: Optional[dict] = None  # per-link detail, GB/s per direction, where the paper gives it
     fits: dict = field(default_factory=dict)  # measured alpha-beta per collective: {op: (alpha_s, beta_s_per_byte)}
