@@ -273,13 +273,12 @@ def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = Non
 register_graph("ep", ep_iteration_graph)
 
 
-def graph_bytes(graph: OpGraph, topo: Topology, categories=None) -> dict:
-    """Per rank ``{local, intra, inter}`` bytes sent, replaying every op's ``comm`` record through
-    :func:`moelab.comm.bytes.peer_bytes` / ``by_link_class``, exactly as the runtime records them."""
-    out = {r: dict.fromkeys(LINK_CLASSES, 0) for r in range(graph.world_size)}
+def replay_bytes(graph: OpGraph, topo: Topology):
+    """Yield ``(rank, op, category, {local, intra, inter})`` for every rank of every op with a
+    ``comm`` record, through :func:`moelab.comm.bytes.peer_bytes`: the runtime's own rule."""
     for op in graph.ops:
         c = op.comm
-        if c is None or (categories is not None and op.category not in categories):
+        if c is None:
             continue
         group = list(c["group"])
         splits = c.get("splits")
@@ -287,6 +286,14 @@ def graph_bytes(graph: OpGraph, topo: Topology, categories=None) -> dict:
             row = None if splits is None else [int(x) for x in np.asarray(splits)[i]]
             per = peer_bytes(c["op"], group, me, int(c.get("nbytes", 0)), splits=row, root=c.get("root"),
                              peer=c.get("peer"))
-            for cls, b in by_link_class(topo, me, per).items():
+            yield me, c["op"], op.category, by_link_class(topo, me, per)
+
+
+def graph_bytes(graph: OpGraph, topo: Topology, categories=None) -> dict:
+    """Per rank ``{local, intra, inter}`` bytes sent, exactly as the runtime records them."""
+    out = {r: dict.fromkeys(LINK_CLASSES, 0) for r in range(graph.world_size)}
+    for me, _, category, by_cls in replay_bytes(graph, topo):
+        if categories is None or category in categories:
+            for cls, b in by_cls.items():
                 out[me][cls] += b
     return out

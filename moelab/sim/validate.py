@@ -214,22 +214,13 @@ class SimRun:
 
 def _graph_bytes_by_op(graph, topo: Topology) -> dict:
     """``{(rank, op): {class: bytes}}`` replaying every op's comm record with the shared rule."""
-    from moelab.comm.bytes import by_link_class, peer_bytes
+    from moelab.sim.graphs import replay_bytes
 
     out: dict = {}
-    for o in graph.ops:
-        c = o.comm
-        if c is None:
-            continue
-        group = list(c["group"])
-        splits = c.get("splits")
-        for i, me in enumerate(group):
-            row = None if splits is None else [int(x) for x in np.asarray(splits)[i]]
-            per = peer_bytes(c["op"], group, me, int(c.get("nbytes", 0)), splits=row, root=c.get("root"),
-                             peer=c.get("peer"))
-            acc = out.setdefault((me, c["op"]), dict.fromkeys(LINK_CLASSES, 0))
-            for cls, b in by_link_class(topo, me, per).items():
-                acc[cls] += b
+    for me, op, _, by_cls in replay_bytes(graph, topo):
+        acc = out.setdefault((me, op), dict.fromkeys(LINK_CLASSES, 0))
+        for cls, b in by_cls.items():
+            acc[cls] += b
     return out
 
 
