@@ -11,6 +11,8 @@ picks the one named by ``cfg.parallel.strategy``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import math
 from typing import Callable, Optional
 
@@ -146,121 +148,157 @@ def synthetic_loads(cfg, seed: int = 0, skew: float = 1.0) -> np.ndarray:
 
 
 # ---- the expert-parallel baseline -----------------------------------------------------------------
-def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *,
-                       elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False) -> OpGraph:
-    """One training iteration of the EP baseline, every rank, every layer.
+@dataclass
+class IterationContext:
+    """What a strategy's MoE hooks need while :func:`transformer_iteration_graph` builds a graph."""
 
-    Forward per layer: attention; for an MoE layer gate, count exchange (all_gather of an int64
-    [E] vector), dispatch all-to-all, experts on received tokens, combine all-to-all (reverse);
-    else the dense FFN. Then the tied head. Backward mirrors it with 2x compute and the two
-    all-to-alls in reverse order. Last, one all_reduce of all dense grads (one bucket).
-    Topology = ``cfg``'s (the runtime's), bandwidths = ``profile``'s; ``elem_bytes`` defaults to
-    ``cfg.train.dtype`` so bytes equal the runtime's (pass 2 to price fp16 at paper scale).
+    g: OpGraph
+    cfg: object
+    profile: object
+    topo: Topology
+    ranks: list
+    T: int  # tokens per rank
+    eb: int  # bytes per element
+    hierarchical_a2a: bool = False
 
-    With a capacity factor, loads are clipped to the capacity (a no-op on loads recorded after
-    dropping). The ``dense`` dispatcher (DeepSpeed style) sends capacity-padded equal splits, has
-    no count exchange, and its experts compute the padded buffers.
-    """
+    def compute_time(self, flops: float) -> float:
+        return costs.compute_time(flops, self.profile)
+
+    def a2a(self, name, tokens, deps, layer, phase, category="a2a"):
+        """An all-to-all moving ``tokens[src, dst]`` rows of d_model elements."""
+        mat = np.asarray(tokens) * self.cfg.model.d_model * self.eb
+        return self.g.transfer(name, self.ranks, costs.alltoall_demands(mat, self.ranks, self.topo, self.profile,
+                                                                       self.hierarchical_a2a),
+                               deps=deps, category=category, layer=layer, phase=phase,
+                               comm={"op": "all_to_all", "group": self.ranks, "splits": mat})
+
+    def experts(self, r, name, tokens, deps, layer, phase):
+        """Expert FFN compute of ``tokens`` rows on rank r (backward: 2x, frees the activations)."""
+        m, bwd = self.cfg.model, phase == "bwd"
+        act = {"activations": int(tokens) * (m.d_model + 2 * m.d_ff) * self.eb}  # [estimate] in, pre/post act
+        return self.g.compute(r, name, (2 if bwd else 1) * self.compute_time(costs.ffn_flops(int(tokens), m.d_model, m.d_ff)),
+                              deps=deps, category="expert", layer=layer, phase=phase,
+                              **({"free": act} if bwd else {"alloc": act}))
+
+
+def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_forward, moe_backward, *,
+                                elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False,
+                                meta: Optional[dict] = None):
+    """The skeleton every data/expert-parallel strategy shares: per layer attention, then for an MoE
+    layer gate + count exchange + ``moe_forward(ctx, i, j, deps) -> per-rank ops`` (else the dense
+    FFN), the tied head, the mirror backward with ``moe_backward(ctx, i, j, deps)``, and one
+    all_reduce of the dense grads. Returns ``(graph, ctx, last_ops)`` so a strategy can append its
+    own synchronisation. Topology = ``cfg``'s (the runtime's), bandwidths = ``profile``'s."""
     m, moe = cfg.model, cfg.model.moe
     topo = topology_of(cfg)
     N, E, k = topo.world_size, moe.num_experts, moe.top_k
-    placement = placement or Placement.expert_parallel(E, N)
     eb = elem_bytes or elem_bytes_of(cfg)
     d, f, s, V = m.d_model, m.d_ff, m.seq_len, m.vocab_size
     T = cfg.train.batch_size * s
     moe_ids = moe_layer_ids(m)
-    loads = np.asarray(loads, dtype=np.int64)
-    if loads.shape != (len(moe_ids), N, E):
-        raise ValueError(f"loads must be [moe_layers={len(moe_ids)}][ranks={N}][experts={E}], got {loads.shape}")
-    cap = capacity(cfg)
-    dense_dispatch = moe.dispatcher == "dense"
-    if cap is not None:
-        loads = np.minimum(loads, cap)
-    if dense_dispatch:
-        per_dst = np.array([len(placement.local_experts(r)) * cap for r in range(N)], dtype=np.int64)
-        routes = [np.tile(per_dst, (N, 1)) for _ in moe_ids]
-    else:
-        routes = [route_matrix(placement, loads[j]) for j in range(len(moe_ids))]
-
+    if np.asarray(loads).shape != (len(moe_ids), N, E):
+        raise ValueError(f"loads must be [moe_layers={len(moe_ids)}][ranks={N}][experts={E}], got {np.asarray(loads).shape}")
     g = OpGraph(N, costs.link_capacities(profile, topo),
-                meta={"strategy": "ep", "profile": profile.name, "topology": topo.describe(), "elem_bytes": eb})
+                meta={"profile": profile.name, "topology": topo.describe(), "elem_bytes": eb, **(meta or {})})
     ranks = list(range(N))
-    ct = lambda flops: costs.compute_time(flops, profile)  # noqa: E731
+    ctx = IterationContext(g, cfg, profile, topo, ranks, T, eb, hierarchical_a2a)
+    ct = ctx.compute_time
     t_attn, t_gate = ct(costs.attention_flops(T, d, s)), ct(costs.gate_flops(T, d, E))
     t_ffn, t_head = ct(costs.ffn_flops(T, d, f)), ct(costs.head_flops(T, d, V))
     act_attn = T * (6 * d + m.n_heads * s) * eb  # [estimate] LN, QKV, probs, context, output
-    act_ffn_per_tok = (d + 2 * f) * eb  # [estimate] input, pre- and post-activation hidden
+    act_ffn = T * (d + 2 * f) * eb  # [estimate] input, pre- and post-activation hidden
+    act_gate = T * (E + k * d) * eb
+    count_bytes = 8 * (E + 1) if moe.dispatcher == "dense" else 8 * E  # int64 counts (+ the dense capacity)
 
     n_dense = dense_param_count(m)
     n_local = [len(placement.local_experts(r)) * expert_param_count(m) for r in ranks]
     last = [g.add("init", r, category="other", kind="compute",
                   alloc={"params": (n_dense + n_local[r]) * eb, "grads": (n_dense + n_local[r]) * eb,
                          "optimizer": 2 * (n_dense + n_local[r]) * 4}) for r in ranks]
-
-    def a2a(name, tokens, deps, category, layer, phase):
-        mat = tokens * d * eb
-        return g.transfer(name, ranks, costs.alltoall_demands(mat, ranks, topo, profile, hierarchical_a2a),
-                          deps=deps, category=category, layer=layer, phase=phase,
-                          comm={"op": "all_to_all", "group": ranks, "splits": mat})
-
-    # forward
-    for i in range(m.n_layers):
+    for i in range(m.n_layers):  # forward
         last = [g.compute(r, f"L{i}.attn.fwd", t_attn, deps=(last[r],), category="attention", layer=i,
                           phase="fwd", alloc={"activations": act_attn}) for r in ranks]
         if i in moe_ids:
-            j = moe_ids.index(i)
-            recv = routes[j].sum(0)
             gates = [g.compute(r, f"L{i}.gate.fwd", t_gate, deps=(last[r],), category="gate", layer=i,
-                               phase="fwd", alloc={"activations": T * (E + k * d) * eb}) for r in ranks]
-            # count exchange: int64 counts per expert (the dense dispatcher adds its capacity)
-            nb = 8 * (E + 1) if dense_dispatch else 8 * E
-            pre = (g.transfer(f"L{i}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile, nb)],
-                              deps=gates, category="count_exchange", layer=i, phase="fwd",
-                              comm={"op": "all_gather", "group": ranks, "nbytes": nb}),)
-            disp = a2a(f"L{i}.dispatch", routes[j], pre, "a2a", i, "fwd")
-            exps = [g.compute(r, f"L{i}.experts.fwd", ct(costs.ffn_flops(int(recv[r]), d, f)), deps=(disp,),
-                              category="expert", layer=i, phase="fwd",
-                              alloc={"activations": int(recv[r]) * act_ffn_per_tok}) for r in ranks]
-            comb = a2a(f"L{i}.combine", routes[j].T, exps, "a2a", i, "fwd")
-            last = [comb] * N
+                               phase="fwd", alloc={"activations": act_gate}) for r in ranks]
+            counts = g.transfer(f"L{i}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile, count_bytes)],
+                                deps=gates, category="count_exchange", layer=i, phase="fwd",
+                                comm={"op": "all_gather", "group": ranks, "nbytes": count_bytes})
+            last = moe_forward(ctx, i, moe_ids.index(i), (counts,))
         else:
             last = [g.compute(r, f"L{i}.ffn.fwd", t_ffn, deps=(last[r],), category="ffn", layer=i, phase="fwd",
-                              alloc={"activations": T * act_ffn_per_tok}) for r in ranks]
+                              alloc={"activations": act_ffn}) for r in ranks]
     last = [g.compute(r, "head.fwd", t_head, deps=(last[r],), category="head", phase="fwd",
                       alloc={"activations": T * V * eb}) for r in ranks]
     last = [g.compute(r, "head.bwd", 2 * t_head, deps=(last[r],), category="head", phase="bwd",
                       free={"activations": T * V * eb}) for r in ranks]
-    # backward
-    for i in reversed(range(m.n_layers)):
+    for i in reversed(range(m.n_layers)):  # backward
         if i in moe_ids:
-            j = moe_ids.index(i)
-            recv = routes[j].sum(0)
-            comb_b = a2a(f"L{i}.combine.bwd", routes[j], last, "a2a", i, "bwd")
-            exps = [g.compute(r, f"L{i}.experts.bwd", 2 * ct(costs.ffn_flops(int(recv[r]), d, f)), deps=(comb_b,),
-                              category="expert", layer=i, phase="bwd",
-                              free={"activations": int(recv[r]) * act_ffn_per_tok}) for r in ranks]
-            disp_b = a2a(f"L{i}.dispatch.bwd", routes[j].T, exps, "a2a", i, "bwd")
-            last = [g.compute(r, f"L{i}.gate.bwd", 2 * t_gate, deps=(disp_b,), category="gate", layer=i,
-                              phase="bwd", free={"activations": T * (E + k * d) * eb}) for r in ranks]
+            done = moe_backward(ctx, i, moe_ids.index(i), last)
+            last = [g.compute(r, f"L{i}.gate.bwd", 2 * t_gate, deps=(done[r],), category="gate", layer=i,
+                              phase="bwd", free={"activations": act_gate}) for r in ranks]
         else:
             last = [g.compute(r, f"L{i}.ffn.bwd", 2 * t_ffn, deps=(last[r],), category="ffn", layer=i,
-                              phase="bwd", free={"activations": T * act_ffn_per_tok}) for r in ranks]
+                              phase="bwd", free={"activations": act_ffn}) for r in ranks]
         last = [g.compute(r, f"L{i}.attn.bwd", 2 * t_attn, deps=(last[r],), category="attention", layer=i,
                           phase="bwd", free={"activations": act_attn}) for r in ranks]
     grad_bytes = n_dense * eb
     prev = (g.transfer("dense_grads.allreduce", ranks, [costs.ring_demand("all_reduce", ranks, topo, profile, grad_bytes)],
                        deps=last, category="allreduce", phase="sync",
                        comm={"op": "all_reduce", "group": ranks, "nbytes": grad_bytes}),)
+    return g, ctx, prev
+
+
+def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *,
+                       elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False) -> OpGraph:
+    """One training iteration of the EP baseline, every rank, every layer.
+
+    MoE layer forward: dispatch all-to-all (tokens routed to expert holders by the placement's
+    rule), experts on the received tokens, combine all-to-all; backward mirrors it with 2x compute.
+    After the dense all-reduce, the replica gradient sync of :mod:`moelab.moe.sync`. ``elem_bytes``
+    defaults to ``cfg.train.dtype`` so bytes equal the runtime's (pass 2 to price fp16 at paper
+    scale). With a capacity factor, loads are clipped to the capacity (a no-op on loads recorded
+    after dropping). The ``dense`` dispatcher (DeepSpeed style) sends capacity-padded equal splits
+    and its experts compute the padded buffers.
+    """
+    m, moe = cfg.model, cfg.model.moe
+    N, E = topology_of(cfg).world_size, moe.num_experts
+    placement = placement or Placement.expert_parallel(E, N)
+    loads = np.asarray(loads, dtype=np.int64)
+    cap = capacity(cfg)
+    if cap is not None:
+        loads = np.minimum(loads, cap)
+    if moe.dispatcher == "dense":
+        per_dst = np.array([len(placement.local_experts(r)) * cap for r in range(N)], dtype=np.int64)
+        routes = [np.tile(per_dst, (N, 1)) for _ in range(loads.shape[0])]
+    else:
+        routes = [route_matrix(placement, L) for L in loads]
+
+    def moe_forward(ctx, i, j, deps):
+        recv = routes[j].sum(0)
+        disp = ctx.a2a(f"L{i}.dispatch", routes[j], deps, i, "fwd")
+        exps = [ctx.experts(r, f"L{i}.experts.fwd", recv[r], (disp,), i, "fwd") for r in ctx.ranks]
+        return [ctx.a2a(f"L{i}.combine", routes[j].T, exps, i, "fwd")] * N
+
+    def moe_backward(ctx, i, j, deps):
+        recv = routes[j].sum(0)
+        comb_b = ctx.a2a(f"L{i}.combine.bwd", routes[j], deps, i, "bwd")
+        exps = [ctx.experts(r, f"L{i}.experts.bwd", recv[r], (comb_b,), i, "bwd") for r in ctx.ranks]
+        return [ctx.a2a(f"L{i}.dispatch.bwd", routes[j].T, exps, i, "bwd")] * N
+
+    g, ctx, prev = transformer_iteration_graph(cfg, profile, loads, placement, moe_forward, moe_backward,
+                                               elem_bytes=elem_bytes, hierarchical_a2a=hierarchical_a2a,
+                                               meta={"strategy": "ep"})
     # replica grad sync (moelab.moe.sync): per MoE layer, per replicated expert in id order, each
     # replica sends its grad to the owner, then the owner sends the sum back
-    p_bytes = expert_param_count(m) * eb
-    for i in moe_ids:
+    p_bytes = expert_param_count(m) * ctx.eb
+    for i in moe_layer_ids(m):
         for e, holders in enumerate(placement.holders):
             owner = holders[0]
 
             def send(src, dst, deps, what):
                 return g.transfer(f"L{i}.e{e}.{what}.{src}->{dst}", [src, dst],
-                                  [costs.p2p_demand(src, dst, topo, profile, p_bytes)], deps=deps,
+                                  [costs.p2p_demand(src, dst, ctx.topo, profile, p_bytes)], deps=deps,
                                   category="replica_sync", layer=i, phase="sync",
                                   comm={"op": "p2p", "group": [src], "peer": dst, "nbytes": p_bytes})
 
