@@ -1,0 +1,265 @@
+"""FasterMoE reproduction experiments (moelab.strategies.fastermoe.experiments) at smoke scale: pure helpers
+against their definitions, the SIMULATED paper-scale results against the spec's invariants, and the REAL /
+EMULATED suites returning sane, labelled frames."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from moelab.strategies.fastermoe import experiments as E
+from moelab.strategies.fastermoe import perf_model as pm
+from moelab.strategies.fastermoe import roofline as rl
+from moelab.viz.figures import check_label
+
+SMOKE = "smoke"
+
+
+def labelled(frame):
+    check_label(frame.attrs["label"])
+    return frame
+
+
+# ---- pure helpers -------------------------------------------------------------------------------------------
+def test_scale_spec():
+    for s in E.SCALES:
+        sp = E.scale_spec(s)
+        assert sp.name == s and sp.nproc % 2 == 0 and 80500 in sp.trace_iters
+    assert E.scale_spec("default").nproc == 8 and E.scale_spec("smoke").nproc == 4  # 2 x 4 / 2 x 2
+    with pytest.raises(ValueError, match="scale must be one of"):
+        E.scale_spec("huge")
+
+
+def test_top2_shares_is_a_distribution_of_distinct_pairs():
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    s = E.top2_shares(p)
+    assert s.sum() == pytest.approx(1.0) and (s <= 0.5 + 1e-12).all()
+    rng = np.random.default_rng(0)
+    C = E.top2_counts(p, 20000, 1, rng)[0]
+    assert C.sum() == 40000 and C.max() <= 20000
+    np.testing.assert_allclose(C / C.sum(), s, atol=0.01)
+
+
+def test_t2_is_calibrated_deterministic_and_drifts():
+    P = E.t2_popularity([0, 500, 80500], 16, layer=3, seed=1)
+    np.testing.assert_allclose(P.sum(1), 1.0)
+    np.testing.assert_array_equal(P, E.t2_popularity([0, 500, 80500], 16, layer=3, seed=1))
+    top4 = np.sort(E.top2_shares(P[0]))[::-1][:4]
+    assert top4.mean() == pytest.approx(0.20, abs=0.01)  # "4 of 16 experts at about 20 % each"
+    assert np.abs(P[2] - P[0]).sum() > 0.05  # popularity changes over training
+    # asking for iteration 80500 alone gives the same state as walking through 500 first (exact increments)
+    assert E.t2_popularity([80500], 16, 3, 1).shape == (1, 16)
+    C = E.t2_counts([500, 501], 2, 4, 16, 256)
+    assert C.shape == (2, 2, 4, 16) and (C.sum(-1) == 512).all() and C.max() <= 256
+
+
+def test_rescale_counts_keeps_sums_caps_and_nodes():
+    rng = np.random.default_rng(0)
+    C = E.top2_counts(E.t2_popularity([0], 16)[0], 64, 4, rng)
+    C[0, 15] += 0  # node 0 = sources 0, 1
+    out = E.rescale_counts(C, 16, 1024, 2, 2)
+    assert out.shape == (16, 16) and (out.sum(1) == 2048).all() and out.max() <= 1024
+    # workers 0..7 (node 0) replay node-0 sources, 8..15 node-1 sources
+    np.testing.assert_allclose(out[0] / 2048, C[0] / 128, atol=2 / 2048)
+    np.testing.assert_allclose(out[8] / 2048, C[2] / 128, atol=2 / 2048)
+    dropped = E.rescale_counts(C * 0 + np.array([[10] * 16] * 4), 8, 100, 2, 2, tokens_src=100)
+    assert (dropped.sum(1) == 160).all()  # dropped slots stay dropped (scaled by tokens, not by row sum)
+
+
+def test_emulated_cluster_is_the_link_emulator():
+    """The perf model on EmulatedCluster equals Communicator.emulated_time of the slowest rank."""
+    from moelab.comm.bytes import by_link_class, peer_bytes
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+    from moelab.config import EmulationConfig
+
+    N, h = 8, 64
+    rng = np.random.default_rng(2)
+    C = rng.integers(0, 300, size=(N, 2 * N))
+    emu = EmulationConfig(enabled=True, intra_bw_GBps=0.3, inter_bw_GBps=0.05, intra_latency_us=40,
+                          inter_latency_us=40)
+    comm = Communicator(Topology(1, 1), emulation=emu)
+    topo = Topology(N, N // 2)
+    B = pm.traffic_matrix(C) * h * 4
+    group = list(range(N))
+    t_emu = max(comm.emulated_time(by_link_class(topo, r, peer_bytes("all_to_all", group, r, splits=B[r].tolist())),
+                                   by_link_class(topo, r, peer_bytes("all_to_all", group, r, splits=B[:, r].tolist())))
+                for r in range(N))
+    cl = E.EmulatedCluster(N, 2, 0.3e9, 0.05e9, latency_s=40e-6)
+    assert cl.a2a_time(C, h) == pytest.approx(t_emu, rel=1e-9)
+
+
+def test_pipeline_gantt_matches_the_pipeline_model():
+    rng = np.random.default_rng(3)
+    for G in (1, 2, 4):
+        dS, dC, dR = rng.random(G), rng.random(G), rng.random(G)
+        g = E.pipeline_gantt(dS, dC, dR)
+        assert g.end.max() == pytest.approx(pm.pipeline_time(dS, dC, dR))
+        assert E.pipeline_gantt(dS, dC, dR, sequential=True).end.max() == pytest.approx(dS.sum() + dC.sum() + dR.sum())
+        order = list(rng.permutation(G))
+        assert E.pipeline_gantt(dS, dC, dR, order=order).end.max() == pytest.approx(
+            pm.pipeline_time(dS[order], dC[order], dR[order]))
+
+
+def test_predicted_variants_on_a_hot_trace():
+    from moelab.models.traces import routing_trace
+
+    C = routing_trace("hot_expert", 1, 1, 8, 16, 512, 2, 0, expert=3, share=0.4).numpy()[0, 0]
+    cl = E.EmulatedCluster(8, 2, 0.1e9, 0.02e9, P=2e10, latency_s=50e-6)
+    S = E.select_shadows(C, 256, 512, 2e10, 0.02e9, c=5)
+    assert S == (3,)
+    p = E.predict_layer_variants(C, cl, 256, 512, group_size=2, shadowed=S)
+    assert p["shadow"] < p["fastmoe"] and p["both"] < p["fastmoe"] and p["smart"] <= p["fastmoe"] * (1 + 1e-9)
+    assert 1.0 <= p["theoretical"] <= 1.75
+    assert p["smart"] >= max(p["Tc"] * 3, 0) - 1e-12  # never faster than the compute alone
+
+
+def test_fig7_schedule_serves_every_group_once():
+    g = labelled(E.fig7_schedule(N=6, group_size=2))
+    assert sorted(g.op.value_counts().to_dict().items()) == [("C", 3), ("R", 3), ("S", 3)]
+    comm = g[g.stream == "comm"].sort_values("start")
+    assert (comm.start.diff().fillna(0) >= -1e-15).all()  # one comm stream: ops in order, no overlap
+    assert (comm.start.to_numpy()[1:] >= comm.end.to_numpy()[:-1] - 1e-15).all()
+    assert g[g.op == "S"].step.tolist() == [0, 1, 2]
+
+
+# ---- SIMULATED at paper scale -------------------------------------------------------------------------------
+def test_fig5_roofline_points_ordered_as_the_spec_says():
+    pts, lines = E.fig5_roofline(SMOKE)
+    labelled(pts)
+    p = pts.set_index("name")
+    assert (p.theta_TFLOPs <= p.ideal_TFLOPs * (1 + 1e-9)).all()  # nothing above the ideal line
+    for n in ("DP", "MP", "EP", "EP+shadow"):  # synchronous points: on or under semi-ideal
+        assert p.loc[n, "theta_TFLOPs"] <= p.loc[n, "semi_ideal_TFLOPs"] * (1 + 1e-9), n
+    assert p.loc["DP", "rho"] < 1 and p.loc["DP overlapped", "theta_TFLOPs"] > p.loc["DP", "theta_TFLOPs"]
+    imb = pts.attrs["imbalance"]
+    assert p.loc["EP", "theta_TFLOPs"] == pytest.approx(p.loc["EP", "semi_ideal_TFLOPs"] * imb, rel=1e-9)
+    assert pts.attrs["shadowed"], "a skewed T2 layer on johnny shadows something"
+    assert p.loc["EP+shadow", "rho"] < p.loc["EP", "rho"]  # arrow (1): rho down, Theta up
+    assert p.loc["EP+shadow", "theta_TFLOPs"] > p.loc["EP", "theta_TFLOPs"]
+    assert p.loc["EP+smart", "rho"] == pytest.approx(p.loc["EP", "rho"])  # arrow (2): same rho, Theta up
+    assert p.loc["EP+smart", "theta_TFLOPs"] > p.loc["EP", "theta_TFLOPs"]
+    assert (lines.ideal_TFLOPs >= lines.semi_ideal_TFLOPs).all()
+
+
+def test_paper_scale_breakdown_and_end_to_end():
+    f13 = labelled(E.fig13_breakdown(SMOKE))
+    assert set(f13.model) == set(E.PAPER_LAYER_MODELS) and set(f13.variant) == {"shadow", "smart", "both"}
+    assert (f13[f13.variant == "shadow"].speedup >= 1.0).all()  # a skewed trace: shadowing never hurts here
+    assert (f13.speedup >= 1.0).all()
+    both = f13[f13.variant == "both"].set_index("model").speedup
+    single = f13[f13.variant != "both"].groupby("model").speedup.max()
+    assert (both >= single.reindex(both.index) * 0.95).all()
+    f10 = labelled(E.fig10_end_to_end(SMOKE))
+    t = f10.pivot_table(index="model", columns="system", values="time_ms")
+    assert (t.FasterMoE < t.FastMoE).all() and (t.FastMoE < t["ZeRO-3"]).all()  # FastMoE already beats ZeRO-3
+    assert (t["ZeRO-3"] > t["ZeRO-2"]).all()
+    assert (f10[f10.system == "ZeRO-3"].speedup_vs_zero3 == 1.0).all()
+
+
+def test_fig12_theory_bounds_and_fig11_shadowing():
+    f12 = labelled(E.fig12_smart(SMOKE))
+    assert ((f12.theoretical >= 1.0) & (f12.theoretical <= 1.75 + 1e-12)).all()
+    assert (f12.achieved_pipeline_model <= f12.theoretical + 1e-9).all()
+    assert (f12.achieved_simulator >= 1.0).all()
+    lat, smap, summ = E.fig11_shadowing(SMOKE)
+    labelled(lat)
+    s = summ.iloc[0]
+    assert 0 < s.mean_fraction_shadowed < 1 and s.mean_speedup >= 1.0
+    assert smap.groupby("iter").share.sum().round(6).eq(1.0).all()
+
+
+def test_full_iteration_cross_check_when_a_zero_graph_exists():
+    df = E.fig10_full_iteration(SMOKE)
+    if not len(df):
+        pytest.skip("no 'zero' simulator graph registered")
+    ok = df.dropna(subset=["makespan_ms"])
+    assert {"FastMoE", "FasterMoE"} <= set(ok.system)
+    t = ok.pivot_table(index="model", columns="system", values="makespan_ms")
+    assert (t.FasterMoE <= t.FastMoE).all()
+
+
+def test_paper_numbers_and_table():
+    paper = E.paper_numbers()
+    assert {"zero3_speedup_johnny", "zero3_speedup_trevor", "predictor_r2_johnny", "smart_theoretical_max",
+            "breakdown_both_trevor"} <= set(paper.key)
+    assert paper.set_index("key").value["zero3_speedup_trevor"] == 17.87
+    assert paper.source.str.contains("§").all()
+    f13 = E.fig13_breakdown(SMOKE)
+    table = E.paper_vs_moelab({"fig13": f13})
+    assert set(paper.key) <= set(table.key)
+    row = table[(table.key == "breakdown_smart")].iloc[0]
+    assert row.moelab == pytest.approx(f13[f13.variant == "smart"].speedup.max())
+    assert row.ratio == pytest.approx(row.moelab / 1.40) and row.moelab_label.startswith("SIMULATED")
+    assert table[table.key == "zero3_speedup_trevor"].moelab.isna().all()  # fig10 not given: not run
+
+
+# ---- REAL / EMULATED at smoke scale ---------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_real_layer_suite_figures():
+    s = E.layer_suite(SMOKE)
+    assert s["N"] == 4 and s["nodes"] == 2 and s["label"].startswith("EMULATED")
+    t = s["times"]
+    assert (t.time_s > 0).all() and set(E.suite_variants(4)) <= set(t.variant)
+    b = labelled(E.fig6_shadow_bytes(SMOKE))
+    per = b.groupby(["variant", "op"]).MB.sum()
+    assert per["no shadow", "all_to_all"] > per["shadow hottest expert", "all_to_all"]
+    assert "broadcast" in per["shadow hottest expert"] and "broadcast" not in per["no shadow"]
+    real8, sim8 = E.fig8_schedules(SMOKE)
+    labelled(real8), labelled(sim8)
+    assert {"comm", "compute"} <= set(real8.stream)
+    ms = sim8.attrs["makespan_ms"]
+    assert ms["8c two streams, smart order"] <= ms["8a sequential"] + 1e-9
+    pts, _ = E.fig5_roofline_measured(SMOKE)
+    assert (labelled(pts).rho > 0).all() and (pts.theta_GFLOPs > 0).all()
+    for f in (E.fig12_smart_real(SMOKE), E.fig13_breakdown_real(SMOKE)):
+        assert len(labelled(f)) and np.isfinite(f.select_dtypes("number").to_numpy()).all()
+    lat, smap, summ = E.fig11_shadowing_real(SMOKE)
+    assert len(labelled(lat)) and 0 <= summ.mean_fraction_shadowed.iloc[0] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_real_fig3_routing_and_idle():
+    routing, workers = E.fig3_ep_example(SMOKE)
+    labelled(workers)
+    tot = routing.groupby("expert").tokens.sum().to_numpy()
+    assert tot[0] == 3 * tot[2]  # expert 0 gets 3x expert 2
+    assert (workers.idle_ms >= 0).all() and workers.idle_ms.iloc[0] == 0.0 or workers.idle_ms.min() == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_real_convergence_and_predictor():
+    curves = labelled(E.fig14_convergence(SMOKE))
+    a = curves[curves.system == "FastMoE (top-2)"].loss.to_numpy()
+    b = curves[curves.system == "FasterMoE"].loss.to_numpy()
+    np.testing.assert_allclose(b, a, rtol=1e-4)  # shadowing + smart schedule do not change the model
+    assert (curves.modelled_iter_s > 0).all() and curves.modelled_time_s.is_monotonic_increasing is not None
+    t3 = E.table3_time_to_loss(SMOKE, curves)
+    assert list(dict.fromkeys(t3.target)) == ["FastMoE at 80 %", "FastMoE at 40 %", "FastMoE at 20 %"]
+    ref = t3[t3.system == "FastMoE (top-2)"].set_index("target")
+    assert ref.loc["FastMoE at 80 %", "steps_to_target"] <= len(a) and ref.steps_vs_fastmoe.eq(1.0).all()
+    shares, summ = E.fig4_popularity(SMOKE)
+    assert summ.trace.str.startswith("T1").any() and (shares.groupby(["trace", "iter"]).share.sum().round(6) == 1).all()
+    pts, metrics = E.fig9_predictor(SMOKE)
+    labelled(pts)
+    m = metrics[(metrics["mode"] == "emulated") & (metrics.split == "evaluation") & (metrics.part == "e2e")]
+    assert len(m) == 1 and math.isfinite(m.r2.iloc[0]) and m.n.iloc[0] >= 2
+    assert {"paper (johnny)", "paper (trevor)"} <= set(metrics["mode"])
+    assert isinstance(E.paper_vs_moelab({"fig9_metrics": metrics, "table3": t3}), pd.DataFrame)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_real_end_to_end_steps():
+    df = labelled(E.fig10_real(SMOKE))
+    t = df.set_index("system")
+    assert {"FastMoE", "FasterMoE"} <= set(t.index) and (t.step_ms > 0).all()
+    assert t.loc["FasterMoE", "final_loss"] == pytest.approx(t.loc["FastMoE", "final_loss"], rel=1e-4)
+    if E.zero_available():
+        assert {"ZeRO-1", "ZeRO-2", "ZeRO-3"} <= set(t.index)
+        assert t.loc["ZeRO-3", "speedup_vs_zero3"] == 1.0
