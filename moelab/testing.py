@@ -86,3 +86,36 @@ def run_ranks(fn, nproc: int, *args, timeout: float = 120.0):
     if err is not None:
         raise err
     return [results[r] for r in range(nproc)]
+
+
+# A tiny fp64 model for training-equivalence tests: small enough for 4 ranks on 2 cores.
+TINY_TRAIN = {
+    "model.d_model": 16, "model.d_ff": 32, "model.n_layers": 2, "model.n_heads": 2, "model.seq_len": 16,
+    "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.balance_loss_coef": 0.0,
+    "model.moe.z_loss_coef": 0.001, "train.iters": 3, "train.batch_size": 2, "train.dtype": "float64",
+    "train.lr": 1e-2, "train.trace": False,
+}
+
+
+def train_snapshot(rank: int, world: int, overrides: dict) -> dict:
+    """Rank function for :func:`run_ranks`: train ``TINY_TRAIN`` + ``overrides`` and return what the
+    equivalence tests compare: losses, each held expert's flat params by (moe layer, expert), the
+    flat dense params, loads, each MoE layer's shadow log, collective counts by op, the layer class."""
+    from moelab.config import RunConfig
+    from moelab.runtime.train import Trainer
+
+    cfg = RunConfig().with_overrides({**TINY_TRAIN, "parallel.nproc": world, **overrides}).validate()
+    tr = Trainer.build(cfg)
+    losses = [row["loss"] for row in tr.run()]
+    experts = {}
+    for li, layer in enumerate(tr.model.moe_layers()):
+        ex = layer.experts
+        for s, e in enumerate(ex.experts):
+            experts[(li, e)] = torch.cat([p[s].detach().reshape(-1) for p in (ex.w1, ex.b1, ex.w2, ex.b2)])
+    ops: dict = {}
+    for r in tr.comm.rec.comm:
+        ops[r.op] = ops.get(r.op, 0) + 1
+    return dict(losses=losses, experts=experts, loads=tr.loads,
+                dense=torch.cat([p.detach().reshape(-1) for p in tr.model.dense_parameters()]),
+                shadows=[list(getattr(layer, "shadow_log", [])) for layer in tr.model.moe_layers()],
+                ops=ops, cls=type(tr.model.moe_layers()[0]).__name__)

@@ -11,7 +11,6 @@ import pytest
 
 from moelab.strategies.fastermoe import experiments as E
 from moelab.strategies.fastermoe import perf_model as pm
-from moelab.strategies.fastermoe import roofline as rl
 from moelab.viz.figures import check_label
 
 SMOKE = "smoke"

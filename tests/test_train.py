@@ -3,30 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from moelab.config import RunConfig
-from moelab.testing import run_ranks
+from moelab.testing import run_ranks, train_snapshot
 
-BASE = {
-    "model.d_model": 16, "model.d_ff": 32, "model.n_layers": 2, "model.n_heads": 2, "model.seq_len": 16,
-    "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.balance_loss_coef": 0.0,
-    "model.moe.z_loss_coef": 0.001, "train.iters": 3, "train.batch_size": 2, "train.dtype": "float64",
-    "train.lr": 1e-2, "train.trace": False,
-}
-
-
-def _train(rank, world, overrides):
-    from moelab.runtime.train import Trainer
-
-    cfg = RunConfig().with_overrides({**BASE, "parallel.nproc": world, **overrides}).validate()
-    tr = Trainer.build(cfg)
-    losses = [row["loss"] for row in tr.run()]
-    experts = {}
-    for li, layer in enumerate(tr.model.moe_layers()):
-        ex = layer.experts
-        for s, e in enumerate(ex.experts):
-            experts[(li, e)] = torch.cat([p[s].detach().reshape(-1) for p in (ex.w1, ex.b1, ex.w2, ex.b2)])
-    dense = torch.cat([p.detach().reshape(-1) for p in tr.model.dense_parameters()])
-    return dict(losses=losses, experts=experts, dense=dense, loads=tr.loads)
 
 
 def gather_experts(results):
@@ -43,7 +21,7 @@ def gather_experts(results):
 
 def test_placement_with_replicas_trains_like_ep():
     replicas = {"parallel.placement": {0: [0, 1], 1: [0], 2: [1, 0], 3: [1]}}
-    ep, rep = run_ranks(_train, 2, {}, timeout=120), run_ranks(_train, 2, replicas, timeout=120)
+    ep, rep = run_ranks(train_snapshot, 2, {}, timeout=120), run_ranks(train_snapshot, 2, replicas, timeout=120)
     assert ep[0]["losses"] == ep[1]["losses"]
     torch.testing.assert_close(torch.tensor(rep[0]["losses"]), torch.tensor(ep[0]["losses"]), rtol=1e-10, atol=0)
     e_ep, e_rep = gather_experts(ep), gather_experts(rep)
@@ -58,8 +36,8 @@ def test_placement_with_replicas_trains_like_ep():
 
 def test_ep1_equals_ep4():
     """One process on the global batch == 4 ranks on its quarters (dropless, no balance loss)."""
-    one = run_ranks(_train, 1, {"train.batch_size": 4}, timeout=120)[0]
-    four = run_ranks(_train, 4, {"train.batch_size": 1}, timeout=120)
+    one = run_ranks(train_snapshot, 1, {"train.batch_size": 4}, timeout=120)[0]
+    four = run_ranks(train_snapshot, 4, {"train.batch_size": 1}, timeout=120)
     torch.testing.assert_close(torch.tensor(four[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-10, atol=0)
     e1, e4 = gather_experts([one]), gather_experts(four)
     for key in e1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -20,6 +20,9 @@ from moelab.comm.door import Communicator, Recorder
 from moelab.comm.topology import LINK_CLASSES, Topology
 from moelab.config import RunConfig
 from moelab.placement import Placement
+
+if TYPE_CHECKING:
+    from moelab.runtime.update import Update
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -41,7 +44,7 @@ class Trainer:
     cfg: RunConfig
     model: torch.nn.Module
     comm: Communicator
-    update: "Update"
+    update: "Update"  # moelab.runtime.update: grad sync + optimizer (a strategy may supply its own)
     device: torch.device
     metrics: list = field(default_factory=list)
     loads: list = field(default_factory=list)
