@@ -119,3 +119,39 @@ def train_snapshot(rank: int, world: int, overrides: dict) -> dict:
                 dense=torch.cat([p.detach().reshape(-1) for p in tr.model.dense_parameters()]),
                 shadows=[list(getattr(layer, "shadow_log", [])) for layer in tr.model.moe_layers()],
                 ops=ops, cls=type(tr.model.moe_layers()[0]).__name__)
+
+
+# ---- layer vs the fp64 reference ---------------------------------------------------------------
+def rank_inputs(tokens, d: int, seed: int = 0, shift: float = 0.0):
+    """Per-rank fp64 inputs ``xs`` and upstream grads ``gys`` (``tokens[r]`` rows each), seeded;
+    ``shift`` moves every input (tests use it with a biased gate to make one expert hot)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(t, d, generator=g, dtype=torch.float64) for t in tokens]
+    gys = [torch.randn(t, d, generator=g, dtype=torch.float64) for t in tokens]
+    return [x + shift for x in xs] if shift else xs, gys
+
+
+def reference_grads(ref, xs, gys) -> dict:
+    """Run :class:`moelab.moe.reference.ReferenceMoE` on the per-rank chunks with the loss the
+    distributed tests use, ``sum_r <y_r, gy_r> + aux``; return outputs and every gradient
+    (an expert that got no token has a zero gradient)."""
+    xs = [x.clone().requires_grad_() for x in xs]
+    outs, aux, routes = ref(xs)
+    (sum((y * g).sum() for y, g in zip(outs, gys)) + aux).backward()
+    eg = {e: [p.grad if p.grad is not None else torch.zeros_like(p) for p in ref.expert(e)]
+          for e in range(ref.cfg.num_experts)}
+    return dict(y=[o.detach() for o in outs], gx=[x.grad for x in xs], gg=ref.gate.wg.weight.grad, eg=eg, routes=routes)
+
+
+def assert_matches_reference(results, ref: dict, *, bias: bool = True, scale: float = 1, **tol) -> None:
+    """Each rank's ``{y, gx, gg, eg}`` equals the reference; gradients times ``scale`` (e.g. the
+    number of micro-batches a test accumulated). Without expert biases only w1, w2 are compared."""
+    tol = tol or dict(rtol=1e-9, atol=1e-10)
+    for rank, res in enumerate(results):
+        torch.testing.assert_close(res["y"], ref["y"][rank], **tol)
+        torch.testing.assert_close(res["gx"], scale * ref["gx"][rank], **tol)
+        torch.testing.assert_close(res["gg"], scale * ref["gg"], **tol)
+        for e, grads in res["eg"].items():
+            want = ref["eg"][e] if bias else [ref["eg"][e][0], ref["eg"][e][2]]
+            for got, w in zip(grads, want):
+                torch.testing.assert_close(got, scale * w, **tol)

@@ -14,7 +14,7 @@ from moelab.comm.topology import Topology
 from moelab.config import MoEConfig
 from moelab.moe.reference import ReferenceMoE
 from moelab.moe.sync import sync_dense_grads
-from moelab.testing import run_ranks
+from moelab.testing import assert_matches_reference, rank_inputs, reference_grads, run_ranks
 
 D, F = 8, 16
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -22,12 +22,7 @@ CHEAP_POLICY = dict(shadow=True, shadow_gpu_flops=1e6, shadow_net_bw=1e12)  # co
 
 
 def make_inputs(tokens, seed=0, hot=None):
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(t, D, generator=g, dtype=torch.float64) for t in tokens]
-    gys = [torch.randn(t, D, generator=g, dtype=torch.float64) for t in tokens]
-    if hot is not None:
-        xs = [x + 1.0 for x in xs]
-    return xs, gys
+    return rank_inputs(tokens, D, seed, shift=1.0 if hot is not None else 0.0)
 
 
 def bias_gate(gate, hot, strength):
@@ -78,25 +73,12 @@ def reference(case):
     xs, gys = make_inputs(case["tokens"], case.get("seed", 0), case.get("hot"))
     ref = ReferenceMoE(D, F, cfg, layer_id=3, seed=7)
     bias_gate(ref.gate, case.get("hot"), case.get("strength", 0.5))
-    xs = [x.clone().requires_grad_() for x in xs]
-    outs, aux, routes = ref(xs)
-    loss = sum((y * g).sum() for y, g in zip(outs, gys)) + aux
-    loss.backward()
-    eg = {e: [p.grad if p.grad is not None else torch.zeros_like(p) for p in ref.expert(e)] for e in range(cfg.num_experts)}
-    return dict(y=[o.detach() for o in outs], gx=[x.grad for x in xs], gg=ref.gate.wg.weight.grad, eg=eg, routes=routes)
+    return reference_grads(ref, xs, gys)
 
 
 def check_against_reference(case, results, ref):
-    bias = case["moe"].get("expert_bias", True)
-    m = case.get("repeat", 1)
-    for rank, res in enumerate(results):
-        torch.testing.assert_close(res["y"], ref["y"][rank], **TOL)
-        torch.testing.assert_close(res["gx"], m * ref["gx"][rank], **TOL)
-        torch.testing.assert_close(res["gg"], m * ref["gg"], **TOL)
-        for e, grads in res["eg"].items():
-            want = ref["eg"][e] if bias else [ref["eg"][e][0], ref["eg"][e][2]]
-            for got, w in zip(grads, want):
-                torch.testing.assert_close(got, m * w, **TOL)
+    assert_matches_reference(results, ref, bias=case["moe"].get("expert_bias", True), scale=case.get("repeat", 1),
+                             **TOL)
 
 
 def check_traffic(case, results, ref, world):

@@ -12,7 +12,7 @@ from moelab.comm.topology import Topology
 from moelab.config import MoEConfig
 from moelab.moe.reference import ReferenceMoE
 from moelab.moe.sync import sync_dense_grads
-from moelab.testing import run_ranks
+from moelab.testing import assert_matches_reference, rank_inputs, reference_grads, run_ranks
 
 D, F = 8, 16
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -26,12 +26,7 @@ def moe(**kw):
 
 
 def make_inputs(tokens, seed=0, hot=None):
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(t, D, generator=g, dtype=torch.float64) for t in tokens]
-    gys = [torch.randn(t, D, generator=g, dtype=torch.float64) for t in tokens]
-    if hot is not None:
-        xs = [x + 1.0 for x in xs]
-    return xs, gys
+    return rank_inputs(tokens, D, seed, shift=1.0 if hot is not None else 0.0)
 
 
 def bias_gate(gate, hot, strength=0.5):
@@ -70,23 +65,11 @@ def reference(case):
     xs, gys = make_inputs(case["tokens"], case.get("seed", 0), case.get("hot"))
     ref = ReferenceMoE(D, F, cfg, layer_id=case.get("layer_id", 2), seed=7)
     bias_gate(ref.gate, case.get("hot"), case.get("strength", 0.5))
-    xs = [x.clone().requires_grad_() for x in xs]
-    outs, aux, routes = ref(xs)
-    (sum((y * g).sum() for y, g in zip(outs, gys)) + aux).backward()
-    eg = {e: [p.grad if p.grad is not None else torch.zeros_like(p) for p in ref.expert(e)] for e in range(cfg.num_experts)}
-    return dict(y=[o.detach() for o in outs], gx=[x.grad for x in xs], gg=ref.gate.wg.weight.grad, eg=eg)
+    return reference_grads(ref, xs, gys)
 
 
 def check(case, results, ref):
-    bias = case["moe"].get("expert_bias", True)
-    for rank, res in enumerate(results):
-        torch.testing.assert_close(res["y"], ref["y"][rank], **TOL)
-        torch.testing.assert_close(res["gx"], ref["gx"][rank], **TOL)
-        torch.testing.assert_close(res["gg"], ref["gg"], **TOL)
-        for e, grads in res["eg"].items():
-            want = ref["eg"][e] if bias else [ref["eg"][e][0], ref["eg"][e][2]]
-            for got, w in zip(grads, want):
-                torch.testing.assert_close(got, w, **TOL)
+    assert_matches_reference(results, ref, bias=case["moe"].get("expert_bias", True), **TOL)
 
 
 def traffic(res, phase):
