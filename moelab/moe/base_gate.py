@@ -142,26 +142,13 @@ def auction_assignment(scores: torch.Tensor, capacities: Optional[torch.Tensor] 
 
 def base_route(gate, x: torch.Tensor, logits: torch.Tensor):
     """The ``gate="base"`` routing of :class:`moelab.moe.gates.Gate` (top-1): see the module docstring."""
-    from moelab.moe.gates import Routing, capacity_for, capacity_locations
+    from moelab.moe.gates import finish_routing
 
-    cfg, E = gate.cfg, gate.num_experts
     if gate.k != 1:
         raise ValueError(f"gate='base' is a top-1 gate: set top_k=1 (got {gate.k})")
-    T = x.shape[0]
     if gate.training:
         idx = auction_assignment(logits.detach()).to(logits.device).unsqueeze(1)
     else:
         idx = logits.detach().argmax(dim=-1, keepdim=True)
     weights = torch.sigmoid(logits.gather(1, idx))
-    probs = torch.softmax(logits, dim=-1)
-    with torch.no_grad():
-        frac = torch.bincount(idx[:, 0], minlength=E).to(probs.dtype) / max(T, 1)
-        balance = E * (probs.mean(0) * frac).sum() if T > 0 else probs.sum() * 0
-        z = (torch.logsumexp(logits, dim=-1) ** 2).mean() if T > 0 else logits.sum() * 0
-    capacity = capacity_for(T, E, 1, cfg.capacity_factor, cfg.min_capacity)
-    loc = capacity_locations(idx, E)
-    if capacity is not None:
-        idx = torch.where(loc < capacity, idx, torch.full_like(idx, -1))
-    weights = weights * (idx >= 0).to(weights.dtype)
-    aux = logits.new_zeros(())
-    return Routing(idx, weights, loc, capacity, aux, balance.detach(), z.detach())
+    return finish_routing(logits, idx, weights, gate.cfg, aux_loss=False)  # balanced by construction: no aux loss

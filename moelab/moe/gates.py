@@ -97,19 +97,27 @@ class Gate(nn.Module):
         else:
             raise ValueError(f"unknown gate {cfg.gate!r}")
 
-        top1 = idx[:, 0]
-        frac = torch.bincount(top1, minlength=E).to(probs.dtype) / max(T, 1)
-        balance = E * (probs.mean(0) * frac).sum() if T > 0 else probs.sum() * 0
-        z = (torch.logsumexp(logits, dim=-1) ** 2).mean() if T > 0 else logits.sum() * 0
+        return finish_routing(logits, idx, weights, cfg, renormalize=cfg.gate == "gshard")
 
-        capacity = capacity_for(T, E, k, cfg.capacity_factor, cfg.min_capacity)
-        loc = capacity_locations(idx, E)
-        if capacity is not None:
-            idx = torch.where(loc < capacity, idx, torch.full_like(idx, -1))
-        kept = (idx >= 0).to(weights.dtype)
-        weights = weights * kept
-        if cfg.gate == "gshard":  # renormalize over surviving slots (DeepSpeed)
-            denom = weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
-            weights = weights / denom
-        aux = cfg.balance_loss_coef * balance + cfg.z_loss_coef * z
-        return Routing(idx, weights, loc, capacity, aux, balance.detach(), z.detach())
+
+def finish_routing(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, cfg: MoEConfig, *,
+                   top1: Optional[torch.Tensor] = None, renormalize: bool = False, aux_loss: bool = True) -> Routing:
+    """What every gate does after choosing ``idx[T,k]`` and ``weights``: balance and z losses
+    (balance over ``top1``, default ``idx[:, 0]``), capacity ``ceil(k*cf*T/E)`` with drops in
+    DeepSpeed order, dropped slots weighted 0, optional renormalization over the surviving slots
+    (GShard), and ``aux = coef_balance*balance + coef_z*z`` (or 0 for gates without aux loss)."""
+    T, E = logits.shape
+    probs = torch.softmax(logits, dim=-1)
+    top1 = idx[:, 0] if top1 is None else top1
+    frac = torch.bincount(top1, minlength=E).to(probs.dtype) / max(T, 1)
+    balance = E * (probs.mean(0) * frac).sum() if T > 0 else probs.sum() * 0
+    z = (torch.logsumexp(logits, dim=-1) ** 2).mean() if T > 0 else logits.sum() * 0
+    capacity = capacity_for(T, E, idx.shape[1], cfg.capacity_factor, cfg.min_capacity)
+    loc = capacity_locations(idx, E)
+    if capacity is not None:
+        idx = torch.where(loc < capacity, idx, torch.full_like(idx, -1))
+    weights = weights * (idx >= 0).to(weights.dtype)
+    if renormalize:  # over surviving slots (DeepSpeed top2gating)
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
+    aux = cfg.balance_loss_coef * balance + cfg.z_loss_coef * z if aux_loss else logits.new_zeros(())
+    return Routing(idx, weights, loc, capacity, aux, balance.detach(), z.detach())

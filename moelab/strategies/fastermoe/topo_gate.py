@@ -33,7 +33,7 @@ import torch
 
 from moelab.comm.topology import Topology
 from moelab.config import MoEConfig
-from moelab.moe.gates import Gate, Routing, capacity_for, capacity_locations
+from moelab.moe.gates import Gate, Routing, finish_routing
 from moelab.placement import Placement
 
 DEFAULT_FRACTION = 0.14
@@ -95,21 +95,9 @@ class TopoGate(Gate):
             raise ValueError("the topology-aware gate needs at least 2 experts per node (N_w * E >= 2)")
 
     def forward(self, x: torch.Tensor, rng: Optional[torch.Generator] = None, shadowed: Sequence[int] = ()) -> Routing:
-        cfg, E = self.cfg, self.num_experts
-        T = x.shape[0]
+        cfg = self.cfg
         logits = self.wg(x)
-        probs = torch.softmax(logits, dim=-1)
         remote = remote_mask(self.placement, self.topo, self.rank, shadowed)
         idx, t1, self.last_active = topo_route(logits, remote, self.fraction, self.strict)
         weights = torch.softmax(logits.gather(1, idx), dim=-1)
-
-        frac = torch.bincount(t1, minlength=E).to(probs.dtype) / max(T, 1)
-        balance = E * (probs.mean(0) * frac).sum() if T > 0 else probs.sum() * 0
-        z = (torch.logsumexp(logits, dim=-1) ** 2).mean() if T > 0 else logits.sum() * 0
-        capacity = capacity_for(T, E, 2, cfg.capacity_factor, cfg.min_capacity)
-        loc = capacity_locations(idx, E)
-        if capacity is not None:
-            idx = torch.where(loc < capacity, idx, torch.full_like(idx, -1))
-        weights = weights * (idx >= 0).to(weights.dtype)
-        aux = cfg.balance_loss_coef * balance + cfg.z_loss_coef * z
-        return Routing(idx, weights, loc, capacity, aux, balance.detach(), z.detach())
+        return finish_routing(logits, idx, weights, cfg, top1=t1)
