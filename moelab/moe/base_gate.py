@@ -38,6 +38,8 @@ from typing import Optional
 
 import torch
 
+from moelab.moe.routing import finish_routing
+
 MAX_ITERS = 100
 
 
@@ -142,8 +144,6 @@ def auction_assignment(scores: torch.Tensor, capacities: Optional[torch.Tensor] 
 
 def base_route(gate, x: torch.Tensor, logits: torch.Tensor):
     """The ``gate="base"`` routing of :class:`moelab.moe.gates.Gate` (top-1): see the module docstring."""
-    from moelab.moe.gates import finish_routing
-
     if gate.k != 1:
         raise ValueError(f"gate='base' is a top-1 gate: set top_k=1 (got {gate.k})")
     if gate.training:
