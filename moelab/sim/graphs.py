@@ -17,7 +17,6 @@ import math
 from typing import Callable, Optional
 
 import numpy as np
-import torch
 
 from moelab.comm.bytes import by_link_class, peer_bytes
 from moelab.comm.topology import LINK_CLASSES, Topology
@@ -112,22 +111,9 @@ def config_for_profile(cfg, profile, **overrides):
 
 
 def route_matrix(placement: Placement, layer_loads) -> np.ndarray:
-    """``tokens[src, dst]`` for one layer: ``placement.split_counts`` summed over experts.
-
-    Trivial placements (one holder each, as EP) take a vectorised path that gives the same answer
-    (tested against split_counts) because 64 ranks x 24 layers of the Python rule cost seconds.
-    """
-    L = np.asarray(layer_loads, dtype=np.int64)
-    N = placement.world_size
-    if placement.is_trivial:
-        owner = np.fromiter((h[0] for h in placement.holders), dtype=np.int64, count=placement.num_experts)
-        onehot = np.zeros((placement.num_experts, N), dtype=np.int64)
-        onehot[np.arange(placement.num_experts), owner] = 1
-        return L @ onehot
-    out = np.zeros((N, N), dtype=np.int64)
-    for src in range(N):
-        out[src] = placement.split_counts(src, torch.from_numpy(L[src])).sum(0).numpy()
-    return out
+    """``tokens[src, dst]`` for one layer, by the placement's routing rule: :meth:`Placement.routes`,
+    the same split the dispatcher plans with."""
+    return placement.routes(layer_loads)
 
 
 def synthetic_loads(cfg, seed: int = 0, skew: float = 1.0) -> np.ndarray:
