@@ -1,36 +1,68 @@
-"""Dispatchers: move each routed token to a holder of its expert and bring the result back.
+"""Dispatchers: move each routed row to a holder of its expert and bring the result back.
+
+Each dispatcher is staged as Megatron-Core's token dispatcher, so a strategy overrides one stage:
+``exchange_counts`` (the one collective before the plan) -> ``plan_from_counts`` (pure) ->
+``dispatch_preprocess`` / ``token_dispatch`` (the all-to-all) / ``dispatch_postprocess`` ->
+experts -> ``combine_preprocess`` / ``token_combine`` (the all-to-all) / ``combine_postprocess``.
 
 - :class:`SparseDispatcher` (FastMoE/Tutel style): count exchange (``all_gather`` of each rank's
   per-expert counts - every rank then knows the full ``[N, E]`` load matrix and, the placement's
   routing rule being pure, every split), then an uneven ``all_to_all``. Replica-aware through
-  :class:`~moelab.placement.Placement`. Only real tokens move.
+  :class:`~moelab.placement.Placement`. Only real rows move. The plan is the pure
+  :func:`plan_from_counts`: it takes any rows tagged with a destination expert (tokens x k slots
+  here; LSH-MoE's centroids elsewhere) and a per-call placement.
 - :class:`DenseDispatcher` (DeepSpeed/GShard style): a capacity-padded ``[E, C, d]`` buffer and an
   equal-split ``all_to_all``; padding moves too (and is computed, as DeepSpeed does). EP only.
 
 A :class:`DispatchPlan` holds every decision as data, so strategies and the simulator can read it.
+Dispatchers are registered by name (:func:`register_dispatcher`), ``cfg.dispatcher`` picks one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from moelab.comm.door import Communicator
-from moelab.moe.gates import Routing
+from moelab.moe.routing import Routing
 from moelab.placement import Placement
+
+DISPATCHERS: dict = {}
+
+
+def register_dispatcher(name: str, cls=None):
+    """Register a dispatcher class ``cls(comm, placement)`` as ``cfg.dispatcher = name`` (also a decorator)."""
+    def deco(c):
+        DISPATCHERS[name] = c
+        return c
+
+    return deco(cls) if cls is not None else deco
+
+
+@dataclass
+class CountExchange:
+    """What the count exchange learnt: every source's rows per expert (and, dense, the buffer size)."""
+
+    counts: torch.Tensor  # [N, E] rows each source routes to each expert (before the replica split)
+    capacity: Optional[int] = None  # dense: the largest source capacity (every rank's equal split)
 
 
 @dataclass
 class DispatchPlan:
-    global_counts: torch.Tensor  # [N, E] tokens each source routes to each expert (before replica split)
+    global_counts: torch.Tensor  # [N, E] rows each source routes to each expert (before replica split)
     in_rows: list  # rows this rank sends to each rank
     out_rows: list  # rows this rank receives from each rank
     rows_per_slot: list  # rows each local expert slot computes
-    send_pos: Optional[torch.Tensor] = None  # sparse: flat (token*k + j) slot index of each sent row
+    send_pos: Optional[torch.Tensor] = None  # sparse: index (into the planned rows) of each sent row, in send order
     recv_perm: Optional[torch.Tensor] = None  # sparse: source-major received rows -> slot-major
     recv_counts: Optional[torch.Tensor] = None  # sparse: [N, slots] rows from source j for slot s
+    send_split: Optional[torch.Tensor] = None  # sparse: [E, N] rows this rank sends to rank r for expert e
     capacity: Optional[int] = None  # dense
+    placement: Optional[Placement] = None  # the placement this call was planned with
+    shadowed: tuple = ()  # experts whose rows stay on their source (computed there on copied parameters)
+    shadow_pos: Optional[torch.Tensor] = None  # index of each shadowed row, expert-major, source order inside
+    shadow_counts: tuple = ()  # this rank's rows for each shadowed expert
 
 
 def block_permutation(counts: torch.Tensor) -> torch.Tensor:
@@ -54,58 +86,128 @@ def combine_slots(out_flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return torch.bmm(weights.unsqueeze(1), out_flat.view(T, k, out_flat.shape[-1])).squeeze(1)
 
 
+def local_counts(dest: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` rows of this rank per destination expert (``dest < 0``: dropped, not counted)."""
+    dest = dest.reshape(-1).cpu()
+    return torch.bincount(dest[dest >= 0], minlength=num_experts).to(torch.int64)
+
+
+def plan_from_counts(counts, placement: Placement, dest: torch.Tensor, rank: int,
+                     shadowed: Sequence[int] = ()) -> DispatchPlan:
+    """The sparse dispatch plan of ``rank``: pure (no communication, same answer on every rank).
+
+    ``counts[N, E]``: every source's rows per expert (the count exchange's result; row ``rank``
+    must be this rank's ``dest`` counts). ``dest[R]``: destination expert of each of this rank's
+    rows (-1: dropped). ``placement``: this call's placement; its rule splits each source's rows
+    over holders (:meth:`Placement.split`). ``shadowed``: experts computed where their rows are
+    (FasterMoE's shadows): their rows are neither sent nor received, listed in ``shadow_pos``.
+
+    Send order: rows sorted by (destination rank, its slot of the expert), stable, so within a
+    block they keep their order in ``dest``; a rule's blocks take an expert's rows in that order.
+    """
+    E, N = placement.num_experts, placement.world_size
+    C = torch.as_tensor(counts).to(torch.int64).cpu()
+    dest = dest.reshape(-1).cpu()
+    if tuple(C.shape) != (N, E):
+        raise ValueError(f"counts must be [{N}, {E}], got {tuple(C.shape)}")
+    if not torch.equal(local_counts(dest, E), C[rank]):
+        raise ValueError(f"counts row {rank} {C[rank].tolist()} does not count this rank's rows "
+                         f"{local_counts(dest, E).tolist()}")
+    held = torch.zeros(E, dtype=torch.bool)
+    shadowed = tuple(sorted(int(e) for e in shadowed))
+    if shadowed:
+        held[list(shadowed)] = True
+    valid_pos = (dest >= 0).nonzero().squeeze(1)
+    experts = dest[valid_pos]
+    keep = ~held[experts]
+    pos, exp = valid_pos[keep], experts[keep]
+    order = torch.argsort(exp, stable=True)
+    pos_sorted, exp_sorted = pos[order], exp[order]
+
+    sent = C.clone()
+    sent[:, held] = 0
+    split = torch.from_numpy(placement.split(sent.numpy()))  # [N, E, N]: src -> expert -> dst
+    if placement.is_trivial:  # one holder each: every row goes to its expert's owner
+        to_rank = torch.from_numpy(placement.owners)[exp_sorted]
+    else:
+        ranks, ns = [], []
+        for e in range(E):
+            for r, n in placement.blocks(rank, e, int(sent[rank, e])):
+                ranks.append(r)
+                ns.append(n)
+        to_rank = torch.repeat_interleave(torch.tensor(ranks, dtype=torch.int64), torch.tensor(ns, dtype=torch.int64)) \
+            if ranks else torch.zeros(0, dtype=torch.int64)
+    key = to_rank * E + placement.slot_table[to_rank, exp_sorted]
+    send_pos = pos_sorted[torch.argsort(key, stable=True)]
+    in_rows = torch.bincount(to_rank, minlength=N).tolist()
+
+    local = list(placement.local_experts(rank))
+    recv_counts = split[:, local, rank] if local else torch.zeros(N, 0, dtype=torch.int64)
+    sh_pos, sh_exp = valid_pos[~keep], experts[~keep]
+    per_expert = torch.bincount(sh_exp, minlength=E)
+    return DispatchPlan(C, in_rows, recv_counts.sum(1).tolist(), recv_counts.sum(0).tolist(),
+                        send_pos=send_pos, recv_perm=block_permutation(recv_counts), recv_counts=recv_counts,
+                        send_split=split[rank], placement=placement, shadowed=shadowed,
+                        shadow_pos=sh_pos[torch.argsort(sh_exp, stable=True)],
+                        shadow_counts=tuple(int(per_expert[e]) for e in shadowed))
+
+
+@register_dispatcher("sparse")
 class SparseDispatcher:
     def __init__(self, comm: Communicator, placement: Placement):
         self.comm, self.placement = comm, placement
         self.rank, self.N, self.E = comm.rank, placement.world_size, placement.num_experts
-        self.local = placement.local_experts(self.rank)
+
+    # ---- plan -------------------------------------------------------------------------------
+    def exchange_counts(self, routing: Routing) -> CountExchange:
+        """The collective before the plan: ``all_gather`` of this rank's per-expert counts."""
+        return CountExchange(self.comm.all_gather(local_counts(routing.idx, self.E), group="ep"))
+
+    def plan_from_counts(self, counts: CountExchange, routing: Routing, placement: Optional[Placement] = None,
+                         shadowed: Sequence[int] = ()) -> DispatchPlan:
+        return plan_from_counts(counts.counts, placement or self.placement, routing.idx, self.rank, shadowed)
 
     def plan(self, routing: Routing) -> DispatchPlan:
-        pl, E, N, me = self.placement, self.E, self.N, self.rank
-        flat = routing.idx.reshape(-1).cpu()  # planning is small integer work: on the CPU
-        valid_pos = (flat >= 0).nonzero().squeeze(1)
-        experts = flat[valid_pos]
-        order = torch.argsort(experts, stable=True)
-        pos_sorted, exp_sorted = valid_pos[order], experts[order]
-        lec = torch.bincount(experts, minlength=E).to(torch.int64)
-        C = self.comm.all_gather(lec, group="ep")  # [N, E]: the count exchange
+        return self.plan_from_counts(self.exchange_counts(routing), routing)
 
-        ranks, ns = [], []
-        for e in range(E):
-            for r, n in pl.blocks(me, e, int(lec[e])):
-                ranks.append(r)
-                ns.append(n)
-        dest = torch.repeat_interleave(torch.tensor(ranks, dtype=torch.int64), torch.tensor(ns, dtype=torch.int64)) \
-            if ranks else torch.zeros(0, dtype=torch.int64)
-        key = dest * E + pl.slot_table[dest, exp_sorted]
-        send_pos = pos_sorted[torch.argsort(key, stable=True)]
-        in_rows = torch.bincount(dest, minlength=N).tolist()
-
-        local_idx = torch.tensor(self.local, dtype=torch.int64)
-        if pl.is_trivial:  # plain EP: every source sends all its tokens for my experts to me
-            recv_counts = C.cpu()[:, local_idx]
-        else:
-            recv_counts = torch.zeros(N, len(self.local), dtype=torch.int64)
-            for j in range(N):
-                if len(self.local):
-                    recv_counts[j] = pl.split_counts(j, C[j])[local_idx, me]
-        return DispatchPlan(C, in_rows, recv_counts.sum(1).tolist(), recv_counts.sum(0).tolist(),
-                            send_pos=send_pos, recv_perm=block_permutation(recv_counts), recv_counts=recv_counts)
-
-    def dispatch(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+    # ---- dispatch ------------------------------------------------------------------------------
+    def dispatch_preprocess(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+        """Rows to send, destination-major (row ``p`` of the plan is token ``p // k``)."""
         k = routing.idx.shape[1]
         # index_select, not x[idx]: its backward is a plain index_add, not an accumulating index_put
-        recv = self.comm.all_to_all(x.index_select(0, (plan.send_pos // k).to(x.device)), plan.out_rows, plan.in_rows)
-        return recv.index_select(0, plan.recv_perm.to(x.device))
+        return x.index_select(0, (plan.send_pos // k).to(x.device))
 
-    def combine(self, y: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+    def token_dispatch(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return self.comm.all_to_all(rows, plan.out_rows, plan.in_rows)
+
+    def dispatch_postprocess(self, recv: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Source-major received rows -> slot-major (each local expert's rows contiguous)."""
+        return recv.index_select(0, plan.recv_perm.to(recv.device))
+
+    def dispatch(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+        return self.dispatch_postprocess(self.token_dispatch(self.dispatch_preprocess(x, plan, routing), plan), plan)
+
+    # ---- combine -------------------------------------------------------------------------------
+    def combine_preprocess(self, y: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return torch.empty_like(y).index_copy(0, plan.recv_perm.to(y.device), y)  # slot-major -> source-major
+
+    def token_combine(self, back: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return self.comm.all_to_all(back, plan.in_rows, plan.out_rows)
+
+    def combine_postprocess(self, back: torch.Tensor, plan: DispatchPlan, routing: Routing,
+                            shadow_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Returned rows (and the shadowed rows' outputs, computed here) to their slots, weighted."""
         T, k = routing.idx.shape
-        back = torch.empty_like(y).index_copy(0, plan.recv_perm.to(y.device), y)  # slot-major -> source-major
-        back = self.comm.all_to_all(back, plan.in_rows, plan.out_rows)
-        out_flat = y.new_zeros(T * k, y.shape[1]).index_copy(0, plan.send_pos.to(y.device), back)
+        out_flat = back.new_zeros(T * k, back.shape[1]).index_copy(0, plan.send_pos.to(back.device), back)
+        if shadow_out is not None:
+            out_flat = out_flat.index_copy(0, plan.shadow_pos.to(back.device), shadow_out)
         return combine_slots(out_flat, routing.weights)
 
+    def combine(self, y: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+        return self.combine_postprocess(self.token_combine(self.combine_preprocess(y, plan), plan), plan, routing)
 
+
+@register_dispatcher("dense")
 class DenseDispatcher:
     def __init__(self, comm: Communicator, placement: Placement):
         if not placement.is_trivial:
@@ -114,36 +216,67 @@ class DenseDispatcher:
         self.N, self.E = placement.world_size, placement.num_experts
         self.E_local = self.E // self.N
 
-    def plan(self, routing: Routing) -> DispatchPlan:
+    # ---- plan -------------------------------------------------------------------------------
+    def exchange_counts(self, routing: Routing) -> CountExchange:
+        """Counts for metrics plus each rank's capacity, in one ``all_gather``: ranks with fewer tokens
+        have a smaller capacity, but the equal-split buffer must be the same size everywhere (the max)."""
         if routing.capacity is None:
             raise ValueError("the dense dispatcher needs a capacity factor")
-        flat = routing.idx.reshape(-1).cpu()
-        lec = torch.bincount(flat[flat >= 0], minlength=self.E).to(torch.int64)
-        # counts for metrics plus each rank's capacity: ranks with fewer tokens have a smaller
-        # capacity, but the equal-split buffer must be the same size everywhere (the max)
+        lec = local_counts(routing.idx, self.E)
         gathered = self.comm.all_gather(torch.cat([lec, torch.tensor([routing.capacity])]), group="ep")
-        cap = int(gathered[:, -1].max())
+        return CountExchange(gathered[:, :-1], int(gathered[:, -1].max()))
+
+    def plan_from_counts(self, counts: CountExchange, routing: Routing, placement: Optional[Placement] = None,
+                         shadowed: Sequence[int] = ()) -> DispatchPlan:
+        if (placement is not None and placement != self.placement) or shadowed:
+            raise ValueError("the dense dispatcher plans plain expert parallelism only (no per-call placement, "
+                             "no shadowed experts)")
+        cap = counts.capacity
         rows = self.E_local * cap
-        return DispatchPlan(gathered[:, :-1], [rows] * self.N, [rows] * self.N, [self.N * cap] * self.E_local,
-                            capacity=cap)
+        return DispatchPlan(counts.counts, [rows] * self.N, [rows] * self.N, [self.N * cap] * self.E_local,
+                            capacity=cap, placement=self.placement)
+
+    def plan(self, routing: Routing) -> DispatchPlan:
+        return self.plan_from_counts(self.exchange_counts(routing), routing)
 
     def _buffer_index(self, routing: Routing, cap: int):
         flat_idx = routing.idx.reshape(-1)
         valid = (flat_idx >= 0).nonzero().squeeze(1)
         return valid, flat_idx[valid] * cap + routing.loc.reshape(-1)[valid]
 
-    def dispatch(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+    # ---- dispatch ------------------------------------------------------------------------------
+    def dispatch_preprocess(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+        """The ``[E, C, d]`` capacity buffer (zero padding where a slot is empty)."""
         Cap, d, k = plan.capacity, x.shape[1], routing.idx.shape[1]
         valid, buf_idx = self._buffer_index(routing, Cap)
-        buf = x.new_zeros(self.E * Cap, d).index_copy(0, buf_idx, x[valid // k])
-        recv = self.comm.all_to_all(buf, plan.out_rows, plan.in_rows)  # [(src, e_local, c), d]
-        return recv.view(self.N, self.E_local, Cap, d).transpose(0, 1).reshape(-1, d)
+        return x.new_zeros(self.E * Cap, d).index_copy(0, buf_idx, x[valid // k])
+
+    def token_dispatch(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return self.comm.all_to_all(rows, plan.out_rows, plan.in_rows)  # [(src, e_local, c), d]
+
+    def dispatch_postprocess(self, recv: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        d = recv.shape[1]
+        return recv.view(self.N, self.E_local, plan.capacity, d).transpose(0, 1).reshape(-1, d)
+
+    def dispatch(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+        return self.dispatch_postprocess(self.token_dispatch(self.dispatch_preprocess(x, plan, routing), plan), plan)
+
+    # ---- combine -------------------------------------------------------------------------------
+    def combine_preprocess(self, y: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        d = y.shape[1]
+        return y.view(self.E_local, self.N, plan.capacity, d).transpose(0, 1).reshape(-1, d)
+
+    def token_combine(self, back: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return self.comm.all_to_all(back, plan.in_rows, plan.out_rows)  # [(e, c), d]
+
+    def combine_postprocess(self, back: torch.Tensor, plan: DispatchPlan, routing: Routing,
+                            shadow_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if shadow_out is not None:
+            raise ValueError("the dense dispatcher has no shadowed experts")
+        T, k = routing.idx.shape
+        valid, buf_idx = self._buffer_index(routing, plan.capacity)
+        out_flat = back.new_zeros(T * k, back.shape[1]).index_copy(0, valid, back[buf_idx])
+        return combine_slots(out_flat, routing.weights)
 
     def combine(self, y: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
-        Cap, d = plan.capacity, y.shape[1]
-        T, k = routing.idx.shape
-        back = y.view(self.E_local, self.N, Cap, d).transpose(0, 1).reshape(-1, d)
-        back = self.comm.all_to_all(back, plan.in_rows, plan.out_rows)  # [(e, c), d]
-        valid, buf_idx = self._buffer_index(routing, Cap)
-        out_flat = y.new_zeros(T * k, d).index_copy(0, valid, back[buf_idx])
-        return combine_slots(out_flat, routing.weights)
+        return self.combine_postprocess(self.token_combine(self.combine_preprocess(y, plan), plan), plan, routing)

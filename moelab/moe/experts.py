@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,43 @@ def init_expert(d_model: int, d_ff: int, seed: int, layer_id: int, expert: int, 
     w2 = (torch.rand(d_ff, d_model, generator=g, dtype=torch.float64) * 2 - 1) * b2_bound
     b2 = (torch.rand(d_model, generator=g, dtype=torch.float64) * 2 - 1) * b2_bound
     return tuple(t.to(dtype) for t in (w1, b1, w2, b2))
+
+
+# ---- one expert's FFN on explicit tensors, and its parameters as one flat buffer -----------------
+# Used where an expert runs outside its stack: on broadcast copies (FasterMoE's shadows) and on the
+# private per-chunk graphs of the smart schedule. Matmul + add, not Experts' fused addmm: the same
+# math, kept bit-for-bit as those paths have always computed it.
+def ffn(x: torch.Tensor, w1, b1, w2, b2, act) -> torch.Tensor:
+    h = x @ w1
+    if b1 is not None:
+        h = h + b1
+    y = act(h) @ w2
+    if b2 is not None:
+        y = y + b2
+    return y
+
+
+def expert_param_shapes(experts: "Experts") -> list:
+    """Shapes of one expert's tensors (w1, b1, w2, b2; None where there is no bias)."""
+    return [None if p is None else tuple(p.shape[1:]) for p in experts.stacked()]
+
+
+def flatten_slot(params: Sequence[Optional[torch.Tensor]], slot: int) -> torch.Tensor:
+    """One slot of stacked ``(w1, b1, w2, b2)`` as a flat detached buffer (broadcast/reduce unit)."""
+    return torch.cat([p[slot].detach().reshape(-1) for p in params if p is not None])
+
+
+def unflatten(buf: torch.Tensor, shapes) -> list:
+    """Inverse of :func:`flatten_slot` for one expert: views of ``buf`` (None kept as None)."""
+    out, off = [], 0
+    for shp in shapes:
+        if shp is None:
+            out.append(None)
+            continue
+        n = math.prod(shp)
+        out.append(buf[off:off + n].view(shp))
+        off += n
+    return out
 
 
 class Experts(nn.Module):
@@ -84,6 +121,10 @@ class Experts(nn.Module):
         if not outs:  # keep the graph connected: every rank must run the same backward collectives
             return x * 1
         return torch.cat(outs, 0)
+
+    def stacked(self) -> list:
+        """The stacked parameters ``[w1, b1, w2, b2]`` (None where there is no bias)."""
+        return [self.w1, self.b1, self.w2, self.b2]
 
     def slot_parameters(self, s: int) -> list:
         return [p[s] for p in (self.w1, self.b1, self.w2, self.b2) if p is not None]

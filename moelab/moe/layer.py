@@ -1,14 +1,22 @@
-"""The MoE layer as stages: route -> place -> dispatch -> expert compute -> combine.
+"""The MoE layer as stages, each a method a strategy may override (Megatron-Core's staged dispatcher):
 
-Backward mirrors it through autograd (the all-to-alls are autograd Functions). A strategy changes
-only the stage it needs: the placement (who holds which expert), the dispatcher, or what happens
-to gradients. Usable as a drop-in replacement of a Transformer FFN: ``y = layer(x)`` for any
-``x[..., d_model]``; the auxiliary loss is left in ``layer.aux_loss`` for the model to add.
+    route -> exchange_counts -> place(counts) -> plan
+          -> dispatch_preprocess / token_dispatch (all-to-all) / dispatch_postprocess
+          -> compute_experts
+          -> combine_preprocess / token_combine (all-to-all) / combine_postprocess
+
+``dispatch_compute_combine`` chains the middle stages, for a strategy that pipelines them as one
+(FasterMoE's smart schedule). Backward mirrors the stages through autograd (the all-to-alls are
+autograd Functions). The gate rule and the dispatcher are looked up by name in registries
+(:func:`moelab.moe.gates.register_gate`, :func:`moelab.moe.dispatch.register_dispatcher`), so a
+strategy adds one without editing the core. Usable as a drop-in replacement of a Transformer FFN:
+``y = layer(x)`` for any ``x[..., d_model]``; the auxiliary loss is left in ``layer.aux_loss`` for
+the model to add, and :meth:`MoELayer.plan_record` describes the call's plan as JSON-able data.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -16,9 +24,10 @@ from torch import nn
 from moelab.comm.door import Communicator
 from moelab.comm.topology import Topology
 from moelab.config import MoEConfig
-from moelab.moe.dispatch import DenseDispatcher, SparseDispatcher
+from moelab.moe.dispatch import DISPATCHERS, CountExchange, DispatchPlan
 from moelab.moe.experts import Experts, seeded_generator
 from moelab.moe.gates import Gate
+from moelab.moe.routing import Routing
 from moelab.placement import Placement
 
 
@@ -41,17 +50,20 @@ class MoELayer(nn.Module):
         self.placement = placement or Placement.expert_parallel(moe_cfg.num_experts, self.comm.world_size)
         if self.placement.world_size != self.comm.world_size or self.placement.num_experts != moe_cfg.num_experts:
             raise ValueError("placement does not match the communicator's world size or the expert count")
+        if moe_cfg.dispatcher not in DISPATCHERS:
+            raise ValueError(f"unknown dispatcher model.moe.dispatcher={moe_cfg.dispatcher!r}; "
+                             f"registered: {sorted(DISPATCHERS)}")
         self.gate = Gate(d_model, moe_cfg, dtype=dtype)
         init_gate_(self.gate, seed, layer_id)
         self.experts = Experts(d_model, d_ff, self.placement.local_experts(self.comm.rank), seed=seed,
                                layer_id=layer_id, activation=moe_cfg.activation, bias=moe_cfg.expert_bias, dtype=dtype)
-        dispatcher_cls = {"sparse": SparseDispatcher, "dense": DenseDispatcher}[moe_cfg.dispatcher]
-        self.dispatcher = dispatcher_cls(self.comm, self.placement)
+        self.dispatcher = DISPATCHERS[moe_cfg.dispatcher](self.comm, self.placement)
         self.forward_calls = 0
         self.aux_loss = torch.zeros(())
         self.last_counts = torch.zeros(moe_cfg.num_experts, dtype=torch.int64)
         self.last_global_counts = None
         self.last_routing = None
+        self.last_plan: Optional[DispatchPlan] = None
 
     def route_rng(self) -> Optional[torch.Generator]:
         """Random routing draws from (seed, layer, call, rank): reproducible and rank-distinct."""
@@ -65,15 +77,84 @@ class MoELayer(nn.Module):
         rec = self.comm.rec
         with rec.tagged(layer=self.layer_id, phase="fwd"):
             with rec.span("gate", "gate"):
-                routing = self.gate(x, rng=self.route_rng())
-            plan = self.dispatcher.plan(routing)
-            xe = self.dispatcher.dispatch(x, plan, routing)
-            with rec.span("experts", "expert"):
-                ye = self.experts(xe, plan.rows_per_slot)
-            y = self.dispatcher.combine(ye, plan, routing)
+                routing = self.route(x)
+            counts = self.exchange_counts(routing)
+            placement, shadowed = self.place(counts.counts)
+            plan = self.plan(routing, counts, placement, shadowed)
+            y = self.dispatch_compute_combine(x, plan, routing)
         self.forward_calls += 1
         self.aux_loss = routing.aux_loss
         self.last_routing = routing
+        self.last_plan = plan
         self.last_global_counts = plan.global_counts
         self.last_counts = plan.global_counts[self.comm.rank]
         return y.reshape(shape)
+
+    # ---- route, count exchange, place, plan ---------------------------------------------------
+    def route(self, x: torch.Tensor) -> Routing:
+        return self.gate(x, rng=self.route_rng())
+
+    def exchange_counts(self, routing: Routing) -> CountExchange:
+        return self.dispatcher.exchange_counts(routing)
+
+    def place(self, counts: torch.Tensor) -> Tuple[Placement, Tuple[int, ...]]:
+        """This call's placement and the experts computed where their rows are (shadowed), from the
+        global ``[N, E]`` counts. The default: the static placement, nothing shadowed."""
+        return self.placement, ()
+
+    def plan(self, routing: Routing, counts: CountExchange, placement: Placement,
+             shadowed: Sequence[int] = ()) -> DispatchPlan:
+        if placement.local_experts(self.comm.rank) != self.experts.experts:
+            raise ValueError(f"this call's placement puts experts {placement.local_experts(self.comm.rank)} on rank "
+                             f"{self.comm.rank}, whose expert slots hold {self.experts.experts}")
+        return self.dispatcher.plan_from_counts(counts, routing, placement, shadowed)
+
+    # ---- dispatch, experts, combine -------------------------------------------------------------
+    def dispatch_compute_combine(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+        xe = self.dispatch_postprocess(self.token_dispatch(self.dispatch_preprocess(x, plan, routing), plan), plan)
+        with self.comm.rec.span("experts", "expert"):
+            ye = self.compute_experts(xe, plan)
+        back = self.token_combine(self.combine_preprocess(ye, plan), plan)
+        return self.combine_postprocess(back, x, plan, routing)
+
+    def dispatch_preprocess(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+        return self.dispatcher.dispatch_preprocess(x, plan, routing)
+
+    def token_dispatch(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return self.dispatcher.token_dispatch(rows, plan)
+
+    def dispatch_postprocess(self, recv: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return self.dispatcher.dispatch_postprocess(recv, plan)
+
+    def compute_experts(self, xe: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return self.experts(xe, plan.rows_per_slot)
+
+    def combine_preprocess(self, ye: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return self.dispatcher.combine_preprocess(ye, plan)
+
+    def token_combine(self, back: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return self.dispatcher.token_combine(back, plan)
+
+    def combine_postprocess(self, back: torch.Tensor, x: torch.Tensor, plan: DispatchPlan,
+                            routing: Routing) -> torch.Tensor:
+        """``x`` is the layer input, for strategies that compute some rows here (shadowed experts)."""
+        return self.dispatcher.combine_postprocess(back, plan, routing)
+
+    # ---- the plan as data -------------------------------------------------------------------------
+    def plan_record(self) -> dict:
+        """JSON-able description of the latest call's plan (one line of ``plans.jsonl``): layer, call,
+        dispatcher, global counts; the placement when it is not plain EP; the shadow set if any;
+        the capacity when the dispatcher pads to one."""
+        plan = self.last_plan
+        if plan is None:
+            raise RuntimeError("plan_record() needs a forward call first")
+        rec = {"layer": self.layer_id, "call": self.forward_calls - 1, "dispatcher": self.cfg.dispatcher,
+               "counts": plan.global_counts.tolist()}
+        pl = plan.placement
+        if pl is not None and not pl.is_expert_parallel:
+            rec["placement"] = pl.to_record()
+        if plan.shadowed:
+            rec["shadowed"] = list(plan.shadowed)
+        if plan.capacity is not None:
+            rec["capacity"] = plan.capacity
+        return rec

@@ -1,16 +1,18 @@
 """FasterMoE's MoE layer: the core :class:`~moelab.moe.layer.MoELayer` with the stages FasterMoE
 changes - route (topology-aware gate), place (dynamic shadowing) and dispatch+compute+combine
-(smart schedule) - each switched by an option (:mod:`.options`).
+(smart schedule) - each switched by an option (:mod:`.options`). Everything else is the core's.
 
 Per forward (spec §2.4 runtime protocol; every collective in the same order on every rank):
 
-1. gate -> routing; the count exchange ``C = all_gather(lec)`` (the core's, done here because the
-   shadow set has to be known before the dispatch plan);
-2. ``S = select_shadows(C)`` (pure, same on every rank) or the forced set; sorted by expert id;
-3. the tokens of non-shadowed experts go through the sparse path (uneven all-to-all, experts,
-   reverse all-to-all) - or the smart schedule;
-4. for each ``e in S`` the owner broadcasts the current parameters of e (one flat buffer,
-   ``Communicator.broadcast_``); every rank runs its own tokens for e on a private graph built on
+1. route (the gate, or the topology gate with the shadow hint); the core's count exchange
+   ``C = all_gather(lec)``;
+2. place: ``S = select_shadows(C)`` (pure, same on every rank) or the forced set, sorted by id;
+3. plan: the core's :func:`~moelab.moe.dispatch.plan_from_counts` with ``shadowed=S``: the rows of
+   shadowed experts are not sent (``plan.shadow_pos``);
+4. the other rows go through the sparse path (uneven all-to-all, experts, reverse all-to-all) - or
+   the smart schedule (``dispatch_compute_combine``);
+5. for each ``e in S`` the owner broadcasts the current parameters of e (one flat buffer,
+   ``Communicator.broadcast_``); every rank runs its own rows for e on a private graph built on
    the broadcast tensors, writing the outputs straight to their slots (never through the
    all-to-all).
 
@@ -27,54 +29,22 @@ backward before its backward (reduces first) - by data dependence, not by the en
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Tuple
 
 import torch
 
-from moelab.moe.dispatch import DispatchPlan, block_permutation, combine_slots
+from moelab.moe.dispatch import DispatchPlan
+from moelab.moe.experts import expert_param_shapes, ffn, flatten_slot, unflatten
 from moelab.moe.layer import MoELayer
 from moelab.strategies.fastermoe.options import FasterMoEOptions
 from moelab.strategies.fastermoe.shadow import select_shadows
+from moelab.strategies.fastermoe.smart_schedule import TAG_STRIDE, SmartMoE, SmartPipeline, SmartPlan, comm_stream
 from moelab.strategies.fastermoe.topo_gate import TopoGate
-
-
-# ---- the expert FFN on explicit tensors (same arithmetic as Experts.forward_slot) --------------------
-def ffn(x: torch.Tensor, w1, b1, w2, b2, act) -> torch.Tensor:
-    h = x @ w1
-    if b1 is not None:
-        h = h + b1
-    y = act(h) @ w2
-    if b2 is not None:
-        y = y + b2
-    return y
-
-
-def expert_param_shapes(experts) -> list:
-    """Shapes of one expert's tensors (w1, b1, w2, b2; None where there is no bias)."""
-    return [None if p is None else tuple(p.shape[1:]) for p in (experts.w1, experts.b1, experts.w2, experts.b2)]
-
-
-def flatten_slot(params: Sequence[Optional[torch.Tensor]], slot: int) -> torch.Tensor:
-    return torch.cat([p[slot].detach().reshape(-1) for p in params if p is not None])
-
-
-def unflatten(buf: torch.Tensor, shapes) -> list:
-    out, off = [], 0
-    for shp in shapes:
-        if shp is None:
-            out.append(None)
-            continue
-        n = 1
-        for v in shp:
-            n *= v
-        out.append(buf[off:off + n].view(shp))
-        off += n
-    return out
 
 
 @dataclass
 class ShadowPlan:
-    """Who computes what for the shadowed experts, as data."""
+    """Who computes what for the shadowed experts, as data (read off the call's dispatch plan)."""
 
     experts: Tuple[int, ...]  # S, sorted by id
     owners: Tuple[int, ...]  # owner rank of each
@@ -82,6 +52,14 @@ class ShadowPlan:
     counts: Tuple[int, ...]  # this rank's assignments for each (rows of x_shadow, in this order)
     totals: Tuple[int, ...]  # global assignments for each
     pos: torch.Tensor  # flat (token*k + j) slot index of each shadow row, expert-major
+
+    @classmethod
+    def from_plan(cls, plan: DispatchPlan) -> "ShadowPlan":
+        pl, S = plan.placement, plan.shadowed
+        owners = tuple(pl.owner(e) for e in S)
+        totals = plan.global_counts.sum(0)
+        return cls(tuple(S), owners, tuple(pl.slot_of(o, e) for o, e in zip(owners, S)), tuple(plan.shadow_counts),
+                   tuple(int(totals[e]) for e in S), plan.shadow_pos)
 
 
 class ShadowWork:
@@ -182,7 +160,9 @@ class _ShadowFn(torch.autograd.Function):
 
 class FasterMoELayer(MoELayer):
     """MoELayer + FasterMoE options (see :mod:`.options`). Takes MoELayer's arguments plus
-    ``options`` (a dict or :class:`FasterMoEOptions`).
+    ``options`` (a dict or :class:`FasterMoEOptions`). Overrides ``route`` (topology gate),
+    ``place`` (the shadow decision), ``combine_postprocess`` (the shadowed experts' work) and, with
+    ``smart``, ``dispatch_compute_combine`` (the pipelined schedule).
 
     - Plain EP placement and the sparse dispatcher only (checked, clear errors).
     - ``shadow_log`` keeps the shadow set of every forward (Fig. 11's experts x iterations map);
@@ -201,7 +181,6 @@ class FasterMoELayer(MoELayer):
         self.options.check_against(moe_cfg.num_experts, self.comm.world_size, moe_cfg.top_k, moe_cfg.gate,
                                    moe_cfg.dispatcher, has_placement=not self.placement.is_trivial)
         self.d_model, self.d_ff = d_model, d_ff
-        self.E_local = moe_cfg.num_experts // self.comm.world_size
         if self.options.topo_gate:
             tg = TopoGate(d_model, moe_cfg, topo=self.comm.topo, placement=self.placement, rank=self.comm.rank,
                           fraction=self.options.topo_fraction, strict=self.options.topo_strict, dtype=dtype)
@@ -210,6 +189,19 @@ class FasterMoELayer(MoELayer):
         self.group_size = min(self.options.group_size, self.comm.world_size)
         self.last_shadowed: Tuple[int, ...] = ()
         self.shadow_log: list = []  # the shadow set of every forward (Fig. 11's map)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        self.last_shadowed = self.last_plan.shadowed
+        self.shadow_log.append(self.last_shadowed)
+        return y
+
+    # ---- route: the topology-aware gate ----------------------------------------------------------
+    def route(self, x: torch.Tensor):
+        if isinstance(self.gate, TopoGate):
+            hint = self.options.shadow_force if self.options.shadow_force is not None else self.last_shadowed
+            return self.gate(x, rng=self.route_rng(), shadowed=hint)
+        return super().route(x)
 
     # ---- place: the shadow decision --------------------------------------------------------------
     def decide_shadows(self, C: torch.Tensor) -> Tuple[int, ...]:
@@ -223,100 +215,36 @@ class FasterMoELayer(MoELayer):
                               s=o.shadow_elem_bytes, c=o.shadow_comm_factor, max_shadow=o.shadow_max,
                               exact=o.shadow_exact)
 
-    def plan(self, routing) -> Tuple[DispatchPlan, ShadowPlan]:
-        """Count exchange, shadow decision, and the sparse plan of the non-shadowed assignments."""
-        E, N, me, El = self.cfg.num_experts, self.comm.world_size, self.comm.rank, self.E_local
-        flat = routing.idx.reshape(-1).cpu()
-        valid_pos = (flat >= 0).nonzero().squeeze(1)
-        experts = flat[valid_pos]
-        lec = torch.bincount(experts, minlength=E).to(torch.int64)
-        C = self.comm.all_gather(lec, group="ep")  # [N, E]: the count exchange
-        S = self.decide_shadows(C)
-        shadowed = torch.zeros(E, dtype=torch.bool)
-        if S:
-            shadowed[list(S)] = True
-        keep = ~shadowed[experts]
-        kept_pos, kept_exp = valid_pos[keep], experts[keep]
-        order = torch.argsort(kept_exp, stable=True)  # rank-major ids: dest-major, then local slot
-        send_pos = kept_pos[order]
-        in_rows = torch.bincount(kept_exp // El, minlength=N).tolist()
-        local = list(range(me * El, (me + 1) * El))
-        recv_counts = C[:, local].clone()
-        recv_counts[:, shadowed[local]] = 0
-        plan = DispatchPlan(C, in_rows, recv_counts.sum(1).tolist(), recv_counts.sum(0).tolist(),
-                            send_pos=send_pos, recv_perm=block_permutation(recv_counts), recv_counts=recv_counts)
-        sh_pos, sh_exp = valid_pos[~keep], experts[~keep]
-        o2 = torch.argsort(sh_exp, stable=True)
-        counts = torch.bincount(sh_exp, minlength=E)
-        totals = C.sum(0)
-        sp = ShadowPlan(tuple(S), tuple(e // El for e in S), tuple(e % El for e in S),
-                        tuple(int(counts[e]) for e in S), tuple(int(totals[e]) for e in S), sh_pos[o2])
-        return plan, sp
+    def place(self, counts: torch.Tensor):
+        return self.placement, self.decide_shadows(counts)
 
-    # ---- forward ---------------------------------------------------------------------------------
+    # ---- the shadowed experts' work, after the combine all-to-all --------------------------------
     def expert_params(self) -> list:
-        ex = self.experts
-        return [ex.w1, ex.b1, ex.w2, ex.b2]
+        return self.experts.stacked()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        rec = self.comm.rec
-        with rec.tagged(layer=self.layer_id, phase="fwd"):
-            with rec.span("gate", "gate"):
-                if isinstance(self.gate, TopoGate):
-                    hint = self.options.shadow_force if self.options.shadow_force is not None else self.last_shadowed
-                    routing = self.gate(x, rng=self.route_rng(), shadowed=hint)
-                else:
-                    routing = self.gate(x, rng=self.route_rng())
-            plan, sp = self.plan(routing)
-            if self.options.smart:
-                y = self._smart_forward(x, plan, sp, routing)
-            else:
-                y = self._sparse_forward(x, plan, sp, routing)
-        self.forward_calls += 1
-        self.aux_loss = routing.aux_loss
-        self.last_routing = routing
-        self.last_global_counts = plan.global_counts
-        self.last_counts = plan.global_counts[self.comm.rank]
-        self.last_shadowed = sp.experts
-        self.shadow_log.append(sp.experts)
-        return y.reshape(shape)
+    def combine_postprocess(self, back, x, plan: DispatchPlan, routing) -> torch.Tensor:
+        ys = None
+        if plan.shadowed:
+            k = routing.idx.shape[1]
+            xs = x.index_select(0, (plan.shadow_pos // k).to(x.device))
+            with self.comm.rec.span("shadow", "expert"):
+                back, ys = _ShadowFn.apply(back, xs, ShadowWork(self, ShadowPlan.from_plan(plan)),
+                                           *self.expert_params())
+        return self.dispatcher.combine_postprocess(back, plan, routing, shadow_out=ys)
 
-    def _sparse_forward(self, x, plan: DispatchPlan, sp: ShadowPlan, routing) -> torch.Tensor:
-        rec, d = self.comm.rec, self.dispatcher
-        T, k = routing.idx.shape
-        xe = d.dispatch(x, plan, routing)
-        with rec.span("experts", "expert"):
-            ye = self.experts(xe, plan.rows_per_slot)
-        back = torch.empty_like(ye).index_copy(0, plan.recv_perm.to(ye.device), ye)
-        back = self.comm.all_to_all(back, plan.in_rows, plan.out_rows)
-        out_flat = back.new_zeros(T * k, back.shape[1])
-        if sp.experts:
-            xs = x[(sp.pos // k).to(x.device)]
-            with rec.span("shadow", "expert"):
-                back, ys = _ShadowFn.apply(back, xs, ShadowWork(self, sp), *self.expert_params())
-            out_flat = out_flat.index_copy(0, sp.pos.to(ys.device), ys)
-        out_flat = out_flat.index_copy(0, plan.send_pos.to(back.device), back)
-        return combine_slots(out_flat, routing.weights)
-
-    def _smart_forward(self, x, plan: DispatchPlan, sp: ShadowPlan, routing) -> torch.Tensor:
-        from moelab.strategies.fastermoe.smart_schedule import SmartMoE, SmartPipeline, SmartPlan, TAG_STRIDE, comm_stream
-
-        T, k = routing.idx.shape
-        N, El, me = self.comm.world_size, self.E_local, self.comm.rank
-        lec = plan.global_counts[me].clone()
-        if sp.experts:
-            lec[list(sp.experts)] = 0
-        splan = SmartPlan(me, N, self.group_size, lec.view(N, El), plan.recv_counts,
+    # ---- the smart schedule: dispatch, compute and combine pipelined ------------------------------
+    def dispatch_compute_combine(self, x, plan: DispatchPlan, routing) -> torch.Tensor:
+        if not self.options.smart:
+            return super().dispatch_compute_combine(x, plan, routing)
+        N, me, pl = self.comm.world_size, self.comm.rank, plan.placement
+        send_counts = torch.stack([plan.send_split[list(pl.local_experts(d)), d] for d in range(N)])
+        splan = SmartPlan(me, N, self.group_size, send_counts, plan.recv_counts,
                           tag_base=(self.layer_id % 10000) * 4 * TAG_STRIDE)
-        shadow = ShadowWork(self, sp) if sp.experts else None
+        shadow = ShadowWork(self, ShadowPlan.from_plan(plan)) if plan.shadowed else None
         pipe = SmartPipeline(self.comm, comm_stream(self.comm, self.options.smart_threaded), splan,
                              self.experts.act, shadow)
-        x_send = x[(plan.send_pos // k).to(x.device)]
-        xs = x[(sp.pos // k).to(x.device)] if sp.experts else x.new_zeros(0, x.shape[1])
+        k = routing.idx.shape[1]
+        x_send = x.index_select(0, (plan.send_pos // k).to(x.device))
+        xs = x.index_select(0, (plan.shadow_pos // k).to(x.device)) if plan.shadowed else x.new_zeros(0, x.shape[1])
         y_back, ys = SmartMoE.apply(x_send, xs, pipe, *self.expert_params())
-        out_flat = y_back.new_zeros(T * k, y_back.shape[1]).index_copy(0, plan.send_pos.to(y_back.device), y_back)
-        if sp.experts:
-            out_flat = out_flat.index_copy(0, sp.pos.to(ys.device), ys)
-        return combine_slots(out_flat, routing.weights)
+        return self.dispatcher.combine_postprocess(y_back, plan, routing, shadow_out=ys if plan.shadowed else None)

@@ -40,6 +40,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from moelab.moe.experts import ffn
 from moelab.strategies.fastermoe.schedule import check_group_size, recv_peers, send_peers
 
 TAG_STRIDE = 4096
@@ -185,8 +186,6 @@ class SmartPipeline:
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, x_send: torch.Tensor, xs: torch.Tensor, params: Sequence[Optional[torch.Tensor]]):
-        from moelab.strategies.fastermoe.layer import ffn
-
         pl, d = self.plan, x_send.shape[1]
         rec = self.comm.rec
         self.p_leaves = [None if p is None else p.detach().requires_grad_() for p in params]
