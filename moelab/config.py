@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 @dataclass
 class MoEConfig:
     num_experts: int = 8  # experts per MoE layer (global)
-    top_k: int = 2  # experts per token (1 or 2)
+    top_k: int = 2  # experts per token, 1..num_experts (gshard: 2, switch/base: 1)
     gate: str = "topk"  # topk (renormalized top-k softmax) | gshard (top-2) | switch (top-1) | base (balanced top-1)
     capacity_factor: Optional[float] = None  # None = dropless; else capacity = ceil(k*cf*T/E) per source rank
     min_capacity: int = 0  # lower bound of the per-expert capacity
@@ -174,8 +174,9 @@ class RunConfig:
             errs.append(
                 f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.nproc={p.nproc}: "
                 "expert parallelism needs the same number of experts on every rank")
-        if moe.top_k not in (1, 2) or moe.top_k > moe.num_experts:
-            errs.append(f"model.moe.top_k must be 1 or 2 and <= num_experts, got {moe.top_k}")
+        if not isinstance(moe.top_k, int) or not 1 <= moe.top_k <= max(moe.num_experts, 1):
+            errs.append(f"model.moe.top_k must be an integer in 1..model.moe.num_experts={moe.num_experts}, "
+                        f"got {moe.top_k!r}")
         if moe.gate == "gshard" and moe.top_k != 2:
             errs.append("model.moe.gate='gshard' is a top-2 gate: set model.moe.top_k=2")
         if moe.gate == "switch" and moe.top_k != 1:
