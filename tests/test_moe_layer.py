@@ -156,3 +156,140 @@ def test_recorded_a2a_bytes_match_counts():
             want[topo.link_class(rank, dst)] += n * D * 8
         assert res["a2a"][0] == want  # dispatch forward
         assert len(res["a2a"]) == 4  # dispatch + combine, forward and backward
+
+
+# ---- stages, registries and plan records (issue #8 item 14) --------------------------------------
+class IdentityExperts(MoELayer):
+    """Overrides one stage (expert compute -> identity) and one decision (this call's placement:
+    the same holders routed by Hecate's locality-first rule instead of the static holder order)."""
+
+    def compute_experts(self, xe, plan):
+        return xe * 1
+
+    def place(self, counts):
+        from moelab.placement import LocalityFirst
+
+        return self.placement.with_rule(LocalityFirst(2)), ()
+
+
+def _identity_round_trip(rank, world):
+    comm = Communicator(Topology(world, 2))
+    holders = {0: [0, 1], 1: [1], 2: [world - 1, 0], 3: [0]}
+    pl = Placement.from_mapping(holders, 4, world)
+    layer = IdentityExperts(D, F, MoEConfig(**moe()), layer_id=1, comm=comm, placement=pl, dtype=torch.float64)
+    xs, gys = make_inputs([7, 0, 12, 5][:world], seed=2)
+    x = xs[rank].clone().requires_grad_()
+    y = layer(x)
+    (gx,) = torch.autograd.grad((y * gys[rank]).sum(), x)
+    return dict(x=xs[rank], y=y.detach(), gx=gx, gy=gys[rank], record=layer.plan_record(),
+                sent=layer.last_plan.send_split, counts=layer.last_global_counts)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overridden_stages_round_trip_with_a_per_call_placement(world):
+    from moelab.placement import LocalityFirst
+
+    res = run_ranks(_identity_round_trip, world, timeout=60)
+    pl = Placement.from_mapping({0: [0, 1], 1: [1], 2: [world - 1, 0], 3: [0]}, 4, world)
+    for rank, r in enumerate(res):  # identity experts, weights summing to 1: y = x, grad_x = grad_y
+        torch.testing.assert_close(r["y"], r["x"], **TOL)
+        torch.testing.assert_close(r["gx"], r["gy"], **TOL)
+        assert r["record"]["placement"]["rule"] == "locality_first"
+        assert torch.equal(r["sent"], torch.from_numpy(pl.with_rule(LocalityFirst(2)).split(r["counts"].numpy())[rank]))
+
+
+def test_plan_records_are_json_and_say_what_the_call_did():
+    import json
+
+    cfg = MoEConfig(**moe(capacity_factor=1.0))
+    layer = MoELayer(D, F, cfg, dtype=torch.float64)
+    x = torch.randn(6, D, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="forward call first"):
+        layer.plan_record()
+    layer(x)
+    layer(x)
+    rec = json.loads(json.dumps(layer.plan_record()))
+    assert rec == {"layer": 0, "call": 1, "dispatcher": "sparse", "counts": layer.last_global_counts.tolist()}
+    assert sum(rec["counts"][0]) == int((layer.last_routing.idx >= 0).sum())
+    dense = MoELayer(D, F, MoEConfig(**moe(capacity_factor=1.0, dispatcher="dense")), layer_id=4, dtype=torch.float64)
+    dense(x)
+    assert dense.plan_record()["capacity"] == dense.last_routing.capacity == 3
+
+    from moelab.strategies.fastermoe.layer import FasterMoELayer
+
+    fm = FasterMoELayer(D, F, MoEConfig(**moe()), dtype=torch.float64, options={"shadow_force": [2, 1]})
+    fm(x)
+    assert json.loads(json.dumps(fm.plan_record()))["shadowed"] == [1, 2]
+
+
+def test_gates_and_dispatchers_resolve_by_name_from_registries():
+    from moelab.moe.dispatch import DISPATCHERS, SparseDispatcher, register_dispatcher
+    from moelab.moe.gates import GATES, register_gate
+    from moelab.moe.routing import finish_routing
+
+    calls = []
+
+    @register_gate("round_robin_test")
+    def round_robin(gate, x, logits, rng):  # token t -> expert t mod E, weight 1
+        idx = (torch.arange(x.shape[0]) % gate.num_experts).unsqueeze(1)
+        return finish_routing(logits, idx, torch.ones_like(idx, dtype=logits.dtype), gate.cfg)
+
+    @register_dispatcher("counting_test")
+    class Counting(SparseDispatcher):
+        def token_dispatch(self, rows, plan):
+            calls.append(rows.shape[0])
+            return super().token_dispatch(rows, plan)
+
+    try:
+        cfg = MoEConfig(**moe(top_k=1, gate="round_robin_test", dispatcher="counting_test"))
+        layer = MoELayer(D, F, cfg, dtype=torch.float64)
+        x = torch.randn(9, D, dtype=torch.float64)
+        layer(x)
+        assert calls == [9] and layer.last_routing.idx[:, 0].tolist() == [t % 4 for t in range(9)]
+        assert layer.last_global_counts.tolist() == [[3, 2, 2, 2]]
+    finally:
+        del GATES["round_robin_test"], DISPATCHERS["counting_test"]
+    with pytest.raises(ValueError, match="model.moe.gate='nope'"):
+        MoELayer(D, F, MoEConfig(**moe(gate="nope")))
+    with pytest.raises(ValueError, match="model.moe.dispatcher='nope'"):
+        MoELayer(D, F, MoEConfig(**moe(dispatcher="nope")))
+
+
+def test_a_per_call_placement_must_fit_the_expert_slots():
+    """Until parameters are materialized per call, a call's placement may only re-route (same
+    holders per rank, e.g. another rule), not move experts away from their slots."""
+    class Moving(MoELayer):
+        def place(self, counts):
+            return Placement(4, 2, ((0,), (0,), (0,), (1,))), ()
+
+    layer = Moving(D, F, MoEConfig(**moe()))
+    with pytest.raises(ValueError, match=r"puts experts \(0, 1, 2\) on rank 0, whose expert slots hold \(0, 1, 2, 3\)"):
+        layer(torch.randn(3, D))
+
+
+def test_no_import_cycles_and_no_private_copies():
+    """gates -> base_gate -> routing (never back); fastermoe.layer -> smart_schedule (never back);
+    FasterMoE keeps no copy of the layer's forward stages or its plan."""
+    import ast
+    import inspect
+
+    import moelab.moe.base_gate as base_gate
+    import moelab.moe.routing as routing
+    import moelab.strategies.fastermoe.smart_schedule as smart
+    from moelab.strategies.fastermoe.layer import FasterMoELayer
+
+    def imported(mod):
+        names = set()
+        for node in ast.walk(ast.parse(inspect.getsource(mod))):
+            if isinstance(node, ast.ImportFrom):
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    assert "moelab.moe.gates" not in imported(base_gate) | imported(routing)
+    assert not any(m.startswith("moelab.strategies.fastermoe.layer") for m in imported(smart))
+    own = set(vars(FasterMoELayer))
+    assert not own & {"plan", "exchange_counts", "dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
+                      "combine_preprocess", "token_combine", "compute_experts"}
+    assert {"place", "route", "combine_postprocess", "dispatch_compute_combine"} <= own
