@@ -113,19 +113,25 @@ def plan_from_counts(counts, placement: Placement, dest: torch.Tensor, rank: int
     if not torch.equal(local_counts(dest, E), C[rank]):
         raise ValueError(f"counts row {rank} {C[rank].tolist()} does not count this rank's rows "
                          f"{local_counts(dest, E).tolist()}")
-    held = torch.zeros(E, dtype=torch.bool)
     shadowed = tuple(sorted(int(e) for e in shadowed))
-    if shadowed:
-        held[list(shadowed)] = True
     valid_pos = (dest >= 0).nonzero().squeeze(1)
     experts = dest[valid_pos]
-    keep = ~held[experts]
-    pos, exp = valid_pos[keep], experts[keep]
-    order = torch.argsort(exp, stable=True)
-    pos_sorted, exp_sorted = pos[order], exp[order]
+    sent = C
+    if shadowed:
+        held = torch.zeros(E, dtype=torch.bool)
+        held[list(shadowed)] = True
+        keep = ~held[experts]
+        sh_pos, sh_exp = valid_pos[~keep], experts[~keep]
+        valid_pos, experts = valid_pos[keep], experts[keep]
+        sent = C.clone()
+        sent[:, held] = 0
+        per_expert = torch.bincount(sh_exp, minlength=E)
+        shadow_pos, shadow_counts = sh_pos[torch.argsort(sh_exp, stable=True)], tuple(int(per_expert[e]) for e in shadowed)
+    else:
+        shadow_pos, shadow_counts = torch.zeros(0, dtype=torch.int64), ()
+    order = torch.argsort(experts, stable=True)
+    pos_sorted, exp_sorted = valid_pos[order], experts[order]
 
-    sent = C.clone()
-    sent[:, held] = 0
     split = torch.from_numpy(placement.split(sent.numpy()))  # [N, E, N]: src -> expert -> dst
     if placement.is_trivial:  # one holder each: every row goes to its expert's owner
         to_rank = torch.from_numpy(placement.owners)[exp_sorted]
@@ -137,19 +143,18 @@ def plan_from_counts(counts, placement: Placement, dest: torch.Tensor, rank: int
                 ns.append(n)
         to_rank = torch.repeat_interleave(torch.tensor(ranks, dtype=torch.int64), torch.tensor(ns, dtype=torch.int64)) \
             if ranks else torch.zeros(0, dtype=torch.int64)
-    key = to_rank * E + placement.slot_table[to_rank, exp_sorted]
-    send_pos = pos_sorted[torch.argsort(key, stable=True)]
+    if placement.is_expert_parallel:  # rank-major expert ids: expert order is already (rank, slot) order
+        send_pos = pos_sorted
+    else:
+        send_pos = pos_sorted[torch.argsort(to_rank * E + placement.slot_table[to_rank, exp_sorted], stable=True)]
     in_rows = torch.bincount(to_rank, minlength=N).tolist()
 
     local = list(placement.local_experts(rank))
     recv_counts = split[:, local, rank] if local else torch.zeros(N, 0, dtype=torch.int64)
-    sh_pos, sh_exp = valid_pos[~keep], experts[~keep]
-    per_expert = torch.bincount(sh_exp, minlength=E)
     return DispatchPlan(C, in_rows, recv_counts.sum(1).tolist(), recv_counts.sum(0).tolist(),
                         send_pos=send_pos, recv_perm=block_permutation(recv_counts), recv_counts=recv_counts,
                         send_split=split[rank], placement=placement, shadowed=shadowed,
-                        shadow_pos=sh_pos[torch.argsort(sh_exp, stable=True)],
-                        shadow_counts=tuple(int(per_expert[e]) for e in shadowed))
+                        shadow_pos=shadow_pos, shadow_counts=shadow_counts)
 
 
 @register_dispatcher("sparse")

@@ -15,7 +15,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from moelab.placement.rules import HolderOrder, LocalityFirst, rule_from_dict, rotating_split  # noqa: F401
+from moelab.placement.rules import HolderOrder, LocalityFirst, rule_from_dict  # noqa: F401 (the rules live here too)
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,11 @@ class Placement:
     def slot_of(self, rank: int, e: int) -> int:
         return self._local[rank].index(e)
 
-    @property
+    @cached_property
     def is_trivial(self) -> bool:
         return all(len(h) == 1 for h in self.holders)
 
-    @property
+    @cached_property
     def is_expert_parallel(self) -> bool:
         """Plain EP: :meth:`expert_parallel`'s holders (any rule routes it the same way)."""
         E, N = self.num_experts, self.world_size
