@@ -111,3 +111,29 @@ def test_large_k_configs_validate():
         RunConfig().with_overrides({"model.moe.top_k": k, "model.moe.num_experts": E}).validate()
     with pytest.raises(ValueError, match="model.moe.top_k"):
         Gate(4, MoEConfig(num_experts=4, top_k=5))
+
+
+# ---- the byte rules and the simulator at any k ---------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_simulated_bytes_equal_measured_bytes_at_large_k(world):
+    """Real training runs with top-4 and top-8 of 8 (sparse dropless, dense with drops): the
+    simulator's graphs, built from the measured loads, carry exactly the bytes the door recorded."""
+    import warnings
+
+    from moelab.sim.validate import BASE_MODEL, BytesMismatchWarning, compare, run_real_many, simulate_real
+    from test_sim import flat_profile
+
+    base = {**BASE_MODEL, "train.iters": 2, "model.moe.num_experts": 8, "train.batch_size": 1,
+            "parallel.nproc": world, "parallel.topology.nodes": world // 2}
+    cfgs = {"k4-sparse": {"model.moe.top_k": 4},
+            "k8-dense": {"model.moe.top_k": 8, "model.moe.dispatcher": "dense", "model.moe.capacity_factor": 0.5}}
+    cfgs = {n: RunConfig().with_overrides({**base, **ov}).validate() for n, ov in cfgs.items()}
+    reals = dict(zip(cfgs, run_real_many(list(cfgs.values()), world, timeout=120)))
+    for name, real in reals.items():
+        T, k = real.cfg.train.batch_size * real.cfg.model.seq_len, real.cfg.model.moe.top_k
+        assert (real.loads.sum(-1) == T * k).all() if name.endswith("sparse") else (real.loads.sum(-1) < T * k).all()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BytesMismatchWarning)
+            prof = flat_profile(nodes=world // 2, gpn=2)
+            c = compare(real, simulate_real(real.cfg, real.loads, prof), warmup=0, names=[name])
+        assert c.metrics["bytes_exact"], (name, c.mismatches)
