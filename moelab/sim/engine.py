@@ -14,6 +14,18 @@ Model (what a GPU job looks like to the scheduler):
   use a link each gets 1/k of it (equal fair share), and a transfer advances at the pace of its
   slowest link share. Alone, a transfer takes ``duration + max bytes/capacity``.
 
+Two refinements of the sharing rule, both off unless a graph asks for them:
+
+- **Stream priority** (``OpGraph.stream_priority``: stream name -> int, default 0). On a link used
+  by flows of several priorities, only the highest-priority ones share it; a lower-priority flow
+  waits there (rate 0) until they are gone (strict priority, as Lina's all-to-all preempting the
+  gradient all-reduce). A waiting flow may leave capacity unused when the preempting flow is
+  bottlenecked elsewhere: chunked real schedules behave the same way at chunk granularity.
+- **Per-flow limits** (``OpGraph.flow_limits``: link -> the most capacity one flow may take). A
+  pool of C CPU cores shared by single-threaded ranks is a link of capacity C with limit 1: k ranks
+  computing at once each run at ``min(1, C/k)`` of their own speed (the local profile's
+  ``shared_cores``).
+
 Events go through one heap. A flow is re-rated only when a flow sharing one of its links joins or
 leaves (once per instant however many do), and re-scheduled only if its rate changed, so the cost
 is O(ops log ops + changes x flows sharing the changed links), with no per-token or per-byte work.
@@ -59,10 +71,13 @@ class OpGraph:
     ``nbytes``/``splits``/``root``) so byte accounting can be replayed with the shared rule.
     """
 
-    def __init__(self, world_size: int, capacities: Optional[dict] = None, meta: Optional[dict] = None):
+    def __init__(self, world_size: int, capacities: Optional[dict] = None, meta: Optional[dict] = None,
+                 stream_priority: Optional[dict] = None, flow_limits: Optional[dict] = None):
         self.world_size = world_size
         self.capacities = dict(capacities or {})
         self.meta = dict(meta or {})
+        self.stream_priority = dict(stream_priority or {})  # stream -> int; higher wins a shared link
+        self.flow_limits = dict(flow_limits or {})  # link -> most capacity one flow may take
         self.ops: list = []
 
     def __len__(self):
@@ -256,9 +271,21 @@ def simulate(graph: OpGraph) -> SimResult:
     active: dict = {}
     on_link: dict = {}
     version = [0] * n
-    # per op: [(link set, capacity / bytes)] over the links it puts bytes on
-    flow_links = [[(on_link.setdefault(l, set()), caps[l] / b) for l, b in o.links.items() if b > 0]
-                  if o.links else [] for o in ops]
+    # per op: [(link set, capacity / bytes, most one flow may take / bytes)] over the links it puts bytes on
+    limits = graph.flow_limits
+    flow_links = [[(on_link.setdefault(l, set()), caps[l] / b, limits.get(l, float("inf")) / b)
+                   for l, b in o.links.items() if b > 0] if o.links else [] for o in ops]
+    prio = [graph.stream_priority.get(o.stream, 0) for o in ops]
+    prioritised = len(set(prio)) > 1
+
+    def share(i, users, cb, lim):
+        """Flow i's rate on one link: an equal share among the flows of the highest priority present."""
+        if not prioritised:
+            return min(cb / len(users), lim)
+        p = prio[i]
+        if any(prio[u] > p for u in users):
+            return 0.0  # preempted on this link until the higher-priority flows leave it
+        return min(cb / sum(1 for u in users if prio[u] == p), lim)
 
     def rerate(flows, t):
         """Bring each flow's progress to t at its old rate, then give it its new fair-share rate."""
@@ -266,17 +293,18 @@ def simulate(graph: OpGraph) -> SimResult:
         push = heapq.heappush
         for i in flows:  # a set of ints: its order is deterministic
             rem0, rate0, t0 = active[i]
-            rate = min(cb / len(users) for users, cb in flow_links[i])
+            rate = min(share(i, users, cb, lim) for users, cb, lim in flow_links[i])
             if rate == rate0:
                 continue  # its bottleneck did not change: the pending end event stays right
             rem = rem0 - rate0 * (t - t0)
             active[i] = (rem, rate, t)
             version[i] += 1
-            seq += 1
-            push(heap, (t + (rem if rem > 0 else 0.0) / rate, seq, 1, i, version[i]))
+            if rate > 0:  # a preempted flow gets no end event until it is re-rated
+                seq += 1
+                push(heap, (t + (rem if rem > 0 else 0.0) / rate, seq, 1, i, version[i]))
 
     def sharing(i):
-        return set().union(*(users for users, _ in flow_links[i]))
+        return set().union(*(users for users, *_ in flow_links[i]))
 
     def start_ready(t):
         nonlocal seq
@@ -309,13 +337,13 @@ def simulate(graph: OpGraph) -> SimResult:
             done += 1
         elif kind == 2:  # latency over: join the links
             active[i] = (1.0, 0.0, t)
-            for users, _ in flow_links[i]:
+            for users, *_ in flow_links[i]:
                 users.add(i)
             dirty |= sharing(i)
         elif ver == version[i]:  # a flow's (still valid) predicted end
             dirty |= sharing(i)
             dirty.discard(i)
-            for users, _ in flow_links[i]:
+            for users, *_ in flow_links[i]:
                 users.discard(i)
             del active[i]
             finish(i, t)
