@@ -79,6 +79,18 @@ class OpGraph:
         self.stream_priority = dict(stream_priority or {})  # stream -> int; higher wins a shared link
         self.flow_limits = dict(flow_limits or {})  # link -> most capacity one flow may take
         self.ops: list = []
+        self.cpu_pool = None  # set by share_cores(): compute ops then draw on this shared link
+        self.op_overhead_s = 0.0  # fixed seconds added to every compute op (launch / interpreter cost)
+
+    def share_cores(self, cores: float, op_overhead_s: float = 0.0, pool=("cpu", 0)) -> None:
+        """Make every later :meth:`compute` op run on a pool of ``cores`` shared by all ranks (one
+        core at most per op: single-threaded ranks), after ``op_overhead_s`` of fixed cost each.
+        ``cores=0`` keeps the ranks independent (GPUs) and only adds the overhead."""
+        self.op_overhead_s = float(op_overhead_s)
+        if cores and cores > 0:
+            self.cpu_pool = pool
+            self.capacities[pool] = float(cores)
+            self.flow_limits[pool] = 1.0
 
     def __len__(self):
         return len(self.ops)
@@ -97,6 +109,11 @@ class OpGraph:
         return op.id
 
     def compute(self, rank: int, name: str, seconds: float, deps=(), category: str = "compute", **kw) -> int:
+        """``seconds`` of work on one rank (plus the graph's per-op overhead; on the CPU pool if shared)."""
+        seconds = float(seconds) + self.op_overhead_s
+        if self.cpu_pool is not None:
+            return self.add(name, (rank,), stream=kw.pop("stream", "compute"), duration=0.0,
+                            links={self.cpu_pool: seconds}, deps=deps, category=category, kind="compute", **kw)
         return self.add(name, (rank,), stream=kw.pop("stream", "compute"), duration=seconds, deps=deps,
                         category=category, **kw)
 

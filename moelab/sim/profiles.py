@@ -42,6 +42,8 @@ class ClusterProfile:
     elem_bytes: int = 2  # bytes per activation element in the paper's runs (fp16 = 2, fp32 = 4)
     links: Optional[dict] = None  # per-link detail, GB/s per direction, where the paper gives it
     fits: dict = field(default_factory=dict)  # measured alpha-beta per collective: {op: (alpha_s, beta_s_per_byte)}
+    shared_cores: float = 0  # >0: all ranks run on one host with this many cores, compute shares them
+    op_overhead_s: float = 0.0  # fixed seconds per compute op (interpreter / kernel launch), fitted where measured
     extra: dict = field(default_factory=dict)  # paper constants that are not link/compute numbers
     sources: dict = field(default_factory=dict)  # field -> spec section / paper sentence / [assumption]
     notes: str = ""

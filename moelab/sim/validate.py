@@ -224,11 +224,15 @@ def _graph_bytes_by_op(graph, topo: Topology) -> dict:
     return out
 
 
-def simulate_real(cfg: RunConfig, loads, profile, placement=None) -> SimRun:
+def simulate_real(cfg: RunConfig, loads, profile, placement=None, plans: Optional[Sequence[dict]] = None) -> SimRun:
     """Simulate ``cfg`` for every iteration of ``loads`` (``[iters, layers, N, E]``, as measured).
 
-    The placement defaults to the config's own (what the runtime executed); the topology is the
-    config's (declared nodes), bandwidths the profile's.
+    Each iteration is priced with its own plan, never an average: its own loads, its own
+    ``placement`` (one :class:`Placement` for all iterations, or a sequence with one per iteration,
+    e.g. read back from a run's ``plans.jsonl``; default the config's own, what the runtime
+    executed) and its own ``plans[it]`` (keyword arguments for the strategy's graph, such as a
+    shadow set or a schedule choice). The topology is the config's (declared nodes), bandwidths the
+    profile's.
     """
     import pandas as pd
 
@@ -239,12 +243,15 @@ def simulate_real(cfg: RunConfig, loads, profile, placement=None) -> SimRun:
     loads = np.asarray(loads, dtype=np.int64)
     if loads.ndim == 3:
         loads = loads[None]
-    N = cfg.parallel.nproc
-    placement = placement or placement_for(cfg, N)
+    N, iters = cfg.parallel.nproc, loads.shape[0]
+    placements = list(placement) if isinstance(placement, (list, tuple)) else [placement or placement_for(cfg, N)] * iters
+    plans = list(plans) if plans is not None else [{}] * iters
+    if len(placements) != iters or len(plans) != iters:
+        raise ValueError(f"{iters} iterations of loads but {len(placements)} placements and {len(plans)} plans")
     topo = topology_for(cfg, N)
     results, rows = [], []
-    for it in range(loads.shape[0]):
-        g = iteration_graph(cfg, profile, loads[it], placement)
+    for it in range(iters):
+        g = iteration_graph(cfg, profile, loads[it], placements[it], **plans[it])
         results.append(simulate(g))
         for (r, op), cls in _graph_bytes_by_op(g, topo).items():
             rows.append(dict(iter=it, rank=r, op=op, **{f"bytes_{c}": cls[c] for c in LINK_CLASSES}))
