@@ -81,6 +81,7 @@ class OpGraph:
         self.ops: list = []
         self.cpu_pool = None  # set by share_cores(): compute ops then draw on this shared link
         self.op_overhead_s = 0.0  # fixed seconds added to every compute op (launch / interpreter cost)
+        self.call_overhead_s = 0.0  # fixed seconds added to every collective call (transfer)
 
     def share_cores(self, cores: float, op_overhead_s: float = 0.0, pool=("cpu", 0)) -> None:
         """Make every later :meth:`compute` op run on a pool of ``cores`` shared by all ranks (one
@@ -119,14 +120,15 @@ class OpGraph:
 
     def transfer(self, name: str, ranks, demands, deps=(), category: str = "comm", stream: str = "comm",
                  comm: Optional[dict] = None, **kw) -> int:
-        """A collective as one op per demand phase, chained; returns the last op's id.
+        """A collective as one op per demand phase, chained; returns the last op's id. The first
+        phase pays the graph's ``call_overhead_s`` (the per-call cost of a software stack, fitted).
 
         ``comm`` (the accounting record) goes on the first phase only, so bytes are counted once.
         """
         last = None
         for i, d in enumerate(demands):
             last = self.add(name if len(demands) == 1 else f"{name}#{i}", ranks, stream=stream,
-                            duration=d.alpha, links=d.links, deps=tuple(deps) if last is None else (last,),
+                            duration=d.alpha + (self.call_overhead_s if i == 0 else 0.0), links=d.links, deps=tuple(deps) if last is None else (last,),
                             category=category, comm=comm if i == 0 else None, kind="comm", **kw)
         return last
 
