@@ -25,7 +25,7 @@ def cfg(B, E=4, k=2, nodes=1):
 def fake_real(c, seed=0):
     """A RealRun whose step times and call records are the simulator's own under TRUTH."""
     loads = np.stack([synthetic_loads(c, seed=seed + it) for it in range(c.train.iters)])
-    sim = simulate_real(c, loads, machine_profile(c, {**CAL, "in_context": TRUTH}, compute="calibrated"))
+    sim = simulate_real(c, loads, machine_profile(c, {**CAL, "in_context": TRUTH}, compute="in_context"))
     rows, steps = [], []
     for it, res in enumerate(sim.results):
         calls = [o for o in res.graph.ops if o.comm is not None]
@@ -62,6 +62,9 @@ def test_split_of_a_comparison_is_calls_versus_the_rest():
     np.testing.assert_allclose(it.sim_comm_s, it.real_comm_s, rtol=1e-9)
     np.testing.assert_allclose(it.sim_compute_s, it.real_compute_s, rtol=1e-9)
     assert c.metrics["median_rel_err_comm"] < 1e-9 and c.metrics["median_rel_err_compute"] < 1e-9
+    # the noise ceiling: each config's median predicting its iterations
+    y = it.real_s.to_numpy()
+    assert c.metrics["r2_ceiling"] == pytest.approx(1 - ((y - np.median(y)) ** 2).sum() / ((y - y.mean()) ** 2).sum())
     assert "compute only" in c.summary() and "communication only" in c.summary()
 
 
@@ -74,20 +77,21 @@ def test_fit_in_context_recovers_the_terms_the_runs_were_made_with():
     assert f["kind"] == "fitted" and "held-out" in f["source"] and f["n"] == 9
     # and a validation config it never saw is then predicted as it was made
     real, _ = fake_real(cfg(20, 8, 1, 2), seed=50)
-    sim = simulate_real(real.cfg, real.loads, machine_profile(real.cfg, {**CAL, "in_context": f}, compute="calibrated"))
+    sim = simulate_real(real.cfg, real.loads, machine_profile(real.cfg, {**CAL, "in_context": f}, compute="in_context"))
     assert compare(real, sim, warmup=0, warn=False).metrics["median_rel_err"] < 0.02
 
 
 def test_calibrated_profile_carries_its_fits_and_labels_them():
     c = cfg(4)
-    prof = machine_profile(c, {**CAL, "in_context": TRUTH}, compute="calibrated")
+    prof = machine_profile(c, {**CAL, "in_context": TRUTH}, compute="in_context")
     assert (prof.achieved_flops, prof.op_overhead_s, prof.call_overhead_s, prof.shared_cores) == (5e9, 4e-4, 1.5e-3, 0)
     assert "fitted" in prof.sources["achieved_flops"]
     one = {"op_overhead_s": 2e-4, "flops_per_s": 3e9, "source": "one process"}
-    pool = machine_profile(c, {**CAL, "compute": one}, compute="calibrated")
-    assert (pool.shared_cores, pool.op_overhead_s, pool.call_overhead_s) == (2, 2e-4, 0.0)
-    with pytest.raises(ValueError, match="compute fit"):
-        machine_profile(c, CAL, compute="calibrated")
+    pool = machine_profile(c, {**CAL, "compute": one, "in_context": TRUTH}, compute="calibrated")
+    assert (pool.shared_cores, pool.op_overhead_s, pool.call_overhead_s, pool.achieved_flops) == (2, 2e-4, 0.0, 3e9)
+    for mode in ("calibrated", "in_context"):
+        with pytest.raises(ValueError, match="compute fit"):
+            machine_profile(c, {**CAL, "compute": one} if mode == "in_context" else CAL, compute=mode)
     # today's modes keep today's pricing: no pool, no overheads
     gemm = machine_profile(c, CAL, compute="gemm")
     assert (gemm.shared_cores, gemm.op_overhead_s, gemm.call_overhead_s) == (0, 0.0, 0.0)

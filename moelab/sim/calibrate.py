@@ -287,8 +287,6 @@ def fit_in_context(calibration: dict, reals: Sequence, warmup: int = 3) -> dict:
     - communication: ``call_overhead_s`` = median over timed iterations of (real communication -
       simulated alpha-beta communication) / collective calls per rank (clipped at 0).
     """
-    import dataclasses
-
     from moelab.sim.graphs import iteration_graph
     from moelab.sim.profiles import ClusterProfile
     from moelab.sim.validate import compare, machine_profile, simulate_real
@@ -304,9 +302,9 @@ def fit_in_context(calibration: dict, reals: Sequence, warmup: int = 3) -> dict:
                 if o.kind == "compute" and o.duration > 0:
                     step[o.name] = max(step.get(o.name, 0.0), o.duration)
             rows.append((len(step), sum(step.values())))
-    base = {**calibration, "compute": {"op_overhead_s": 0.0, "flops_per_s": 1e12, "source": "-"}}
-    sims = [simulate_real(r.cfg, r.loads, dataclasses.replace(machine_profile(r.cfg, base, compute="calibrated"),
-                                                              shared_cores=0)) for r in reals]
+    base = {**calibration, "in_context": {"op_overhead_s": 0.0, "flops_per_s": 1e12, "call_overhead_s": 0.0,
+                                          "source": "-"}}  # alpha-beta communication alone
+    sims = [simulate_real(r.cfg, r.loads, machine_profile(r.cfg, base, compute="in_context")) for r in reals]
     it = compare(list(reals), sims, warmup=warmup, warn=False).iters
     it = it[~it.warmup]
     comp = fit_compute({"ops": [x[0] for x in rows], "flops": [x[1] for x in rows], "time_s": it.real_compute_s.to_numpy()})
@@ -338,7 +336,7 @@ def calibrate_local(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, gemm_s
     (``compute``: priced with the ranks sharing ``cores`` as an engine CPU pool). With
     ``train_models`` (e.g. :data:`TRAIN_MODELS`) real ``nproc``-rank training steps of those shapes
     are run and :func:`fit_in_context` fits the compute line and a per-call cost on them
-    (``in_context``: what ``machine_profile(compute="calibrated")`` then prefers)."""
+    (``in_context``: ``machine_profile(compute="in_context")``)."""
     coll = measure_collectives(nproc, sizes, ops, reps=reps, timeout_s=timeout_s)
     gemm = measure_gemm(gemm_sizes)
     fits = fit_collectives(coll)

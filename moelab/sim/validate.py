@@ -291,7 +291,9 @@ class Comparison:
     ``*_compute_s`` (gate + experts).
     ``bytes``: config, iter, rank, op, link, real, sim, diff (every row, equal or not).
     ``metrics``: bytes_exact, bytes_mismatches, bytes_cells, r2 and median_rel_err (every timed
-    iteration), r2_compute / median_rel_err_compute and r2_comm / median_rel_err_comm (the same on
+    iteration), r2_ceiling (R^2 of the best any per-config prediction can do: each config's median
+    measured step time predicting its iterations; on a machine shared with other jobs this bounds
+    the per-iteration R^2 from above), r2_compute / median_rel_err_compute and r2_comm / median_rel_err_comm (the same on
     each part of the split alone), config_r2 and config_median_rel_err (per config, median over its timed iterations:
     robust to one-off stalls of a shared machine), layer_r2, layer_median_rel_err, layer_r2_compute,
     layer_r2_comm, n_points, n_configs,
@@ -319,7 +321,7 @@ class Comparison:
         s = (f"bytes: {'EXACT' if m['bytes_exact'] else 'MISMATCH'} "
              f"({m['bytes_mismatches']} mismatching (iter, rank, op, link) cells of {m['bytes_cells']}); "
              f"per-iteration time over {m['n_points']} points: R^2 = {m['r2']:.3f}, "
-             f"median rel. error = {100 * m['median_rel_err']:.1f}%")
+             f"median rel. error = {100 * m['median_rel_err']:.1f}% (noise ceiling: R^2 = {m['r2_ceiling']:.3f})")
         if m.get("r2_compute") is not None:
             s += (f" [compute only: R^2 = {m['r2_compute']:.3f}, median rel. error = "
                   f"{100 * m['median_rel_err_compute']:.1f}%; communication only: R^2 = {m['r2_comm']:.3f}, "
@@ -445,6 +447,7 @@ def compare(real, sim, *, warmup: int = 2, names: Optional[Sequence[str]] = None
                    r2=r2_score(timed.real_s, timed.sim_s), median_rel_err=median_rel_err(timed.real_s, timed.sim_s),
                    config_r2=r2_score(per_cfg.real_s, per_cfg.sim_s) if len(per_cfg) > 1 else None,
                    config_median_rel_err=median_rel_err(per_cfg.real_s, per_cfg.sim_s),
+                   r2_ceiling=r2_score(timed.real_s, timed.groupby("config").real_s.transform("median")),
                    r2_compute=r2_score(timed.real_compute_s, timed.sim_compute_s),
                    median_rel_err_compute=median_rel_err(timed.real_compute_s, timed.sim_compute_s),
                    r2_comm=r2_score(timed.real_comm_s, timed.sim_comm_s),
@@ -605,12 +608,13 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
       already shared the cores while measuring, so no core share is applied);
     - ``"model"``: effective FLOP/s of this model on one process (:func:`measure_compute`);
     - ``"gemm"``: the calibrated GEMM rate (raw, under-predicts tiny CPU models);
-    - ``"calibrated"``: fitted terms of the calibration. Preferred, ``calibration["in_context"]``
-      (:func:`moelab.sim.calibrate.fit_in_context`): a compute line and a per-call cost fitted on
-      real multi-rank training steps of held-out shapes, so the sharing of cores is in them.
-      Else ``calibration["compute"]`` (:func:`moelab.sim.calibrate.fit_compute`, one process) with
-      the host's cores as a pool the ranks share while they compute (the engine slows R ranks
-      computing at once on C cores by R/C, and gives a waiting rank's core to the others).
+    - ``"calibrated"``: the calibration's one-process compute line (``calibration["compute"]``,
+      :func:`moelab.sim.calibrate.fit_compute`) with the host's cores as a pool the ranks share
+      while they compute (the engine slows R ranks computing at once on C cores by R/C, and gives a
+      waiting rank's core to the others), collectives by their alpha-beta lines on ``nproc`` ranks;
+    - ``"in_context"``: ``calibration["in_context"]`` (:func:`moelab.sim.calibrate.fit_in_context`):
+      a compute line and a per-call cost fitted on real multi-rank training steps of held-out
+      shapes, so the sharing of the cores is in those two terms (no pool).
 
     ``share_cores`` (for ``"model"``/``"gemm"``): ranks beyond the core count time-share the cores,
     so each rank's rate is scaled by ``min(1, cores / nproc)`` (a static factor, whether or not they
@@ -621,7 +625,7 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
 
     if calibration is not None:
         base = local_profile_from_calibration(calibration, name=name or "local")
-    elif cfg.emulation.enabled and compute not in ("gemm", "calibrated"):
+    elif cfg.emulation.enabled and compute not in ("gemm", "calibrated", "in_context"):
         # every link is emulated: nothing of loopback gloo is used, only compute needs measuring
         base = ClusterProfile(name=name or "local", nodes=1, gpus_per_node=cfg.parallel.nproc, gpu="cpu",
                               peak_flops=1.0, achieved_flops=1.0, intra_bw_GBps=1.0, intra_latency_us=0.0,
@@ -632,13 +636,13 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
     topo = Topology.from_config(cfg.parallel.nproc, cfg.parallel.topology.nodes, cfg.parallel.topology.ranks_per_node)
     share = min(1.0, cpu_cores() / cfg.parallel.nproc) if share_cores else 1.0
     pool = {"shared_cores": 0, "op_overhead_s": 0.0, "call_overhead_s": 0.0}  # the static share instead of a pool
-    if compute == "calibrated":
-        ctx = (calibration or {}).get("in_context")
+    if compute in ("calibrated", "in_context"):
+        ctx = (calibration or {}).get("in_context") if compute == "in_context" else None
         fit = ctx or (calibration or {}).get("compute")
-        if fit is None:
-            raise ValueError("compute='calibrated' needs a calibration with a compute fit (calibrate_local("
-                             "..., compute_models=COMPUTE_MODELS) or train_models=TRAIN_MODELS)")
-        flops, share, tag = float(fit["flops_per_s"]), 1.0, "calibrated"
+        if fit is None or (compute == "in_context" and ctx is None):
+            raise ValueError(f"compute={compute!r} needs a calibration with a compute fit (calibrate_local(..., "
+                             "compute_models=COMPUTE_MODELS), and train_models=TRAIN_MODELS for 'in_context')")
+        flops, share, tag = float(fit["flops_per_s"]), 1.0, compute
         if ctx:  # fitted on multi-rank steps: the sharing of the cores is already in both terms
             pool = {"shared_cores": 0, "op_overhead_s": float(ctx["op_overhead_s"]),
                     "call_overhead_s": float(ctx["call_overhead_s"])}
@@ -658,7 +662,7 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
         flops, tag = float(calibration["gemm_flops"]), "gemm"
         src = "GEMM FLOP/s (calibrate_local)"
     else:
-        raise ValueError(f"compute must be a FLOP/s number, 'model', 'gemm' or 'calibrated', got {compute!r}")
+        raise ValueError(f"compute must be a FLOP/s number, 'model', 'gemm', 'calibrated' or 'in_context', got {compute!r}")
     prof = dataclasses.replace(base, name=name or f"local-{tag}", nodes=topo.nodes, **pool,
                                gpus_per_node=topo.ranks_per_node, achieved_flops=flops * share,
                                sources={**base.sources, "achieved_flops": f"{src} x {share:g} core share"})
