@@ -307,7 +307,8 @@ def fit_in_context(calibration: dict, reals: Sequence, warmup: int = 3) -> dict:
     sims = [simulate_real(r.cfg, r.loads, machine_profile(r.cfg, base, compute="in_context")) for r in reals]
     it = compare(list(reals), sims, warmup=warmup, warn=False).iters
     it = it[~it.warmup]
-    comp = fit_compute({"ops": [x[0] for x in rows], "flops": [x[1] for x in rows], "time_s": it.real_compute_s.to_numpy()})
+    comp = fit_compute({"ops": [x[0] for x in rows], "flops": [x[1] for x in rows],
+                        "time_s": it.real_compute_s.to_numpy()})
     calls = [sum(1 for o in sim.results[0].graph.ops if o.comm is not None and 0 in o.ranks) for sim in sims]
     n_calls = np.repeat(calls, [r.iters - warmup for r in reals])
     extra = (it.real_comm_s.to_numpy() - it.sim_comm_s.to_numpy()) / n_calls

@@ -128,8 +128,9 @@ class OpGraph:
         last = None
         for i, d in enumerate(demands):
             last = self.add(name if len(demands) == 1 else f"{name}#{i}", ranks, stream=stream,
-                            duration=d.alpha + (self.call_overhead_s if i == 0 else 0.0), links=d.links, deps=tuple(deps) if last is None else (last,),
-                            category=category, comm=comm if i == 0 else None, kind="comm", **kw)
+                            duration=d.alpha + (self.call_overhead_s if i == 0 else 0.0), links=d.links,
+                            deps=tuple(deps) if last is None else (last,), category=category,
+                            comm=comm if i == 0 else None, kind="comm", **kw)
         return last
 
 

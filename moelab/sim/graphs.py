@@ -233,8 +233,10 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     last = [g.add("init", r, category="other", kind="compute",
                   alloc={"params": (n_dense + n_local[r]) * eb, "grads": (n_dense + n_local[r]) * eb,
                          "optimizer": 2 * (n_dense + n_local[r]) * 4}) for r in ranks]
+
     def attention(i, phase, deps, **kw):
-        """Layer i's attention on every rank, with the strategy's side ops beside it: per rank, what comes next waits for."""
+        """Layer i's attention on every rank and the strategy's side ops beside it; per rank, the
+        ops whatever comes next must wait for."""
         side = beside_attention(ctx, i, phase, deps) if beside_attention is not None else None
         attn = [g.compute(r, f"L{i}.attn.{phase}", (1 if phase == "fwd" else 2) * t_attn, deps=(deps[r],),
                           category="attention", layer=i, phase=phase, **kw) for r in ranks]

@@ -291,7 +291,8 @@ def local_profile_from_calibration(fit: dict, name: str = "local") -> ClusterPro
     return ClusterProfile(
         name=name, nodes=1, gpus_per_node=n, gpu=fit.get("device") or platform.processor() or "cpu",
         peak_flops=float(fit.get("peak_flops", flops)), achieved_flops=float(comp["flops_per_s"]) if comp else flops,
-        shared_cores=int(fit.get("cores", 0)) if comp else 0, op_overhead_s=float(comp["op_overhead_s"]) if comp else 0.0,
+        shared_cores=int(fit.get("cores", 0)) if comp else 0,
+        op_overhead_s=float(comp["op_overhead_s"]) if comp else 0.0,
         intra_bw_GBps=bw, intra_latency_us=lat, inter_bw_GBps=bw, inter_latency_us=lat,
         mem_GB=mem, nics_per_node=0, elem_bytes=int(fit.get("elem_bytes", 4)),
         fits={op: (max(v["alpha"], 0.0), max(v["beta"], 0.0)) for op, v in colls.items()},

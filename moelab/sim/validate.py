@@ -264,7 +264,10 @@ def simulate_real(cfg: RunConfig, loads, profile, placement=None, plans: Optiona
     if loads.ndim == 3:
         loads = loads[None]
     N, iters = cfg.parallel.nproc, loads.shape[0]
-    placements = list(placement) if isinstance(placement, (list, tuple)) else [placement or placement_for(cfg, N)] * iters
+    if isinstance(placement, (list, tuple)):
+        placements = list(placement)
+    else:
+        placements = [placement or placement_for(cfg, N)] * iters
     plans = list(plans) if plans is not None else [{}] * iters
     if len(placements) != iters or len(plans) != iters:
         raise ValueError(f"{iters} iterations of loads but {len(placements)} placements and {len(plans)} plans")
@@ -312,8 +315,8 @@ class Comparison:
     ``metrics``: bytes_exact, bytes_mismatches, bytes_cells, r2 and median_rel_err (every timed
     iteration), r2_ceiling (R^2 of the best any per-config prediction can do: each config's median
     measured step time predicting its iterations; on a machine shared with other jobs this bounds
-    the per-iteration R^2 from above), r2_compute / median_rel_err_compute and r2_comm / median_rel_err_comm (the same on
-    each part of the split alone), config_r2 and config_median_rel_err (per config, median over its timed iterations:
+    the per-iteration R^2 from above), r2_compute / median_rel_err_compute and r2_comm /
+    median_rel_err_comm (the same on each part of the split alone), config_r2 and config_median_rel_err (per config, median over its timed iterations:
     robust to one-off stalls of a shared machine), layer_r2, layer_median_rel_err, layer_r2_compute,
     layer_r2_comm, n_points, n_configs,
     by_topology (per declared topology: n, r2, median_rel_err, median_signed_rel_err: the bias).
@@ -351,7 +354,8 @@ class Comparison:
         if m.get("layer_r2") is not None:
             s += (f"; per MoE layer: R^2 = {m['layer_r2']:.3f}, "
                   f"median rel. error = {100 * m['layer_median_rel_err']:.1f}% "
-                  f"[compute only R^2 = {m['layer_r2_compute']:.3f}, communication only R^2 = {m['layer_r2_comm']:.3f}]")
+                  f"[compute only R^2 = {m['layer_r2_compute']:.3f}, "
+                  f"communication only R^2 = {m['layer_r2_comm']:.3f}]")
         return s
 
 
@@ -681,7 +685,8 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
         flops, tag = float(calibration["gemm_flops"]), "gemm"
         src = "GEMM FLOP/s (calibrate_local)"
     else:
-        raise ValueError(f"compute must be a FLOP/s number, 'model', 'gemm', 'calibrated' or 'in_context', got {compute!r}")
+        raise ValueError("compute must be a FLOP/s number, 'model', 'gemm', 'calibrated' or 'in_context', "
+                         f"got {compute!r}")
     prof = dataclasses.replace(base, name=name or f"local-{tag}", nodes=topo.nodes, **pool,
                                gpus_per_node=topo.ranks_per_node, achieved_flops=flops * share,
                                sources={**base.sources, "achieved_flops": f"{src} x {share:g} core share"})
