@@ -213,9 +213,10 @@ def calibrate_gpu(sizes: Sequence[tuple] = ((1024, 1024, 1024), (4096, 4096, 409
 
 
 # ---- compute of whole models ------------------------------------------------------------------------
-# (batch, experts, top_k) of the tiny GPT-MoE the compute line is fitted on; the validation sets
-# (moelab.sim.validate) use other shapes, so the fit is checked on configs it never saw
-COMPUTE_MODELS = ((1, 4, 1), (4, 8, 2), (10, 4, 2), (20, 8, 1))
+# (batch, experts, top_k) of the tiny GPT-MoE the compute line is fitted on: spanning the batches
+# the 4-rank validation set uses (2-64; a line fitted on small batches extrapolates badly), but
+# never its shapes, so the fit is checked on configs it never saw
+COMPUTE_MODELS = ((1, 4, 1), (6, 8, 2), (24, 4, 2), (40, 16, 1), (56, 8, 2))
 
 
 def fit_compute(df) -> dict:
