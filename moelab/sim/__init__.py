@@ -3,11 +3,14 @@
 ``profiles`` (testbeds as data) -> ``graphs`` (one iteration of a strategy as an op graph, bytes
 by the runtime's own rule) -> ``engine`` (event simulation with shared links) -> timelines,
 makespan, critical-path breakdown, peak memory. ``calibrate`` measures this machine so the same
-simulator can be checked against real small runs.
+simulator can be checked against real small runs: on a CPU host, ranks share its cores (an engine
+CPU pool) and pay fitted per-op and per-call costs (profile fields ``shared_cores``,
+``op_overhead_s``, ``call_overhead_s``; 0 on the paper testbeds).
 """
 from moelab.sim import costs  # noqa: F401  (before graphs, which uses it)
-from moelab.sim.calibrate import (AlphaBeta, calibrate_gpu, calibrate_local, fit_alpha_beta, fit_collectives,
-                                  measure_collectives, measure_gemm)
+from moelab.sim.calibrate import (COMPUTE_MODELS, TRAIN_MODELS, AlphaBeta, calibrate_gpu, calibrate_local,
+                                  fit_alpha_beta, fit_collectives, fit_compute, fit_in_context, measure_collectives,
+                                  measure_gemm, measure_model_compute)
 from moelab.sim.costs import (Demand, allgather_time, allreduce_time, alltoall_demands, alltoall_time,
                               broadcast_demand, broadcast_time, compute_time, link_capacities, p2p_demand,
                               p2p_time, reduce_scatter_time, ring_demand)
@@ -36,5 +39,6 @@ __all__ = [
     "dense_param_count", "expert_param_count", "moe_layer_ids", "route_matrix", "synthetic_loads",
     "config_for_profile", "capacity",
     "AlphaBeta", "fit_alpha_beta", "fit_collectives", "measure_collectives", "measure_gemm",
-    "calibrate_gpu", "calibrate_local",
+    "calibrate_gpu", "calibrate_local", "fit_compute", "fit_in_context", "measure_model_compute",
+    "COMPUTE_MODELS", "TRAIN_MODELS",
 ]

@@ -14,6 +14,18 @@ Model (what a GPU job looks like to the scheduler):
   use a link each gets 1/k of it (equal fair share), and a transfer advances at the pace of its
   slowest link share. Alone, a transfer takes ``duration + max bytes/capacity``.
 
+Two refinements of the sharing rule, both off unless a graph asks for them:
+
+- **Stream priority** (``OpGraph.stream_priority``: stream name -> int, default 0). On a link used
+  by flows of several priorities, only the highest-priority ones share it; a lower-priority flow
+  waits there (rate 0) until they are gone (strict priority, as Lina's all-to-all preempting the
+  gradient all-reduce). A waiting flow may leave capacity unused when the preempting flow is
+  bottlenecked elsewhere: chunked real schedules behave the same way at chunk granularity.
+- **Per-flow limits** (``OpGraph.flow_limits``: link -> the most capacity one flow may take). A
+  pool of C CPU cores shared by single-threaded ranks is a link of capacity C with limit 1: k ranks
+  computing at once each run at ``min(1, C/k)`` of their own speed (the local profile's
+  ``shared_cores``).
+
 Events go through one heap. A flow is re-rated only when a flow sharing one of its links joins or
 leaves (once per instant however many do), and re-scheduled only if its rate changed, so the cost
 is O(ops log ops + changes x flows sharing the changed links), with no per-token or per-byte work.
@@ -59,11 +71,27 @@ class OpGraph:
     ``nbytes``/``splits``/``root``) so byte accounting can be replayed with the shared rule.
     """
 
-    def __init__(self, world_size: int, capacities: Optional[dict] = None, meta: Optional[dict] = None):
+    def __init__(self, world_size: int, capacities: Optional[dict] = None, meta: Optional[dict] = None,
+                 stream_priority: Optional[dict] = None, flow_limits: Optional[dict] = None):
         self.world_size = world_size
         self.capacities = dict(capacities or {})
         self.meta = dict(meta or {})
+        self.stream_priority = dict(stream_priority or {})  # stream -> int; higher wins a shared link
+        self.flow_limits = dict(flow_limits or {})  # link -> most capacity one flow may take
         self.ops: list = []
+        self.cpu_pool = None  # set by share_cores(): compute ops then draw on this shared link
+        self.op_overhead_s = 0.0  # fixed seconds added to every compute op (launch / interpreter cost)
+        self.call_overhead_s = 0.0  # fixed seconds added to every collective call (transfer)
+
+    def share_cores(self, cores: float, op_overhead_s: float = 0.0, pool=("cpu", 0)) -> None:
+        """Make every later :meth:`compute` op run on a pool of ``cores`` shared by all ranks (one
+        core at most per op: single-threaded ranks), after ``op_overhead_s`` of fixed cost each.
+        ``cores=0`` keeps the ranks independent (GPUs) and only adds the overhead."""
+        self.op_overhead_s = float(op_overhead_s)
+        if cores and cores > 0:
+            self.cpu_pool = pool
+            self.capacities[pool] = float(cores)
+            self.flow_limits[pool] = 1.0
 
     def __len__(self):
         return len(self.ops)
@@ -82,20 +110,27 @@ class OpGraph:
         return op.id
 
     def compute(self, rank: int, name: str, seconds: float, deps=(), category: str = "compute", **kw) -> int:
+        """``seconds`` of work on one rank (plus the graph's per-op overhead; on the CPU pool if shared)."""
+        seconds = float(seconds) + self.op_overhead_s
+        if self.cpu_pool is not None:
+            return self.add(name, (rank,), stream=kw.pop("stream", "compute"), duration=0.0,
+                            links={self.cpu_pool: seconds}, deps=deps, category=category, kind="compute", **kw)
         return self.add(name, (rank,), stream=kw.pop("stream", "compute"), duration=seconds, deps=deps,
                         category=category, **kw)
 
     def transfer(self, name: str, ranks, demands, deps=(), category: str = "comm", stream: str = "comm",
                  comm: Optional[dict] = None, **kw) -> int:
-        """A collective as one op per demand phase, chained; returns the last op's id.
+        """A collective as one op per demand phase, chained; returns the last op's id. The first
+        phase pays the graph's ``call_overhead_s`` (the per-call cost of a software stack, fitted).
 
         ``comm`` (the accounting record) goes on the first phase only, so bytes are counted once.
         """
         last = None
         for i, d in enumerate(demands):
             last = self.add(name if len(demands) == 1 else f"{name}#{i}", ranks, stream=stream,
-                            duration=d.alpha, links=d.links, deps=tuple(deps) if last is None else (last,),
-                            category=category, comm=comm if i == 0 else None, kind="comm", **kw)
+                            duration=d.alpha + (self.call_overhead_s if i == 0 else 0.0), links=d.links,
+                            deps=tuple(deps) if last is None else (last,), category=category,
+                            comm=comm if i == 0 else None, kind="comm", **kw)
         return last
 
 
@@ -256,9 +291,21 @@ def simulate(graph: OpGraph) -> SimResult:
     active: dict = {}
     on_link: dict = {}
     version = [0] * n
-    # per op: [(link set, capacity / bytes)] over the links it puts bytes on
-    flow_links = [[(on_link.setdefault(l, set()), caps[l] / b) for l, b in o.links.items() if b > 0]
-                  if o.links else [] for o in ops]
+    # per op: [(link set, capacity / bytes, most one flow may take / bytes)] over the links it puts bytes on
+    limits = graph.flow_limits
+    flow_links = [[(on_link.setdefault(l, set()), caps[l] / b, limits.get(l, float("inf")) / b)
+                   for l, b in o.links.items() if b > 0] if o.links else [] for o in ops]
+    prio = [graph.stream_priority.get(o.stream, 0) for o in ops]
+    prioritised = len(set(prio)) > 1
+
+    def share(i, users, cb, lim):
+        """Flow i's rate on one link: an equal share among the flows of the highest priority present."""
+        if not prioritised:
+            return min(cb / len(users), lim)
+        p = prio[i]
+        if any(prio[u] > p for u in users):
+            return 0.0  # preempted on this link until the higher-priority flows leave it
+        return min(cb / sum(1 for u in users if prio[u] == p), lim)
 
     def rerate(flows, t):
         """Bring each flow's progress to t at its old rate, then give it its new fair-share rate."""
@@ -266,17 +313,18 @@ def simulate(graph: OpGraph) -> SimResult:
         push = heapq.heappush
         for i in flows:  # a set of ints: its order is deterministic
             rem0, rate0, t0 = active[i]
-            rate = min(cb / len(users) for users, cb in flow_links[i])
+            rate = min(share(i, users, cb, lim) for users, cb, lim in flow_links[i])
             if rate == rate0:
                 continue  # its bottleneck did not change: the pending end event stays right
             rem = rem0 - rate0 * (t - t0)
             active[i] = (rem, rate, t)
             version[i] += 1
-            seq += 1
-            push(heap, (t + (rem if rem > 0 else 0.0) / rate, seq, 1, i, version[i]))
+            if rate > 0:  # a preempted flow gets no end event until it is re-rated
+                seq += 1
+                push(heap, (t + (rem if rem > 0 else 0.0) / rate, seq, 1, i, version[i]))
 
     def sharing(i):
-        return set().union(*(users for users, _ in flow_links[i]))
+        return set().union(*(users for users, *_ in flow_links[i]))
 
     def start_ready(t):
         nonlocal seq
@@ -309,13 +357,13 @@ def simulate(graph: OpGraph) -> SimResult:
             done += 1
         elif kind == 2:  # latency over: join the links
             active[i] = (1.0, 0.0, t)
-            for users, _ in flow_links[i]:
+            for users, *_ in flow_links[i]:
                 users.add(i)
             dirty |= sharing(i)
         elif ver == version[i]:  # a flow's (still valid) predicted end
             dirty |= sharing(i)
             dirty.discard(i)
-            for users, _ in flow_links[i]:
+            for users, *_ in flow_links[i]:
                 users.discard(i)
             del active[i]
             finish(i, t)

@@ -167,14 +167,31 @@ class IterationContext:
                               **({"free": act} if bwd else {"alloc": act}))
 
 
+def new_graph(profile, topo: Topology, meta: Optional[dict] = None) -> OpGraph:
+    """An empty graph on ``profile``'s links; on a profile of CPU ranks sharing a host
+    (``shared_cores``) compute ops share those cores; every compute op pays ``op_overhead_s``, every
+    collective call ``call_overhead_s`` (both 0 on the paper testbeds)."""
+    g = OpGraph(topo.world_size, costs.link_capacities(profile, topo), meta=meta)
+    g.share_cores(getattr(profile, "shared_cores", 0) or 0, getattr(profile, "op_overhead_s", 0.0) or 0.0)
+    g.call_overhead_s = float(getattr(profile, "call_overhead_s", 0.0) or 0.0)
+    return g
+
+
 def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_forward, moe_backward, *,
                                 elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False,
-                                meta: Optional[dict] = None):
+                                meta: Optional[dict] = None, beside_attention: Optional[Callable] = None,
+                                stream_priority: Optional[dict] = None):
     """The skeleton every data/expert-parallel strategy shares: per layer attention, then for an MoE
     layer gate + count exchange + ``moe_forward(ctx, i, j, deps) -> per-rank ops`` (else the dense
     FFN), the tied head, the mirror backward with ``moe_backward(ctx, i, j, deps)``, and one
     all_reduce of the dense grads. Returns ``(graph, ctx, last_ops)`` so a strategy can append its
-    own synchronisation. Topology = ``cfg``'s (the runtime's), bandwidths = ``profile``'s."""
+    own synchronisation. Topology = ``cfg``'s (the runtime's), bandwidths = ``profile``'s.
+
+    ``beside_attention(ctx, i, phase, deps) -> per-rank op ids | None`` adds ops that run *while*
+    layer i's attention does (forward and backward), issued when the attention is (same ``deps``),
+    on a stream of the strategy's choosing (Hecate prefetches expert parameters there); whatever
+    follows the attention waits for them too. ``stream_priority`` (stream -> int) decides which
+    stream wins a link both use (:class:`moelab.sim.engine.OpGraph`)."""
     m, moe = cfg.model, cfg.model.moe
     topo = topology_of(cfg)
     N, E, k = topo.world_size, moe.num_experts, moe.top_k
@@ -184,8 +201,9 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     moe_ids = moe_layer_ids(m)
     if np.asarray(loads).shape != (len(moe_ids), N, E):
         raise ValueError(f"loads must be [moe_layers={len(moe_ids)}][ranks={N}][experts={E}], got {np.asarray(loads).shape}")
-    g = OpGraph(N, costs.link_capacities(profile, topo),
-                meta={"profile": profile.name, "topology": topo.describe(), "elem_bytes": eb, **(meta or {})})
+    g = new_graph(profile, topo, meta={"profile": profile.name, "topology": topo.describe(), "elem_bytes": eb,
+                                       **(meta or {})})
+    g.stream_priority.update(stream_priority or {})
     ranks = list(range(N))
     ctx = IterationContext(g, cfg, profile, topo, ranks, T, eb, hierarchical_a2a)
     ct = ctx.compute_time
@@ -201,18 +219,27 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     last = [g.add("init", r, category="other", kind="compute",
                   alloc={"params": (n_dense + n_local[r]) * eb, "grads": (n_dense + n_local[r]) * eb,
                          "optimizer": 2 * (n_dense + n_local[r]) * 4}) for r in ranks]
+
+    def attention(i, phase, deps, **kw):
+        """Layer i's attention on every rank and the strategy's side ops beside it; per rank, the
+        ops whatever comes next must wait for."""
+        side = beside_attention(ctx, i, phase, deps) if beside_attention is not None else None
+        attn = [g.compute(r, f"L{i}.attn.{phase}", (1 if phase == "fwd" else 2) * t_attn, deps=(deps[r],),
+                          category="attention", layer=i, phase=phase, **kw) for r in ranks]
+        return [(a,) if side is None or side[r] is None else (a, side[r]) for r, a in enumerate(attn)]
+
     for i in range(m.n_layers):  # forward
-        last = [g.compute(r, f"L{i}.attn.fwd", t_attn, deps=(last[r],), category="attention", layer=i,
-                          phase="fwd", alloc={"activations": act_attn}) for r in ranks]
+        after = attention(i, "fwd", last, alloc={"activations": act_attn})
+        last = [a[0] for a in after]
         if i in moe_ids:
-            gates = [g.compute(r, f"L{i}.gate.fwd", t_gate, deps=(last[r],), category="gate", layer=i,
+            gates = [g.compute(r, f"L{i}.gate.fwd", t_gate, deps=after[r], category="gate", layer=i,
                                phase="fwd", alloc={"activations": act_gate}) for r in ranks]
             counts = g.transfer(f"L{i}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile, count_bytes)],
                                 deps=gates, category="count_exchange", layer=i, phase="fwd",
                                 comm={"op": "all_gather", "group": ranks, "nbytes": count_bytes})
             last = moe_forward(ctx, i, moe_ids.index(i), (counts,))
         else:
-            last = [g.compute(r, f"L{i}.ffn.fwd", t_ffn, deps=(last[r],), category="ffn", layer=i, phase="fwd",
+            last = [g.compute(r, f"L{i}.ffn.fwd", t_ffn, deps=after[r], category="ffn", layer=i, phase="fwd",
                               alloc={"activations": act_ffn}) for r in ranks]
     last = [g.compute(r, "head.fwd", t_head, deps=(last[r],), category="head", phase="fwd",
                       alloc={"activations": T * V * eb}) for r in ranks]
@@ -226,8 +253,9 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
         else:
             last = [g.compute(r, f"L{i}.ffn.bwd", 2 * t_ffn, deps=(last[r],), category="ffn", layer=i,
                               phase="bwd", free={"activations": act_ffn}) for r in ranks]
-        last = [g.compute(r, f"L{i}.attn.bwd", 2 * t_attn, deps=(last[r],), category="attention", layer=i,
-                          phase="bwd", free={"activations": act_attn}) for r in ranks]
+        after = attention(i, "bwd", last, free={"activations": act_attn})
+        last = [g.add(f"L{i}.attn.bwd.done", r, kind="compute", category="other", deps=a, layer=i, phase="bwd")
+                if len(a) > 1 else a[0] for r, a in enumerate(after)]
     grad_bytes = n_dense * eb
     prev = (g.transfer("dense_grads.allreduce", ranks, [costs.ring_demand("all_reduce", ranks, topo, profile, grad_bytes)],
                        deps=last, category="allreduce", phase="sync",

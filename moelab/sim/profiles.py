@@ -42,6 +42,9 @@ class ClusterProfile:
     elem_bytes: int = 2  # bytes per activation element in the paper's runs (fp16 = 2, fp32 = 4)
     links: Optional[dict] = None  # per-link detail, GB/s per direction, where the paper gives it
     fits: dict = field(default_factory=dict)  # measured alpha-beta per collective: {op: (alpha_s, beta_s_per_byte)}
+    shared_cores: float = 0  # >0: all ranks run on one host with this many cores, compute shares them
+    op_overhead_s: float = 0.0  # fixed seconds per compute op (interpreter / kernel launch), fitted where measured
+    call_overhead_s: float = 0.0  # fixed seconds per collective call beyond its alpha-beta line, fitted where measured
     extra: dict = field(default_factory=dict)  # paper constants that are not link/compute numbers
     sources: dict = field(default_factory=dict)  # field -> spec section / paper sentence / [assumption]
     notes: str = ""
@@ -284,12 +287,17 @@ def local_profile_from_calibration(fit: dict, name: str = "local") -> ClusterPro
     except (ValueError, OSError, AttributeError):
         mem = 0.0
     flops = float(fit["gemm_flops"])
+    comp = fit.get("compute")  # a fitted compute line: the ranks share the host's cores (an engine CPU pool)
     return ClusterProfile(
         name=name, nodes=1, gpus_per_node=n, gpu=fit.get("device") or platform.processor() or "cpu",
-        peak_flops=float(fit.get("peak_flops", flops)), achieved_flops=flops,
+        peak_flops=float(fit.get("peak_flops", flops)), achieved_flops=float(comp["flops_per_s"]) if comp else flops,
+        shared_cores=int(fit.get("cores", 0)) if comp else 0,
+        op_overhead_s=float(comp["op_overhead_s"]) if comp else 0.0,
         intra_bw_GBps=bw, intra_latency_us=lat, inter_bw_GBps=bw, inter_latency_us=lat,
         mem_GB=mem, nics_per_node=0, elem_bytes=int(fit.get("elem_bytes", 4)),
         fits={op: (max(v["alpha"], 0.0), max(v["beta"], 0.0)) for op, v in colls.items()},
         sources={"*": f"measured on this machine ({n} gloo ranks): calibrate_local",
-                 "fits": "least-squares alpha-beta per collective, x = non-local bytes sent per rank"},
+                 "fits": "least-squares alpha-beta per collective, x = non-local bytes sent per rank",
+                 **({"achieved_flops": f"fitted: {comp['source']}", "op_overhead_s": f"fitted: {comp['source']}",
+                     "shared_cores": "os.sched_getaffinity: cores the ranks share"} if comp else {})},
         notes="loopback: one link class; EMULATED topologies reuse these numbers for both classes")

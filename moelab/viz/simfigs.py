@@ -81,7 +81,10 @@ def predicted_vs_measured(frame, *, label: str, measured: str = "real_s", predic
     """Scatter of predicted against measured, the y = x line, and R^2 of the prediction in the title.
 
     ``frame``: e.g. :attr:`moelab.sim.validate.Comparison.iters` (rows with ``warmup`` True are
-    dropped) or ``.layers``. R^2 is around y = x (:func:`moelab.sim.validate.r2_score`).
+    dropped) or ``.layers``. R^2 is around y = x (:func:`moelab.sim.validate.r2_score`). When the
+    frame splits each side into compute and communication (``real_compute_s``/``sim_compute_s``,
+    ``real_comm_s``/``sim_comm_s``, as ``Comparison`` frames do), the title gives R^2 of each part
+    alone too: a good total can hide two compensating errors.
     """
     from moelab.sim.validate import median_rel_err, r2_score
 
@@ -99,7 +102,13 @@ def predicted_vs_measured(frame, *, label: str, measured: str = "real_s", predic
                         hovertext=[f"{name} iter {it}" for it in g["iter"]] if "iter" in g else None)
     hi = float(max(y.max(), p.max())) * unit * 1.05
     fig.add_scatter(x=[0, hi], y=[0, hi], mode="lines", name="y = x", line={"color": "black", "dash": "dash"})
-    return _finish(fig, f"{title}: R^2 = {r2:.3f}, median |error| = {100 * mre:.1f}% ({len(df)} points)", label,
+    split = ""
+    if measured == "real_s" and predicted == "sim_s" and {"real_compute_s", "real_comm_s"} <= set(df.columns):
+        split = "<br>" + "; ".join(
+            f"{part} only: R^2 = {r2_score(df[f'real_{key}_s'], df[f'sim_{key}_s']):.3f}, median |error| = "
+            f"{100 * median_rel_err(df[f'real_{key}_s'], df[f'sim_{key}_s']):.1f}%"
+            for part, key in (("compute", "compute"), ("communication", "comm")))
+    return _finish(fig, f"{title}: R^2 = {r2:.3f}, median |error| = {100 * mre:.1f}% ({len(df)} points){split}", label,
                    xaxis={"title": f"measured ({unit_name})", "range": [0, hi]},
                    yaxis={"title": f"simulated ({unit_name})", "range": [0, hi], "scaleanchor": "x"})
 

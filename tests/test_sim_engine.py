@@ -1,0 +1,62 @@
+"""Event engine refinements: stream priority on shared links, per-flow limits (a shared CPU pool)."""
+import pytest
+
+from moelab.sim import OpGraph, simulate
+
+GB = 1e9
+LINK = ("nic_out", 0)
+
+
+def _two_flows(priority=None, b_delay=0.0):
+    g = OpGraph(2, {LINK: GB}, stream_priority=priority)
+    a = g.add("allreduce", 0, stream="grad", links={LINK: 2 * GB})
+    w = g.compute(1, "wait", b_delay)
+    b = g.add("a2a", 1, stream="a2a", links={LINK: GB}, deps=(w,))
+    return simulate(g), a, b
+
+
+def test_equal_priority_shares_fairly():
+    r, a, b = _two_flows()
+    assert r.end[b] == pytest.approx(2.0) and r.end[a] == pytest.approx(3.0)
+
+
+def test_higher_priority_stream_wins_the_link():
+    """Lina: the all-to-all preempts the gradient all-reduce it shares a link with."""
+    r, a, b = _two_flows({"a2a": 1})
+    assert r.end[b] == pytest.approx(1.0)  # alone on the link, as if the all-reduce were not there
+    assert r.end[a] == pytest.approx(3.0)  # waited 1 s, then its 2 s alone
+    # arriving late, it preempts a flow already running: a has moved 0.5 GB when b arrives
+    r, a, b = _two_flows({"a2a": 1}, b_delay=0.5)
+    assert r.end[b] == pytest.approx(1.5) and r.end[a] == pytest.approx(3.0)
+    # the other way round: the all-reduce first, the all-to-all waits
+    r, a, b = _two_flows({"grad": 1})
+    assert r.end[a] == pytest.approx(2.0) and r.end[b] == pytest.approx(3.0)
+
+
+def test_priority_only_acts_on_shared_links():
+    g = OpGraph(2, {LINK: GB, ("nic_out", 1): GB}, stream_priority={"a2a": 1})
+    a = g.add("allreduce", 0, stream="grad", links={LINK: GB})
+    b = g.add("a2a", 1, stream="a2a", links={("nic_out", 1): GB})
+    r = simulate(g)
+    assert r.end[a] == pytest.approx(1.0) and r.end[b] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("ranks, cores, want", [(1, 2, 1.0), (2, 2, 1.0), (4, 2, 2.0), (3, 2, 1.5)])
+def test_cpu_pool_slows_concurrent_compute_by_ranks_over_cores(ranks, cores, want):
+    """A pool of C cores (capacity C, at most 1 per flow): R ranks computing 1 s each take max(1, R/C) s."""
+    pool = ("cpu", 0)
+    g = OpGraph(ranks, {pool: cores}, flow_limits={pool: 1.0})
+    for r in range(ranks):
+        g.compute(r, "work", 0.0, links={pool: 1.0})
+    assert simulate(g).makespan == pytest.approx(want)
+
+
+def test_cpu_pool_gives_idle_cores_to_the_ranks_still_computing():
+    """4 ranks on 2 cores, one with 3x the work: the others finish at 2 s (1 s of work at half speed);
+    then the long one (1 of its 3 s done) has a core of its own and runs its last 2 s at full speed."""
+    pool = ("cpu", 0)
+    g = OpGraph(4, {pool: 2.0}, flow_limits={pool: 1.0})
+    ids = [g.compute(r, "work", 0.0, links={pool: 3.0 if r == 0 else 1.0}) for r in range(4)]
+    r = simulate(g)
+    assert [r.end[i] for i in ids[1:]] == pytest.approx([2.0] * 3)
+    assert r.end[ids[0]] == pytest.approx(2.0 + 2.0)
