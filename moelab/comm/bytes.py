@@ -56,6 +56,39 @@ def peer_bytes(op: str, group: Sequence[int], me: int, nbytes: int = 0,
     return out
 
 
+def recv_bytes(op: str, group: Sequence[int], me: int, nbytes: int = 0,
+               splits: Optional[Sequence[int]] = None, root: Optional[int] = None,
+               peer: Optional[int] = None) -> dict:
+    """Bytes ``me`` receives from each global rank: by construction ``recv_bytes(.., me)[j] ==
+    peer_bytes(.., j)[me]`` when every member passes the same ``nbytes`` / ``root``. ``splits``: per
+    member bytes received (all_to_all); ``peer``/``nbytes``: the sender and size (p2p/recv)."""
+    n = len(group)
+    nb = int(nbytes)
+    if op == "all_to_all":
+        assert splits is not None and len(splits) == n, "all_to_all needs one split per group member"
+        out: dict = {}
+        for r, b in zip(group, splits):
+            out[r] = out.get(r, 0) + int(b)
+        return out
+    if op == "all_gather":
+        return {r: nb for r in group}
+    if op == "reduce_scatter":
+        return {r: nb // n for r in group}
+    if op == "all_reduce":
+        return {r: 2 * (nb // n) if n > 1 else nb for r in group}
+    if op == "broadcast":
+        return {root: nb}
+    if op == "reduce":
+        if me != root:
+            return {}
+        return {r: nb for r in group if r != root or n == 1}
+    if op in ("recv", "p2p"):
+        return {peer: nb}
+    if op == "send":
+        return {}
+    raise ValueError(f"unknown op {op!r}; known: {OPS}")
+
+
 def by_link_class(topo: Topology, me: int, per_peer: dict) -> dict:
     """Fold per-peer bytes into ``{"local": .., "intra": .., "inter": ..}``; self-traffic is local."""
     acc = dict.fromkeys(LINK_CLASSES, 0)

@@ -1,0 +1,123 @@
+"""What the comm door remembers: one :class:`CommRecord` per call, compute spans, thread-local tags.
+
+Tags (iteration, layer, phase) belong to the thread that sets them: a layer tagging its forward on
+the main thread must not label what a comm thread issues meanwhile. Every record and span carries
+the name of the thread (stream) that issued it, and the Chrome/Perfetto trace draws one row per
+stream, so overlap between compute and communication streams is visible.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from moelab.comm.topology import LINK_CLASSES
+
+
+@dataclass
+class CommRecord:
+    op: str
+    group: str
+    bytes: dict  # {"local","intra","inter"} -> bytes sent by this rank
+    t_start: float  # seconds (time.time) when issued
+    t_end: float  # when complete (for an async call: when wait() returned)
+    tags: dict = field(default_factory=dict)
+    emulated_s: float = 0.0  # time added by link emulation
+    recv: dict = field(default_factory=dict)  # {"local","intra","inter"} -> bytes received
+    sent_to: dict = field(default_factory=dict)  # global rank -> bytes sent to it
+    recv_from: dict = field(default_factory=dict)  # global rank -> bytes received from it
+    stream: str = "MainThread"  # name of the issuing thread
+    seq: int = -1  # per-group collective sequence number (same on every member); -1: p2p
+
+
+class Span(tuple):
+    """A compute span ``(name, cat, t_start, t_end, tags)`` that also knows its thread (``.stream``)."""
+
+    def __new__(cls, name, cat, t0, t1, tags, stream="MainThread"):
+        self = super().__new__(cls, (name, cat, t0, t1, tags))
+        self.stream = stream
+        return self
+
+
+class Recorder:
+    """Per-rank record of communication calls and compute spans; writes a Chrome trace."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.comm: list[CommRecord] = []
+        self.spans: list[Span] = []  # (name, cat, t_start, t_end, tags), .stream
+        self.enabled = True
+        self._local = threading.local()
+
+    @property
+    def tags(self) -> dict:
+        """This thread's tags."""
+        t = getattr(self._local, "tags", None)
+        if t is None:
+            t = self._local.tags = {}
+        return t
+
+    @contextlib.contextmanager
+    def tagged(self, **tags):
+        old = dict(self.tags)
+        self._local.tags = {**old, **tags}
+        try:
+            yield
+        finally:
+            self._local.tags = old
+
+    @contextlib.contextmanager
+    def span(self, name: str, cat: str = "compute"):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            if self.enabled:
+                self.spans.append(Span(name, cat, t0, time.time(), dict(self.tags), threading.current_thread().name))
+
+    def bytes_by_class(self, since: int = 0) -> dict:
+        acc = dict.fromkeys(LINK_CLASSES, 0)
+        for r in self.comm[since:]:
+            for k, v in r.bytes.items():
+                acc[k] += v
+        return acc
+
+    def chrome_events(self) -> list:
+        """Complete events, one row (tid) per stream: compute threads first, then comm streams."""
+        rows: dict = {}
+
+        def tid(stream: str, kind: str) -> int:
+            return rows.setdefault((kind, stream), len(rows))
+
+        ev = []
+        for s in self.spans:
+            name, cat, t0, t1, tags = s
+            ev.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank,
+                       "tid": tid(getattr(s, "stream", "MainThread"), "compute"),
+                       "ts": t0 * 1e6, "dur": max(t1 - t0, 0) * 1e6, "args": tags})
+        for r in self.comm:
+            name = f"{r.op}" + (f" L{r.tags['layer']}" if "layer" in r.tags else "")
+            ev.append({"name": name, "cat": "comm", "ph": "X", "pid": self.rank, "tid": tid(r.stream, "comm"),
+                       "ts": r.t_start * 1e6, "dur": max(r.t_end - r.t_start, 0) * 1e6,
+                       "args": {"group": r.group, "seq": r.seq, **r.bytes,
+                                **{f"recv_{k}": v for k, v in r.recv.items()}, **r.tags, "emulated_s": r.emulated_s}})
+        ev.append({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}})
+        for (kind, stream), t in rows.items():
+            ev.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": t,
+                       "args": {"name": f"{kind}: {stream}"}})
+            ev.append({"name": "thread_sort_index", "ph": "M", "pid": self.rank, "tid": t, "args": {"sort_index": t}})
+        return ev
+
+    def write_chrome_trace(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump({"traceEvents": self.chrome_events(), "displayTimeUnit": "ms"}, f)
+
+    def comm_rows(self) -> list[dict]:
+        return [{"op": r.op, "group": r.group, **{f"bytes_{k}": v for k, v in r.bytes.items()},
+                 **{f"recv_{k}": r.recv.get(k, 0) for k in LINK_CLASSES},
+                 "t_start": r.t_start, "t_end": r.t_end, "emulated_s": r.emulated_s,
+                 "stream": r.stream, "seq": r.seq,
+                 "iter": r.tags.get("iter", -1), "layer": r.tags.get("layer", -1),
+                 "phase": r.tags.get("phase", "")} for r in self.comm]
