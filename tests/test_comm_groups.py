@@ -134,3 +134,64 @@ def test_single_process_without_a_process_group_runs_locally():
     assert torch.equal(comm.all_to_all_raw(x.view(4, 1), [4], [4], async_op=True).wait().view(-1), x)
     with pytest.raises(ValueError, match="groups\\[.esp.\\]: rank 1 is not a rank"):
         Communicator(Topology(1, 1), groups={"esp": [[0, 1]]})
+
+
+# ---- strategies declare groups; validation before launch; the trainer creates them -------------------
+def _register_toy(groups_of):
+    """Register strategy ``toy`` (the EP layer) declaring ``groups_of(cfg)``; returns an undo."""
+    import moelab.strategies as S
+
+    S._REGISTRY["toy"] = lambda cfg: None
+    S._GROUPS["toy"] = groups_of
+
+    def undo():
+        S._REGISTRY.pop("toy", None)
+        S._GROUPS.pop("toy", None)
+
+    return undo
+
+
+def _halves(cfg):
+    n = cfg.parallel.nproc
+    return {"esp": [list(range(n // 2)), list(range(n // 2, n))]}
+
+
+@pytest.mark.parametrize("groups_of, message", [
+    (lambda cfg: {"esp": [[0, 1], [1]]}, "process groups of parallel.strategy 'toy'['esp']: rank 1 is in instances"),
+    (lambda cfg: {"esp": [[0]]}, "process groups of parallel.strategy 'toy'['esp']: ranks [1] are in no instance"),
+    (lambda cfg: 1 / 0, "process groups of parallel.strategy 'toy': ZeroDivisionError"),
+])
+def test_config_validation_rejects_bad_declarations(groups_of, message):
+    from moelab.config import ConfigError, RunConfig
+
+    undo = _register_toy(groups_of)
+    try:
+        with pytest.raises(ConfigError) as e:
+            RunConfig().with_overrides({"parallel.strategy": "toy"}).validate()
+        assert message in str(e.value)
+        _register_toy(_halves)
+        RunConfig().with_overrides({"parallel.strategy": "toy", "parallel.nproc": 4}).validate()
+    finally:
+        undo()
+
+
+def _trainer_groups(rank, world):
+    from moelab.config import RunConfig
+    from moelab.runtime.train import Trainer
+
+    _register_toy(_halves)
+    cfg = RunConfig().with_overrides({"parallel.strategy": "toy", "parallel.nproc": world, "model.n_layers": 1,
+                                      "model.d_model": 16, "model.d_ff": 16, "model.seq_len": 8,
+                                      "model.moe.num_experts": world, "train.dataset": "random"})
+    tr = Trainer.build(cfg)
+    x = torch.tensor([float(rank + 1)])
+    tr.comm.all_reduce_(x, group="esp")
+    return tr.comm.group_ranks("esp"), float(x)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_trainer_creates_the_declared_groups(world):
+    half = world // 2
+    for r, (ranks, s) in enumerate(run_ranks(_trainer_groups, world, timeout=90)):
+        mine = list(range(half)) if r < half else list(range(half, world))
+        assert ranks == mine and s == sum(m + 1 for m in mine)

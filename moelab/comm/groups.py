@@ -60,3 +60,16 @@ def instance_of(instances: list, rank: int) -> list:
         if rank in inst:
             return inst
     raise ValueError(f"rank {rank} is in no instance of {instances}")
+
+
+def declared_group_errors(cfg) -> list:
+    """Config validation's view: the messages (naming the strategy and group) for the process groups
+    ``cfg``'s strategy declares, ``[]`` when they partition ``parallel.nproc`` ranks."""
+    from moelab.strategies import get_groups
+
+    option = f"process groups of parallel.strategy {cfg.parallel.strategy!r}"
+    try:
+        validate_groups(get_groups(cfg), cfg.parallel.nproc, option=option)
+    except Exception as e:  # noqa: BLE001 - a broken declaration is a config error too
+        return [str(e) if isinstance(e, ValueError) else f"{option}: {e!r}"]
+    return []
