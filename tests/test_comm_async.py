@@ -143,3 +143,18 @@ def test_tags_are_thread_local_and_streams_get_rows(world):
         assert sorted(r["rows"].values()) == ["comm: MainThread", "comm: comm-x", "comm: side", "compute: MainThread"]
         assert ("all_reduce L1", "comm: comm-x") in r["placed"] and ("experts", "compute: MainThread") in r["placed"]
         assert ("all_reduce L9", "comm: side") in r["placed"]
+
+
+def test_records_and_spans_survive_pickling():
+    """Records work their bytes out lazily; spans know their thread: both cross process boundaries."""
+    import pickle
+
+    from moelab.comm.door import Communicator
+
+    comm = Communicator(Topology(1, 1))
+    with comm.rec.tagged(layer=2), comm.rec.span("experts"):
+        comm.all_to_all_raw(torch.ones(3, 2), [3], [3])
+    rec, span = pickle.loads(pickle.dumps((comm.rec.comm[0], comm.rec.spans[0])))
+    assert rec.sent_to == {0: 24} and rec.bytes == {"local": 24, "intra": 0, "inter": 0} and rec.recv == rec.bytes
+    assert rec.tags == {"layer": 2} and rec.seq == 0 and rec.stream == "MainThread"
+    assert span[0] == "experts" and span[4] == {"layer": 2} and span.stream == "MainThread" and len(span) == 5

@@ -28,7 +28,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moelab.comm.bytes import by_link_class, peer_bytes, recv_bytes
+from moelab.comm.bytes import peer_bytes, recv_bytes
+from moelab.comm.collectives import collective
 from moelab.comm.groups import BUILTIN, default_groups, validate_groups
 from moelab.comm.links import Ports
 from moelab.comm.record import CommRecord, Recorder, Span  # noqa: F401 - re-exported
@@ -39,18 +40,19 @@ from moelab.comm.topology import Topology
 # torch >= 2.12 renamed the flat collectives; keep older torch working
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
-PORTS = (("intra", "out"), ("intra", "in"), ("inter", "out"), ("inter", "in"))
 
 
 class Handle:
     """An issued call. ``wait()`` finishes it (real completion, emulated delay, record) and returns
     its result; waiting again returns the same result."""
 
-    def __init__(self, comm, op, group, ranks, work, result, sent_to, recv_from, t0, tags, stream, seq, call):
+    __slots__ = ("comm", "op", "group", "ranks", "work", "result", "peers", "t0", "tags", "stream", "seq", "call",
+                 "flows", "_done", "_value")
+
+    def __init__(self, comm, op, group, ranks, work, result, peers, t0, tags, stream, seq, call):
         self.comm, self.op, self.group, self.ranks = comm, op, group, ranks
         self.work, self.result = work, result
-        self.sent_to, self.recv_from = sent_to, recv_from
+        self.peers = peers  # (sent_to, recv_from) or the byte rule that returns them
         self.t0, self.tags, self.stream, self.seq, self.call = t0, tags, stream, seq, call
         self.flows = None  # ids of this call's flows on the rank's emulated ports
         self._done, self._value = False, None
@@ -58,17 +60,17 @@ class Handle:
     def wait(self):
         if self._done:
             return self._value
-        for w in self.work if isinstance(self.work, list) else ([self.work] if self.work is not None else []):
-            w.wait()
+        work = self.work
+        if work is not None:
+            for w in work if isinstance(work, list) else (work,):
+                w.wait()
         comm = self.comm
         value = self.result() if self.result is not None else None
         emulated = comm._emulate(self) if self.flows is not None else 0.0
         rec = comm.rec
         if rec.enabled:
-            sent = by_link_class(comm.topo, comm.rank, self.sent_to)
-            recv = by_link_class(comm.topo, comm.rank, self.recv_from)
-            rec.comm.append(CommRecord(self.op, self.group, sent, self.t0, time.time(), self.tags, emulated,
-                                       recv, self.sent_to, self.recv_from, self.stream, self.seq))
+            rec.comm.append(CommRecord(self.op, self.group, self.t0, time.time(), self.tags, emulated, self.stream,
+                                       self.seq, self.peers, comm._fold))
         if self.call is not None:
             comm.scheduler.done(self.call)
         self._done, self._value = True, value
@@ -77,27 +79,22 @@ class Handle:
 
 @functools.lru_cache(maxsize=256)
 def _ring_shape(topo: Topology, op: str, ranks: tuple, bw: tuple, lat: tuple):
-    """Latency and per-(rank, class, direction) byte shares of a ring collective over ``ranks`` as
-    :func:`moelab.sim.costs.ring_channels` builds it (node-major; across nodes one channel per member
-    of the fullest node, channel c leaving every node through a different rank's NIC, 1/C of the
-    bytes each). ``bw``/``lat``: (intra, inter)."""
-    nodes: dict = {}
-    for r in sorted(ranks):
-        nodes.setdefault(topo.node_of(r), []).append(r)
-    C = max(len(m) for m in nodes.values()) if len(nodes) > 1 else 1
+    """Latency and per-(rank, class, direction) byte shares of a ring collective over ``ranks``: the
+    simulator's rings (:func:`moelab.sim.costs.ring_channels` with one NIC per rank, as the emulator
+    declares; node-major, across nodes one channel per member of the fullest node, each carrying 1/C
+    of the bytes). ``bw``/``lat``: (intra, inter). Returns (latency, shares, slowest share / bw)."""
+    from moelab.sim.costs import ring_channels
+
+    rings = ring_channels(list(ranks), topo, topo.ranks_per_node)
     share: dict = {}  # (rank, class, direction) -> fraction of the per-rank ring bytes
-    for c in range(C):
-        order = []
-        for m in nodes.values():
-            k = (c + len(m) - 1) % len(m)  # the node is left by its member k
-            order += m[k + 1:] + m[:k + 1]
+    for order in rings:
         for a, b in zip(order, order[1:] + order[:1]):
             cls = topo.link_class(a, b)
-            share[(a, cls, "out")] = share.get((a, cls, "out"), 0.0) + 1.0 / C
-            share[(b, cls, "in")] = share.get((b, cls, "in"), 0.0) + 1.0 / C
+            share[(a, cls, "out")] = share.get((a, cls, "out"), 0.0) + 1.0 / len(rings)
+            share[(b, cls, "in")] = share.get((b, cls, "in"), 0.0) + 1.0 / len(rings)
     steps = (2 if op == "all_reduce" else 1) * (len(ranks) - 1)
     bws = dict(zip(("intra", "inter"), bw))
-    latency = steps * lat[1 if len(nodes) > 1 else 0]
+    latency = steps * lat[1 if len({topo.node_of(r) for r in ranks}) > 1 else 0]
     return latency, share, max(f / bws[cls] for (_, cls, _), f in share.items())
 
 
@@ -141,10 +138,19 @@ class Communicator:
                 if self.rank in inst:
                     self.add_group(name, inst, pg)
                     self._shadow[name] = shadow
+        self._peer_class = [topo.link_class(self.rank, r) for r in range(self.world_size)]
         self._ports = None
         if self.emulation is not None:
             (bi, be), _ = _emulation_keys(self.emulation)
             self._ports = Ports({("intra", "out"): bi, ("intra", "in"): bi, ("inter", "out"): be, ("inter", "in"): be})
+
+    def _fold(self, per_peer: dict) -> dict:
+        """:func:`moelab.comm.bytes.by_link_class` for this rank, with the peers' classes looked up once."""
+        acc = {"local": 0, "intra": 0, "inter": 0}
+        cls = self._peer_class
+        for r, b in per_peer.items():
+            acc[cls[r]] += b
+        return acc
 
     def _new_group(self, ranks):
         # every rank creates every instance; a one-rank instance never communicates: none is made
@@ -164,36 +170,42 @@ class Communicator:
         return self._groups[name][1]
 
     # ---- the one path every call takes ---------------------------------------------------------
-    def _call(self, op, group, issue, sent_to, recv_from, result=None, async_op=False, ranks=None):
-        """Admit (scheduler), number (per-group seq), issue, emulate, and return a handle or its result."""
+    def _call(self, op, group, issue, peers, result=None, async_op=False, ranks=None):
+        """Admit (scheduler), number (per-group seq), issue, emulate; return a handle or its result.
+
+        ``peers()`` -> (bytes sent to, bytes received from) each global rank: the byte rule, evaluated
+        only when needed (a scheduler or the emulator asks before the issue; otherwise the record
+        works it out when read), so a call pays almost nothing for its accounting."""
         if ranks is None:
             ranks = self._groups[group][1]
-        tags, stream = dict(self.rec.tags), threading.current_thread().name
         call = None
         if self.scheduler is not None:
-            call = Call(op, group, tuple(ranks), sent_to, recv_from, tags, stream)
+            peers = peers() if callable(peers) else peers
+            call = Call(op, group, tuple(ranks), peers[0], peers[1], dict(self.rec.tags),
+                        threading.current_thread().name)
             self.scheduler.admit(call)
         seq = next(self._seq[group]) if op != "p2p" else -1
         t0 = time.time()
         work = issue()
-        h = Handle(self, op, group, ranks, work, result, sent_to, recv_from, t0, tags, stream, seq, call)
+        h = Handle(self, op, group, ranks, work, result, peers, t0, dict(self.rec.tags),
+                   threading.current_thread().name, seq, call)
         if self._ports is not None and self.rec.enabled:  # unrecorded (metric) traffic is not emulated
-            sent = by_link_class(self.topo, self.rank, sent_to)
-            recv = by_link_class(self.topo, self.rank, recv_from)
-            h.flows = [self._ports.add(t0 + lat, ports) for lat, ports in self.port_flows(op, ranks, sent, recv)]
+            h.peers = sent_to, recv_from = peers() if callable(peers) else peers
+            h.flows = [self._ports.add(t0 + lat, ports) for lat, ports in
+                       self.port_flows(op, ranks, self._fold(sent_to), self._fold(recv_from))]
         return h if async_op else h.wait()
 
     # ---- emulation -----------------------------------------------------------------------------
     def port_flows(self, op: str, ranks: Sequence[int], sent: dict, recv: dict) -> list:
         """This rank's share of one call as flows on its ports: ``[(latency, {(class, dir): bytes})]``.
 
-        Ring collectives (:data:`RING_OPS`): one flow after the ring's step latencies, with this
+        Ring collectives (declared ``pricing="ring"``, :mod:`moelab.comm.collectives`): one flow after the ring's step latencies, with this
         rank's ring edges' bytes (the ring's slowest link elsewhere is reached through the members'
         finish-time reduction, so alone every member ends at :meth:`emulated_time`). Every other call:
         one flow per link class in use, after that class's latency, ``sent`` out and ``recv`` in.
         """
         bw, lat = _emulation_keys(self.emulation)
-        if op in RING_OPS and len(ranks) > 1:
+        if collective(op).pricing == "ring" and len(ranks) > 1:
             v = sent.get("intra", 0) + sent.get("inter", 0)
             if v <= 0:
                 return []
@@ -239,7 +251,7 @@ class Communicator:
         alone, the emulator waits exactly this long.
         """
         bw, lat = _emulation_keys(self.emulation)
-        if op in RING_OPS and ranks is not None and len(ranks) > 1:
+        if op is not None and collective(op).pricing == "ring" and ranks is not None and len(ranks) > 1:
             v = sent.get("intra", 0) + sent.get("inter", 0)
             if v <= 0:
                 return 0.0
@@ -252,9 +264,28 @@ class Communicator:
                 t = max(t, b / bw[i] + lat[i])
         return t
 
+    # ---- any declared collective ----------------------------------------------------------------
+    def run(self, op: str, group: str, issue, result=None, async_op: bool = False, **args):
+        """Run a collective declared in :mod:`moelab.comm.collectives` through the door (scheduler,
+        sequence number, record with its byte rule, emulation with its pricing).
+
+        ``issue(pg, ranks)`` posts it on the group's process group asynchronously and returns its
+        work (or a list of works; None when there is nothing to wait for); ``result()`` makes the
+        value ``wait()`` returns; ``args``: the byte rule's arguments (``nbytes``, ``splits``, ``root``)."""
+        pg, ranks = self._groups[group]
+        c = collective(op)
+        return self._call(op, group, lambda: issue(pg, ranks),
+                          lambda: (c.sent(ranks, self.rank, **args), c.received(ranks, self.rank, **args)),
+                          result, async_op, ranks)
+
     # ---- raw (non-autograd) collectives ------------------------------------------------------
     def _remote(self, ranks) -> bool:
         return self.distributed and len(ranks) > 1
+
+    def _rule(self, op, ranks, nbytes, root=None):
+        """The byte rule of a same-size collective, evaluated when the door asks (after the issue)."""
+        return lambda: (peer_bytes(op, ranks, self.rank, nbytes, root=root),
+                        recv_bytes(op, ranks, self.rank, nbytes, root=root))
 
     def all_to_all_raw(self, x: torch.Tensor, out_rows: Sequence[int], in_rows: Sequence[int], group: str = "ep",
                        async_op: bool = False):
@@ -270,8 +301,8 @@ class Communicator:
             out.copy_(x)
 
         return self._call("all_to_all", group, issue,
-                          peer_bytes("all_to_all", ranks, self.rank, splits=[v * row_bytes for v in ins]),
-                          recv_bytes("all_to_all", ranks, self.rank, splits=[v * row_bytes for v in outs]),
+                          lambda: (peer_bytes("all_to_all", ranks, self.rank, splits=[v * row_bytes for v in ins]),
+                                   recv_bytes("all_to_all", ranks, self.rank, splits=[v * row_bytes for v in outs])),
                           lambda: out, async_op, ranks)
 
     def all_gather(self, x: torch.Tensor, group: str = "world", async_op: bool = False):
@@ -287,8 +318,7 @@ class Communicator:
             flat.copy_(x.reshape(-1))
 
         nb = x.numel() * x.element_size()
-        return self._call("all_gather", group, issue, peer_bytes("all_gather", ranks, self.rank, nb),
-                          recv_bytes("all_gather", ranks, self.rank, nb),
+        return self._call("all_gather", group, issue, self._rule("all_gather", ranks, nb),
                           lambda: flat.view((len(ranks),) + tuple(x.shape)).to(home), async_op, ranks)
 
     def reduce_scatter(self, x: torch.Tensor, group: str = "world", async_op: bool = False):
@@ -305,8 +335,8 @@ class Communicator:
             out.copy_(x)
 
         nb = x.numel() * x.element_size()
-        return self._call("reduce_scatter", group, issue, peer_bytes("reduce_scatter", ranks, self.rank, nb),
-                          recv_bytes("reduce_scatter", ranks, self.rank, nb), lambda: out, async_op, ranks)
+        return self._call("reduce_scatter", group, issue, self._rule("reduce_scatter", ranks, nb), lambda: out,
+                          async_op, ranks)
 
     def all_reduce_(self, x: torch.Tensor, group: str = "world", async_op: bool = False):
         """In-place sum over the group."""
@@ -314,24 +344,21 @@ class Communicator:
         nb = x.numel() * x.element_size()
         return self._call("all_reduce", group,
                           lambda: dist.all_reduce(x, group=pg, async_op=True) if self._remote(ranks) else None,
-                          peer_bytes("all_reduce", ranks, self.rank, nb), recv_bytes("all_reduce", ranks, self.rank, nb),
-                          lambda: x, async_op, ranks)
+                          self._rule("all_reduce", ranks, nb), lambda: x, async_op, ranks)
 
     def broadcast_(self, x: torch.Tensor, root: int, group: str = "world", async_op: bool = False):
         pg, ranks = self._groups[group]
         nb = x.numel() * x.element_size()
         return self._call("broadcast", group,
                           lambda: dist.broadcast(x, src=root, group=pg, async_op=True) if self._remote(ranks) else None,
-                          peer_bytes("broadcast", ranks, self.rank, nb, root=root),
-                          recv_bytes("broadcast", ranks, self.rank, nb, root=root), lambda: x, async_op, ranks)
+                          self._rule("broadcast", ranks, nb, root), lambda: x, async_op, ranks)
 
     def reduce_(self, x: torch.Tensor, root: int, group: str = "world", async_op: bool = False):
         pg, ranks = self._groups[group]
         nb = x.numel() * x.element_size()
         return self._call("reduce", group,
                           lambda: dist.reduce(x, dst=root, group=pg, async_op=True) if self._remote(ranks) else None,
-                          peer_bytes("reduce", ranks, self.rank, nb, root=root),
-                          recv_bytes("reduce", ranks, self.rank, nb, root=root), lambda: x, async_op, ranks)
+                          self._rule("reduce", ranks, nb, root), lambda: x, async_op, ranks)
 
     def exchange(self, sends: dict, recvs: dict, tag: int = 0, async_op: bool = False):
         """Point-to-point: ``sends[peer] = tensor`` and ``recvs[peer] = buffer``, posted together so no
@@ -349,9 +376,10 @@ class Communicator:
                     ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, tag=tag))
             return list(dist.batch_isend_irecv(ops)) if ops else None
 
-        return self._call("p2p", "world", issue, {p: t.numel() * t.element_size() for p, t in sends.items()},
-                          {p: t.numel() * t.element_size() for p, t in recvs.items()}, None, async_op,
-                          list(range(self.world_size)))
+        return self._call("p2p", "world", issue,
+                          ({p: t.numel() * t.element_size() for p, t in sends.items()},  # now: no tensor
+                           {p: t.numel() * t.element_size() for p, t in recvs.items()}),  # stays referenced
+                          None, async_op, list(range(self.world_size)))
 
     # ---- autograd-aware ------------------------------------------------------------------------
     def all_to_all(self, x: torch.Tensor, out_rows: Sequence[int], in_rows: Sequence[int], group: str = "ep") -> torch.Tensor:

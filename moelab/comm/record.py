@@ -11,25 +11,65 @@ import contextlib
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from typing import Optional
 
 from moelab.comm.topology import LINK_CLASSES
 
 
-@dataclass
 class CommRecord:
-    op: str
-    group: str
-    bytes: dict  # {"local","intra","inter"} -> bytes sent by this rank
-    t_start: float  # seconds (time.time) when issued
-    t_end: float  # when complete (for an async call: when wait() returned)
-    tags: dict = field(default_factory=dict)
-    emulated_s: float = 0.0  # time added by link emulation
-    recv: dict = field(default_factory=dict)  # {"local","intra","inter"} -> bytes received
-    sent_to: dict = field(default_factory=dict)  # global rank -> bytes sent to it
-    recv_from: dict = field(default_factory=dict)  # global rank -> bytes received from it
-    stream: str = "MainThread"  # name of the issuing thread
-    seq: int = -1  # per-group collective sequence number (same on every member); -1: p2p
+    """One call. Bytes are kept as the byte rule's inputs and worked out on first read (``bytes`` /
+    ``recv``: by link class; ``sent_to`` / ``recv_from``: per global rank), so recording costs the
+    call almost nothing; pickling a record works them out."""
+
+    __slots__ = ("op", "group", "t_start", "t_end", "tags", "emulated_s", "stream", "seq", "_peers", "_fold", "_bytes")
+
+    def __init__(self, op: str, group: str, t_start: float, t_end: float, tags: Optional[dict] = None,
+                 emulated_s: float = 0.0, stream: str = "MainThread", seq: int = -1, peers=None, fold=None):
+        self.op, self.group, self.t_start, self.t_end = op, group, t_start, t_end  # seconds (time.time)
+        self.tags = tags if tags is not None else {}
+        self.emulated_s = emulated_s  # time added by link emulation after the real completion
+        self.stream = stream  # name of the issuing thread
+        self.seq = seq  # per-group collective sequence number (same on every member); -1: p2p
+        self._peers = peers  # (sent_to, recv_from) or a zero-argument function returning them
+        self._fold = fold  # per-peer dict -> {"local","intra","inter"}
+        self._bytes = None
+
+    def _all(self) -> tuple:
+        if self._bytes is None:
+            sent_to, recv_from = self._peers() if callable(self._peers) else self._peers
+            self._bytes = (sent_to, recv_from, self._fold(sent_to), self._fold(recv_from))
+            self._peers = self._fold = None
+        return self._bytes
+
+    @property
+    def sent_to(self) -> dict:
+        return self._all()[0]
+
+    @property
+    def recv_from(self) -> dict:
+        return self._all()[1]
+
+    @property
+    def bytes(self) -> dict:
+        """{"local","intra","inter"} -> bytes sent by this rank."""
+        return self._all()[2]
+
+    @property
+    def recv(self) -> dict:
+        """{"local","intra","inter"} -> bytes received by this rank."""
+        return self._all()[3]
+
+    def __getstate__(self):
+        self._all()
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            setattr(self, k, v)
+
+    def __repr__(self) -> str:
+        return (f"CommRecord({self.op!r}, group={self.group!r}, seq={self.seq}, stream={self.stream!r}, "
+                f"bytes={self.bytes}, recv={self.recv}, tags={self.tags})")
 
 
 class Span(tuple):
@@ -39,6 +79,9 @@ class Span(tuple):
         self = super().__new__(cls, (name, cat, t0, t1, tags))
         self.stream = stream
         return self
+
+    def __getnewargs__(self):  # pickling (results cross processes)
+        return (*self, self.stream)
 
 
 class Recorder:
