@@ -218,7 +218,12 @@ class Communicator:
         return flows
 
     def _emulate(self, h: Handle) -> float:
-        """Sleep until the call's emulated finish; return the seconds added after the real completion."""
+        """Sleep until the call's emulated finish; return the seconds added after the real completion.
+
+        A collective's members agree on its finish with a MAX all-reduce of their own finishes on a
+        shadow process group of the same ranks (only with emulation; about one small all-reduce per
+        call, see ``benchmarks/comm_door.py``), so the calls of one group must be waited in the same
+        order on every member - as SPMD code does."""
         t_real = time.time()
         finish = max((self._ports.wait(i) for i in h.flows), default=h.t0)
         shadow = self._shadow.get(h.group) if h.op != "p2p" else None
