@@ -216,6 +216,8 @@ class RunConfig:
             errs.append(f"train.dtype must be float32 or float64, got {t.dtype!r}")
         if t.fault_rank is not None and not 0 <= t.fault_rank < p.nproc:
             errs.append(f"train.fault_rank={t.fault_rank} is not a rank of nproc={p.nproc}")
+        from moelab.comm.groups import declared_group_errors
+        errs += [] if errs else declared_group_errors(self)
         if errs:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
         return self

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from moelab.comm.collectives import collective, known_collectives
 from moelab.comm.topology import LINK_CLASSES, Topology
 
-OPS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "send", "p2p", "recv")
+OPS = known_collectives()  # the built-in ones; more may be registered (moelab.comm.collectives)
 
 
 def peer_bytes(op: str, group: Sequence[int], me: int, nbytes: int = 0,
@@ -23,37 +24,19 @@ def peer_bytes(op: str, group: Sequence[int], me: int, nbytes: int = 0,
     """Bytes ``me`` sends to each global rank for one call of ``op`` over ``group`` (global ranks).
 
     ``nbytes``: the rank's input size (all_gather: its block; reduce_scatter/all_reduce/broadcast/
-    reduce/send: the full tensor). ``splits``: per group member bytes, for all_to_all.
+    reduce/send: the full tensor). ``splits``: per group member bytes, for all_to_all. The rule is
+    the op's declaration (:mod:`moelab.comm.collectives`).
     """
-    n = len(group)
-    out: dict = {}
-    if op == "all_to_all":
-        assert splits is not None and len(splits) == n, "all_to_all needs one split per group member"
-        for r, b in zip(group, splits):
-            out[r] = out.get(r, 0) + int(b)
-    elif op == "all_gather":
-        for r in group:
-            out[r] = int(nbytes)
-    elif op == "reduce_scatter":
-        for r in group:
-            out[r] = int(nbytes) // n
-    elif op == "all_reduce":
-        for r in group:
-            out[r] = 2 * (int(nbytes) // n) if n > 1 else int(nbytes)
-    elif op == "broadcast":
-        if me == root:
-            for r in group:
-                out[r] = int(nbytes)
-    elif op == "reduce":
-        if me != root or n == 1:
-            out[root] = int(nbytes)
-    elif op in ("send", "p2p"):  # p2p: what Communicator.exchange records
-        out[peer] = int(nbytes)
-    elif op == "recv":
-        pass
-    else:
-        raise ValueError(f"unknown op {op!r}; known: {OPS}")
-    return out
+    return collective(op).sent(group, me, nbytes=nbytes, splits=splits, root=root, peer=peer)
+
+
+def recv_bytes(op: str, group: Sequence[int], me: int, nbytes: int = 0,
+               splits: Optional[Sequence[int]] = None, root: Optional[int] = None,
+               peer: Optional[int] = None) -> dict:
+    """Bytes ``me`` receives from each global rank: by construction ``recv_bytes(.., me)[j] ==
+    peer_bytes(.., j)[me]`` when every member passes the same ``nbytes`` / ``root``. ``splits``: per
+    member bytes received (all_to_all); ``peer``/``nbytes``: the sender and size (p2p/recv)."""
+    return collective(op).received(group, me, nbytes=nbytes, splits=splits, root=root, peer=peer)
 
 
 def by_link_class(topo: Topology, me: int, per_peer: dict) -> dict:

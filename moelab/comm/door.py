@@ -1,25 +1,40 @@
 """The one communication door.
 
 Strategy code never calls ``torch.distributed`` directly: it calls a :class:`Communicator`. Every
-call is recorded (op, group, logical bytes per link class by :mod:`moelab.comm.bytes`, start/end
-time, iteration/layer/phase tags). The records feed the tracer (Chrome/Perfetto timelines), the byte
-checks of the tests, and the simulator's validation. Optional link emulation lives here too: after a
-collective, the rank sleeps until the declared links would have finished (labelled EMULATED).
+call is recorded (:mod:`moelab.comm.record`: op, group, per-group sequence number, bytes sent and
+received per peer and per link class by :mod:`moelab.comm.bytes`, issue and completion time, the
+issuing thread, iteration/layer/phase tags). The records feed the tracer (Chrome/Perfetto
+timelines), the byte checks of the tests, and the simulator's validation.
+
+- **Groups** are real process groups, one per declared instance, created once at build
+  (:mod:`moelab.comm.groups`), so two threads may run collectives on two groups at once.
+- **Async**: every collective takes ``async_op=True`` and returns a :class:`Handle`; ``wait()``
+  returns the result and completes the record. A sync call is issue + wait.
+- **Scheduler hook**: ``Communicator.scheduler`` (:mod:`moelab.comm.scheduler`) admits every call
+  before it is issued and hears when it is done.
+- **Link emulation** (optional, labelled EMULATED): the rank's ports are shared by concurrent calls
+  (:mod:`moelab.comm.links`); at ``wait()`` the rank sleeps until its emulated finish, and a
+  collective ends on every member at its slowest member's emulated finish.
 """
 from __future__ import annotations
 
-import contextlib
-import json
+import functools
+import itertools
 import math
+import threading
 import time
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from moelab.comm.bytes import by_link_class, peer_bytes
-from moelab.comm.topology import LINK_CLASSES, Topology
+from moelab.comm.bytes import peer_bytes, recv_bytes
+from moelab.comm.collectives import collective
+from moelab.comm.groups import BUILTIN, default_groups, validate_groups
+from moelab.comm.links import Ports
+from moelab.comm.record import CommRecord, Recorder, Span  # noqa: F401 - re-exported
+from moelab.comm.scheduler import Call
+from moelab.comm.topology import Topology
 
 
 # torch >= 2.12 renamed the flat collectives; keep older torch working
@@ -27,88 +42,78 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass
-class CommRecord:
-    op: str
-    group: str
-    bytes: dict  # {"local","intra","inter"} -> bytes sent by this rank
-    t_start: float  # seconds (time.time)
-    t_end: float
-    tags: dict = field(default_factory=dict)
-    emulated_s: float = 0.0  # time added by link emulation
+class Handle:
+    """An issued call. ``wait()`` finishes it (real completion, emulated delay, record) and returns
+    its result; waiting again returns the same result."""
+
+    __slots__ = ("comm", "op", "group", "ranks", "work", "result", "peers", "t0", "tags", "stream", "seq", "call",
+                 "flows", "_done", "_value")
+
+    def __init__(self, comm, op, group, ranks, work, result, peers, t0, tags, stream, seq, call):
+        self.comm, self.op, self.group, self.ranks = comm, op, group, ranks
+        self.work, self.result = work, result
+        self.peers = peers  # (sent_to, recv_from) or the byte rule that returns them
+        self.t0, self.tags, self.stream, self.seq, self.call = t0, tags, stream, seq, call
+        self.flows = None  # ids of this call's flows on the rank's emulated ports
+        self._done, self._value = False, None
+
+    def wait(self):
+        if self._done:
+            return self._value
+        work = self.work
+        if work is not None:
+            for w in work if isinstance(work, list) else (work,):
+                w.wait()
+        comm = self.comm
+        value = self.result() if self.result is not None else None
+        emulated = comm._emulate(self) if self.flows is not None else 0.0
+        rec = comm.rec
+        if rec.enabled:
+            rec.comm.append(CommRecord(self.op, self.group, self.t0, time.time(), self.tags, emulated, self.stream,
+                                       self.seq, self.peers, comm._fold))
+        if self.call is not None:
+            comm.scheduler.done(self.call)
+        self._done, self._value = True, value
+        return value
 
 
-class Recorder:
-    """Per-rank record of communication calls and compute spans; writes a Chrome trace."""
+@functools.lru_cache(maxsize=256)
+def _ring_shape(topo: Topology, op: str, ranks: tuple, bw: tuple, lat: tuple):
+    """Latency and per-(rank, class, direction) byte shares of a ring collective over ``ranks``: the
+    simulator's rings (:func:`moelab.sim.costs.ring_channels` with one NIC per rank, as the emulator
+    declares; node-major, across nodes one channel per member of the fullest node, each carrying 1/C
+    of the bytes). ``bw``/``lat``: (intra, inter). Returns (latency, shares, slowest share / bw)."""
+    from moelab.sim.costs import ring_channels
 
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.comm: list[CommRecord] = []
-        self.spans: list[tuple] = []  # (name, cat, t_start, t_end, tags)
-        self.tags: dict = {}
-        self.enabled = True
+    rings = ring_channels(list(ranks), topo, topo.ranks_per_node)
+    share: dict = {}  # (rank, class, direction) -> fraction of the per-rank ring bytes
+    for order in rings:
+        for a, b in zip(order, order[1:] + order[:1]):
+            cls = topo.link_class(a, b)
+            share[(a, cls, "out")] = share.get((a, cls, "out"), 0.0) + 1.0 / len(rings)
+            share[(b, cls, "in")] = share.get((b, cls, "in"), 0.0) + 1.0 / len(rings)
+    steps = (2 if op == "all_reduce" else 1) * (len(ranks) - 1)
+    bws = dict(zip(("intra", "inter"), bw))
+    latency = steps * lat[1 if len({topo.node_of(r) for r in ranks}) > 1 else 0]
+    return latency, share, max(f / bws[cls] for (_, cls, _), f in share.items())
 
-    @contextlib.contextmanager
-    def tagged(self, **tags):
-        old = dict(self.tags)
-        self.tags.update(tags)
-        try:
-            yield
-        finally:
-            self.tags = old
 
-    @contextlib.contextmanager
-    def span(self, name: str, cat: str = "compute"):
-        t0 = time.time()
-        try:
-            yield
-        finally:
-            if self.enabled:
-                self.spans.append((name, cat, t0, time.time(), dict(self.tags)))
-
-    def bytes_by_class(self, since: int = 0) -> dict:
-        acc = dict.fromkeys(LINK_CLASSES, 0)
-        for r in self.comm[since:]:
-            for k, v in r.bytes.items():
-                acc[k] += v
-        return acc
-
-    def chrome_events(self) -> list:
-        ev = []
-        for r in self.comm:
-            name = f"{r.op}" + (f" L{r.tags['layer']}" if "layer" in r.tags else "")
-            ev.append({"name": name, "cat": "comm", "ph": "X", "pid": self.rank, "tid": 1,
-                       "ts": r.t_start * 1e6, "dur": max(r.t_end - r.t_start, 0) * 1e6,
-                       "args": {"group": r.group, **r.bytes, **r.tags, "emulated_s": r.emulated_s}})
-        for name, cat, t0, t1, tags in self.spans:
-            ev.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": 0,
-                       "ts": t0 * 1e6, "dur": max(t1 - t0, 0) * 1e6, "args": tags})
-        ev.append({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}})
-        ev.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "compute"}})
-        ev.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1, "args": {"name": "comm"}})
-        return ev
-
-    def write_chrome_trace(self, path) -> None:
-        with open(path, "w") as f:
-            json.dump({"traceEvents": self.chrome_events(), "displayTimeUnit": "ms"}, f)
-
-    def comm_rows(self) -> list[dict]:
-        return [{"op": r.op, "group": r.group, **{f"bytes_{k}": v for k, v in r.bytes.items()},
-                 "t_start": r.t_start, "t_end": r.t_end, "emulated_s": r.emulated_s,
-                 "iter": r.tags.get("iter", -1), "layer": r.tags.get("layer", -1),
-                 "phase": r.tags.get("phase", "")} for r in self.comm]
+def _emulation_keys(e):
+    return (e.intra_bw_GBps * 1e9, e.inter_bw_GBps * 1e9), (e.intra_latency_us * 1e-6, e.inter_latency_us * 1e-6)
 
 
 class Communicator:
     """Collectives over named groups of a declared topology, recorded and optionally link-emulated.
 
-    Groups: ``world``; ``node`` (the caller's node-local ranks); ``ep`` and ``dp`` (both the world
-    for the expert-parallel baseline; strategies with other layouts add their own via ``add_group``).
-    With ``world_size == 1`` and no process group initialised, every op is a local identity, so the
-    same layer code runs single-process.
+    Groups: ``world``, ``ep``, ``dp`` (all ranks, each its own process group), ``node`` (the
+    caller's node-local ranks) and every group of ``groups`` (``{name: [[ranks], [ranks], ..]}``,
+    each a partition of the ranks, :func:`moelab.comm.groups.validate_groups`); ``group(name)`` is the
+    caller's instance. With ``world_size == 1`` and no process group initialised, every op is a local
+    identity, so the same layer code runs single-process.
     """
 
-    def __init__(self, topo: Topology, emulation=None, recorder: Optional[Recorder] = None):
+    def __init__(self, topo: Topology, emulation=None, recorder: Optional[Recorder] = None,
+                 groups: Optional[dict] = None):
         self.topo = topo
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -117,25 +122,46 @@ class Communicator:
             raise ValueError(f"topology declares {topo.world_size} ranks, the process group has {self.world_size}")
         self.emulation = emulation if (emulation is not None and emulation.enabled) else None
         self.rec = recorder or Recorder(self.rank)
+        self.scheduler = None  # a moelab.comm.scheduler.Scheduler; None: calls pass straight through
         # NCCL only moves CUDA tensors: small CPU-side tensors (counts) travel through this device
         self.device = torch.device("cuda", torch.cuda.current_device()) if (
             self.distributed and dist.get_backend() == "nccl") else torch.device("cpu")
+        declared = validate_groups(groups or {}, self.world_size)
+        decl = {**default_groups(topo), **declared}
         self._groups: dict = {}
-        world = list(range(self.world_size))
-        self._groups["world"] = (None, world)
-        self._groups["ep"] = (None, world)
-        self._groups["dp"] = (None, world)
-        node_ranks = None
-        for n in range(topo.nodes):  # new_group is collective: every rank creates every node group
-            ranks = topo.node_ranks(n)
-            pg = dist.new_group(ranks) if self.distributed and topo.nodes > 1 else None
-            if self.rank in ranks:
-                node_ranks = (pg, ranks)
-        self._groups["node"] = node_ranks
+        self._seq: dict = {}
+        self._shadow: dict = {}  # group -> process group for the emulator's finish-time reduction
+        for name in list(BUILTIN) + sorted(declared):  # new_group is collective: same order everywhere
+            for inst in decl[name]:
+                pg = self._new_group(inst)
+                shadow = self._new_group(inst) if self.emulation is not None else None
+                if self.rank in inst:
+                    self.add_group(name, inst, pg)
+                    self._shadow[name] = shadow
+        self._peer_class = [topo.link_class(self.rank, r) for r in range(self.world_size)]
+        self._ports = None
+        if self.emulation is not None:
+            (bi, be), _ = _emulation_keys(self.emulation)
+            self._ports = Ports({("intra", "out"): bi, ("intra", "in"): bi, ("inter", "out"): be, ("inter", "in"): be})
+
+    def _fold(self, per_peer: dict) -> dict:
+        """:func:`moelab.comm.bytes.by_link_class` for this rank, with the peers' classes looked up once."""
+        acc = {"local": 0, "intra": 0, "inter": 0}
+        cls = self._peer_class
+        for r, b in per_peer.items():
+            acc[cls[r]] += b
+        return acc
+
+    def _new_group(self, ranks):
+        # every rank creates every instance; a one-rank instance never communicates: none is made
+        return dist.new_group(ranks) if self.distributed and len(ranks) > 1 else None
 
     # ---- groups ------------------------------------------------------------------------------
     def add_group(self, name: str, ranks: Sequence[int], pg=None) -> None:
+        """Register an existing process group ``pg`` over ``ranks`` (prefer declaring groups: the
+        communicator then creates them)."""
         self._groups[name] = (pg, list(ranks))
+        self._seq[name] = itertools.count()
 
     def group(self, name: str):
         return self._groups[name]
@@ -143,174 +169,222 @@ class Communicator:
     def group_ranks(self, name: str) -> list:
         return self._groups[name][1]
 
-    # ---- recording / emulation ---------------------------------------------------------------
-    def _record(self, op: str, group: str, t0: float, per_peer: dict, recv_per_peer: Optional[dict] = None):
-        sent = by_link_class(self.topo, self.rank, per_peer)
-        emulated = 0.0
-        if self.emulation is not None and self.rec.enabled:  # unrecorded (metric) traffic is not emulated
-            recv = by_link_class(self.topo, self.rank, recv_per_peer) if recv_per_peer is not None else sent
-            target = self.emulated_time(sent, recv, op, self._groups[group][1] if group in self._groups else None)
-            emulated = target - (time.time() - t0)
-            if emulated > 0:
-                time.sleep(emulated)
-            emulated = max(emulated, 0.0)
-        if self.rec.enabled:
-            self.rec.comm.append(CommRecord(op, group, sent, t0, time.time(), dict(self.rec.tags), emulated))
+    # ---- the one path every call takes ---------------------------------------------------------
+    def _call(self, op, group, issue, peers, result=None, async_op=False, ranks=None):
+        """Admit (scheduler), number (per-group seq), issue, emulate; return a handle or its result.
+
+        ``peers()`` -> (bytes sent to, bytes received from) each global rank: the byte rule, evaluated
+        only when needed (a scheduler or the emulator asks before the issue; otherwise the record
+        works it out when read), so a call pays almost nothing for its accounting."""
+        if ranks is None:
+            ranks = self._groups[group][1]
+        call = None
+        if self.scheduler is not None:
+            peers = peers() if callable(peers) else peers
+            call = Call(op, group, tuple(ranks), peers[0], peers[1], dict(self.rec.tags),
+                        threading.current_thread().name)
+            self.scheduler.admit(call)
+        seq = next(self._seq[group]) if op != "p2p" else -1
+        t0 = time.time()
+        work = issue()
+        h = Handle(self, op, group, ranks, work, result, peers, t0, dict(self.rec.tags),
+                   threading.current_thread().name, seq, call)
+        if self._ports is not None and self.rec.enabled:  # unrecorded (metric) traffic is not emulated
+            h.peers = sent_to, recv_from = peers() if callable(peers) else peers
+            h.flows = [self._ports.add(t0 + lat, ports) for lat, ports in
+                       self.port_flows(op, ranks, self._fold(sent_to), self._fold(recv_from))]
+        return h if async_op else h.wait()
+
+    # ---- emulation -----------------------------------------------------------------------------
+    def port_flows(self, op: str, ranks: Sequence[int], sent: dict, recv: dict) -> list:
+        """This rank's share of one call as flows on its ports: ``[(latency, {(class, dir): bytes})]``.
+
+        Ring collectives (declared ``pricing="ring"``, :mod:`moelab.comm.collectives`): one flow after the ring's step latencies, with this
+        rank's ring edges' bytes (the ring's slowest link elsewhere is reached through the members'
+        finish-time reduction, so alone every member ends at :meth:`emulated_time`). Every other call:
+        one flow per link class in use, after that class's latency, ``sent`` out and ``recv`` in.
+        """
+        bw, lat = _emulation_keys(self.emulation)
+        if collective(op).pricing == "ring" and len(ranks) > 1:
+            v = sent.get("intra", 0) + sent.get("inter", 0)
+            if v <= 0:
+                return []
+            latency, share, _ = _ring_shape(self.topo, op, tuple(ranks), bw, lat)
+            return [(latency, {(cls, d): v * f for (r, cls, d), f in share.items() if r == self.rank})]
+        flows = []
+        for i, cls in enumerate(("intra", "inter")):
+            if max(sent.get(cls, 0), recv.get(cls, 0)) > 0:
+                flows.append((lat[i], {(cls, "out"): sent.get(cls, 0), (cls, "in"): recv.get(cls, 0)}))
+        return flows
+
+    def _emulate(self, h: Handle) -> float:
+        """Sleep until the call's emulated finish; return the seconds added after the real completion.
+
+        A collective's members agree on its finish with a MAX all-reduce of their own finishes on a
+        shadow process group of the same ranks (only with emulation; about one small all-reduce per
+        call, see ``benchmarks/comm_door.py``), so the calls of one group must be waited in the same
+        order on every member - as SPMD code does."""
+        t_real = time.time()
+        finish = max((self._ports.wait(i) for i in h.flows), default=h.t0)
+        shadow = self._shadow.get(h.group) if h.op != "p2p" else None
+        if shadow is not None:  # a collective ends on every member at its slowest member's finish
+            t = torch.tensor([finish], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=shadow)
+            finish = float(t)
+        left = finish - time.time()
+        if left > 0:
+            time.sleep(left)
+        return time.time() - t_real
 
     def emulated_time(self, sent: dict, recv: dict, op: Optional[str] = None,
                       ranks: Optional[Sequence[int]] = None) -> float:
-        """Seconds the declared links need for one call (EMULATED); the rank sleeps until then.
+        """Seconds the declared links need for one call *alone* (EMULATED).
 
         Declared hardware (``EmulationConfig``), the same the simulator prices
         (:mod:`moelab.sim.costs` with ``nics_per_node = ranks_per_node``, as
         :func:`moelab.sim.validate.emulation_profile` sets): every rank has its own intra-node port
-        of ``intra_bw_GBps`` and its own inter-node NIC of ``inter_bw_GBps``, each per direction
-        (multi-NIC GPU servers, one NIC per GPU); nothing is shared between ranks.
+        of ``intra_bw_GBps`` and its own inter-node NIC of ``inter_bw_GBps``, each per direction.
 
-        - ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` over ``ranks`` (``op`` and ``ranks``
-          given): rings as :func:`moelab.sim.costs.ring_channels` builds them: node-major; across
-          nodes one channel per member of the fullest node, channel c leaving every node through a
-          different rank's NIC, each carrying 1/C of the ring's bytes. Time = steps x latency
-          (``n-1``, all-reduce ``2(n-1)``; inter latency if the group spans nodes) + the ring's
-          bytes per rank (= this rank's recorded non-local bytes, which the pairwise rule makes
-          equal to a ring's ``(n-1) S``, ``(n-1)/n S``, ``2(n-1)/n S``) times the slowest link's
-          share / bandwidth. Every member gets the same time (a ring moves in lockstep). The link
-          shares depend only on the group: computed once per (op, group) and cached.
-        - every other call (all-to-all, p2p, broadcast, reduce): per link class,
-          ``max(sent, received) / bandwidth + latency`` of this rank's own port/NIC, the larger
-          class wins (direct transfers on per-rank links; broadcast/reduce as a flat tree from/to
-          the root, while the simulator prices a pipelined chain: they agree inside one node only
-          through ``emulation_profile``'s fits).
+        - ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` over ``ranks``: rings
+          (:func:`_ring_shape`). Time = steps x latency (``n-1``, all-reduce ``2(n-1)``; inter latency
+          if the group spans nodes) + the ring's bytes per rank (= this rank's recorded non-local
+          bytes) times the slowest link's share / bandwidth. Every member gets the same time.
+        - every other call: per link class, ``max(sent, received) / bandwidth + latency`` of this
+          rank's own port/NIC, the larger class wins (broadcast/reduce as a flat tree).
 
-        Bytes (``sent``/``recv``: this rank's, by link class, from :mod:`moelab.comm.bytes`) are the
-        pairwise accounting the records keep; only the time follows the algorithm.
+        Concurrent calls share the ports (:meth:`port_flows`, :class:`moelab.comm.links.Ports`);
+        alone, the emulator waits exactly this long.
         """
-        e = self.emulation
-        bw = {"intra": e.intra_bw_GBps * 1e9, "inter": e.inter_bw_GBps * 1e9}
-        lat = {"intra": e.intra_latency_us * 1e-6, "inter": e.inter_latency_us * 1e-6}
-        if op in ("all_reduce", "all_gather", "reduce_scatter") and ranks is not None and len(ranks) > 1:
+        bw, lat = _emulation_keys(self.emulation)
+        if op is not None and collective(op).pricing == "ring" and ranks is not None and len(ranks) > 1:
             v = sent.get("intra", 0) + sent.get("inter", 0)
             if v <= 0:
                 return 0.0
-            cache = vars(self).setdefault("_ring_cost", {})
-            key = (op, tuple(ranks), e.intra_bw_GBps, e.inter_bw_GBps, e.intra_latency_us, e.inter_latency_us)
-            cost = cache.get(key)
-            if cost is None:
-                nodes: dict = {}
-                for r in sorted(ranks):
-                    nodes.setdefault(self.topo.node_of(r), []).append(r)
-                C = max(len(m) for m in nodes.values()) if len(nodes) > 1 else 1
-                share: dict = {}  # (rank, class, direction) -> fraction of the per-rank ring bytes
-                for c in range(C):
-                    order = []
-                    for m in nodes.values():
-                        k = (c + len(m) - 1) % len(m)  # the node is left by its member k
-                        order += m[k + 1:] + m[:k + 1]
-                    for a, b in zip(order, order[1:] + order[:1]):
-                        cls = self.topo.link_class(a, b)
-                        share[(a, cls, 0)] = share.get((a, cls, 0), 0.0) + 1.0 / C
-                        share[(b, cls, 1)] = share.get((b, cls, 1), 0.0) + 1.0 / C
-                steps = (2 if op == "all_reduce" else 1) * (len(ranks) - 1)
-                cost = cache[key] = (steps * lat["inter" if len(nodes) > 1 else "intra"],
-                                     max(f / bw[cls] for (_, cls, _), f in share.items()))
-            return cost[0] + v * cost[1]
+            latency, _, per_byte = _ring_shape(self.topo, op, tuple(ranks), bw, lat)
+            return latency + v * per_byte
         t = 0.0
-        for cls in ("intra", "inter"):
+        for i, cls in enumerate(("intra", "inter")):
             b = max(sent.get(cls, 0), recv.get(cls, 0))
             if b > 0:
-                t = max(t, b / bw[cls] + lat[cls])
+                t = max(t, b / bw[i] + lat[i])
         return t
 
+    # ---- any declared collective ----------------------------------------------------------------
+    def run(self, op: str, group: str, issue, result=None, async_op: bool = False, **args):
+        """Run a collective declared in :mod:`moelab.comm.collectives` through the door (scheduler,
+        sequence number, record with its byte rule, emulation with its pricing).
+
+        ``issue(pg, ranks)`` posts it on the group's process group asynchronously and returns its
+        work (or a list of works; None when there is nothing to wait for); ``result()`` makes the
+        value ``wait()`` returns; ``args``: the byte rule's arguments (``nbytes``, ``splits``, ``root``)."""
+        pg, ranks = self._groups[group]
+        c = collective(op)
+        return self._call(op, group, lambda: issue(pg, ranks),
+                          lambda: (c.sent(ranks, self.rank, **args), c.received(ranks, self.rank, **args)),
+                          result, async_op, ranks)
+
     # ---- raw (non-autograd) collectives ------------------------------------------------------
-    def all_to_all_raw(self, x: torch.Tensor, out_rows: Sequence[int], in_rows: Sequence[int], group: str = "ep") -> torch.Tensor:
+    def _remote(self, ranks) -> bool:
+        return self.distributed and len(ranks) > 1
+
+    def _rule(self, op, ranks, nbytes, root=None):
+        """The byte rule of a same-size collective, evaluated when the door asks (after the issue)."""
+        return lambda: (peer_bytes(op, ranks, self.rank, nbytes, root=root),
+                        recv_bytes(op, ranks, self.rank, nbytes, root=root))
+
+    def all_to_all_raw(self, x: torch.Tensor, out_rows: Sequence[int], in_rows: Sequence[int], group: str = "ep",
+                       async_op: bool = False):
         """Uneven all-to-all along dim 0: send ``in_rows[i]`` rows to member i, receive ``out_rows[i]``."""
         pg, ranks = self._groups[group]
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
-        out = torch.empty((int(sum(out_rows)),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        t0 = time.time()
-        if self.distributed and len(ranks) > 1:
-            dist.all_to_all_single(out, x.contiguous(), [int(v) for v in out_rows], [int(v) for v in in_rows], group=pg)
-        else:
-            out.copy_(x)
-        self._record("all_to_all", group, t0,
-                     peer_bytes("all_to_all", ranks, self.rank, splits=[int(v) * row_bytes for v in in_rows]),
-                     peer_bytes("all_to_all", ranks, self.rank, splits=[int(v) * row_bytes for v in out_rows]))
-        return out
+        outs, ins = [int(v) for v in out_rows], [int(v) for v in in_rows]
+        out = torch.empty((sum(outs),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
 
-    def all_gather(self, x: torch.Tensor, group: str = "world") -> torch.Tensor:
+        def issue():
+            if self._remote(ranks):
+                return dist.all_to_all_single(out, x.contiguous(), outs, ins, group=pg, async_op=True)
+            out.copy_(x)
+
+        return self._call("all_to_all", group, issue,
+                          lambda: (peer_bytes("all_to_all", ranks, self.rank, splits=[v * row_bytes for v in ins]),
+                                   recv_bytes("all_to_all", ranks, self.rank, splits=[v * row_bytes for v in outs])),
+                          lambda: out, async_op, ranks)
+
+    def all_gather(self, x: torch.Tensor, group: str = "world", async_op: bool = False):
         """Concatenate every member's ``x`` along a new leading dim: [n, *x.shape] (on x's device)."""
         pg, ranks = self._groups[group]
         home = x.device
         x = x.to(self.device).contiguous()
         flat = torch.empty(len(ranks) * x.numel(), dtype=x.dtype, device=x.device)
-        t0 = time.time()
-        if self.distributed and len(ranks) > 1:
-            _ALL_GATHER(flat, x.reshape(-1), group=pg)
-        else:
-            flat.copy_(x.reshape(-1))
-        out = flat.view((len(ranks),) + tuple(x.shape)).to(home)
-        self._record("all_gather", group, t0, peer_bytes("all_gather", ranks, self.rank, x.numel() * x.element_size()))
-        return out
 
-    def reduce_scatter(self, x: torch.Tensor, group: str = "world") -> torch.Tensor:
+        def issue():
+            if self._remote(ranks):
+                return _ALL_GATHER(flat, x.reshape(-1), group=pg, async_op=True)
+            flat.copy_(x.reshape(-1))
+
+        nb = x.numel() * x.element_size()
+        return self._call("all_gather", group, issue, self._rule("all_gather", ranks, nb),
+                          lambda: flat.view((len(ranks),) + tuple(x.shape)).to(home), async_op, ranks)
+
+    def reduce_scatter(self, x: torch.Tensor, group: str = "world", async_op: bool = False):
         """Sum over members, each keeps its 1/n block of dim 0."""
         pg, ranks = self._groups[group]
         n = len(ranks)
         if x.shape[0] % n:
             raise ValueError(f"reduce_scatter needs dim 0 ({x.shape[0]}) divisible by group size {n}")
         out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        t0 = time.time()
-        if self.distributed and n > 1:
-            _REDUCE_SCATTER(out, x.contiguous(), group=pg)
-        else:
-            out.copy_(x)
-        self._record("reduce_scatter", group, t0, peer_bytes("reduce_scatter", ranks, self.rank, x.numel() * x.element_size()))
-        return out
 
-    def all_reduce_(self, x: torch.Tensor, group: str = "world") -> torch.Tensor:
+        def issue():
+            if self._remote(ranks):
+                return _REDUCE_SCATTER(out, x.contiguous(), group=pg, async_op=True)
+            out.copy_(x)
+
+        nb = x.numel() * x.element_size()
+        return self._call("reduce_scatter", group, issue, self._rule("reduce_scatter", ranks, nb), lambda: out,
+                          async_op, ranks)
+
+    def all_reduce_(self, x: torch.Tensor, group: str = "world", async_op: bool = False):
         """In-place sum over the group."""
         pg, ranks = self._groups[group]
-        t0 = time.time()
-        if self.distributed and len(ranks) > 1:
-            dist.all_reduce(x, group=pg)
-        self._record("all_reduce", group, t0, peer_bytes("all_reduce", ranks, self.rank, x.numel() * x.element_size()))
-        return x
+        nb = x.numel() * x.element_size()
+        return self._call("all_reduce", group,
+                          lambda: dist.all_reduce(x, group=pg, async_op=True) if self._remote(ranks) else None,
+                          self._rule("all_reduce", ranks, nb), lambda: x, async_op, ranks)
 
-    def broadcast_(self, x: torch.Tensor, root: int, group: str = "world") -> torch.Tensor:
+    def broadcast_(self, x: torch.Tensor, root: int, group: str = "world", async_op: bool = False):
         pg, ranks = self._groups[group]
-        t0 = time.time()
-        if self.distributed and len(ranks) > 1:
-            dist.broadcast(x, src=root, group=pg)
-        self._record("broadcast", group, t0, peer_bytes("broadcast", ranks, self.rank, x.numel() * x.element_size(), root=root),
-                     {root: x.numel() * x.element_size()} if self.rank != root else {})
-        return x
+        nb = x.numel() * x.element_size()
+        return self._call("broadcast", group,
+                          lambda: dist.broadcast(x, src=root, group=pg, async_op=True) if self._remote(ranks) else None,
+                          self._rule("broadcast", ranks, nb, root), lambda: x, async_op, ranks)
 
-    def reduce_(self, x: torch.Tensor, root: int, group: str = "world") -> torch.Tensor:
+    def reduce_(self, x: torch.Tensor, root: int, group: str = "world", async_op: bool = False):
         pg, ranks = self._groups[group]
-        t0 = time.time()
-        if self.distributed and len(ranks) > 1:
-            dist.reduce(x, dst=root, group=pg)
-        self._record("reduce", group, t0, peer_bytes("reduce", ranks, self.rank, x.numel() * x.element_size(), root=root))
-        return x
+        nb = x.numel() * x.element_size()
+        return self._call("reduce", group,
+                          lambda: dist.reduce(x, dst=root, group=pg, async_op=True) if self._remote(ranks) else None,
+                          self._rule("reduce", ranks, nb, root), lambda: x, async_op, ranks)
 
-    def exchange(self, sends: dict, recvs: dict, tag: int = 0) -> None:
+    def exchange(self, sends: dict, recvs: dict, tag: int = 0, async_op: bool = False):
         """Point-to-point: ``sends[peer] = tensor`` and ``recvs[peer] = buffer``, posted together so no
         ordering can deadlock. Self-exchange is a local copy (gloo cannot send to itself)."""
-        t0 = time.time()
-        ops = []
-        for peer, buf in recvs.items():
-            if peer == self.rank:
-                buf.copy_(sends[peer])
-            else:
-                ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
-        for peer, t in sends.items():
-            if peer != self.rank:
-                ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, tag=tag))
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        self._record("p2p", "world", t0, {p: t.numel() * t.element_size() for p, t in sends.items()},
-                     {p: t.numel() * t.element_size() for p, t in recvs.items()})
+
+        def issue():
+            ops = []
+            for peer, buf in recvs.items():
+                if peer == self.rank:
+                    buf.copy_(sends[peer])
+                else:
+                    ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
+            for peer, t in sends.items():
+                if peer != self.rank:
+                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, tag=tag))
+            return list(dist.batch_isend_irecv(ops)) if ops else None
+
+        return self._call("p2p", "world", issue,
+                          ({p: t.numel() * t.element_size() for p, t in sends.items()},  # now: no tensor
+                           {p: t.numel() * t.element_size() for p, t in recvs.items()}),  # stays referenced
+                          None, async_op, list(range(self.world_size)))
 
     # ---- autograd-aware ------------------------------------------------------------------------
     def all_to_all(self, x: torch.Tensor, out_rows: Sequence[int], in_rows: Sequence[int], group: str = "ep") -> torch.Tensor:

@@ -57,7 +57,8 @@ class Trainer:
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank))
+        from moelab.strategies import get_groups
+        comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank), groups=get_groups(cfg))
         dtype = DTYPES[cfg.train.dtype]
         from moelab.strategies import get_strategy
 

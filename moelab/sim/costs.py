@@ -16,6 +16,14 @@ intra ports. Alone on its links a demand takes ``alpha + max_link bytes/capacity
 engine runs the same demands with fair sharing when transfers overlap. One description, two uses:
 the closed-form times here and the simulated times agree whenever nothing overlaps.
 
+The link emulator (:mod:`moelab.comm.links`) shares a rank's ports by the same rule as the event
+engine (k flows on a port get 1/k each; a flow moves at its slowest share), runs the same rings
+(:func:`ring_channels`) and ends a collective on every member at its slowest member's finish. It
+sees only its own rank's ports, and a call using both link classes starts each class after that
+class's latency (here: one ``alpha``, the inter latency): alone they agree whenever one class
+dominates, which :func:`moelab.sim.validate.emulation_profile` relies on. Which demand a collective
+has is declared once, in :mod:`moelab.comm.collectives` (:func:`demands`).
+
 Bytes on links follow the algorithm, while *accounted* bytes follow :mod:`moelab.comm.bytes`
 (pairwise, what the runtime records). All-to-all and p2p are direct (both the same). All-reduce,
 all-gather and reduce-scatter are rings over the group in node-major order (``ring_channels``):
@@ -299,6 +307,15 @@ def p2p_demand(src: int, dst: int, topo: Topology, profile, nbytes: int) -> Dema
     links: dict = {}
     _send(links, topo, src, dst, nbytes, nic_count(profile, topo))
     return Demand(0.0 if src == dst else profile.latency(topo.link_class(src, dst)), links)
+
+
+def demands(op: str, group: Sequence[int], topo: Topology, profile, **args) -> list:
+    """The link demands of any declared collective (:mod:`moelab.comm.collectives`): the functions
+    above for the built-in ones, whatever a newly declared one says for it. ``args``: ``nbytes``,
+    ``splits`` (all_to_all: the [n, n] byte matrix), ``root``, ``hierarchical``; p2p: ``group=(src, dst)``."""
+    from moelab.comm.collectives import collective
+
+    return collective(op).demands(list(group), topo, profile, **args)
 
 
 # ---- closed forms (a collective alone on the cluster) --------------------------------------------

@@ -39,6 +39,26 @@ def get_update(name: str):
     return _UPDATES.get(name)
 
 
+_GROUPS: dict = {}
+
+
+def register_groups(name: str, declare) -> None:
+    """A strategy whose layout needs more process groups declares them as data:
+    ``declare(run_cfg) -> {group: [[ranks of one instance], [ranks of another], ...]}``, each group a
+    partition of the ranks (:func:`moelab.comm.groups.validate_groups`, checked before launch). The
+    trainer's communicator creates them once, at build."""
+    _GROUPS[name] = declare
+
+
+def get_groups(cfg) -> dict:
+    """The process groups ``cfg``'s strategy declares (``{}`` for none)."""
+    name = cfg.parallel.strategy
+    if name != "ep":
+        get_strategy(name)  # imports a built-in strategy, which registers its groups
+    declare = _GROUPS.get(name)
+    return dict(declare(cfg)) if declare is not None else {}
+
+
 def known_strategies() -> set:
     found = {"ep", *_REGISTRY}
     for name, mod in _BUILTIN.items():

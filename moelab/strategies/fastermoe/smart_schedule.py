@@ -32,84 +32,16 @@ reference. On a 2-core CPU box the threads compete with gloo's own; speedups nee
 """
 from __future__ import annotations
 
-import queue
-import threading
-import weakref
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from moelab.moe.experts import ffn
+from moelab.comm.stream import CommStream, Task, comm_stream  # noqa: F401 - moved to moelab.comm
 from moelab.strategies.fastermoe.schedule import check_group_size, recv_peers, send_peers
 
 TAG_STRIDE = 4096
-
-
-# ---- the comm stream ----------------------------------------------------------------------------
-class Task:
-    def __init__(self, fn: Callable, args: tuple, name: str):
-        self.fn, self.args, self.name = fn, args, name
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
-        self.result = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn(*self.args)
-        except BaseException as e:  # surfaced by wait() on the main thread
-            self.error = e
-        finally:
-            self.done.set()
-
-    def wait(self):
-        self.done.wait()
-        if self.error is not None:
-            raise RuntimeError(f"comm task {self.name} failed: {self.error!r}") from self.error
-        return self.result
-
-
-class CommStream:
-    """An in-order task queue served by one daemon thread (``threaded=False``: run at submit)."""
-
-    def __init__(self, threaded: bool = True):
-        self.threaded = threaded
-        self._q: "queue.Queue[Optional[Task]]" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
-
-    def _loop(self) -> None:
-        while True:
-            task = self._q.get()
-            if task is None:
-                return
-            task.run()
-
-    def submit(self, fn: Callable, *args, name: str = "task") -> Task:
-        t = Task(fn, args, name)
-        if not self.threaded:
-            t.run()
-            return t
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name="moelab-comm-stream", daemon=True)
-            self._thread.start()
-        self._q.put(t)
-        return t
-
-    def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join(timeout=5)
-
-
-_STREAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def comm_stream(comm, threaded: bool = True) -> CommStream:
-    """One comm stream per communicator (and mode): every layer's pipeline uses the same thread."""
-    per = _STREAMS.setdefault(comm, {})
-    if threaded not in per:
-        per[threaded] = CommStream(threaded)
-    return per[threaded]
 
 
 # ---- the plan -----------------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""Every collective declared once: its byte rule, how the link emulator prices it, its simulator demand.
+
+A :class:`Collective` says, in one place, what a collective *is* for the three parts of moelab that
+price or account it:
+
+- ``sent`` / ``received``: the pairwise byte rule (:mod:`moelab.comm.bytes` explains the model):
+  bytes a member sends to / receives from each global rank. By construction
+  ``received(.., me)[j] == sent(.., j)[me]``, which the tests check on real records.
+- ``pricing``: how the link emulator prices it alone and loads the rank's ports
+  (:meth:`moelab.comm.door.Communicator.port_flows`): ``"ring"`` (the simulator's rings) or
+  ``"direct"`` (per link class, own port, sent out / received in).
+- ``demands``: the simulator's link demands (:mod:`moelab.sim.costs`), one per phase.
+
+The comm door runs any declared collective through one path (:meth:`Communicator.run`: scheduler,
+sequence number, record, emulation), so a new one - Hecate's sparse all-gather, Parm's fused
+all-to-all + all-gather, a compressed all-to-all - is one :func:`register_collective` call plus the
+few lines that issue it. Arguments the rules take: ``nbytes`` (the member's input size: all_gather its
+block; the full tensor otherwise), ``splits`` (all_to_all: per member bytes; to ``demands``: the
+whole [n, n] matrix), ``root``, ``peer``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Collective:
+    name: str
+    sent: Callable  # (group, me, **args) -> {global rank: bytes me sends it}
+    received: Callable  # (group, me, **args) -> {global rank: bytes me receives from it}
+    pricing: str  # "ring" | "direct": the link emulator's model
+    demands: Callable  # (group, topo, profile, **args) -> [moelab.sim.costs.Demand, ...]
+
+    def __post_init__(self):
+        if self.pricing not in ("ring", "direct"):
+            raise ValueError(f"collective {self.name!r}: pricing must be 'ring' or 'direct', got {self.pricing!r}")
+
+
+_COLLECTIVES: dict = {}
+
+
+def register_collective(c: Collective) -> Collective:
+    _COLLECTIVES[c.name] = c
+    return c
+
+
+def collective(name: str) -> Collective:
+    try:
+        return _COLLECTIVES[name]
+    except KeyError:
+        raise ValueError(f"unknown op {name!r}; known: {tuple(_COLLECTIVES)}") from None
+
+
+def known_collectives() -> tuple:
+    return tuple(_COLLECTIVES)
+
+
+def ring_ops() -> tuple:
+    return tuple(n for n, c in _COLLECTIVES.items() if c.pricing == "ring")
+
+
+# ---- the built-in collectives -------------------------------------------------------------------
+def _per_member(group, splits):
+    assert splits is not None and len(splits) == len(group), "all_to_all needs one split per group member"
+    return dict(zip(group, map(int, splits)))  # group members are distinct ranks
+
+
+def _costs():
+    from moelab.sim import costs  # lazy: the simulator's cost model imports the byte rule
+
+    return costs
+
+
+def _ring(op: str, sent_per_member: Callable) -> Collective:
+    rule = lambda group, me, nbytes=0, **_: {r: sent_per_member(len(group), int(nbytes)) for r in group}  # noqa: E731
+    return Collective(op, rule, rule, "ring",
+                      lambda group, topo, profile, nbytes=0, **_: [_costs().ring_demand(op, group, topo, profile, nbytes)])
+
+
+def _chain(op: str) -> Collective:
+    """broadcast (root -> every member) / reduce (every non-root -> root), pipelined chains in the
+    simulator, a flat tree for the byte rule and the emulator."""
+    def sent(group, me, nbytes=0, root=None, **_):
+        if op == "broadcast":
+            return {r: int(nbytes) for r in group} if me == root else {}
+        return {root: int(nbytes)} if me != root or len(group) == 1 else {}
+
+    def received(group, me, nbytes=0, root=None, **_):
+        if op == "broadcast":
+            return {root: int(nbytes)}
+        return {r: int(nbytes) for r in group if r != root or len(group) == 1} if me == root else {}
+
+    return Collective(op, sent, received, "direct",
+                      lambda group, topo, profile, nbytes=0, root=None, **_: [
+                          _costs().broadcast_demand(group, root, topo, profile, nbytes, op=op)])
+
+
+def _p2p(op: str, sends: bool, receives: bool) -> Collective:
+    """``group = (src, dst)`` for the demand; ``peer`` is the other side for the byte rule."""
+    return Collective(op, lambda group, me, nbytes=0, peer=None, **_: {peer: int(nbytes)} if sends else {},
+                      lambda group, me, nbytes=0, peer=None, **_: {peer: int(nbytes)} if receives else {},
+                      "direct",
+                      lambda group, topo, profile, nbytes=0, **_: [_costs().p2p_demand(group[0], group[1], topo, profile, nbytes)]
+                      if sends else [])
+
+
+register_collective(Collective(
+    "all_to_all",
+    lambda group, me, splits=None, **_: _per_member(group, splits),
+    lambda group, me, splits=None, **_: _per_member(group, splits),  # splits = what each member sends me
+    "direct",
+    lambda group, topo, profile, splits=None, hierarchical=False, **_: _costs().alltoall_demands(
+        splits, group, topo, profile, hierarchical)))
+register_collective(_ring("all_gather", lambda n, s: s))
+register_collective(_ring("reduce_scatter", lambda n, s: s // n))
+register_collective(_ring("all_reduce", lambda n, s: 2 * (s // n) if n > 1 else s))
+register_collective(_chain("broadcast"))
+register_collective(_chain("reduce"))
+register_collective(_p2p("p2p", True, True))  # what Communicator.exchange records (sends and receives)
+register_collective(_p2p("send", True, False))
+register_collective(_p2p("recv", False, True))

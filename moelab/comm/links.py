@@ -1,0 +1,124 @@
+"""Contention-aware link emulation: one rank's ports as shared resources (fluid sharing).
+
+The declared hardware (``EmulationConfig``) gives every rank an intra-node port and an inter-node
+NIC, each per direction. A call becomes *flows*: a flow starts after its latency and needs some
+bytes on some of this rank's ports (:meth:`moelab.comm.door.Communicator.port_flows`). Flows that
+overlap in time share a port's bandwidth (processor sharing): a flow progresses at the rate its
+busiest port allows, ``min over its ports p of (capacity_p / active flows on p) / bytes_p``, and
+the rates are recomputed whenever a flow starts or ends. Alone, a flow takes ``latency + max_p
+bytes_p / capacity_p``: exactly today's price of a call alone. The model runs on the wall clock and
+is advanced lazily (whenever a flow is added or someone waits), so a flow leaves its ports at its
+emulated finish even if nobody waits for it then.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+
+class _Flow:
+    __slots__ = ("start", "bytes", "done", "finish")
+
+    def __init__(self, start: float, nbytes: dict):
+        self.start, self.bytes = start, nbytes
+        self.done = 0.0  # fraction of the bytes moved
+        self.finish = None  # absolute time, once finished
+
+
+class Ports:
+    """The ports of one rank, shared by every thread that communicates on it."""
+
+    def __init__(self, capacity: dict):
+        self.capacity = dict(capacity)  # port -> bytes/s
+        self._cv = threading.Condition()
+        self._flows: dict = {}  # id -> _Flow, not yet finished
+        self._finished: dict = {}  # id -> finish time, until collected
+        self._ids = itertools.count()
+        self._origin = time.time()  # the model keeps seconds since here: epoch floats are too coarse
+        self._t = 0.0
+
+    def add(self, start: float, nbytes: dict) -> int:
+        """A flow that starts at ``start`` (absolute seconds) and moves ``nbytes[port]`` on each port."""
+        for p in nbytes:
+            if p not in self.capacity:
+                raise KeyError(f"unknown port {p!r}; ports: {sorted(self.capacity)}")
+        start -= self._origin
+        with self._cv:
+            self._advance(time.time() - self._origin)
+            i = next(self._ids)
+            nb = {p: float(b) for p, b in nbytes.items() if b > 0}
+            if nb:
+                self._flows[i] = _Flow(start, nb)
+            else:
+                self._finished[i] = start
+            self._cv.notify_all()  # waiters' predicted finishes move
+            return i
+
+    def wait(self, i: int) -> float:
+        """Sleep until flow ``i`` has finished in the model; return its finish time."""
+        with self._cv:
+            while True:
+                now = time.time() - self._origin
+                self._advance(now)
+                if i in self._finished:
+                    return self._finished.pop(i) + self._origin
+                self._cv.wait(max(self._predict(i) - now, 0.0) + 1e-5)
+
+    # ---- the fluid model ------------------------------------------------------------------------
+    def _rates(self, active: list) -> dict:
+        users: dict = {}
+        for f in active:
+            for p in f.bytes:
+                users[p] = users.get(p, 0) + 1
+        return {id(f): min(self.capacity[p] / users[p] / b for p, b in f.bytes.items()) for f in active}
+
+    def _step(self, flows: dict, t: float, until: float, stop=None) -> float:
+        """Run ``flows`` from ``t`` to ``until`` (or until flow ``stop`` ends); return the time reached."""
+        while t < until:
+            active = [f for f in flows.values() if f.start <= t]
+            arrivals = [f.start for f in flows.values() if f.start > t]
+            nxt = min(arrivals, default=until)
+            if not active:
+                t = min(nxt, until)
+                continue
+            rates = self._rates(active)
+            left = {id(f): (1.0 - f.done) / rates[id(f)] for f in active}
+            dt = min(left.values())
+            if nxt - t < dt or until - t < dt:  # an arrival or the horizon comes first: all progress
+                t1 = min(nxt, until)
+                for f in active:
+                    f.done = min(1.0, f.done + (t1 - t) * rates[id(f)])
+                t = t1
+                continue
+            t += dt  # the first flow(s) to finish do, exactly; the others progress
+            for k, f in list(flows.items()):
+                if f.start > t - dt:
+                    continue
+                if left[id(f)] <= dt * (1 + 1e-9):
+                    f.done, f.finish = 1.0, t
+                    del flows[k]
+                    if k == stop:
+                        return t
+                else:
+                    f.done += dt * rates[id(f)]
+        return t
+
+    def _advance(self, now: float) -> None:
+        if now <= self._t:
+            return
+        before = dict(self._flows)
+        self._step(self._flows, self._t, now)
+        for k, f in before.items():
+            if k not in self._flows:
+                self._finished[k] = f.finish
+        self._t = now
+
+    def _predict(self, i: int) -> float:
+        """Finish of flow ``i`` if no other flow arrives (a copy of the model is run forward)."""
+        copy = {}
+        for k, f in self._flows.items():
+            g = _Flow(f.start, f.bytes)
+            g.done = f.done
+            copy[k] = g
+        return self._step(copy, self._t, float("inf"), stop=i)
