@@ -2,7 +2,8 @@
 
 A run folder ``runs/<run_id>/`` holds ``config.json`` (the resolved config), ``summary.json``
 (written last: its presence marks the run complete), ``metrics.csv``, ``loads.csv``,
-``comm_rank{r}.csv``, ``trace_rank{r}.json`` and ``logs/``. Folders whose name starts with ``.``
+``plans.jsonl``, ``comm_rank{r}.csv``, ``trace_rank{r}.json``, ``logs/`` and, with
+``train.checkpoint_every``, ``checkpoints/step_<k>/``. Folders whose name starts with ``.``
 are work in progress (the launcher's temp dirs) and are never listed.
 
 Every writer in moelab goes through :func:`atomic_write_text` and friends (temp file in the same
@@ -90,6 +91,23 @@ class RunResult:
     @cached_property
     def loads(self):
         return _read_csv(self.path / "loads.csv")
+
+    @cached_property
+    def plans(self):
+        """``plans.jsonl``: one row per (iteration, MoE layer) with that layer's plan (``counts`` [N, E],
+        ``holders``, ``shadowed``, or the layer's own ``plan_record``); empty for older runs."""
+        import pandas as pd
+
+        path = self.path / "plans.jsonl"
+        if not path.is_file():
+            return pd.DataFrame()
+        return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+
+    def checkpoint(self):
+        """The run's latest checkpoint folder (``train.checkpoint_every``), or None."""
+        from moelab.runtime.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(self.path)
 
     @cached_property
     def comm(self):
