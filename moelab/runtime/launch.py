@@ -21,7 +21,10 @@ unchanged and adds what supervision needs, because torchrun alone cannot provide
 
 Success: ``summary.json`` is written last and the temp folder is renamed to ``runs/<run_id>/``.
 Failure, timeout or Ctrl-C: every process is killed (SIGTERM, then SIGKILL), the temp folder is
-deleted, and :class:`RunFailed` (or :class:`RunTimeout`) names the rank and its traceback tail.
+deleted, and :class:`RunFailed` (or :class:`RunTimeout`) names the rank and its traceback tail. A
+failed run that had written checkpoints (``train.checkpoint_every``) keeps them in
+``runs/<run_id>.partial/`` (with its config), and the message says how to continue it
+(``launch(resume=...)`` / ``moelab run --resume``).
 
 On a cluster the worker is an ordinary torchrun program; on each node run::
 
@@ -137,9 +140,27 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
         shutil.rmtree(side)
         atomic_write_json(tmp / "summary.json", summarize(tmp, cfg, wall, worker))
         _swap_in(tmp, final)
+    except RunFailed as e:
+        kept = _keep_checkpoints(tmp, Path(out_root) / f"{run_id}.partial")
+        if kept is not None:
+            e.args = (f"{e.args[0]}\ncheckpoints kept in {kept}: continue with `moelab run --resume {kept}`",)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a success
     return RunResult(final)
+
+
+def _keep_checkpoints(tmp: Path, dest: Path) -> Path | None:
+    """A failed run's checkpoints (and config) survive in ``dest`` (not a completed run: never listed)."""
+    from moelab.runtime.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(tmp) is None:
+        return None
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    shutil.copy2(tmp / "config.json", dest / "config.json")
+    os.replace(tmp / "checkpoints", dest / "checkpoints")
+    return dest
 
 
 def torchrun_command(nproc: int, worker: str, config_path: Path, out_dir: Path) -> list[str]:
