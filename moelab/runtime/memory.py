@@ -17,8 +17,10 @@ Categories (per rank):
   so the value falls back to 0 after backward.
 
 :class:`MemoryMeter` samples all four at the points the training loop and the update choose
-(after forward, at every gradient-ready hook during backward, after sync, after step) and keeps
-each category's peak over the iteration; ``mem_total_peak_bytes`` is the largest sum at one point.
+(before and after forward, at every gradient-ready hook during backward, after sync, after step)
+and keeps each category's peak over the iteration; ``mem_total_peak_bytes`` is the largest sum at
+one point. During backward only gradients (and saved activations, which only fall) change, so the
+hooks update the gradient bytes incrementally; a full pass costs ~0.3 ms on the quickstart model.
 """
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ class MemoryMeter:
         self.live_activations = 0
         self._refs: dict = {}  # storage pointer -> (saved handles alive, bytes)
         self._param_ptrs: set = set()
+        self._backward = None  # (values, grad storages seen) while hooks sample incrementally
+        self._optim = None  # optimizer-state bytes at the last step
         self.reset()
 
     def reset(self) -> None:
@@ -68,17 +72,43 @@ class MemoryMeter:
         self.peaks = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
 
-    def current(self) -> dict:
+    def current(self, optim: bool = True) -> dict:
         u = self.update
-        return {"params": u.param_bytes(), "grads": u.grad_bytes(), "optim": u.optimizer_state_bytes(),
+        if optim or self._optim is None:
+            self._optim = u.optimizer_state_bytes()
+        return {"params": u.param_bytes(), "grads": u.grad_bytes(), "optim": self._optim,
                 "activations": self.live_activations}
 
-    def sample(self) -> dict:
-        now = self.current()
+    def sample(self, optim: bool = False) -> dict:
+        """Measure every category now (a full pass over the update's tensors). Optimizer state
+        changes only in ``step()``: it is re-measured with ``optim=True`` (the loop does after the step)."""
+        now = self.current(optim)
+        self._note(now)
+        self._backward = None  # the next gradient-ready hook starts a fresh pass
+        return now
+
+    def _note(self, now: dict) -> None:
         for k, v in now.items():
             self.peaks[k] = max(self.peaks[k], v)
         self.peak_total = max(self.peak_total, sum(now.values()))
-        return now
+
+    def grad_ready(self, p) -> None:
+        """At a gradient-ready hook. The first hook after a full sample measures everything (ZeRO-3
+        has just re-gathered); later ones only add ``p.grad``'s storage if it is new, O(1) per
+        parameter instead of a pass over the model. An update that allocates other buffers during
+        backward (DDP's buckets) calls :meth:`sample` when it does."""
+        if self._backward is None:
+            now = self.current(optim=False)
+            seen = {g.untyped_storage().data_ptr() for g in self.update.grad_tensors() if g is not None}
+            self._backward = (now, seen)
+        else:
+            now, seen = self._backward
+            g = p.grad
+            if g is not None and g.untyped_storage().data_ptr() not in seen:
+                seen.add(g.untyped_storage().data_ptr())
+                now["grads"] += g.untyped_storage().nbytes()
+        now["activations"] = self.live_activations
+        self._note(now)
 
     # ---- saved activations ---------------------------------------------------------------------
     @contextlib.contextmanager

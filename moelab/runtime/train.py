@@ -151,7 +151,6 @@ class Trainer:
         t0 = time.time()
         with comm.rec.tagged(iter=it), comm.rec.span(f"iter {it}", "iteration"):
             update.before_forward()
-            mem.sample()
             with comm.rec.span("forward", "forward"), mem.saving():
                 lm = lm_loss(model, batch)
                 loss = lm + model.aux_loss()
@@ -165,7 +164,7 @@ class Trainer:
             with comm.rec.span("optimizer", "optimizer"):
                 update.step()
                 update.zero_grad()
-            after = mem.sample()
+            after = mem.sample(optim=True)
         step_time = time.time() - t0
 
         stats = torch.tensor([lm.detach().double().item()], dtype=torch.float64, device=self.device)

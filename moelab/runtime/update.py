@@ -50,12 +50,13 @@ class Update:
     def __init__(self, model, comm, cfg):
         self.model, self.comm, self.cfg = model, comm, cfg
         self.memory = MemoryMeter(self)
+        self._params = list(model.parameters())  # fixed for the run; walking the module tree is slow
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
-                            for p in model.parameters() if p.requires_grad]
+                            for p in self._params if p.requires_grad]
 
     def _grad_ready(self, p) -> None:
         self.on_grad_ready(p)
-        self.memory.sample()
+        self.memory.grad_ready(p)
 
     # ---- lifecycle hooks -----------------------------------------------------------------------
     def before_forward(self) -> None:
@@ -84,10 +85,10 @@ class Update:
 
     # ---- memory by category (live storages) ----------------------------------------------------
     def param_tensors(self) -> list:
-        return list(self.model.parameters())
+        return self._params
 
     def grad_tensors(self) -> list:
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
+        return [p.grad for p in self._params if p.grad is not None]
 
     def optimizer_tensors(self) -> list:
         opt = getattr(self, "optimizer", None)
@@ -181,6 +182,7 @@ class OverlappedDataParallelUpdate(DataParallelUpdate):
             out = self.comm.all_reduce_(flat, group=self.group, **({"async_op": True} if ASYNC_BUCKETS else {}))
         self._pending.append((i, flat, out if ASYNC_BUCKETS else None))
         self._next = i + 1
+        self.memory.sample()  # the bucket's flat buffer is gradient memory until sync
 
     def grad_tensors(self) -> list:
         return super().grad_tensors() + [flat for _, flat, _ in self._pending]
