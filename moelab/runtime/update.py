@@ -178,7 +178,7 @@ class OverlappedDataParallelUpdate(DataParallelUpdate):
     def _launch(self, i: int) -> None:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.buckets[i]])
-        with self.comm.rec.tagged(phase="grad_sync", bucket=i):
+        with self.comm.rec.tagged(phase="grad_sync", bucket=i):  # ASYNC: issued, waited in sync()
             out = self.comm.all_reduce_(flat, group=self.group, **({"async_op": True} if ASYNC_BUCKETS else {}))
         self._pending.append((i, flat, out if ASYNC_BUCKETS else None))
         self._next = i + 1
@@ -192,7 +192,7 @@ class OverlappedDataParallelUpdate(DataParallelUpdate):
             while self._next < len(self.buckets):  # buckets holding a parameter backward never reached
                 self._launch(self._next)
             for i, flat, handle in self._pending:
-                if handle is not None:
+                if handle is not None:  # ASYNC: the bucket's all-reduce completes here
                     handle.wait()
                 off = 0
                 for p in self.buckets[i]:
