@@ -78,3 +78,19 @@ def test_evaluating_does_not_change_training_or_its_traffic():
     assert all(e is not None for e, _ in evald["eval"])
     assert evald["losses"] == plain["losses"]
     assert evald["bytes"] == plain["bytes"] and evald["ops"] == plain["ops"]  # no eval traffic recorded
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_eval_under_zero3_gathers_the_sharded_model(world):
+    """ZeRO-3 releases its parameters between iterations: evaluation gathers them (unrecorded) and
+    scores the same model as the EP run, without changing the recorded training traffic."""
+    over = {"train.iters": 2, "train.batch_size": 4 // world}
+    z3 = {"parallel.strategy": "zero", "parallel.strategy_options": {"stage": 3}}
+    ep = run_ranks(_eval_run, world, {**over, "train.eval_every": 1}, timeout=120)
+    zero = run_ranks(_eval_run, world, {**over, **z3, "train.eval_every": 1}, timeout=120)
+    zero_plain = run_ranks(_eval_run, world, {**over, **z3}, timeout=120)
+    for r in range(world):
+        for (got, _), (want, _) in zip(zero[r]["eval"], ep[0]["eval"]):
+            assert got is not None and abs(got - want) < 1e-10
+        assert zero[r]["bytes"] == zero_plain[r]["bytes"] and zero[r]["ops"] == zero_plain[r]["ops"]
