@@ -174,7 +174,7 @@ def run_label(cfg: RunConfig) -> str:
 
 def summarize(run_dir: str | Path, cfg: RunConfig, wall_time_s: float, worker: str = "moelab.runtime.worker") -> dict:
     """The summary of a finished run folder. Bytes are summed over every rank's comm records; the
-    mean step time leaves out the first iteration (warm-up)."""
+    mean step time leaves out the first iteration (warm-up). ``first_iter`` > 0 marks a resumed run."""
     run_dir = Path(run_dir)
     metrics = _read_csv(run_dir / "metrics.csv")
     comm = _concat_ranks(run_dir, "comm_rank*.csv", _read_csv)
@@ -195,11 +195,21 @@ def summarize(run_dir: str | Path, cfg: RunConfig, wall_time_s: float, worker: s
         "iters": len(metrics),
         "wall_time_s": round(wall_time_s, 3),
         "final_loss": float(metrics["loss"].iloc[-1]) if "loss" in metrics and len(metrics) else None,
+        "final_eval_loss": _last_value(metrics, "eval_loss"),
+        "first_iter": int(metrics["iter"].iloc[0]) if "iter" in metrics and len(metrics) else None,
         "mean_step_time_s": float(steps.mean()) if steps is not None and len(steps) else None,
         **{f"bytes_{c}": int(bytes_from[f"bytes_{c}"].sum()) if f"bytes_{c}" in bytes_from else 0
            for c in ("local", "intra", "inter")},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _last_value(frame, column: str):
+    """The column's last non-empty value (evaluation runs every n-th iteration only), or None."""
+    if column not in frame:
+        return None
+    values = frame[column].dropna()
+    return float(values.iloc[-1]) if len(values) else None
 
 
 def load_run(path_or_id: str | Path, root: str | Path = "runs") -> RunResult:
