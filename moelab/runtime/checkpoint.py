@@ -18,7 +18,10 @@ folder and raises on every rank: the previous checkpoint is never touched.
 
 Resuming continues the same run exactly: parameters, Adam moments and step counts, the MoE
 layers' routing-RNG counters and the rank's torch RNG (when the world size is the same) are
-restored, and the batches of iteration ``k`` onward are the ones the uninterrupted run reads.
+restored, and the batches of iteration ``k`` onward are the ones the uninterrupted run reads. The
+resumed run is a new run folder whose metrics start at iteration ``k``. Not restored: other
+per-layer state (FasterMoE's previous shadow set, the topology gate's hint), recomputed from the
+first resumed iteration on. Strategies with their own update (ZeRO) are rejected by validation.
 At another world size the data stay the same iff the global batch ``parallel.nproc x
 train.batch_size`` is kept (checked); losses then match the uninterrupted run up to floating-point
 summation order, provided the run's math does not depend on the split itself: dropless routing
