@@ -110,3 +110,17 @@ def test_every_expert_takes_an_adam_step_like_the_reference(world):
         assert hit and hit[0][0] < 4  # a rank's experts got nothing, and Adam steps followed
         assert ep[0]["loads"] == one["loads"]
         assert_same_training(ep, one)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_overlap_under_fastermoe_smart_schedule(world):
+    """FasterMoE's smart schedule runs its own communication (p2p, shadow broadcasts) in forward and
+    backward; the buckets issued from the gradient hooks must interleave with it identically on
+    every rank."""
+    one = run_ranks(train_snapshot, 1, {"train.batch_size": 4}, timeout=120)[0]
+    opts = {"smart": True, "group_size": 1, "shadow_force": [1]}
+    res = run_ranks(train_snapshot, world, {"parallel.strategy": "fastermoe", "parallel.strategy_options": opts,
+                                            **SMALL_BUCKETS, "train.batch_size": 4 // world}, timeout=120)
+    assert res[0]["cls"] == "FasterMoELayer" and res[0]["ops"]["p2p"] > 0 and res[0]["ops"]["all_reduce"] == 3 * 3
+    assert_same_training(res, one, rtol=1e-9)
