@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 from moelab.config import ConfigError, RunConfig  # noqa: E402
 
 
-def launch(config, nproc=None, **overrides):
-    """Run a real multi-process job (see :func:`moelab.runtime.launch.launch`)."""
+def launch(config=None, nproc=None, **overrides):
+    """Run a real multi-process job, or continue one with ``resume=RUN`` (see :func:`moelab.runtime.launch.launch`)."""
     from moelab.runtime.launch import launch as _launch
 
     return _launch(config, nproc=nproc, **overrides)

@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     run = sub.add_parser("run", help="run a config on local ranks (torchrun) and store the results")
-    run.add_argument("config", help="YAML config, e.g. experiments/core/quickstart.yaml")
+    run.add_argument("config", nargs="?", help="YAML config, e.g. experiments/core/quickstart.yaml "
+                     "(default with --resume: the resumed run's config)")
     run.add_argument("--nproc", type=int, help="ranks (default: parallel.nproc of the config)")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                      help="dotted override, repeatable: --set model.moe.top_k=1")
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--reuse", action="store_true", help="return a completed run with the same id")
     run.add_argument("--worker", default=None, help="worker module (default: moelab.runtime.worker)")
+    run.add_argument("--resume", metavar="RUN", help="continue RUN (a run folder or id) from its latest checkpoint")
 
     runs = sub.add_parser("runs", help="list completed runs")
     runs.add_argument("--root", default="runs", help="results root (default: runs)")
@@ -49,10 +51,12 @@ def _run(ap: argparse.ArgumentParser, args) -> int:
         if not eq or not key:
             ap.error(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value
+    if args.config is None and args.resume is None:
+        ap.error("run needs a config (or --resume RUN)")
     try:
         result = launch(args.config, args.nproc, overrides=overrides, out_root=args.out_root,
                         timeout=args.timeout, progress=not args.no_progress,
-                        worker=args.worker or DEFAULT_WORKER, reuse=args.reuse)
+                        worker=args.worker or DEFAULT_WORKER, reuse=args.reuse, resume=args.resume)
     except (ConfigError, FileNotFoundError) as e:
         print(f"moelab: {e}", file=sys.stderr)
         return 2

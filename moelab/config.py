@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 GATES = ("topk", "gshard", "switch", "base")
+GRAD_SYNCS = ("after_backward", "ddp_overlap")
 DISPATCHERS = ("sparse", "dense")
 ARCHS = ("gpt", "bert")
 STRATEGIES = ("ep",)  # strategies register more names through moelab.strategies
@@ -77,6 +79,8 @@ class ParallelConfig:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     # expert -> [owner, replica, ...] ; None means plain expert parallelism
     placement: Optional[dict] = None
+    grad_sync: str = "after_backward"  # after_backward (one flat all-reduce after backward) | ddp_overlap (DDP buckets during backward)
+    bucket_mb: float = 25.0  # ddp_overlap: bucket size in MiB (PyTorch DDP's default)
 
 
 @dataclass
@@ -92,6 +96,10 @@ class TrainConfig:
     trace: bool = True  # write a per-rank Chrome trace
     fault_rank: Optional[int] = None  # testing aid: this rank raises at fault_iter
     fault_iter: int = 0
+    eval_every: int = 0  # evaluate on held-out windows after every n-th iteration (0: never)
+    eval_batches: int = 2  # held-out batches (of batch_size per rank) per evaluation
+    checkpoint_every: int = 0  # write a checkpoint into the run folder every n iterations (0: never)
+    resume_from: Optional[str] = None  # a checkpoint folder (or a run folder: its latest) to continue from
 
 
 @dataclass
@@ -146,9 +154,9 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         """Raise ConfigError for a config that cannot work. Cheap; runs before any process starts."""
         m, moe, p, t = self.model, self.model.moe, self.parallel, self.train
-        errs = []
-        if p.nproc < 1:
-            errs.append(f"parallel.nproc must be >= 1, got {p.nproc}")
+        errs = self._range_errors()
+        if errs:  # later checks divide by these numbers: stop here with every range error
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
         if m.arch not in ARCHS:
             errs.append(f"model.arch must be one of {ARCHS}, got {m.arch!r}")
         if moe.gate not in GATES:
@@ -168,9 +176,7 @@ class RunConfig:
                 get_strategy(p.strategy)(self)
             except Exception as e:  # noqa: BLE001 - any complaint becomes a clear config error
                 errs.append(f"parallel.strategy_options for {p.strategy!r}: {e}")
-        if moe.num_experts < 1:
-            errs.append(f"model.moe.num_experts must be >= 1, got {moe.num_experts}")
-        elif p.nproc >= 1 and p.placement is None and moe.num_experts % p.nproc != 0:
+        if p.placement is None and moe.num_experts % p.nproc != 0:
             errs.append(
                 f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.nproc={p.nproc}: "
                 "expert parallelism needs the same number of experts on every rank")
@@ -185,8 +191,6 @@ class RunConfig:
             errs.append(f"model.moe.gate='base' is a balanced top-1 gate (every expert gets exactly T/E of a rank's "
                         f"T = train.batch_size * model.seq_len = {t.batch_size * m.seq_len} tokens): set "
                         f"model.moe.top_k=1 (got {moe.top_k}) and make T divisible by num_experts={moe.num_experts}")
-        if moe.capacity_factor is not None and moe.capacity_factor <= 0:
-            errs.append(f"model.moe.capacity_factor must be > 0 (or null for dropless), got {moe.capacity_factor}")
         if moe.dispatcher == "dense" and moe.capacity_factor is None:
             errs.append("the dense dispatcher pads to a capacity: set model.moe.capacity_factor")
         if moe.dispatcher == "dense" and p.placement is not None:
@@ -210,17 +214,83 @@ class RunConfig:
                 Placement.from_mapping(p.placement, moe.num_experts, p.nproc)
             except ValueError as e:
                 errs.append(f"parallel.placement: {e}")
-        if t.iters < 1 or t.batch_size < 1:
-            errs.append("train.iters and train.batch_size must be >= 1")
         if t.dtype not in ("float32", "float64"):
             errs.append(f"train.dtype must be float32 or float64, got {t.dtype!r}")
         if t.fault_rank is not None and not 0 <= t.fault_rank < p.nproc:
             errs.append(f"train.fault_rank={t.fault_rank} is not a rank of nproc={p.nproc}")
+        if p.grad_sync not in GRAD_SYNCS:
+            errs.append(f"parallel.grad_sync must be one of {GRAD_SYNCS}, got {p.grad_sync!r}")
+        elif p.strategy in known_strategies() and p.strategy != "ep":
+            from moelab.strategies import get_update
+
+            if get_update(p.strategy) is not None:
+                if p.grad_sync != "after_backward":
+                    errs.append(f"parallel.grad_sync={p.grad_sync!r} chooses the data-parallel update; strategy "
+                                f"{p.strategy!r} brings its own gradient sync: leave it at 'after_backward'")
+                if t.checkpoint_every or t.resume_from:
+                    errs.append(f"train.checkpoint_every / train.resume_from: checkpoints cover the data-parallel "
+                                f"updates; strategy {p.strategy!r} brings its own update")
+        if t.dataset not in ("pydocs", "random"):
+            errs.append(f"train.dataset must be pydocs or random, got {t.dataset!r}")
+        if moe.activation not in ("gelu", "relu"):
+            errs.append(f"model.moe.activation must be gelu or relu, got {moe.activation!r}")
+        if t.resume_from is not None and not errs:
+            from moelab.runtime.checkpoint import resume_errors
+
+            errs += resume_errors(self)
         from moelab.comm.groups import declared_group_errors
+
         errs += [] if errs else declared_group_errors(self)
         if errs:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
         return self
+
+    def _range_errors(self) -> list:
+        """Every numeric field's range, with a message naming the option (no process has started)."""
+        m, moe, p, t, e = self.model, self.model.moe, self.parallel, self.train, self.emulation
+        min_vocab = 3 if m.arch == "bert" else 2  # bert reserves one id for [MASK]
+        checks = [  # (option, value, integer?, lower bound, lower bound allowed?)
+            ("parallel.nproc", p.nproc, True, 1, True),
+            ("model.vocab_size", m.vocab_size, True, min_vocab, True),
+            ("model.d_model", m.d_model, True, 1, True),
+            ("model.d_ff", m.d_ff, True, 1, True),
+            ("model.n_layers", m.n_layers, True, 1, True),
+            ("model.n_heads", m.n_heads, True, 1, True),
+            ("model.seq_len", m.seq_len, True, 1, True),
+            ("model.moe.num_experts", moe.num_experts, True, 1, True),
+            ("model.moe.min_capacity", moe.min_capacity, True, 0, True),
+            ("model.moe.balance_loss_coef", moe.balance_loss_coef, False, 0, True),
+            ("model.moe.z_loss_coef", moe.z_loss_coef, False, 0, True),
+            ("parallel.bucket_mb", p.bucket_mb, False, 0, False),
+            ("train.iters", t.iters, True, 1, True),
+            ("train.batch_size", t.batch_size, True, 1, True),
+            ("train.lr", t.lr, False, 0, False),
+            ("train.seed", t.seed, True, 0, True),
+            ("train.threads_per_rank", t.threads_per_rank, True, 1, True),
+            ("train.timeout_s", t.timeout_s, False, 0, False),
+            ("train.fault_iter", t.fault_iter, True, 0, True),
+            ("train.eval_every", t.eval_every, True, 0, True),
+            ("train.eval_batches", t.eval_batches, True, 1, True),
+            ("train.checkpoint_every", t.checkpoint_every, True, 0, True),
+            ("emulation.intra_bw_GBps", e.intra_bw_GBps, False, 0, False),
+            ("emulation.inter_bw_GBps", e.inter_bw_GBps, False, 0, False),
+            ("emulation.intra_latency_us", e.intra_latency_us, False, 0, True),
+            ("emulation.inter_latency_us", e.inter_latency_us, False, 0, True),
+        ]
+        if moe.capacity_factor is not None:
+            checks.append(("model.moe.capacity_factor", moe.capacity_factor, False, 0, False))
+        if p.topology.ranks_per_node is not None:
+            checks.append(("parallel.topology.ranks_per_node", p.topology.ranks_per_node, True, 1, True))
+        checks.append(("parallel.topology.nodes", p.topology.nodes, True, 1, True))
+        errs = []
+        for name, v, integer, lo, closed in checks:
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not number or (integer and not isinstance(v, int)):
+                errs.append(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}")
+            elif not math.isfinite(v) or (v < lo if closed else v <= lo):
+                extra = " (or null for dropless)" if name == "model.moe.capacity_factor" else ""
+                errs.append(f"{name} must be {'>=' if closed else '>'} {lo}{extra}, got {v!r}")
+        return errs
 
 
 def _from_dict(cls, d: dict):

@@ -52,6 +52,8 @@ def test_failing_rank_exits_1_with_its_traceback(tmp_path, monkeypatch, cfg):
     (["--set", "model.moe.capacity_factor=-1"], "capacity_factor must be > 0"),
     (["--set", "model.nonesuch=1"], "unknown config key"),
     (["--set", "train.iters"], "--set expects KEY=VALUE"),
+    (["--set", "model.d_model=0"], "model.d_model must be >= 1, got 0"),
+    (["--set", "parallel.grad_sync=ddp_overlap", "--set", "parallel.bucket_mb=-1"], "parallel.bucket_mb must be > 0"),
 ])
 def test_invalid_config_exits_2_before_launching(tmp_path, cfg, args, message):
     r = moelab("run", cfg, "--nproc", 2, *args, "--out-root", tmp_path / "runs", timeout=60)
@@ -62,3 +64,12 @@ def test_invalid_config_exits_2_before_launching(tmp_path, cfg, args, message):
 def test_missing_config_file_exits_2(tmp_path):
     r = moelab("run", tmp_path / "nope.yaml", "--out-root", tmp_path / "runs", timeout=60)
     assert r.returncode == 2 and "nope.yaml" in r.stderr
+
+
+def test_resume_needs_a_checkpoint_and_run_needs_a_config(tmp_path):
+    r = moelab("run", "--out-root", tmp_path / "runs", timeout=60)
+    assert r.returncode == 2 and "run needs a config (or --resume RUN)" in r.stderr
+    (tmp_path / "old").mkdir()
+    r = moelab("run", "--resume", tmp_path / "old", "--out-root", tmp_path / "runs", timeout=60)
+    assert r.returncode == 2 and "no checkpoint in" in r.stderr and "train.checkpoint_every" in r.stderr
+    assert not (tmp_path / "runs").exists()

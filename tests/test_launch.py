@@ -9,6 +9,7 @@ import pytest
 import moelab
 from moelab.config import ConfigError, RunConfig
 from moelab.runtime.launch import RunFailed, RunTimeout, launch, resolve_config
+from moelab.runtime.results import RunResult
 
 from fake_worker import leftover_processes, use_fake_worker
 
@@ -108,6 +109,9 @@ def test_rank_that_raises_then_hangs_is_named_at_the_timeout(tmp_path, monkeypat
     ({"model.moe.capacity_factor": 0}, "capacity_factor must be > 0"),
     ({"parallel.strategy": "nonesuch"}, "strategy 'nonesuch' is unknown"),
     ({"parallel.topology.nodes": 3}, "does not fit nproc=2"),
+    ({"model.d_model": 0}, "model.d_model must be >= 1, got 0"),
+    ({"train.eval_every": -1}, "train.eval_every must be >= 0"),
+    ({"parallel.bucket_mb": 0}, "parallel.bucket_mb must be > 0"),
 ])
 def test_invalid_config_fails_before_any_process(tmp_path, monkeypatch, overrides, message):
     def no_process(*a, **k):
@@ -168,4 +172,35 @@ def test_real_worker_quickstart(tmp_path):
     assert run.summary["bytes_inter"] > 0  # 2 nodes x 2: all-to-all crosses the node boundary
     trace = run.trace()
     assert {"name", "cat", "ph", "ts", "dur", "pid", "tid"} <= set(trace) and set(trace["pid"]) == {0, 1, 2, 3}
+    assert leftover_processes(str(tmp_path)) == []
+
+
+REAL_TINY = {"model": {"d_model": 16, "d_ff": 32, "n_heads": 2, "seq_len": 16, "moe": {"num_experts": 4}},
+             "train": {"iters": 6, "batch_size": 2, "dtype": "float64", "trace": False, "checkpoint_every": 2}}
+
+
+@pytest.mark.timeout(300)
+def test_crashed_run_keeps_its_checkpoint_and_resumes_from_the_cli(tmp_path):
+    """The real worker: a rank fails at iteration 3; the checkpoint of step 2 survives, and
+    ``moelab run --resume`` continues it on 4 ranks (global batch kept) to the end."""
+    import subprocess
+    import sys
+
+    cfg = resolve_config(REAL_TINY, 2, train__fault_rank=1, train__fault_iter=3)
+    with pytest.raises(RunFailed) as info:
+        launch(cfg, out_root=tmp_path, progress=False, timeout=120)
+    kept = tmp_path / f"{cfg.run_id()}.partial"
+    assert info.value.rank == 1 and f"moelab run --resume {kept}" in str(info.value)
+    assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == ["step_000002"]
+    assert [p.name for p in tmp_path.iterdir()] == [kept.name]  # nothing else left behind
+    r = subprocess.run([sys.executable, "-m", "moelab.cli", "run", "--resume", str(kept), "--nproc", "4",
+                        "--set", "train.batch_size=1", "--set", "train.fault_rank=null", "--out-root", str(tmp_path),
+                        "--no-progress"], capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stderr
+    run = RunResult(r.stdout.strip().splitlines()[-1])
+    assert list(run.metrics["iter"]) == [2, 3, 4, 5] and run.config.parallel.nproc == 4
+    assert run.config.train.resume_from == str((kept / "checkpoints" / "step_000002").resolve())
+    assert len(run.plans) == 4 * 2 and run.checkpoint().name == "step_000006"
+    with pytest.raises(ConfigError, match="is of another model"):
+        moelab.launch(resume=run.path, out_root=tmp_path, progress=False, model__d_model=32)
     assert leftover_processes(str(tmp_path)) == []

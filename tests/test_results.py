@@ -63,6 +63,22 @@ def test_run_folder_reads_back_as_frames(tmp_path):
     tr = run.trace()
     assert tr["rank"].tolist() == [0, 1] and tr["iter"].tolist() == [1, 1]  # metadata events dropped
     assert run.trace(rank=1)["pid"].tolist() == [1]
+    assert run.plans.empty and run.checkpoint() is None  # a run from before plans and checkpoints
+
+
+def test_summary_of_an_evaluated_resumed_run(tmp_path):
+    from moelab.config import RunConfig
+    from moelab.runtime.results import summarize
+
+    atomic_write_csv(tmp_path / "metrics.csv", pd.DataFrame({"iter": [4, 5, 6], "loss": [2.0, 1.5, 1.2],
+                                                             "step_time_s": [1, 1, 1],
+                                                             "eval_loss": [None, 1.7, None]}))
+    (tmp_path / "plans.jsonl").write_text('{"iter": 4, "layer": 0, "counts": [[1, 2]]}\n'
+                                          '{"iter": 5, "layer": 0, "counts": [[3, 0]]}\n')
+    s = summarize(tmp_path, RunConfig(), 1.0)
+    assert s["final_eval_loss"] == 1.7 and s["first_iter"] == 4 and s["final_loss"] == 1.2
+    atomic_write_json(tmp_path / "summary.json", s)
+    assert load_run(tmp_path).plans["counts"].tolist() == [[[1, 2]], [[3, 0]]]
 
 
 def test_list_runs_shows_only_completed_runs_oldest_first(tmp_path):

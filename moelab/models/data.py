@@ -11,6 +11,12 @@ Hence ranks and iterations see disjoint windows until ``W`` samples have been dr
 reproducible, and the global batch of an iteration does not depend on how it is split over ranks
 (world=1, B=8 reads the same 8 windows as world=2, B=4) — what EP=1 vs EP=N tests need.
 
+Held-out windows: the last ``max(1, W // HELDOUT_DIVISOR)`` aligned windows are never drawn for
+training (the bijection above runs over the first ``W_train`` windows only); evaluation batches
+(:func:`make_eval_batch`) read only those, in a fixed order, so every evaluation of a run scores the
+same text and no evaluated window was trained on. The random dataset draws evaluation rows from a
+separate seed stream.
+
 Batch format (matches :func:`moelab.models.transformer.lm_loss`)::
 
     {"inputs": LongTensor[B, S], "targets": LongTensor[B, S], "sample_ids": LongTensor[B]}
@@ -37,6 +43,7 @@ DEFAULT_MAX_BYTES = 4 << 20  # 4 MiB: ~1 s to read, ~65k windows of 64 bytes
 TEXT_SUFFIXES = (".py", ".txt", ".rst", ".md")
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # installed packages vary per machine
 IGNORE_INDEX = -100
+HELDOUT_DIVISOR = 32  # 1/32 of the windows are held out for evaluation
 
 
 @functools.lru_cache(maxsize=4)
@@ -99,11 +106,17 @@ class ByteCorpus:
         """Corpus length in tokens (0 for the random dataset)."""
         return 0 if self._tokens is None else len(self._tokens)
 
-    def _window_index(self, n: np.ndarray, window: int, seed: int) -> np.ndarray:
-        """The seeded bijection n -> (a*n + c) mod W over the aligned windows."""
+    def split_windows(self, window: int) -> tuple:
+        """(training windows W_train, held-out windows H) of the aligned windows of ``window`` tokens."""
         W = len(self._tokens) // window
-        if W < 1:
-            raise ValueError(f"corpus of {len(self._tokens)} bytes is shorter than one window of {window}")
+        if W < 2:
+            raise ValueError(f"corpus of {len(self._tokens)} bytes holds fewer than two windows of {window}")
+        H = max(1, W // HELDOUT_DIVISOR)
+        return W - H, H
+
+    def _window_index(self, n: np.ndarray, window: int, seed: int) -> np.ndarray:
+        """The seeded bijection n -> (a*n + c) mod W over the training windows."""
+        W, _ = self.split_windows(window)
         rng = np.random.default_rng(_seed_int(seed, window, 0x5EED))
         a = int(W * 0.6180339887) + int(rng.integers(0, 1 << 16))  # golden-ratio stride: spread out
         a = a % W or 1
@@ -112,14 +125,24 @@ class ByteCorpus:
         c = int(rng.integers(0, W))
         return (a * (n % W) + c) % W
 
-    def sequences(self, sample_ids: np.ndarray, length: int, seed: int = 0) -> np.ndarray:
-        """Raw token windows [len(sample_ids), length] (int64) for global sample numbers."""
+    def sequences(self, sample_ids: np.ndarray, length: int, seed: int = 0, split: str = "train") -> np.ndarray:
+        """Raw token windows [len(sample_ids), length] (int64) for global sample numbers of ``split``
+        ('train' or 'eval': the held-out windows)."""
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         if self._tokens is None:
             out = np.empty((len(sample_ids), length), dtype=np.int64)
+            stream = 1 if split == "train" else 3
             for i, n in enumerate(sample_ids):
-                out[i] = np.random.default_rng(_seed_int(seed, n, 1)).integers(0, self.n_regular, length)
+                out[i] = np.random.default_rng(_seed_int(seed, n, stream)).integers(0, self.n_regular, length)
             return out
-        starts = self._window_index(np.asarray(sample_ids, dtype=np.int64), length, seed) * length
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        if split == "train":
+            windows = self._window_index(ids, length, seed)
+        else:
+            W_train, H = self.split_windows(length)
+            windows = W_train + ids % H
+        starts = windows * length
         return self._tokens[starts[:, None] + np.arange(length)[None, :]].astype(np.int64)
 
     def _mask(self, seqs: np.ndarray, sample_ids: np.ndarray, seed: int):
@@ -138,17 +161,18 @@ class ByteCorpus:
         return inputs, targets
 
     def batch(self, rank: int, world: int, iteration: int, batch_size: int, seq_len: int,
-              seed: int = 0) -> dict:
-        """This rank's slice of the global batch of ``iteration`` (see the module docstring)."""
+              seed: int = 0, split: str = "train") -> dict:
+        """This rank's slice of the global batch of ``iteration`` (see the module docstring); with
+        ``split='eval'``, of held-out batch number ``iteration``."""
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside 0..{world - 1}")
         first = (iteration * world + rank) * batch_size
         ids = np.arange(first, first + batch_size, dtype=np.int64)
-        seqs = self.sequences(ids, seq_len + 1, seed)
+        seqs = self.sequences(ids, seq_len + 1, seed, split)
         if self.arch == "gpt":
             inputs, targets = seqs[:, :-1], seqs[:, 1:]
         else:
-            inputs, targets = self._mask(seqs[:, :-1], ids, seed)
+            inputs, targets = self._mask(seqs[:, :-1], ids if split == "train" else -1 - ids, seed)
         return {
             "inputs": torch.from_numpy(np.ascontiguousarray(inputs)),
             "targets": torch.from_numpy(np.ascontiguousarray(targets)),
@@ -167,3 +191,10 @@ def make_batch(cfg, rank: int, world: int, iteration: int) -> dict:
     m, t = cfg.model, cfg.train
     corpus = get_corpus(m.arch, m.vocab_size, t.dataset)
     return corpus.batch(rank, world, iteration, t.batch_size, m.seq_len, t.seed)
+
+
+def make_eval_batch(cfg, rank: int, world: int, index: int) -> dict:
+    """This rank's slice of held-out batch ``index`` (windows training never draws)."""
+    m, t = cfg.model, cfg.train
+    corpus = get_corpus(m.arch, m.vocab_size, t.dataset)
+    return corpus.batch(rank, world, index, t.batch_size, m.seq_len, t.seed, split="eval")

@@ -21,7 +21,10 @@ unchanged and adds what supervision needs, because torchrun alone cannot provide
 
 Success: ``summary.json`` is written last and the temp folder is renamed to ``runs/<run_id>/``.
 Failure, timeout or Ctrl-C: every process is killed (SIGTERM, then SIGKILL), the temp folder is
-deleted, and :class:`RunFailed` (or :class:`RunTimeout`) names the rank and its traceback tail.
+deleted, and :class:`RunFailed` (or :class:`RunTimeout`) names the rank and its traceback tail. A
+failed run that had written checkpoints (``train.checkpoint_every``) keeps them in
+``runs/<run_id>.partial/`` (with its config), and the message says how to continue it
+(``launch(resume=...)`` / ``moelab run --resume``).
 
 On a cluster the worker is an ordinary torchrun program; on each node run::
 
@@ -86,15 +89,41 @@ def resolve_config(config, nproc: int | None = None, overrides: dict | None = No
     return cfg.with_overrides(items).validate()
 
 
-def launch(config, nproc: int | None = None, *, overrides: dict | None = None, out_root="runs",
+def resume_config(resume, config=None, out_root="runs") -> tuple:
+    """(config, checkpoint folder) to continue ``resume``: a checkpoint folder, a run folder or a run
+    id under ``out_root`` (its latest checkpoint). Without ``config`` the checkpoint's own config is
+    the base; overrides then change what may change (iters, nproc with the global batch kept, ...)."""
+    from moelab.config import ConfigError
+    from moelab.runtime.checkpoint import latest_checkpoint, read_meta
+
+    p = Path(resume)
+    if not p.exists() and (Path(out_root) / str(resume)).exists():
+        p = Path(out_root) / str(resume)
+    ckpt = latest_checkpoint(p)
+    if ckpt is None:
+        raise ConfigError(f"resume: no checkpoint in {resume} (run with train.checkpoint_every > 0 to write them)")
+    if config is None:
+        config = read_meta(ckpt)["config"]
+        config["train"]["resume_from"] = None
+    return config, ckpt.resolve()
+
+
+def launch(config=None, nproc: int | None = None, *, overrides: dict | None = None, out_root="runs",
            timeout: float | None = None, progress: bool = True, worker: str = DEFAULT_WORKER,
-           reuse: bool = False, **kw_overrides) -> RunResult:
+           reuse: bool = False, resume=None, **kw_overrides) -> RunResult:
     """Run ``config`` on ``nproc`` local ranks and return the stored run.
 
     ``overrides`` (``{"model.moe.top_k": 1}``) and keyword overrides (``train__iters=5``) are
     applied before validation. ``timeout`` defaults to ``train.timeout_s``. ``reuse=True``
-    returns an existing completed run with the same id without running anything.
+    returns an existing completed run with the same id without running anything. ``resume``
+    (a run folder, run id or checkpoint folder) continues that run's latest checkpoint, at this
+    ``nproc`` if given (keep ``nproc x train.batch_size``); ``config`` then defaults to its config.
     """
+    if resume is not None:
+        config, ckpt = resume_config(resume, config, out_root)
+        overrides = {**(overrides or {}), "train.resume_from": str(ckpt)}
+    elif config is None:
+        raise TypeError("launch needs a config (or resume=RUN)")
     cfg = resolve_config(config, nproc, overrides, **kw_overrides)
     run_id = cfg.run_id()
     final = Path(out_root) / run_id
@@ -111,9 +140,27 @@ def launch(config, nproc: int | None = None, *, overrides: dict | None = None, o
         shutil.rmtree(side)
         atomic_write_json(tmp / "summary.json", summarize(tmp, cfg, wall, worker))
         _swap_in(tmp, final)
+    except RunFailed as e:
+        kept = _keep_checkpoints(tmp, Path(out_root) / f"{run_id}.partial")
+        if kept is not None:
+            e.args = (f"{e.args[0]}\ncheckpoints kept in {kept}: continue with `moelab run --resume {kept}`",)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a success
     return RunResult(final)
+
+
+def _keep_checkpoints(tmp: Path, dest: Path) -> Path | None:
+    """A failed run's checkpoints (and config) survive in ``dest`` (not a completed run: never listed)."""
+    from moelab.runtime.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(tmp) is None:
+        return None
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    shutil.copy2(tmp / "config.json", dest / "config.json")
+    os.replace(tmp / "checkpoints", dest / "checkpoints")
+    return dest
 
 
 def torchrun_command(nproc: int, worker: str, config_path: Path, out_dir: Path) -> list[str]:

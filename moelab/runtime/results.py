@@ -2,7 +2,8 @@
 
 A run folder ``runs/<run_id>/`` holds ``config.json`` (the resolved config), ``summary.json``
 (written last: its presence marks the run complete), ``metrics.csv``, ``loads.csv``,
-``comm_rank{r}.csv``, ``trace_rank{r}.json`` and ``logs/``. Folders whose name starts with ``.``
+``plans.jsonl``, ``comm_rank{r}.csv``, ``trace_rank{r}.json``, ``logs/`` and, with
+``train.checkpoint_every``, ``checkpoints/step_<k>/``. Folders whose name starts with ``.``
 are work in progress (the launcher's temp dirs) and are never listed.
 
 Every writer in moelab goes through :func:`atomic_write_text` and friends (temp file in the same
@@ -92,6 +93,23 @@ class RunResult:
         return _read_csv(self.path / "loads.csv")
 
     @cached_property
+    def plans(self):
+        """``plans.jsonl``: one row per (iteration, MoE layer) with that layer's plan (``counts`` [N, E],
+        ``holders``, ``shadowed``, or the layer's own ``plan_record``); empty for older runs."""
+        import pandas as pd
+
+        path = self.path / "plans.jsonl"
+        if not path.is_file():
+            return pd.DataFrame()
+        return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+
+    def checkpoint(self):
+        """The run's latest checkpoint folder (``train.checkpoint_every``), or None."""
+        from moelab.runtime.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(self.path)
+
+    @cached_property
     def comm(self):
         """Every rank's communication records, with a ``rank`` column."""
         return _concat_ranks(self.path, "comm_rank*.csv", _read_csv)
@@ -156,7 +174,7 @@ def run_label(cfg: RunConfig) -> str:
 
 def summarize(run_dir: str | Path, cfg: RunConfig, wall_time_s: float, worker: str = "moelab.runtime.worker") -> dict:
     """The summary of a finished run folder. Bytes are summed over every rank's comm records; the
-    mean step time leaves out the first iteration (warm-up)."""
+    mean step time leaves out the first iteration (warm-up). ``first_iter`` > 0 marks a resumed run."""
     run_dir = Path(run_dir)
     metrics = _read_csv(run_dir / "metrics.csv")
     comm = _concat_ranks(run_dir, "comm_rank*.csv", _read_csv)
@@ -177,11 +195,21 @@ def summarize(run_dir: str | Path, cfg: RunConfig, wall_time_s: float, worker: s
         "iters": len(metrics),
         "wall_time_s": round(wall_time_s, 3),
         "final_loss": float(metrics["loss"].iloc[-1]) if "loss" in metrics and len(metrics) else None,
+        "final_eval_loss": _last_value(metrics, "eval_loss"),
+        "first_iter": int(metrics["iter"].iloc[0]) if "iter" in metrics and len(metrics) else None,
         "mean_step_time_s": float(steps.mean()) if steps is not None and len(steps) else None,
         **{f"bytes_{c}": int(bytes_from[f"bytes_{c}"].sum()) if f"bytes_{c}" in bytes_from else 0
            for c in ("local", "intra", "inter")},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _last_value(frame, column: str):
+    """The column's last non-empty value (evaluation runs every n-th iteration only), or None."""
+    if column not in frame:
+        return None
+    values = frame[column].dropna()
+    return float(values.iloc[-1]) if len(values) else None
 
 
 def load_run(path_or_id: str | Path, root: str | Path = "runs") -> RunResult:

@@ -2,13 +2,27 @@
 ranks, or a single process.
 
 Per iteration: batch (rank-disjoint windows of the corpus) -> forward -> loss/N -> backward ->
-dense grads all-reduced (SUM) over ``dp``, replica grads summed over holders -> Adam step. Metrics
-per iteration: global mean loss, step time, per-layer global expert loads, bytes by link class
-(from the comm door's records), and memory by category (params, grads, optimizer state, and
-activations as the bytes autograd saved for backward).
+gradient sync -> Adam step, the sync and step being the run's :class:`~moelab.runtime.update.Update`
+(``parallel.grad_sync``, or a strategy's own). Metrics per iteration: global mean loss, step time,
+per-layer global expert loads, bytes by link class (from the comm door's records), and memory by
+category (:mod:`moelab.runtime.memory`): ``mem_params_bytes`` / ``mem_optim_bytes`` after the step,
+``mem_grads_bytes`` after the sync, ``mem_activations_bytes`` the bytes autograd holds for backward
+at the end of the forward (distinct storages, parameters excluded; before Core v2 it summed every
+saved tensor, parameters and shared storages included), and each category's peak over the
+iteration, ``mem_<cat>_peak_bytes``, plus ``mem_total_peak_bytes``.
+
+Every ``train.eval_every`` iterations: ``eval_loss`` and ``eval_ppl`` on ``train.eval_batches``
+held-out batches (global over ranks, no grad, no traffic recorded, the MoE layers' per-forward
+state restored so evaluating does not change training). Every ``train.checkpoint_every``
+iterations: a checkpoint (:mod:`moelab.runtime.checkpoint`); ``train.resume_from`` continues one.
+``plans.jsonl``: each MoE layer's plan of each iteration (counts, placement, shadow set).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -39,6 +53,44 @@ def topology_for(cfg: RunConfig, world: int) -> Topology:
     return Topology.from_config(world, t.nodes, t.ranks_per_node)
 
 
+@contextlib.contextmanager
+def unrecorded(comm):
+    """Bookkeeping traffic (metrics, evaluation, checkpoint flags) is not training traffic."""
+    was, comm.rec.enabled = comm.rec.enabled, False
+    try:
+        yield
+    finally:
+        comm.rec.enabled = was
+
+
+def plan_record(layer) -> dict:
+    """The layer's plan of its last forward: its own ``plan_record()`` where it has one, else what
+    every MoE layer keeps: global counts [N, E], placement holders, shadow set."""
+    if hasattr(layer, "plan_record"):
+        return layer.plan_record()
+    return {"counts": layer.last_global_counts, "holders": layer.placement.holders,
+            "shadowed": getattr(layer, "last_shadowed", ())}
+
+
+def _jsonable(x):
+    if torch.is_tensor(x):
+        return x.tolist()
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in (sorted(x) if isinstance(x, (set, frozenset)) else x)]
+    if hasattr(x, "item") and callable(x.item):  # numpy scalars
+        return x.item()
+    return x
+
+
+def _layer_state(layer) -> dict:
+    """A MoE layer's plain attributes (RNG counter, last loads, shadow hint and log), lists copied,
+    so an evaluation forward can be undone."""
+    return {k: copy.copy(v) if isinstance(v, (list, dict, set)) else v
+            for k, v in vars(layer).items() if not k.startswith("_")}
+
+
 @dataclass
 class Trainer:
     cfg: RunConfig
@@ -48,6 +100,9 @@ class Trainer:
     device: torch.device
     metrics: list = field(default_factory=list)
     loads: list = field(default_factory=list)
+    plans: list = field(default_factory=list)
+    out_dir: Optional[str] = None  # where checkpoints go (the run folder); None: no checkpoints
+    start_iter: int = 0  # > 0 after resuming from a checkpoint
 
     @classmethod
     def build(cls, cfg: RunConfig, device: Optional[torch.device] = None) -> "Trainer":
@@ -67,11 +122,16 @@ class Trainer:
                                dtype=dtype, moe_layer_cls=factory(cfg) if factory else None)
         device = device or torch.device("cpu")
         model.to(device)
-        from moelab.runtime.update import DataParallelUpdate
+        from moelab.runtime.update import GRAD_SYNCS
         from moelab.strategies import get_update
 
-        update_cls = get_update(cfg.parallel.strategy) or DataParallelUpdate
-        return cls(cfg, model, comm, update_cls(model, comm, cfg), device)
+        update_cls = get_update(cfg.parallel.strategy) or GRAD_SYNCS[cfg.parallel.grad_sync]
+        trainer = cls(cfg, model, comm, update_cls(model, comm, cfg), device)
+        if cfg.train.resume_from is not None:
+            from moelab.runtime.checkpoint import load
+
+            trainer.start_iter = load(trainer, cfg.train.resume_from)
+        return trainer
 
     @property
     def rank(self) -> int:
@@ -87,47 +147,79 @@ class Trainer:
             raise RuntimeError(f"injected fault on rank {self.rank} at iteration {it} (train.fault_rank)")
         batch = {k: v.to(self.device) for k, v in make_batch(cfg, self.rank, world, it).items() if torch.is_tensor(v)}
         n_rec = len(comm.rec.comm)
-        saved = [0]
-
-        def pack(t):
-            saved[0] += t.numel() * t.element_size()
-            return t
-
+        update, mem = self.update, self.update.memory
+        mem.reset()
         t0 = time.time()
         with comm.rec.tagged(iter=it), comm.rec.span(f"iter {it}", "iteration"):
-            self.update.before_forward()
-            with comm.rec.span("forward", "forward"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            update.before_forward()
+            with comm.rec.span("forward", "forward"), mem.saving():
                 lm = lm_loss(model, batch)
                 loss = lm + model.aux_loss()
+            mem_acts = mem.sample()["activations"]
+            update.before_backward()
             with comm.rec.span("backward", "backward"):
                 (loss / world).backward()
             with comm.rec.span("grad_sync", "comm"):
-                self.update.sync()
-            mem_grads = self.update.grad_bytes()
+                update.sync()
+            mem_grads = mem.sample()["grads"]
             with comm.rec.span("optimizer", "optimizer"):
-                self.update.step()
-                self.update.zero_grad()
+                update.step()
+                update.zero_grad()
+            after = mem.sample(optim=True)
         step_time = time.time() - t0
 
         stats = torch.tensor([lm.detach().double().item()], dtype=torch.float64, device=self.device)
-        comm.rec.enabled = False  # metric traffic is not training traffic
-        comm.all_reduce_(stats)
-        comm.rec.enabled = True
+        with unrecorded(comm):  # metric traffic is not training traffic
+            comm.all_reduce_(stats)
         bytes_cls = comm.rec.bytes_by_class(n_rec)
         row = dict(iter=it, loss=float(stats[0]) / world, step_time_s=step_time,
                    **{f"bytes_{c}": bytes_cls[c] for c in LINK_CLASSES},
-                   mem_params_bytes=self.update.param_bytes(),
-                   mem_grads_bytes=mem_grads,
-                   mem_optim_bytes=self.update.optimizer_state_bytes(),
-                   mem_activations_bytes=saved[0])
-        self.metrics.append(row)
+                   mem_params_bytes=after["params"], mem_grads_bytes=mem_grads, mem_optim_bytes=after["optim"],
+                   mem_activations_bytes=mem_acts,
+                   **{f"mem_{c}_peak_bytes": v for c, v in mem.peaks.items()},
+                   mem_total_peak_bytes=mem.peak_total)
         for li, layer in enumerate(model.moe_layers()):
             for e, n in enumerate(layer.last_global_counts.sum(0).tolist()):
                 self.loads.append(dict(iter=it, layer=li, expert=e, tokens=int(n)))
+            self.plans.append({"iter": it, "layer": li, **_jsonable(plan_record(layer))})
+        t = cfg.train
+        if t.eval_every:
+            done = (it + 1) % t.eval_every == 0
+            row["eval_loss"], row["eval_ppl"] = self.evaluate() if done else (None, None)
+        self.metrics.append(row)
+        if t.checkpoint_every and self.out_dir is not None and (it + 1) % t.checkpoint_every == 0:
+            from moelab.runtime.checkpoint import save
+
+            save(self, self.out_dir, it + 1)
         return row
 
+    @torch.no_grad()
+    def evaluate(self) -> tuple:
+        """(loss, perplexity) on ``train.eval_batches`` held-out batches, token-weighted over ranks."""
+        import torch.nn.functional as F
+
+        from moelab.models.data import IGNORE_INDEX, make_eval_batch
+
+        cfg, comm = self.cfg, self.comm
+        layers = self.model.moe_layers()
+        saved = [_layer_state(layer) for layer in layers]
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed token loss, tokens
+        with unrecorded(comm), self.update.resident_params() as model:
+            for i in range(cfg.train.eval_batches):
+                b = make_eval_batch(cfg, self.rank, comm.world_size, i)
+                logits = model(b["inputs"].to(self.device))
+                targets = b["targets"].to(self.device).reshape(-1)
+                total[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), targets,
+                                            ignore_index=IGNORE_INDEX, reduction="sum")
+                total[1] += (targets != IGNORE_INDEX).sum()
+            comm.all_reduce_(total)
+        for layer, state in zip(layers, saved):
+            layer.__dict__.update(state)
+        loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
+        return loss, math.exp(loss) if loss == loss else float("nan")
+
     def run(self, on_iter: Optional[Callable[[dict], None]] = None) -> list:
-        for it in range(self.cfg.train.iters):
+        for it in range(self.start_iter, self.cfg.train.iters):
             row = self.step(it)
             if on_iter is not None:
                 on_iter(row)
@@ -149,6 +241,8 @@ class Trainer:
         if self.rank == 0:
             write_csv("metrics.csv", self.metrics)
             write_csv("loads.csv", self.loads)
+            with open(os.path.join(out_dir, "plans.jsonl"), "w") as f:
+                f.writelines(json.dumps(p) + "\n" for p in self.plans)
         if self.cfg.train.trace:
             self.comm.rec.write_chrome_trace(os.path.join(out_dir, f"trace_rank{self.rank}.json"))
         write_csv(f"comm_rank{self.rank}.csv", self.comm.rec.comm_rows())

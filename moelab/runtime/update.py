@@ -1,26 +1,72 @@
 """The update step of an iteration as a swappable object: gradient synchronisation + optimizer.
 
-The EP baseline's rule (:class:`DataParallelUpdate`): dense grads all-reduced (SUM, the loss
-being scaled by 1/N) over ``dp``, replicated experts' grads summed over their holders, then Adam on
-every local parameter. Strategies that change *how parameters and their optimizer state live*
-(ZeRO-1/2/3, FSSDP, Lina's gradient scheduling) provide another ``Update`` through the strategy
-registry (``register_update``) instead of editing the training loop.
+Lifecycle (the :class:`~moelab.runtime.train.Trainer` calls these in order every iteration):
+``before_forward()`` -> forward -> ``before_backward()`` -> backward, during which
+``on_grad_ready(p)`` runs for each parameter as soon as its gradient is accumulated (a
+``register_post_accumulate_grad_hook``) -> ``sync()`` -> ``step()`` -> ``zero_grad()``. The hooks
+are the seams an update needs to overlap communication with backward (DDP buckets, Lina's
+prioritised gradient sync) or to manage a parameter lifecycle (ZeRO-3, FSSDP).
+
+One optimizer semantics: every parameter takes an optimizer step every iteration. An expert that
+received no token on this rank (a stack whose slots all got no rows, so autograd never reached it)
+gets a zero gradient, exactly as its slice of the stacked parameter does in the single-process run,
+so Adam's moments and step count move identically in EP and in the reference.
+
+Updates here:
+
+- :class:`DataParallelUpdate` (``parallel.grad_sync: after_backward``): after backward, the dense
+  grads in one flat all-reduce (SUM, the loss being scaled by 1/N) over ``dp``, replicated experts'
+  grads summed over their holders, then Adam on every local parameter.
+- :class:`OverlappedDataParallelUpdate` (``parallel.grad_sync: ddp_overlap``): PyTorch DDP's
+  schedule, what a user of ``DistributedDataParallel`` runs: dense params in buckets of
+  ``parallel.bucket_mb`` MiB (reverse parameter order, as DDP fills them, since backward produces
+  the last parameters' grads first); a bucket is all-reduced from the gradient-ready hook of its
+  last parameter, *during* backward, buckets launched in index order on every rank.
+
+Strategies that change *how parameters and their optimizer state live* (ZeRO-1/2/3, FSSDP, Lina)
+provide another ``Update`` through the strategy registry (``register_update``).
+
+Memory (:mod:`moelab.runtime.memory`): an update reports what it holds by category from real
+storages (``param_tensors``, ``grad_tensors``, ``optimizer_tensors``); ``self.memory`` samples them
+at the loop's points and at every gradient-ready hook and keeps the iteration's peaks.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from moelab.moe.sync import sync_dense_grads, sync_replica_grads
+from moelab.runtime.memory import MemoryMeter, storage_bytes
+
+# ASYNC: flip to True once the door's collectives take ``async_op=True`` and return a handle with
+# ``wait()``: buckets are then issued without blocking backward and waited for in ``sync()``.
+ASYNC_BUCKETS = False
 
 
 class Update:
-    """Interface: ``sync()`` after backward, ``step()``, ``zero_grad()``, and memory by category."""
+    """Interface: the lifecycle hooks above, ``step()``, ``zero_grad()``, and memory by category."""
 
     def __init__(self, model, comm, cfg):
         self.model, self.comm, self.cfg = model, comm, cfg
+        self.memory = MemoryMeter(self)
+        self._params = list(model.parameters())  # fixed for the run; walking the module tree is slow
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                            for p in self._params if p.requires_grad]
 
+    def _grad_ready(self, p) -> None:
+        self.on_grad_ready(p)
+        self.memory.grad_ready(p)
+
+    # ---- lifecycle hooks -----------------------------------------------------------------------
     def before_forward(self) -> None:
         """Hook for strategies that gather parameters before the forward pass (ZeRO-3)."""
+
+    def before_backward(self) -> None:
+        """Called right before ``loss.backward()``: reset per-backward state (buckets, schedules)."""
+
+    def on_grad_ready(self, p) -> None:
+        """``p.grad`` has just been accumulated during backward (a post-accumulate-grad hook)."""
 
     def sync(self) -> None:
         raise NotImplementedError
@@ -31,14 +77,41 @@ class Update:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
-    def optimizer_state_bytes(self) -> int:
-        raise NotImplementedError
+    @contextlib.contextmanager
+    def resident_params(self):
+        """``with update.resident_params() as model: ...`` - every parameter resident (evaluation). A
+        collective where parameters are sharded (ZeRO-3 gathers them: its ``full_params``)."""
+        yield self.model
 
-    def grad_bytes(self) -> int:
-        return sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)
+    # ---- memory by category (live storages) ----------------------------------------------------
+    def param_tensors(self) -> list:
+        return self._params
+
+    def grad_tensors(self) -> list:
+        return [p.grad for p in self._params if p.grad is not None]
+
+    def optimizer_tensors(self) -> list:
+        opt = getattr(self, "optimizer", None)
+        if opt is None:
+            return []
+        return [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
 
     def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return storage_bytes(self.param_tensors())
+
+    def grad_bytes(self) -> int:
+        return storage_bytes(self.grad_tensors())
+
+    def optimizer_state_bytes(self) -> int:
+        return storage_bytes(self.optimizer_tensors())
+
+
+def fill_missing_grads(params) -> None:
+    """A parameter autograd never reached this iteration gets a zero gradient (one optimizer
+    semantics: it still takes its Adam step, as its slice does in the single-process run)."""
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 class DataParallelUpdate(Update):
@@ -48,6 +121,10 @@ class DataParallelUpdate(Update):
 
     def sync(self) -> None:
         sync_dense_grads(self.model.dense_parameters(), self.comm)
+        self._sync_experts()
+
+    def _sync_experts(self) -> None:
+        fill_missing_grads(self.model.expert_parameters())
         for layer in self.model.moe_layers():
             sync_replica_grads(layer, self.comm)
 
@@ -57,6 +134,73 @@ class DataParallelUpdate(Update):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def optimizer_state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                   for t in s.values() if torch.is_tensor(t))
+
+def make_buckets(params, cap_bytes: float) -> list:
+    """DDP's bucketing: parameters in reverse order, a bucket closed once it reaches ``cap_bytes``
+    (a parameter larger than the cap gets a bucket of its own)."""
+    buckets, cur, size = [], [], 0
+    for p in reversed(list(params)):
+        cur.append(p)
+        size += p.numel() * p.element_size()
+        if size >= cap_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+class OverlappedDataParallelUpdate(DataParallelUpdate):
+    """Dense grads all-reduced in buckets from the gradient-ready hooks, during backward (DDP)."""
+
+    group = "dp"
+
+    def __init__(self, model, comm, cfg):
+        super().__init__(model, comm, cfg)
+        dense = [p for p in model.dense_parameters() if p.requires_grad]
+        self.buckets = make_buckets(dense, cfg.parallel.bucket_mb * 2**20)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.before_backward()
+
+    def before_backward(self) -> None:
+        self._ready = [set() for _ in self.buckets]
+        self._next = 0  # buckets are launched in index order on every rank (collectives must pair)
+        self._pending: list = []  # (bucket index, flat buffer, handle or None)
+
+    def on_grad_ready(self, p) -> None:
+        i = self._bucket_of.get(id(p))
+        if i is None or self.comm.world_size == 1:
+            return
+        self._ready[i].add(id(p))
+        while self._next < len(self.buckets) and len(self._ready[self._next]) == len(self.buckets[self._next]):
+            self._launch(self._next)
+
+    def _launch(self, i: int) -> None:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.buckets[i]])
+        with self.comm.rec.tagged(phase="grad_sync", bucket=i):  # ASYNC: issued, waited in sync()
+            out = self.comm.all_reduce_(flat, group=self.group, **({"async_op": True} if ASYNC_BUCKETS else {}))
+        self._pending.append((i, flat, out if ASYNC_BUCKETS else None))
+        self._next = i + 1
+        self.memory.sample()  # the bucket's flat buffer is gradient memory until sync
+
+    def grad_tensors(self) -> list:
+        return super().grad_tensors() + [flat for _, flat, _ in self._pending]
+
+    def sync(self) -> None:
+        if self.comm.world_size > 1:
+            while self._next < len(self.buckets):  # buckets holding a parameter backward never reached
+                self._launch(self._next)
+            for i, flat, handle in self._pending:
+                if handle is not None:  # ASYNC: the bucket's all-reduce completes here
+                    handle.wait()
+                off = 0
+                for p in self.buckets[i]:
+                    n = p.numel()
+                    p.grad = flat[off:off + n].view_as(p).clone()
+                    off += n
+        self._sync_experts()
+        self.before_backward()
+
+
+GRAD_SYNCS = {"after_backward": DataParallelUpdate, "ddp_overlap": OverlappedDataParallelUpdate}

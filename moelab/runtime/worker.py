@@ -55,6 +55,7 @@ def main(argv=None) -> None:
         from moelab.runtime.train import Trainer
 
         trainer = Trainer.build(cfg, device)
+        trainer.out_dir = args.out  # checkpoints go into the run folder
         total = cfg.train.iters
 
         def progress(row):

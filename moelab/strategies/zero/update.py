@@ -36,17 +36,17 @@ one buffer and drops ``p.grad``. What each stage keeps afterwards (``grad_bytes`
 all-reduced buffer; 1: the full buffer with its own shard replaced by the reduced shard (ZeRO-1
 keeps a full gradient buffer); 2-3: only the reduced shard. ``p.grad`` is None after ``sync``.
 
-Memory metrics (per rank, measured from the live tensors): ``param_bytes`` = ``S`` (stages 0-2),
+Memory metrics (per rank, from the live storages, each counted once): ``param_bytes`` = ``S`` (stages 0-2),
 ``S/N`` between iterations in stage 3 (its shard; the full buffer is freed); ``optimizer_state_bytes``
 = Adam's ``exp_avg`` + ``exp_avg_sq`` over the rank's elements (``2 S`` for stage 0, ``2 S/N``
-for stages 1-3) plus the 4-byte ``step`` tensor.
+for stages 1-3) plus the 4-byte ``step`` tensor. The iteration's peaks (``mem_*_peak_bytes``) see
+the transients: stage 3's parameter peak is ``S + S/N`` (the gathered buffer beside the shard).
 
 Equivalence with the EP baseline. With the loss scaled by 1/N on every rank, summing gradients over
 ranks gives exactly EP's dense and expert gradients, and Adam is elementwise, so a rank updating its
-slice performs the same arithmetic as EP's Adam on those elements. One difference: EP's Adam skips
-a parameter whose ``grad`` is None (a rank whose experts all received no token in an iteration),
-while here that expert's elements take an Adam step with a zero gradient (its moments still move
-it). Both are what the respective systems do.
+slice performs the same arithmetic as EP's Adam on those elements. An expert that received no token
+in an iteration takes an Adam step with a zero gradient here (its moments still move it), as it does
+in EP and in the single-process run (one optimizer semantics, :mod:`moelab.runtime.update`).
 """
 from __future__ import annotations
 
@@ -146,6 +146,8 @@ class ZeroUpdate(Update):
             if not was:
                 self.release_params()
 
+    resident_params = full_params  # the Update seam evaluation uses
+
     def _check_materialized(self, module, args):
         if not self._materialized:
             raise RuntimeError("zero stage 3: the model's parameters are sharded (released). Use the Trainer, "
@@ -214,23 +216,12 @@ class ZeroUpdate(Update):
         for p in self.params:
             p.grad = None
 
-    # ---- memory by category (per rank, live tensors) -----------------------------------------------
-    def optimizer_state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                   for t in s.values() if torch.is_tensor(t))
+    # ---- memory by category (per rank, live storages: see moelab.runtime.memory) -------------------
+    def param_tensors(self) -> list:
+        return [*self.params, self.master]  # views into ``full`` (0 bytes while released) + the shard
 
-    def grad_bytes(self) -> int:
-        if self._full_grad is not None:
-            return self._full_grad.numel() * self._full_grad.element_size()
-        g = self.master.grad
-        local = 0 if g is None else g.numel() * g.element_size()
-        return local + sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-
-    def param_bytes(self) -> int:
-        n = self.full_bytes if self._materialized else 0
-        if self.stage == 3:
-            n += self.master.numel() * self.elem
-        return n
+    def grad_tensors(self) -> list:
+        return [self._full_grad, self.master.grad, *(p.grad for p in self.params)]
 
     # ---- helpers -------------------------------------------------------------------------------------
     def bytes_per_iteration(self) -> int:

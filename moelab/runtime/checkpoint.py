@@ -1,0 +1,236 @@
+"""Checkpoints: written atomically, resumed bit-for-bit, and resumable at another EP size.
+
+Layout (``<run folder>/checkpoints/step_<k>/``, ``k`` = iterations done)::
+
+    meta.json       written last by rank 0: step, world size, config (and its hash), placement and
+                    routing-RNG counter (``forward_calls``) of every MoE layer, the global batch
+    dense.pt        rank 0: every non-expert parameter and its Adam state, by parameter name
+    rank<r>.pt      rank r: the experts it *owns*, keyed by (MoE layer, global expert id), each with
+                    its parameters and Adam state; and the rank's torch RNG state
+
+Experts are stored per global expert id, not per rank slot, and dense state once, so a checkpoint
+saved on 4 ranks loads on 2 (each rank picks the experts its placement gives it, replicas too).
+
+Atomicity: every rank writes into ``checkpoints/.tmp-step_<k>/``; an all-reduce of success flags
+follows; only if every rank succeeded does rank 0 write ``meta.json`` and rename the folder to
+``step_<k>`` (one atomic rename), then delete older checkpoints. A failure anywhere removes the temp
+folder and raises on every rank: the previous checkpoint is never touched.
+
+Resuming continues the same run exactly: parameters, Adam moments and step counts, the MoE
+layers' routing-RNG counters and the rank's torch RNG (when the world size is the same) are
+restored, and the batches of iteration ``k`` onward are the ones the uninterrupted run reads. The
+resumed run is a new run folder whose metrics start at iteration ``k``. Not restored: other
+per-layer state (FasterMoE's previous shadow set, the topology gate's hint), recomputed from the
+first resumed iteration on. Strategies with their own update (ZeRO) are rejected by validation.
+At another world size the data stay the same iff the global batch ``parallel.nproc x
+train.batch_size`` is kept (checked); losses then match the uninterrupted run up to floating-point
+summation order, provided the run's math does not depend on the split itself: dropless routing
+(``capacity_factor: null``, per-source-rank capacities otherwise), ``balance_loss_coef: 0`` (the
+balance loss is computed per rank) and no ``random_routing`` (its draws are keyed by rank).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+FORMAT = 1
+PARAM_NAMES = ("w1", "b1", "w2", "b2")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the previous checkpoint is intact."""
+
+
+# ---- finding and checking checkpoints (no process group needed) --------------------------------
+def checkpoint_root(run_dir) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(path) -> Path | None:
+    """``path`` itself if it is a checkpoint, else the newest complete one under ``path/checkpoints``."""
+    p = Path(path)
+    if (p / "meta.json").is_file():
+        return p
+    root = checkpoint_root(p)
+    done = sorted(d for d in root.glob("step_*") if (d / "meta.json").is_file()) if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def read_meta(ckpt) -> dict:
+    return json.loads((Path(ckpt) / "meta.json").read_text())
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_errors(cfg) -> list:
+    """Why ``cfg`` cannot continue from ``cfg.train.resume_from`` (empty: it can)."""
+    t = cfg.train
+    ckpt = latest_checkpoint(t.resume_from)
+    if ckpt is None:
+        return [f"train.resume_from: no checkpoint at {t.resume_from} (expected meta.json there, or "
+                "checkpoints/step_* under a run folder)"]
+    meta = read_meta(ckpt)
+    saved = meta["config"]
+    errs = []
+    if meta.get("format") != FORMAT:
+        errs.append(f"train.resume_from: checkpoint format {meta.get('format')} is not {FORMAT}")
+    diff = {k: (v, _flat(cfg.to_dict()["model"]).get(k)) for k, v in _flat(saved["model"]).items()
+            if _flat(cfg.to_dict()["model"]).get(k) != v}
+    if diff:
+        what = ", ".join(f"model.{k}={now!r} (checkpoint: {was!r})" for k, (was, now) in sorted(diff.items()))
+        errs.append(f"train.resume_from: the checkpoint {ckpt} is of another model: {what}")
+    for key in ("dtype", "seed", "dataset"):
+        if saved["train"][key] != getattr(t, key):
+            errs.append(f"train.{key}={getattr(t, key)!r} differs from the checkpoint's {saved['train'][key]!r}")
+    batch = cfg.parallel.nproc * t.batch_size
+    if batch != meta["global_batch"]:
+        errs.append(f"the global batch parallel.nproc x train.batch_size = {cfg.parallel.nproc} x {t.batch_size} "
+                    f"= {batch} must equal the checkpoint's {meta['global_batch']} (the data of each iteration "
+                    "depends on it)")
+    if meta["step"] >= t.iters:
+        errs.append(f"train.iters={t.iters} must exceed the checkpoint's step {meta['step']}")
+    return errs
+
+
+# ---- saving ------------------------------------------------------------------------------------
+def _adam_state(optimizer, p) -> dict:
+    return {k: v.detach().clone() for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)}
+
+
+def _expert_params(layer) -> dict:
+    ex = layer.experts
+    return {n: getattr(ex, n) for n in PARAM_NAMES if getattr(ex, n) is not None}
+
+
+def rank_state(trainer) -> dict:
+    """This rank's part: the experts it owns (by global id) with their Adam state, and its RNG."""
+    opt, me = trainer.update.optimizer, trainer.rank
+    experts = {}
+    for li, layer in enumerate(trainer.model.moe_layers()):
+        params = _expert_params(layer)
+        for s, e in enumerate(layer.experts.experts):
+            if layer.placement.owner(e) != me:
+                continue
+            rec = {"params": {}, "adam": {}}
+            for n, p in params.items():
+                rec["params"][n] = p.detach()[s].clone()
+                rec["adam"][n] = {k: (v if v.dim() == 0 else v[s].clone()) for k, v in _adam_state(opt, p).items()}
+            experts[(li, e)] = rec
+    return {"experts": experts, "rng": torch.get_rng_state()}
+
+
+def dense_state(trainer) -> dict:
+    opt, expert_ids = trainer.update.optimizer, {id(p) for p in trainer.model.expert_parameters()}
+    named = [(n, p) for n, p in trainer.model.named_parameters() if id(p) not in expert_ids]
+    return {"params": {n: p.detach().clone() for n, p in named}, "adam": {n: _adam_state(opt, p) for n, p in named}}
+
+
+def save(trainer, run_dir, step: int) -> Path:
+    """Write ``step_<step>`` under ``run_dir/checkpoints`` (a collective: call it on every rank)."""
+    comm, cfg = trainer.comm, trainer.cfg
+    root = checkpoint_root(run_dir)
+    final, tmp = root / f"step_{step:06d}", root / f".tmp-step_{step:06d}"
+    leader = trainer.rank == 0
+    err = None
+    try:
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _all_ok(comm, True)  # the folder exists before anyone writes into it
+        torch.save(rank_state(trainer), tmp / f"rank{trainer.rank}.pt")
+        if leader:
+            torch.save(dense_state(trainer), tmp / "dense.pt")
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        err = e
+    if not _all_ok(comm, err is None):
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint at step {step} failed on some rank; the previous one is intact") from err
+    if leader:
+        try:
+            meta = {"format": FORMAT, "step": step, "world": comm.world_size, "config": cfg.to_dict(),
+                    "config_hash": cfg.short_hash(), "global_batch": comm.world_size * cfg.train.batch_size,
+                    "layers": [{"layer": li, "forward_calls": layer.forward_calls,
+                                "holders": [list(h) for h in layer.placement.holders]}
+                               for li, layer in enumerate(trainer.model.moe_layers())]}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+            os.replace(tmp, final)
+            for old in root.glob("step_*"):
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+        except Exception as e:  # noqa: BLE001
+            err = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not _all_ok(comm, err is None):
+        raise CheckpointError(f"checkpoint at step {step} could not be committed; the previous one is intact") from err
+    return final
+
+
+def _all_ok(comm, ok: bool) -> bool:
+    """Every rank's flag, through the door but unrecorded (bookkeeping, not training traffic)."""
+    flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
+    was, comm.rec.enabled = comm.rec.enabled, False
+    try:
+        comm.all_reduce_(flag)
+    finally:
+        comm.rec.enabled = was
+    return int(flag.item()) == comm.world_size
+
+
+# ---- loading -----------------------------------------------------------------------------------
+@torch.no_grad()
+def load(trainer, path) -> int:
+    """Restore the trainer's model, optimizer, layer counters and RNG; return the step to resume at."""
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise CheckpointError(f"no checkpoint at {path}")
+    meta = read_meta(ckpt)
+    opt, model = trainer.update.optimizer, trainer.model
+    dense = torch.load(ckpt / "dense.pt", weights_only=False)
+    expert_ids = {id(p) for p in model.expert_parameters()}
+    for n, p in model.named_parameters():
+        if id(p) in expert_ids:
+            continue
+        p.copy_(dense["params"][n])
+        if dense["adam"][n]:
+            opt.state[p] = {k: v.clone() for k, v in dense["adam"][n].items()}
+    experts, rng = {}, None
+    for f in sorted(ckpt.glob("rank*.pt")):
+        part = torch.load(f, weights_only=False)
+        experts.update(part["experts"])
+        if f.name == f"rank{trainer.rank}.pt":
+            rng = part["rng"]
+    for li, layer in enumerate(model.moe_layers()):
+        slots = layer.experts.experts
+        if not slots:
+            continue
+        missing = [e for e in slots if (li, e) not in experts]
+        if missing:
+            raise CheckpointError(f"{ckpt} lacks experts {missing} of MoE layer {li}")
+        for n, p in _expert_params(layer).items():
+            for s, e in enumerate(slots):
+                p[s].copy_(experts[(li, e)]["params"][n])
+            states = [experts[(li, e)]["adam"][n] for e in slots]
+            if not states[0]:
+                continue
+            steps = {float(st["step"]) for st in states}
+            if len(steps) != 1:
+                raise CheckpointError(f"experts of MoE layer {li} took different Adam step counts {sorted(steps)}")
+            opt.state[p] = {"step": states[0]["step"].clone(),
+                            **{k: torch.stack([st[k] for st in states]) for k in states[0] if k != "step"}}
+        layer.forward_calls = meta["layers"][li]["forward_calls"]
+    if meta["world"] == trainer.comm.world_size and rng is not None:
+        torch.set_rng_state(rng)
+    return int(meta["step"])

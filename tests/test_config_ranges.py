@@ -1,0 +1,69 @@
+"""Bad input fails in validate(), before any process starts, with a message naming the option."""
+from __future__ import annotations
+
+import pytest
+
+from moelab.config import ConfigError, RunConfig
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.d_model": 0}, "model.d_model must be >= 1, got 0"),
+    ({"model.d_model": 16.5}, "model.d_model must be an integer, got 16.5"),
+    ({"model.d_ff": -4}, "model.d_ff must be >= 1, got -4"),
+    ({"model.n_layers": 0}, "model.n_layers must be >= 1, got 0"),
+    ({"model.n_heads": 0}, "model.n_heads must be >= 1, got 0"),
+    ({"model.seq_len": 0}, "model.seq_len must be >= 1, got 0"),
+    ({"model.vocab_size": 1}, "model.vocab_size must be >= 2, got 1"),
+    ({"model.arch": "bert", "model.vocab_size": 2}, "model.vocab_size must be >= 3, got 2"),
+    ({"model.moe.num_experts": 0}, "model.moe.num_experts must be >= 1, got 0"),
+    ({"model.moe.capacity_factor": 0}, "model.moe.capacity_factor must be > 0"),
+    ({"model.moe.capacity_factor": float("nan")}, "model.moe.capacity_factor must be > 0"),
+    ({"model.moe.min_capacity": -1}, "model.moe.min_capacity must be >= 0, got -1"),
+    ({"model.moe.balance_loss_coef": -0.1}, "model.moe.balance_loss_coef must be >= 0"),
+    ({"model.moe.z_loss_coef": -1}, "model.moe.z_loss_coef must be >= 0"),
+    ({"model.moe.activation": "tanh"}, "model.moe.activation must be gelu or relu"),
+    ({"parallel.nproc": 0}, "parallel.nproc must be >= 1, got 0"),
+    ({"parallel.topology.nodes": 0}, "parallel.topology.nodes must be >= 1, got 0"),
+    ({"parallel.topology.ranks_per_node": 0}, "parallel.topology.ranks_per_node must be >= 1, got 0"),
+    ({"parallel.grad_sync": "sometimes"}, "parallel.grad_sync must be one of"),
+    ({"parallel.grad_sync": "ddp_overlap", "parallel.bucket_mb": 0}, "parallel.bucket_mb must be > 0, got 0"),
+    ({"parallel.bucket_mb": -5}, "parallel.bucket_mb must be > 0, got -5"),
+    ({"parallel.strategy": "zero", "parallel.grad_sync": "ddp_overlap"}, "strategy 'zero' brings its own gradient sync"),
+    ({"train.iters": 0}, "train.iters must be >= 1, got 0"),
+    ({"train.batch_size": 0}, "train.batch_size must be >= 1, got 0"),
+    ({"train.lr": 0}, "train.lr must be > 0, got 0"),
+    ({"train.lr": float("inf")}, "train.lr must be > 0, got inf"),
+    ({"train.seed": -1}, "train.seed must be >= 0, got -1"),
+    ({"train.threads_per_rank": 0}, "train.threads_per_rank must be >= 1, got 0"),
+    ({"train.timeout_s": 0}, "train.timeout_s must be > 0, got 0"),
+    ({"train.fault_iter": -1}, "train.fault_iter must be >= 0, got -1"),
+    ({"train.eval_every": -1}, "train.eval_every must be >= 0, got -1"),
+    ({"train.eval_batches": 0}, "train.eval_batches must be >= 1, got 0"),
+    ({"train.checkpoint_every": -2}, "train.checkpoint_every must be >= 0, got -2"),
+    ({"train.dataset": "wiki"}, "train.dataset must be pydocs or random"),
+    ({"parallel.strategy": "zero", "train.checkpoint_every": 2}, "checkpoints cover the data-parallel updates"),
+    ({"emulation.intra_bw_GBps": 0}, "emulation.intra_bw_GBps must be > 0, got 0"),
+    ({"emulation.inter_bw_GBps": -1}, "emulation.inter_bw_GBps must be > 0, got -1"),
+    ({"emulation.intra_latency_us": -1}, "emulation.intra_latency_us must be >= 0, got -1"),
+    ({"emulation.inter_latency_us": -0.5}, "emulation.inter_latency_us must be >= 0, got -0.5"),
+    ({"train.batch_size": True}, "train.batch_size must be an integer, got True"),
+    ({"train.resume_from": "/nonexistent/run"}, "train.resume_from: no checkpoint at /nonexistent/run"),
+])
+def test_every_numeric_field_is_range_checked(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        RunConfig().with_overrides(overrides).validate()
+    assert message in str(info.value)
+
+
+def test_all_range_errors_are_reported_together():
+    with pytest.raises(ConfigError) as info:
+        RunConfig().with_overrides({"model.d_model": 0, "model.n_heads": 0, "train.lr": -1}).validate()
+    msg = str(info.value)
+    assert "model.d_model" in msg and "model.n_heads" in msg and "train.lr" in msg  # no ZeroDivisionError first
+
+
+def test_defaults_and_edges_are_valid():
+    RunConfig().validate()
+    RunConfig().with_overrides({"train.eval_every": 0, "train.checkpoint_every": 0, "model.moe.min_capacity": 0,
+                                "emulation.intra_latency_us": 0, "parallel.grad_sync": "ddp_overlap",
+                                "parallel.bucket_mb": 0.001}).validate()
