@@ -39,11 +39,6 @@ import torch
 from moelab.moe.sync import sync_dense_grads, sync_replica_grads
 from moelab.runtime.memory import MemoryMeter, storage_bytes
 
-# ASYNC: flip to True once the door's collectives take ``async_op=True`` and return a handle with
-# ``wait()``: buckets are then issued without blocking backward and waited for in ``sync()``.
-ASYNC_BUCKETS = False
-
-
 class Update:
     """Interface: the lifecycle hooks above, ``step()``, ``zero_grad()``, and memory by category."""
 
@@ -165,7 +160,7 @@ class OverlappedDataParallelUpdate(DataParallelUpdate):
     def before_backward(self) -> None:
         self._ready = [set() for _ in self.buckets]
         self._next = 0  # buckets are launched in index order on every rank (collectives must pair)
-        self._pending: list = []  # (bucket index, flat buffer, handle or None)
+        self._pending: list = []  # (bucket index, flat buffer, handle)
 
     def on_grad_ready(self, p) -> None:
         i = self._bucket_of.get(id(p))
@@ -178,9 +173,9 @@ class OverlappedDataParallelUpdate(DataParallelUpdate):
     def _launch(self, i: int) -> None:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.buckets[i]])
-        with self.comm.rec.tagged(phase="grad_sync", bucket=i):  # ASYNC: issued, waited in sync()
-            out = self.comm.all_reduce_(flat, group=self.group, **({"async_op": True} if ASYNC_BUCKETS else {}))
-        self._pending.append((i, flat, out if ASYNC_BUCKETS else None))
+        with self.comm.rec.tagged(phase="grad_sync", bucket=i):  # issued now, waited for in sync()
+            handle = self.comm.all_reduce_(flat, group=self.group, async_op=True)
+        self._pending.append((i, flat, handle))
         self._next = i + 1
         self.memory.sample()  # the bucket's flat buffer is gradient memory until sync
 
@@ -191,9 +186,8 @@ class OverlappedDataParallelUpdate(DataParallelUpdate):
         if self.comm.world_size > 1:
             while self._next < len(self.buckets):  # buckets holding a parameter backward never reached
                 self._launch(self._next)
-            for i, flat, handle in self._pending:
-                if handle is not None:  # ASYNC: the bucket's all-reduce completes here
-                    handle.wait()
+            for i, flat, handle in self._pending:  # in bucket order on every rank
+                handle.wait()
                 off = 0
                 for p in self.buckets[i]:
                     n = p.numel()
