@@ -93,3 +93,10 @@ class ZeroMoELayer(MoELayer):
         self.last_global_counts = C
         self.last_counts = C[self.comm.rank]
         return y.reshape(shape)
+
+    def plan_record(self) -> dict:
+        """The plan of the latest call: counts only (every rank holds every expert; nothing moves)."""
+        if self.last_global_counts is None:
+            raise RuntimeError("plan_record() needs a forward call first")
+        return {"layer": self.layer_id, "call": self.forward_calls - 1, "dispatcher": "local",
+                "counts": self.last_global_counts.tolist(), "placement": "full_replication"}
