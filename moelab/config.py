@@ -167,13 +167,11 @@ class RunConfig:
 
         if p.strategy not in known_strategies():
             errs.append(f"parallel.strategy {p.strategy!r} is unknown; known: {sorted(known_strategies())}")
-        elif p.strategy == "ep" and p.strategy_options:
-            errs.append(f"parallel.strategy 'ep' takes no strategy_options, got {sorted(p.strategy_options)}")
-        elif p.strategy != "ep" and not errs:
-            from moelab.strategies import get_strategy
+        elif not errs:
+            from moelab.strategies import get
 
-            try:  # the strategy binds and checks its own options
-                get_strategy(p.strategy)(self)
+            try:  # the strategy binds and checks its own options against this run
+                get(p.strategy).bind(self)
             except Exception as e:  # noqa: BLE001 - any complaint becomes a clear config error
                 errs.append(f"parallel.strategy_options for {p.strategy!r}: {e}")
         if p.placement is None and moe.num_experts % p.nproc != 0:

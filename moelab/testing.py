@@ -107,16 +107,17 @@ def train_snapshot(rank: int, world: int, overrides: dict) -> dict:
     cfg = RunConfig().with_overrides({**TINY_TRAIN, "parallel.nproc": world, **overrides}).validate()
     tr = Trainer.build(cfg)
     losses = [row["loss"] for row in tr.run()]
-    experts = {}
-    for li, layer in enumerate(tr.model.moe_layers()):
-        ex = layer.experts
-        for s, e in enumerate(ex.experts):
-            experts[(li, e)] = torch.cat([p[s].detach().reshape(-1) for p in (ex.w1, ex.b1, ex.w2, ex.b2)])
     ops: dict = {}
-    for r in tr.comm.rec.comm:
+    for r in tr.comm.rec.comm:  # training traffic only: the inspection gather below comes after
         ops[r.op] = ops.get(r.op, 0) + 1
-    return dict(losses=losses, experts=experts, loads=tr.loads,
-                dense=torch.cat([p.detach().reshape(-1) for p in tr.model.dense_parameters()]),
+    experts = {}
+    with tr.update.resident_params() as model:  # ZeRO-3 frees parameters between iterations
+        for li, layer in enumerate(model.moe_layers()):
+            ex = layer.experts
+            for s, e in enumerate(ex.experts):
+                experts[(li, e)] = torch.cat([p[s].detach().reshape(-1) for p in (ex.w1, ex.b1, ex.w2, ex.b2)]).clone()
+        dense = torch.cat([p.detach().reshape(-1) for p in model.dense_parameters()]).clone()
+    return dict(losses=losses, experts=experts, loads=tr.loads, dense=dense,
                 shadows=[list(getattr(layer, "shadow_log", [])) for layer in tr.model.moe_layers()],
                 ops=ops, cls=type(tr.model.moe_layers()[0]).__name__)
 

@@ -141,12 +141,10 @@ def _register_toy(groups_of):
     """Register strategy ``toy`` (the EP layer) declaring ``groups_of(cfg)``; returns an undo."""
     import moelab.strategies as S
 
-    S._REGISTRY["toy"] = lambda cfg: None
-    S._GROUPS["toy"] = groups_of
+    S.register_strategy(S.Strategy("toy", groups=groups_of))
 
     def undo():
         S._REGISTRY.pop("toy", None)
-        S._GROUPS.pop("toy", None)
 
     return undo
 

@@ -13,7 +13,7 @@ from moelab.sim import (PROFILES, ClusterProfile, DeadlockError, OpGraph, allgat
                         alltoall_demands, alltoall_time, broadcast_time, config_for_profile, costs,
                         dense_param_count, ep_iteration_graph, fit_alpha_beta, get_graph, get_profile,
                         graph_bytes, link_capacities, local_profile_from_calibration, measure_collectives,
-                        measure_gemm, p2p_time, reduce_scatter_time, register_graph, ring_demand,
+                        measure_gemm, p2p_time, reduce_scatter_time, ring_demand,
                         route_matrix, simulate, synthetic_loads)
 from moelab.sim.calibrate import fit_collectives
 from moelab.sim.graphs import topology_of
@@ -398,15 +398,21 @@ def test_ep_graph_simulates_with_expected_structure():
     assert get_graph("ep") is ep_iteration_graph
 
 
-def test_register_graph_and_config_for_profile():
-    seen = {}
+def test_strategy_graph_and_config_for_profile():
+    from moelab.strategies import _REGISTRY, Strategy, register_strategy
 
-    @register_graph("toy_strategy")
     def toy(cfg, profile, loads, placement=None):
-        seen["called"] = True
         return OpGraph(cfg.parallel.nproc)
 
-    assert get_graph("toy_strategy") is toy
+    register_strategy(Strategy("toy_strategy", sim_graph=toy))
+    try:
+        assert get_graph("toy_strategy") is toy
+        register_strategy(Strategy("toy_nograph"))
+        with pytest.raises(KeyError, match="no simulator graph"):
+            get_graph("toy_nograph")
+    finally:
+        _REGISTRY.pop("toy_strategy", None)
+        _REGISTRY.pop("toy_nograph", None)
     cfg = config_for_profile(RunConfig(), get_profile("trevor"), **{"model.moe.num_experts": 64})
     assert cfg.parallel.nproc == 64 and topology_of(cfg).ranks_per_node == 4
     with pytest.raises(KeyError):

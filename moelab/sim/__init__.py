@@ -17,7 +17,7 @@ from moelab.sim.costs import (Demand, allgather_time, allreduce_time, alltoall_d
 from moelab.sim.engine import DeadlockError, OpGraph, SimResult, simulate
 from moelab.sim.graphs import (capacity, config_for_profile, dense_param_count, ep_iteration_graph,
                                expert_param_count,
-                               get_graph, graph_bytes, iteration_graph, moe_layer_ids, register_graph,
+                               get_graph, graph_bytes, iteration_graph, moe_layer_ids,
                                route_matrix, synthetic_loads)
 from moelab.sim.profiles import PROFILES, ClusterProfile, get_profile, local_profile_from_calibration, register_profile
 
@@ -35,7 +35,7 @@ __all__ = [
     "p2p_demand", "alltoall_time", "allreduce_time", "allgather_time", "reduce_scatter_time",
     "broadcast_time", "p2p_time",
     "OpGraph", "SimResult", "DeadlockError", "simulate", "simulate_iteration",
-    "ep_iteration_graph", "iteration_graph", "register_graph", "get_graph", "graph_bytes",
+    "ep_iteration_graph", "iteration_graph", "get_graph", "graph_bytes",
     "dense_param_count", "expert_param_count", "moe_layer_ids", "route_matrix", "synthetic_loads",
     "config_for_profile", "capacity",
     "AlphaBeta", "fit_alpha_beta", "fit_collectives", "measure_collectives", "measure_gemm",

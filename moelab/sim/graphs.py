@@ -6,8 +6,8 @@ per-peer bytes = tokens x d_model x element bytes. Every collective op carries t
 runtime's communicator would write (``comm``), so :func:`graph_bytes` replays the shared byte rule
 and must equal the measured bytes exactly.
 
-Strategies register their own generators with :func:`register_graph`; :func:`iteration_graph`
-picks the one named by ``cfg.parallel.strategy``.
+Each strategy names its generator in its :class:`~moelab.strategies.Strategy` (``sim_graph``);
+:func:`iteration_graph` picks the one named by ``cfg.parallel.strategy``.
 """
 from __future__ import annotations
 
@@ -24,32 +24,17 @@ from moelab.placement import Placement
 from moelab.sim import costs
 from moelab.sim.engine import OpGraph
 
-_GRAPHS: dict = {}
-
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
-def register_graph(strategy: str, fn: Optional[Callable] = None):
-    """Register ``fn(cfg, profile, loads, placement=None, **kw) -> OpGraph`` for a strategy (also a decorator)."""
-    def deco(f):
-        _GRAPHS[strategy] = f
-        return f
-
-    return deco(fn) if fn is not None else deco
-
-
 def get_graph(strategy: str) -> Callable:
-    if strategy not in _GRAPHS:  # built-in strategies register their graph when first imported
-        from moelab.strategies import get_strategy
+    """The iteration-graph generator of a registered strategy (its ``Strategy.sim_graph``)."""
+    from moelab.strategies import get
 
-        try:
-            get_strategy(strategy)
-        except KeyError:
-            pass
-    try:
-        return _GRAPHS[strategy]
-    except KeyError:
-        raise KeyError(f"no simulator graph for strategy {strategy!r}; registered: {sorted(_GRAPHS)}") from None
+    fn = get(strategy).graph()
+    if fn is None:
+        raise KeyError(f"strategy {strategy!r} has no simulator graph (Strategy.sim_graph)")
+    return fn
 
 
 def iteration_graph(cfg, profile, loads, placement=None, **kw) -> OpGraph:
@@ -321,8 +306,6 @@ def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = Non
                 prev = tuple(send(owner, r, ups, "sum_to_replica") for r in holders[1:])
     return g
 
-
-register_graph("ep", ep_iteration_graph)
 
 
 def replay_bytes(graph: OpGraph, topo: Topology):

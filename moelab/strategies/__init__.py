@@ -1,79 +1,129 @@
-"""Strategy registry: a strategy name -> a factory ``f(run_cfg) -> MoE layer class``.
+"""Strategies: one :class:`Strategy` object per system, registered once by name.
 
-The returned class takes :class:`moelab.moe.layer.MoELayer`'s constructor arguments (usually a
-subclass overriding only the stage it changes, bound to its options from
-``cfg.parallel.strategy_options`` with ``functools.partial``). ``ep`` is the baseline itself.
-Built-in strategies live in submodules imported on first use, so the validator and the launcher
-can ask ``known_strategies()`` before any process starts without importing everything.
+A strategy is everything a system changes, as data the core reads:
+
+- ``options``: a :class:`~moelab.strategies.options.StrategyOptions` dataclass (one shared
+  ``from_dict``); bound from ``parallel.strategy_options`` and checked against the run before any
+  process starts (:meth:`Strategy.bind`);
+- ``layer``: ``(run_cfg, options) -> MoE layer class`` taking :class:`moelab.moe.layer.MoELayer`'s
+  constructor arguments (usually a subclass overriding only the stages it changes); None: the core
+  layer;
+- ``update``: a :class:`moelab.runtime.update.Update` subclass (gradient sync + optimizer) or None
+  (the data-parallel update ``parallel.grad_sync`` names);
+- ``sim_graph``: the simulator's iteration graph ``(cfg, profile, loads, placement=None, **kw) ->
+  OpGraph`` (or ``"module:function"``, imported when first priced); None: the EP graph;
+- ``groups``: ``run_cfg -> {name: [[ranks], ...]}``, process groups the strategy needs beyond the
+  core's (Parm's MP/ESP, Lina's expert-DP); None: none;
+- ``conformance``: option sets the conformance suite (``tests/test_conformance.py``) runs on every
+  registered strategy automatically: fp64 reference with edge loads, training equivalence with the
+  1-rank run, simulated bytes == measured bytes. ``changes_model=True`` where a strategy trains a
+  different model on purpose (FasterMoE's topology gate) and is exempt from the equivalences.
+
+``ep`` (the baseline itself) is registered here. Built-in strategies live in subpackages imported
+on first use, so the validator and the launcher can ask :func:`known_strategies` before any process
+starts without importing everything. A new paper adds one subpackage and one line to ``_BUILTIN``.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
 
 _REGISTRY: dict = {}
 _BUILTIN = {"fastermoe": "moelab.strategies.fastermoe", "zero": "moelab.strategies.zero"}  # name -> module that registers it
 
 
-def register(name: str, factory=None):
-    def deco(f):
-        _REGISTRY[name] = f
-        return f
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    options: Optional[type] = None
+    layer: Optional[Callable] = None
+    update: Optional[type] = None
+    sim_graph: Union[Callable, str, None] = None
+    groups: Optional[Callable] = None
+    conformance: tuple = ({},)  # option dicts for the conformance suite
+    changes_model: tuple = ()  # option names that change the trained model (exempt from equivalences)
+    doc: str = ""
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
-    return deco(factory) if factory is not None else deco
+    def bind(self, run_cfg):
+        """The run's options, parsed and checked against the run (a ConfigError naming the option)."""
+        given = run_cfg.parallel.strategy_options
+        if self.options is None:
+            if given:
+                from moelab.config import ConfigError
 
+                raise ConfigError(f"parallel.strategy {self.name!r} takes no strategy_options, got {sorted(given)}")
+            return None
+        opts = self.options.from_dict(given)
+        opts.raise_if(opts.run_errors(run_cfg))
+        return opts
 
-_UPDATES: dict = {}
+    def layer_class(self, run_cfg):
+        """The MoE layer class of this run (options bound), or None for the core layer."""
+        opts = self.bind(run_cfg)
+        return None if self.layer is None else self.layer(run_cfg, opts)
 
+    def graph(self) -> Optional[Callable]:
+        if isinstance(self.sim_graph, str):
+            if "fn" not in self._cache:
+                mod, fn = self.sim_graph.split(":")
+                self._cache["fn"] = getattr(importlib.import_module(mod), fn)
+            return self._cache["fn"]
+        return self.sim_graph
 
-def register_update(name: str, update_cls) -> None:
-    """A strategy that changes gradient sync / optimizer state registers a
-    :class:`moelab.runtime.update.Update` subclass here."""
-    _UPDATES[name] = update_cls
-
-
-def get_update(name: str):
-    """The Update class of ``name`` (None: the data-parallel default)."""
-    if name != "ep":
-        get_strategy(name)  # imports a built-in strategy, which registers its update
-    return _UPDATES.get(name)
-
-
-_GROUPS: dict = {}
-
-
-def register_groups(name: str, declare) -> None:
-    """A strategy whose layout needs more process groups declares them as data:
-    ``declare(run_cfg) -> {group: [[ranks of one instance], [ranks of another], ...]}``, each group a
-    partition of the ranks (:func:`moelab.comm.groups.validate_groups`, checked before launch). The
-    trainer's communicator creates them once, at build."""
-    _GROUPS[name] = declare
-
-
-def get_groups(cfg) -> dict:
-    """The process groups ``cfg``'s strategy declares (``{}`` for none)."""
-    name = cfg.parallel.strategy
-    if name != "ep":
-        get_strategy(name)  # imports a built-in strategy, which registers its groups
-    declare = _GROUPS.get(name)
-    return dict(declare(cfg)) if declare is not None else {}
-
-
-def known_strategies() -> set:
-    found = {"ep", *_REGISTRY}
-    for name, mod in _BUILTIN.items():
-        if importlib.util.find_spec(mod) is not None:
-            found.add(name)
-    return found
+    def declared_groups(self, run_cfg) -> dict:
+        return dict(self.groups(run_cfg)) if self.groups is not None else {}
 
 
-def get_strategy(name: str):
-    """The layer-class factory of ``name`` (None for the plain EP baseline)."""
-    if name == "ep":
-        return None
+def register_strategy(strategy: Strategy) -> Strategy:
+    _REGISTRY[strategy.name] = strategy
+    return strategy
+
+
+def get(name: str) -> Strategy:
+    """The registered :class:`Strategy` ``name`` (imports a built-in one on first use)."""
     if name not in _REGISTRY and name in _BUILTIN:
         importlib.import_module(_BUILTIN[name])
     try:
         return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown strategy {name!r}; known: {sorted(known_strategies())}") from None
+
+
+def known_strategies() -> set:
+    found = set(_REGISTRY)
+    for name, mod in _BUILTIN.items():
+        if importlib.util.find_spec(mod) is not None:
+            found.add(name)
+    return found
+
+
+def all_strategies() -> list:
+    """Every known strategy, imported and registered (the conformance suite iterates these)."""
+    return [get(n) for n in sorted(known_strategies())]
+
+
+def get_strategy(name: str):
+    """The layer-class factory ``run_cfg -> layer class`` of ``name`` (None for the core layer)."""
+    s = get(name)
+    return None if s.layer is None else s.layer_class
+
+
+def get_update(name: str):
+    """The Update class of ``name`` (None: the data-parallel update of ``parallel.grad_sync``)."""
+    return get(name).update
+
+
+def get_groups(cfg) -> dict:
+    """The process groups ``cfg``'s strategy declares, ``{group: [[ranks of one instance], ...]}``
+    (``{}`` for none): each a partition of the ranks, checked before launch
+    (:func:`moelab.comm.groups.validate_groups`) and created once by the trainer's communicator."""
+    return get(cfg.parallel.strategy).declared_groups(cfg)
+
+
+register_strategy(Strategy(
+    "ep", sim_graph="moelab.sim.graphs:ep_iteration_graph",
+    conformance=({},),
+    doc="expert parallelism: the core layer and dispatchers, the data-parallel update"))

@@ -16,23 +16,23 @@ from __future__ import annotations
 
 import functools
 
-from moelab.strategies import register
+from moelab.strategies import Strategy, register_strategy
 from moelab.strategies.fastermoe.options import FasterMoEOptionError, FasterMoEOptions
 
 
-def layer_factory(run_cfg):
-    """``run_cfg -> layer class`` taking MoELayer's constructor args, options bound and validated."""
+def layer_factory(run_cfg, opts: FasterMoEOptions):
+    """The layer class of a run: FasterMoELayer with the run's (already checked) options bound."""
     from moelab.strategies.fastermoe.layer import FasterMoELayer
 
-    opts = FasterMoEOptions.from_dict(run_cfg.parallel.strategy_options)
-    moe = run_cfg.model.moe
-    opts.check_against(moe.num_experts, run_cfg.parallel.nproc, moe.top_k, moe.gate, moe.dispatcher,
-                       has_placement=run_cfg.parallel.placement is not None)
     return functools.partial(FasterMoELayer, options=opts)
 
 
-register("fastermoe", layer_factory)
+STRATEGY = register_strategy(Strategy(
+    "fastermoe", options=FasterMoEOptions, layer=layer_factory,
+    sim_graph="moelab.strategies.fastermoe.sim_graph:fastermoe_iteration_graph",
+    conformance=({}, {"shadow_force": [0, 3]}, {"shadow": True, "shadow_net_bw": 1e3}, {"smart": True, "group_size": 1},
+                 {"smart": True, "group_size": 1, "shadow_force": [1]}, {"topo_gate": True}),
+    changes_model=("topo_gate",),
+    doc="FasterMoE: dynamic shadowing, smart schedule, topology-aware gate (FastMoE without options)"))
 
-from moelab.strategies.fastermoe import sim_graph  # noqa: E402,F401  (registers the simulator's graph)
-
-__all__ = ["layer_factory", "FasterMoEOptions", "FasterMoEOptionError"]
+__all__ = ["STRATEGY", "layer_factory", "FasterMoEOptions", "FasterMoEOptionError"]

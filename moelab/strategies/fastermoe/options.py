@@ -20,11 +20,11 @@
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from moelab.config import ConfigError
+from moelab.strategies.options import StrategyOptions
 from moelab.strategies.fastermoe.perf_model import ELEM_BYTES, P_V100_PCIE, W_NET_DEFAULT
 from moelab.strategies.fastermoe.topo_gate import DEFAULT_FRACTION
 
@@ -34,17 +34,20 @@ class FasterMoEOptionError(ConfigError):
 
 
 @dataclass(frozen=True)
-class FasterMoEOptions:
+class FasterMoEOptions(StrategyOptions):
+    strategy = "fastermoe"
+    error = FasterMoEOptionError
+
     shadow: bool = False
-    shadow_force: Optional[Tuple[int, ...]] = None
+    shadow_force: Optional[Tuple[int, ...]] = field(default=None, metadata={"type": tuple})
     shadow_net_bw: float = W_NET_DEFAULT
     shadow_gpu_flops: float = P_V100_PCIE
     shadow_elem_bytes: int = ELEM_BYTES
     shadow_comm_factor: int = 2
-    shadow_max: Optional[int] = None
+    shadow_max: Optional[int] = field(default=None, metadata={"type": int})
     shadow_exact: bool = True
-    shadow_d_model: Optional[int] = None
-    shadow_d_ff: Optional[int] = None
+    shadow_d_model: Optional[int] = field(default=None, metadata={"type": int})
+    shadow_d_ff: Optional[int] = field(default=None, metadata={"type": int})
     smart: bool = False
     group_size: int = 4
     smart_threaded: bool = True
@@ -56,27 +59,7 @@ class FasterMoEOptions:
     def shadowing(self) -> bool:
         return self.shadow or self.shadow_force is not None
 
-    @classmethod
-    def from_dict(cls, d: Optional[dict]) -> "FasterMoEOptions":
-        d = dict(d or {})
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - set(fields))
-        if unknown:
-            raise FasterMoEOptionError(f"unknown fastermoe option(s) {unknown}; known: {sorted(fields)}")
-        errs, kw = [], {}
-        for name, v in d.items():
-            default = fields[name].default
-            try:
-                kw[name] = _coerce(name, v, default)
-            except (TypeError, ValueError) as e:
-                errs.append(str(e))
-        if errs:
-            raise FasterMoEOptionError("invalid fastermoe option(s):\n  - " + "\n  - ".join(errs))
-        opts = cls(**kw)
-        opts._check_values()
-        return opts
-
-    def _check_values(self) -> None:
+    def value_errors(self) -> list:
         errs = []
         for name in ("shadow_net_bw", "shadow_gpu_flops"):
             if not getattr(self, name) > 0:
@@ -97,12 +80,20 @@ class FasterMoEOptions:
             errs.append(f"topo_fraction must be >= 0, got {self.topo_fraction}")
         if self.shadow_force is not None and len(set(self.shadow_force)) != len(self.shadow_force):
             errs.append(f"shadow_force lists an expert twice: {list(self.shadow_force)}")
-        if errs:
-            raise FasterMoEOptionError("invalid fastermoe option(s):\n  - " + "\n  - ".join(errs))
+        return errs
+
+    def run_errors(self, run_cfg) -> list:
+        moe = run_cfg.model.moe
+        return self.shape_errors(moe.num_experts, run_cfg.parallel.nproc, moe.top_k, moe.gate, moe.dispatcher,
+                                 has_placement=run_cfg.parallel.placement is not None)
 
     def check_against(self, num_experts: int, world_size: int, top_k: int, gate: str, dispatcher: str,
                       has_placement: bool = False) -> None:
-        """Errors that need the run's shape (raised before any collective)."""
+        """Raise for options that do not fit the layer's shape (before any collective)."""
+        self.raise_if(self.shape_errors(num_experts, world_size, top_k, gate, dispatcher, has_placement))
+
+    def shape_errors(self, num_experts: int, world_size: int, top_k: int, gate: str, dispatcher: str,
+                     has_placement: bool = False) -> list:
         errs = []
         if has_placement:
             errs.append("fastermoe runs on plain expert parallelism: leave parallel.placement unset "
@@ -119,37 +110,4 @@ class FasterMoEOptions:
                 errs.append(f"smart schedule needs N % group_size == 0: {world_size} ranks, group_size={gs}")
         if self.topo_gate and (top_k != 2 or gate != "topk"):
             errs.append("topo_gate is a top-2 gate: set model.moe.gate='topk' and model.moe.top_k=2")
-        if errs:
-            raise FasterMoEOptionError("invalid fastermoe option(s):\n  - " + "\n  - ".join(errs))
-
-
-def _coerce(name, v, default):
-    if name == "shadow_force":
-        if v is None:
-            return None
-        if isinstance(v, (int,)) and not isinstance(v, bool):
-            v = [v]
-        if not isinstance(v, (list, tuple)) or not all(isinstance(e, int) and not isinstance(e, bool) for e in v):
-            raise TypeError(f"shadow_force must be a list of expert ids or null, got {v!r}")
-        return tuple(sorted(int(e) for e in v))
-    if isinstance(default, bool):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be true or false, got {v!r}")
-        return v
-    if default is None or isinstance(default, int):  # int options (None-able)
-        if v is None and default is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-            raise TypeError(f"{name} must be an integer, got {v!r}")
-        f = float(v)
-        if f != int(f):
-            raise ValueError(f"{name} must be an integer, got {v!r}")
-        return int(f)
-    if isinstance(default, float):
-        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-            raise TypeError(f"{name} must be a number, got {v!r}")
-        try:
-            return float(v)
-        except ValueError:
-            raise ValueError(f"{name} must be a number, got {v!r}") from None
-    return v
+        return errs

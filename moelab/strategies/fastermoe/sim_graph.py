@@ -1,6 +1,5 @@
 """The simulator's op graph of one FasterMoE training iteration (``moelab.sim`` executor of the same
-plan the runtime runs): registered as ``register_graph("fastermoe", ...)`` when this package is
-imported.
+plan the runtime runs): the ``sim_graph`` of the ``fastermoe`` :class:`~moelab.strategies.Strategy`.
 
 The model skeleton is :func:`moelab.sim.graphs.transformer_iteration_graph` (attention, gate,
 count exchange, MoE, head, backward, one dense all-reduce), shared with the EP graph; the MoE
@@ -31,7 +30,7 @@ import numpy as np
 from moelab.placement import Placement
 from moelab.sim import costs
 from moelab.sim.engine import OpGraph
-from moelab.sim.graphs import (expert_param_count, register_graph, route_matrix, topology_of,
+from moelab.sim.graphs import (expert_param_count, route_matrix, topology_of,
                                transformer_iteration_graph)
 from moelab.strategies.fastermoe.options import FasterMoEOptions
 from moelab.strategies.fastermoe.schedule import check_group_size, send_peers
@@ -150,4 +149,3 @@ def fastermoe_iteration_graph(cfg, profile, loads, placement: Optional[Placement
     return g
 
 
-register_graph("fastermoe", fastermoe_iteration_graph)

@@ -15,27 +15,22 @@ from __future__ import annotations
 
 import functools
 
-from moelab.strategies import register, register_update
+from moelab.strategies import Strategy, register_strategy
 from moelab.strategies.zero.options import ZeroOptionError, ZeroOptions
 from moelab.strategies.zero.update import ZeroUpdate
 
 
-def _options(run_cfg) -> ZeroOptions:
-    opts = ZeroOptions.from_dict(run_cfg.parallel.strategy_options)
-    opts.check_against(run_cfg.model.moe.dispatcher, has_placement=run_cfg.parallel.placement is not None)
-    return opts
-
-
-def layer_factory(run_cfg):
-    """``run_cfg -> layer class`` taking MoELayer's constructor args, options bound and validated."""
+def layer_factory(run_cfg, opts: ZeroOptions):
+    """The layer class of a run: ZeroMoELayer with the run's (already checked) options bound."""
     from moelab.strategies.zero.layer import ZeroMoELayer
 
-    return functools.partial(ZeroMoELayer, options=_options(run_cfg))
+    return functools.partial(ZeroMoELayer, options=opts)
 
 
-register("zero", layer_factory)
-register_update("zero", ZeroUpdate)  # the Trainer calls ZeroUpdate(model, comm, cfg): options from cfg
+STRATEGY = register_strategy(Strategy(
+    "zero", options=ZeroOptions, layer=layer_factory, update=ZeroUpdate,  # ZeroUpdate(model, comm, cfg)
+    sim_graph="moelab.strategies.zero.sim_graph:zero_iteration_graph",
+    conformance=({"stage": 1}, {"stage": 2}, {"stage": 3}, {"stage": 3, "regather_backward": False}),
+    doc="ZeRO-1/2/3 data parallelism of the whole MoE model (FasterMoE's baseline)"))
 
-from moelab.strategies.zero import sim_graph  # noqa: E402,F401  (registers the simulator's graph)
-
-__all__ = ["layer_factory", "ZeroOptions", "ZeroOptionError", "ZeroUpdate"]
+__all__ = ["STRATEGY", "layer_factory", "ZeroOptions", "ZeroOptionError", "ZeroUpdate"]

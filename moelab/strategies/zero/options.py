@@ -9,10 +9,10 @@
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moelab.config import ConfigError
+from moelab.strategies.options import StrategyOptions
 
 STAGES = (0, 1, 2, 3)
 GRAD_COLLECTIVES = ("reduce_scatter", "all_reduce")
@@ -23,10 +23,14 @@ class ZeroOptionError(ConfigError):
 
 
 @dataclass(frozen=True)
-class ZeroOptions:
-    stage: int = 3
+class ZeroOptions(StrategyOptions):
+    strategy = "zero"
+    error = ZeroOptionError
+
+    stage: int = field(default=3, metadata={"choices": STAGES, "why": "1: optimizer state, 2: + gradients, "
+                                                                   "3: + parameters; 0: plain data parallel"})
     regather_backward: bool = True
-    grad_collective: str = "reduce_scatter"
+    grad_collective: str = field(default="reduce_scatter", metadata={"choices": GRAD_COLLECTIVES})
     global_loads: bool = True
 
     @property
@@ -38,41 +42,21 @@ class ZeroOptions:
             return self.grad_collective
         return "reduce_scatter"
 
-    @classmethod
-    def from_dict(cls, d) -> "ZeroOptions":
-        d = dict(d or {})
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - set(fields))
-        if unknown:
-            raise ZeroOptionError(f"unknown zero option(s) {unknown}; known: {sorted(fields)}")
-        errs, kw = [], {}
-        for name, v in d.items():
-            default = fields[name].default
-            if isinstance(default, bool):
-                if not isinstance(v, bool):
-                    errs.append(f"{name} must be true or false, got {v!r}")
-                    continue
-            elif name == "stage":
-                if isinstance(v, bool) or not isinstance(v, (int, str)) or str(v).strip() not in {str(s) for s in STAGES}:
-                    errs.append(f"stage must be one of {list(STAGES)} (1: optimizer state, 2: + gradients, "
-                                f"3: + parameters; 0: plain data parallel), got {v!r}")
-                    continue
-                v = int(v)
-            elif name == "grad_collective":
-                if v not in GRAD_COLLECTIVES:
-                    errs.append(f"grad_collective must be one of {list(GRAD_COLLECTIVES)}, got {v!r}")
-                    continue
-            kw[name] = v
-        if errs:
-            raise ZeroOptionError("invalid zero option(s):\n  - " + "\n  - ".join(errs))
-        opts = cls(**kw)
-        if opts.grad_collective != "reduce_scatter" and opts.stage != 1:
-            raise ZeroOptionError(f"grad_collective applies to stage 1 only (stage {opts.stage} always "
-                                  f"{opts.grad_op.replace('_', '-')}s the gradients)")
-        return opts
+    def value_errors(self) -> list:
+        if self.grad_collective != "reduce_scatter" and self.stage != 1:
+            return [f"grad_collective applies to stage 1 only (stage {self.stage} always "
+                    f"{self.grad_op.replace('_', '-')}s the gradients)"]
+        return []
+
+    def run_errors(self, run_cfg) -> list:
+        return self.shape_errors(run_cfg.model.moe.dispatcher, has_placement=run_cfg.parallel.placement is not None)
 
     def check_against(self, dispatcher: str, has_placement: bool) -> None:
-        """Errors that need the run's shape (raised before any process starts)."""
+        """Raise for options that do not fit the run (before any process starts)."""
+        self.raise_if(self.shape_errors(dispatcher, has_placement))
+
+    @staticmethod
+    def shape_errors(dispatcher: str, has_placement: bool) -> list:
         errs = []
         if has_placement:
             errs.append("zero replicates every expert on every rank (data parallelism of the whole model): "
@@ -80,5 +64,4 @@ class ZeroOptions:
         if dispatcher != "sparse":
             errs.append("zero runs every expert locally on the rank's own tokens (no dispatch, no padding): "
                         "set model.moe.dispatcher='sparse' (the default)")
-        if errs:
-            raise ZeroOptionError("invalid zero option(s):\n  - " + "\n  - ".join(errs))
+        return errs

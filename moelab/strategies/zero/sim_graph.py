@@ -1,6 +1,6 @@
 """The simulator's op graph of one ZeRO training iteration (``moelab.sim`` executor of the plan
 :class:`~moelab.strategies.zero.update.ZeroUpdate` and :class:`~moelab.strategies.zero.layer.ZeroMoELayer`
-run): registered as ``register_graph("zero", ...)`` when this package is imported.
+run): the ``sim_graph`` of the ``zero`` :class:`~moelab.strategies.Strategy`.
 
 Compute: the EP skeleton of :func:`moelab.sim.graphs.ep_iteration_graph` (attention, gate, MoE or
 dense FFN, tied head; backward 2x) except that an MoE layer has no count exchange and no
@@ -37,7 +37,7 @@ import numpy as np
 from moelab.placement import Placement
 from moelab.sim import costs
 from moelab.sim.engine import OpGraph
-from moelab.sim.graphs import (dense_param_count, elem_bytes_of, expert_param_count, moe_layer_ids, register_graph,
+from moelab.sim.graphs import (dense_param_count, elem_bytes_of, expert_param_count, moe_layer_ids,
                                topology_of)
 from moelab.strategies.zero.options import ZeroOptions
 from moelab.strategies.zero.update import padded_numel
@@ -142,4 +142,3 @@ def zero_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     return g
 
 
-register_graph("zero", zero_iteration_graph)
