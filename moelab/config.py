@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-GATES = ("topk", "gshard", "switch", "base")
+GATES = ("topk", "gshard", "switch", "base")  # built in; strategies may register more (moelab.moe.gates)
 GRAD_SYNCS = ("after_backward", "ddp_overlap")
 DISPATCHERS = ("sparse", "dense")
 ARCHS = ("gpt", "bert")
@@ -159,10 +159,6 @@ class RunConfig:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
         if m.arch not in ARCHS:
             errs.append(f"model.arch must be one of {ARCHS}, got {m.arch!r}")
-        if moe.gate not in GATES:
-            errs.append(f"model.moe.gate must be one of {GATES}, got {moe.gate!r}")
-        if moe.dispatcher not in DISPATCHERS:
-            errs.append(f"model.moe.dispatcher must be one of {DISPATCHERS}, got {moe.dispatcher!r}")
         from moelab.strategies import known_strategies
 
         if p.strategy not in known_strategies():
@@ -174,6 +170,11 @@ class RunConfig:
                 get(p.strategy).bind(self)
             except Exception as e:  # noqa: BLE001 - any complaint becomes a clear config error
                 errs.append(f"parallel.strategy_options for {p.strategy!r}: {e}")
+        gates, dispatchers = registered_gates(), registered_dispatchers()  # after the strategy registered its own
+        if moe.gate not in gates:
+            errs.append(f"model.moe.gate must be one of {gates}, got {moe.gate!r}")
+        if moe.dispatcher not in dispatchers:
+            errs.append(f"model.moe.dispatcher must be one of {dispatchers}, got {moe.dispatcher!r}")
         if p.placement is None and moe.num_experts % p.nproc != 0:
             errs.append(
                 f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.nproc={p.nproc}: "
@@ -289,6 +290,19 @@ class RunConfig:
                 extra = " (or null for dropless)" if name == "model.moe.capacity_factor" else ""
                 errs.append(f"{name} must be {'>=' if closed else '>'} {lo}{extra}, got {v!r}")
         return errs
+
+
+def registered_gates() -> tuple:
+    """Gate names the layer can resolve: the built-in ones and any a strategy registered."""
+    from moelab.moe.gates import GATES as rules
+
+    return tuple(sorted(set(GATES) | set(rules)))
+
+
+def registered_dispatchers() -> tuple:
+    from moelab.moe.dispatch import DISPATCHERS as classes
+
+    return tuple(sorted(set(DISPATCHERS) | set(classes)))
 
 
 def _from_dict(cls, d: dict):
