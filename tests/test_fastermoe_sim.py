@@ -82,9 +82,7 @@ def test_simulated_bytes_equal_measured_bytes(real_runs):
     cols = [f"bytes_{c}" for c in LINK_CLASSES]
     for name, real in real_runs.items():
         sim = simulate_real(real.cfg, real.loads, prof)
-        rc = real.comm.copy()
-        rc["op"] = rc["op"].replace({"p2p": "all_to_all"})  # smart steps: same bytes, another op name
-        rb = rc.groupby(["iter", "rank", "op"])[cols].sum()
+        rb = real.comm.groupby(["iter", "rank", "op"])[cols].sum()  # smart steps are p2p on both sides
         sb = sim.bytes.groupby(["iter", "rank", "op"])[cols].sum()
         both = rb.add_suffix("_real").join(sb.add_suffix("_sim"), how="outer").fillna(0)
         for c in cols:

@@ -97,12 +97,22 @@ def _chain(op: str) -> Collective:
 
 
 def _p2p(op: str, sends: bool, receives: bool) -> Collective:
-    """``group = (src, dst)`` for the demand; ``peer`` is the other side for the byte rule."""
-    return Collective(op, lambda group, me, nbytes=0, peer=None, **_: {peer: int(nbytes)} if sends else {},
-                      lambda group, me, nbytes=0, peer=None, **_: {peer: int(nbytes)} if receives else {},
-                      "direct",
-                      lambda group, topo, profile, nbytes=0, **_: [_costs().p2p_demand(group[0], group[1], topo, profile, nbytes)]
-                      if sends else [])
+    """``group = (src, dst)`` for the demand; ``peer`` is the other side for the byte rule. ``p2p`` is
+    also a batch of exchanges over a group (``splits``: bytes per member, as the simulator records a
+    step of FasterMoE's smart schedule, which the runtime runs as one ``Communicator.exchange``)."""
+    def rule(active):
+        def per_peer(group, me, nbytes=0, peer=None, splits=None, **_):
+            if not active:
+                return {}
+            return _per_member(group, splits) if splits is not None else {peer: int(nbytes)}
+        return per_peer
+
+    def demands(group, topo, profile, nbytes=0, splits=None, **_):
+        if splits is not None:
+            return _costs().alltoall_demands(splits, group, topo, profile, False)
+        return [_costs().p2p_demand(group[0], group[1], topo, profile, nbytes)] if sends else []
+
+    return Collective(op, rule(sends), rule(receives), "direct", demands)
 
 
 register_collective(Collective(

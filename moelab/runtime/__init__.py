@@ -14,5 +14,5 @@
 How a strategy plugs in an update: subclass :class:`~.update.Update` (or
 :class:`~.update.DataParallelUpdate`), override the hooks it needs and ``param_tensors`` /
 ``grad_tensors`` for buffers it owns (so memory is measured), and register it with
-``moelab.strategies.register_update(name, cls)``; the Trainer calls the hooks, nothing else changes.
+its ``moelab.strategies.Strategy`` (``update=cls``); the Trainer calls the hooks, nothing else changes.
 """

@@ -24,7 +24,7 @@ Updates here:
   last parameter, *during* backward, buckets launched in index order on every rank.
 
 Strategies that change *how parameters and their optimizer state live* (ZeRO-1/2/3, FSSDP, Lina)
-provide another ``Update`` through the strategy registry (``register_update``).
+provide another ``Update`` in their :class:`~moelab.strategies.Strategy` (``update=``).
 
 Memory (:mod:`moelab.runtime.memory`): an update reports what it holds by category from real
 storages (``param_tensors``, ``grad_tensors``, ``optimizer_tensors``); ``self.memory`` samples them

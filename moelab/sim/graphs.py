@@ -135,13 +135,14 @@ class IterationContext:
     def compute_time(self, flops: float) -> float:
         return costs.compute_time(flops, self.profile)
 
-    def a2a(self, name, tokens, deps, layer, phase, category="a2a"):
-        """An all-to-all moving ``tokens[src, dst]`` rows of d_model elements."""
+    def a2a(self, name, tokens, deps, layer, phase, category="a2a", op="all_to_all"):
+        """An all-to-all moving ``tokens[src, dst]`` rows of d_model elements (recorded as ``op``:
+        ``"p2p"`` for a batch of point-to-point exchanges with the same per-peer bytes)."""
         mat = np.asarray(tokens) * self.cfg.model.d_model * self.eb
         return self.g.transfer(name, self.ranks, costs.alltoall_demands(mat, self.ranks, self.topo, self.profile,
                                                                        self.hierarchical_a2a),
                                deps=deps, category=category, layer=layer, phase=phase,
-                               comm={"op": "all_to_all", "group": self.ranks, "splits": mat})
+                               comm={"op": op, "group": self.ranks, "splits": mat})
 
     def experts(self, r, name, tokens, deps, layer, phase):
         """Expert FFN compute of ``tokens`` rows on rank r (backward: 2x, frees the activations)."""

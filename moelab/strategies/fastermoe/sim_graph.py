@@ -16,10 +16,8 @@ layers (its hooks) follow
   order ``S_0..S_{G-1}, bcast|reduce(S), R_0..R_{G-1}`` as on the runtime's comm thread.
 
 Bytes: every transfer carries the record the runtime's communicator writes, so
-:func:`moelab.sim.graphs.graph_bytes` equals the measured bytes - except that the smart schedule's
-steps are recorded by the runtime as op ``p2p`` (``Communicator.exchange``) and here as
-``all_to_all`` with the step's splits (``moelab.comm.bytes`` has no ``p2p`` op): same bytes per
-peer and link class, another op name.
+:func:`moelab.sim.graphs.graph_bytes` equals the measured bytes, op by op (the smart schedule's
+steps are ``p2p`` batches with the step's per-peer splits, as ``Communicator.exchange`` records them).
 """
 from __future__ import annotations
 
@@ -104,13 +102,13 @@ def fastermoe_iteration_graph(cfg, profile, loads, placement: Optional[Placement
                 prev = [ctx.experts(r, f"L{i}.shadow{e}.fwd", loads[j][r, e], (bc,), i, "fwd") for r in ranks]
             return prev
         mats = [step_matrix(route, st) for st in range(G)]
-        s_ops = [ctx.a2a(f"L{i}.S{st}", mats[st], deps if st == 0 else (), i, "fwd") for st in range(G)]
+        s_ops = [ctx.a2a(f"L{i}.S{st}", mats[st], deps if st == 0 else (), i, "fwd", op="p2p") for st in range(G)]
         bcs = [bcast(ctx, f"L{i}.shadow{e}.bcast", e, (), i, "broadcast") for e in S]
         ends = []
         for st in range(G):
             rc = mats[st].sum(0)
             cs = [ctx.experts(r, f"L{i}.C{st}.fwd", rc[r], (s_ops[st],), i, "fwd") for r in ranks]
-            ends.append(ctx.a2a(f"L{i}.R{st}", mats[st].T, cs, i, "fwd"))
+            ends.append(ctx.a2a(f"L{i}.R{st}", mats[st].T, cs, i, "fwd", op="p2p"))
         tails = [ctx.experts(r, f"L{i}.shadow.fwd", local_sh[j][r], (bcs[-1],), i, "fwd") if S else None
                  for r in ranks]
         return [g.add(f"L{i}.moe.done", r, category="other", kind="compute",
@@ -128,7 +126,7 @@ def fastermoe_iteration_graph(cfg, profile, loads, placement: Optional[Placement
             exps = [ctx.experts(r, f"L{i}.experts.bwd", recv[r], (comb_b,), i, "bwd") for r in ranks]
             return [ctx.a2a(f"L{i}.dispatch.bwd", route.T, exps, i, "bwd")] * N
         mats = [step_matrix(route, st) for st in range(G)]
-        s_ops = [ctx.a2a(f"L{i}.S{st}.bwd", mats[st], deps if st == 0 else (), i, "bwd") for st in range(G)]
+        s_ops = [ctx.a2a(f"L{i}.S{st}.bwd", mats[st], deps if st == 0 else (), i, "bwd", op="p2p") for st in range(G)]
         reds, prev = [], list(deps)
         for e in S:  # compute thread: private backward of e; comm thread: its reduce (after the S steps)
             cb = [ctx.experts(r, f"L{i}.shadow{e}.bwd", loads[j][r, e], (prev[r],), i, "bwd") for r in ranks]
@@ -138,7 +136,7 @@ def fastermoe_iteration_graph(cfg, profile, loads, placement: Optional[Placement
         for st in range(G):
             rc = mats[st].sum(0)
             cs = [ctx.experts(r, f"L{i}.C{st}.bwd", rc[r], (s_ops[st],), i, "bwd") for r in ranks]
-            ends.append(ctx.a2a(f"L{i}.R{st}.bwd", mats[st].T, cs, i, "bwd"))
+            ends.append(ctx.a2a(f"L{i}.R{st}.bwd", mats[st].T, cs, i, "bwd", op="p2p"))
         return [g.add(f"L{i}.moe.bwd.done", r, category="other", kind="compute",
                       deps=tuple([ends[-1]] + ([reds[-1]] if reds else []))) for r in ranks]
 
