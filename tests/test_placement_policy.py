@@ -160,3 +160,58 @@ def test_per_iteration_placement_matches_reference(world):
 
 def _run_all(rank, world, cases):
     return [_policy_run(rank, world, c) for c in cases]
+
+
+# ---- FasterMoE's dynamic shadowing is one instance ----------------------------------------------------
+def test_fastermoe_issues_no_collective_or_owner_arithmetic_of_its_own():
+    """The shadow broadcasts/reduces are the materializer's (plain path: the core's stage; smart
+    path: its fetch/give_back as comm-stream tasks); owners come from the placement only."""
+    import ast
+    import inspect
+
+    import moelab.strategies.fastermoe.layer as fl
+    import moelab.strategies.fastermoe.smart_schedule as ss
+
+    for mod in (fl, ss):
+        tree = ast.parse(inspect.getsource(mod))
+        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not attrs & {"broadcast_", "reduce_", "owner", "owners", "slot_of"}, mod.__name__
+    assert {"fetch", "give_back"} <= {n.attr for n in ast.walk(ast.parse(inspect.getsource(ss)))
+                                      if isinstance(n, ast.Attribute)}
+
+
+def _fastermoe_run(rank, world, smart):
+    from moelab.strategies.fastermoe.layer import FasterMoELayer
+
+    torch.set_num_threads(1)
+    xs, gys = rank_inputs([12, 9, 0, 10][:world], D, 3, shift=1.0)
+    comm = Communicator(Topology(world, world))
+    opts = dict(shadow_force=[1, 3], smart=smart, group_size=1)
+    layer = FasterMoELayer(D, F, moe_cfg(), layer_id=2, seed=5, comm=comm, dtype=torch.float64, options=opts)
+    x = xs[rank].clone().requires_grad_()
+    y = layer(x)
+    ((y * gys[rank]).sum() + layer.aux_loss).backward()
+    sync_dense_grads(list(layer.gate.parameters()), comm)
+    ex = layer.experts
+    grad = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
+    eg = {e: [grad(p)[s].clone() for p in (ex.w1, ex.b1, ex.w2, ex.b2)] for s, e in enumerate(ex.experts)}
+    ops = [(r.op, r.tags.get("phase")) for r in comm.rec.comm]
+    return dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad, eg=eg, record=layer.plan_record(), ops=ops)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fastermoe_shadowing_is_replication_plus_materialization(world):
+    res = run_ranks(_fastermoe_run, world, False, timeout=120) + run_ranks(_fastermoe_run, world, True, timeout=120)
+    xs, gys = rank_inputs([12, 9, 0, 10][:world], D, 3, shift=1.0)
+    ref = reference_grads(ReferenceMoE(D, F, moe_cfg(), layer_id=2, seed=5), xs, gys)
+    static = Placement.expert_parallel(4, world)
+    for half in (res[:world], res[world:]):
+        assert_matches_reference(half, ref, **TOL)
+        for r in half:
+            rec = r["record"]
+            assert rec["shadowed"] == rec["materialized"] == [1, 3]
+            assert rec["placement"]["holders"] == {
+                str(e): [static.owner(e)] + ([q for q in range(world) if q != static.owner(e)] if e in (1, 3) else [])
+                for e in range(4)}
+            assert [op for op, _ in r["ops"]].count("broadcast") == 2
+            assert [ph for op, ph in r["ops"] if op == "reduce"] == ["bwd", "bwd"]
