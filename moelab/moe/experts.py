@@ -121,7 +121,7 @@ class Experts(nn.Module):
         slots), each held here or in ``materialized`` (``{e: [w1, b1, w2, b2]}`` for this call)."""
         outs, start = [], 0
         w1, b1, w2, b2 = self._unbound()
-        held = {e: s for s, e in enumerate(self.experts)}
+        held = {e: s for s, e in enumerate(self.experts)} if experts is not None else None
         if experts is not None and len(experts) != len(rows_per_slot):
             raise ValueError(f"{len(rows_per_slot)} row counts for {len(experts)} experts")
         for i, n in enumerate(rows_per_slot):

@@ -87,6 +87,7 @@ class MoELayer(nn.Module):
             counts = self.exchange_counts(routing)
             placement, shadowed = self.place(counts.counts)
             plan = self.plan(routing, counts, placement, shadowed)
+            self.last_materialized = ()  # set by the materialization, if this call has one
             try:
                 y = self.dispatch_compute_combine(x, plan, routing)
             finally:

@@ -6,8 +6,9 @@ It overrides only the stages it changes: the count exchange (local counts) and t
 (identities). Route, place, plan and expert compute are the core's: the placement
 (:func:`full_replication`: every rank holds every expert, so by the placement's rule "a holder
 keeps its own tokens") makes the core's plan keep every row on its rank, so ``last_plan`` and
-:meth:`~moelab.moe.layer.MoELayer.plan_record` describe ZeRO's calls like any layer's. The arithmetic per expert block is the core's
-(:class:`~moelab.moe.experts.Experts`), so outputs equal the EP layer's row for row.
+:meth:`~moelab.moe.layer.MoELayer.plan_record` describe ZeRO's calls like any layer's. The
+arithmetic per expert block is the core's (:class:`~moelab.moe.experts.Experts`), so outputs equal
+the EP layer's row for row.
 
 The only collective here is optional and *not training traffic*: with ``global_loads`` the
 per-expert counts are all-gathered with the recorder disabled (as the Trainer's loss all-reduce),
