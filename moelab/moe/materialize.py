@@ -11,9 +11,11 @@ joins with zeros) and returned as the gradient of the owner's stacked parameters
 calls: the buffers live in the call's autograd graph only (parameters change every step).
 
 The transport is one ``fetch`` / ``give_back`` pair per expert, the unit a schedule can issue on
-its own stream (FasterMoE's smart schedule does); a broadcast to the whole group is the simple
-transport (ranks that do not compute the expert receive and drop it), Hecate's sparse all-gather
-to the computing ranks only is the one to add next.
+its own stream (FasterMoE's smart schedule does), and ``fetch_all`` / ``give_back_all`` for the
+whole call, which the autograd path uses. A broadcast to the whole group is the simple transport
+(ranks that do not compute the expert receive and drop it); Hecate's sparse all-gather /
+reduce-scatter (one all-to-all to the computing ranks only) is a subclass overriding the two
+``_all`` methods.
 
 Ordering: :meth:`Materializer.apply` is one autograd Function that passes the layer input ``x``
 through. Every consumer of the call's rows (dispatch, locally computed rows) reads that ``x``, so
@@ -93,6 +95,15 @@ class Materializer:
             if g is not None:
                 acc[j][self.plan.slots[i]] += g
 
+    def fetch_all(self, params: Sequence[Optional[torch.Tensor]]) -> list:
+        """Every materialized expert's flat buffer, in ``plan.experts`` order."""
+        return [self.fetch(params, i) for i in range(len(self.plan.experts))]
+
+    def give_back_all(self, flat_grads: Sequence[torch.Tensor], acc: list) -> None:
+        """Every materialized expert's flat gradient back to its owner, in ``plan.experts`` order."""
+        for i, g in enumerate(flat_grads):
+            self.give_back(i, g, acc)
+
     def owner_gets_grads(self) -> bool:
         """Whether ``give_back`` hands this rank a gradient (it owns an expert with rows somewhere);
         otherwise the stacked parameters get no gradient from materialization (None, as plain EP)."""
@@ -116,7 +127,7 @@ class _MaterializeFn(torch.autograd.Function):
         ctx.tags = dict(mat.comm.rec.tags)  # the layer's tags, for the backward's records
         ctx.save_for_backward(*[p for p in params if p is not None])
         ctx.has = [p is not None for p in params]
-        return (x, *[mat.fetch(params, i) for i in range(len(mat.plan.experts))])
+        return (x, *mat.fetch_all(params))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -124,12 +135,12 @@ class _MaterializeFn(torch.autograd.Function):
         mat, saved = ctx.mat, iter(ctx.saved_tensors)
         params = [next(saved) if h else None for h in ctx.has]
         acc = [None if p is None else torch.zeros_like(p) for p in params]
+        real = [p for p in params if p is not None]
+        n = sum(p[0].numel() for p in real)  # a rank that computed nothing for an expert joins with zeros
+        flats = [torch.zeros(n, dtype=real[0].dtype, device=real[0].device) if g is None else g.contiguous().clone()
+                 for g in g_bufs]
         with mat.comm.rec.tagged(**{**ctx.tags, "phase": "bwd"}):
-            for i, g in enumerate(g_bufs):
-                real = [p for p in params if p is not None]
-                flat = torch.zeros(sum(p[0].numel() for p in real), dtype=real[0].dtype, device=real[0].device) \
-                    if g is None else g.contiguous().clone()
-                mat.give_back(i, flat, acc)
+            mat.give_back_all(flats, acc)
         ctx.mat = None
         grads = acc if mat.owner_gets_grads() else [None] * len(acc)
         return (g_x, None, *grads)
