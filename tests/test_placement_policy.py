@@ -215,3 +215,37 @@ def test_fastermoe_shadowing_is_replication_plus_materialization(world):
                 for e in range(4)}
             assert [op for op, _ in r["ops"]].count("broadcast") == 2
             assert [ph for op, ph in r["ops"] if op == "reduce"] == ["bwd", "bwd"]
+
+
+# ---- several Adam steps: the materialized copies are the owner's current parameters every call -------
+def _adam_steps(rank, world, policy):
+    torch.set_num_threads(1)
+    comm = Communicator(Topology(world, world))
+    layer = (PolicyLayer if policy else MoELayer)(D, F, moe_cfg(), layer_id=2, seed=5, comm=comm, dtype=torch.float64)
+    if policy:
+        layer.policy = ReplicateHottest(2)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.05)
+    ys, materialized = [], []
+    for step in range(3):
+        xs, gys = rank_inputs([9, 6, 11, 7][:world], D, 10 + step, shift=0.5)
+        opt.zero_grad()
+        y = layer(xs[rank])
+        ((y * gys[rank]).sum() + layer.aux_loss).backward()
+        sync_dense_grads(list(layer.gate.parameters()), comm)
+        opt.step()
+        ys.append(y.detach())
+        materialized.append(layer.last_materialized)
+    return dict(ys=ys, params=[p.detach().clone() for p in layer.experts.stacked()], materialized=materialized)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_adam_steps_with_materialized_experts_equal_plain_ep(world):
+    plain = run_ranks(_adam_steps, world, False, timeout=120)
+    moved = run_ranks(_adam_steps, world, True, timeout=120)
+    for p, m in zip(plain, moved):
+        assert all(len(s) >= 1 for s in m["materialized"])  # every step brought experts
+        assert all(s == () for s in p["materialized"])
+        for a, b in zip(p["ys"], m["ys"]):
+            torch.testing.assert_close(b, a, **TOL)
+        for a, b in zip(p["params"], m["params"]):
+            torch.testing.assert_close(b, a, **TOL)
