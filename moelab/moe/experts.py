@@ -1,5 +1,10 @@
 """Expert FFNs stored stacked per rank: one slot per expert this rank holds (owned or replica).
 
+The stack is the rank's parameter store. A call may also compute with *materialized* slots:
+experts this call's placement puts here although the rank does not hold them, as parameter views
+brought by :mod:`moelab.moe.materialize` for that call only. A materialized slot computes exactly
+like an owned one (same FFN code); ``forward(..., experts=, materialized=)`` takes both.
+
 Each expert's weights are initialised from a generator seeded by (seed, layer, global expert id),
 so every holder of an expert - and the single-process reference - starts with identical weights.
 Compute runs per expert on a contiguous block of rows (no Python loop over tokens).
@@ -108,15 +113,28 @@ class Experts(nn.Module):
         p = [q[s] if q is not None else None for q in (self.w1, self.b1, self.w2, self.b2)]
         return self._ffn(self.act, x, *p)
 
-    def forward(self, x: torch.Tensor, rows_per_slot: Sequence[int]) -> torch.Tensor:
-        """``x`` holds slot 0's rows, then slot 1's, ...; returns the outputs in the same layout."""
+    def forward(self, x: torch.Tensor, rows_per_slot: Sequence[int], experts: Optional[Sequence[int]] = None,
+                materialized: Optional[dict] = None) -> torch.Tensor:
+        """``x`` holds slot 0's rows, then slot 1's, ...; returns the outputs in the same layout.
+
+        Slots are the held experts by default; ``experts`` lists other global ids instead (a call's
+        slots), each held here or in ``materialized`` (``{e: [w1, b1, w2, b2]}`` for this call)."""
         outs, start = [], 0
         w1, b1, w2, b2 = self._unbound()
-        for s, n in enumerate(rows_per_slot):
+        held = {e: s for s, e in enumerate(self.experts)} if experts is not None else None
+        if experts is not None and len(experts) != len(rows_per_slot):
+            raise ValueError(f"{len(rows_per_slot)} row counts for {len(experts)} experts")
+        for i, n in enumerate(rows_per_slot):
             n = int(n)
             if n:
-                outs.append(self._ffn(self.act, x[start:start + n], w1[s], b1[s] if b1 is not None else None,
-                                      w2[s], b2[s] if b2 is not None else None))
+                s = i if experts is None else held.get(int(experts[i]))
+                if s is not None:
+                    p = (w1[s], b1[s] if b1 is not None else None, w2[s], b2[s] if b2 is not None else None)
+                elif materialized is not None and int(experts[i]) in materialized:
+                    p = materialized[int(experts[i])]
+                else:
+                    raise ValueError(f"expert {experts[i]} is neither held here {self.experts} nor materialized")
+                outs.append(self._ffn(self.act, x[start:start + n], *p))
             start += n
         if not outs:  # keep the graph connected: every rank must run the same backward collectives
             return x * 1

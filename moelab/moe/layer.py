@@ -1,11 +1,14 @@
 """The MoE layer as stages, each a method a strategy may override (Megatron-Core's staged dispatcher):
 
-    route -> exchange_counts -> place(counts) -> plan
+    route -> exchange_counts -> place(counts) -> plan -> materialize
           -> dispatch_preprocess / token_dispatch (all-to-all) / dispatch_postprocess
           -> compute_experts
           -> combine_preprocess / token_combine (all-to-all) / combine_postprocess
 
-``dispatch_compute_combine`` chains the middle stages, for a strategy that pipelines them as one
+``place`` gives this call's placement (a pure policy, :mod:`moelab.placement.policy`); ``materialize``
+brings the parameters of experts it puts on ranks that do not hold them (and returns their
+gradients in backward, :mod:`moelab.moe.materialize`). ``dispatch_compute_combine`` chains the stages
+from ``materialize`` on, for a strategy that pipelines them as one
 (FasterMoE's smart schedule). Backward mirrors the stages through autograd (the all-to-alls are
 autograd Functions). The gate rule and the dispatcher are looked up by name in registries
 (:func:`moelab.moe.gates.register_gate`, :func:`moelab.moe.dispatch.register_dispatcher`), so a
@@ -27,6 +30,7 @@ from moelab.config import MoEConfig
 from moelab.moe.dispatch import DISPATCHERS, CountExchange, DispatchPlan
 from moelab.moe.experts import Experts, seeded_generator
 from moelab.moe.gates import Gate
+from moelab.moe.materialize import Materialization, Materializer
 from moelab.moe.routing import Routing
 from moelab.placement import Placement
 
@@ -64,6 +68,8 @@ class MoELayer(nn.Module):
         self.last_global_counts = None
         self.last_routing = None
         self.last_plan: Optional[DispatchPlan] = None
+        self.last_materialized: Tuple[int, ...] = ()
+        self._call_materialized: dict = {}  # this call's materialized slots (reset after each forward)
 
     def route_rng(self) -> Optional[torch.Generator]:
         """Random routing draws from (seed, layer, call, rank): reproducible and rank-distinct."""
@@ -81,7 +87,11 @@ class MoELayer(nn.Module):
             counts = self.exchange_counts(routing)
             placement, shadowed = self.place(counts.counts)
             plan = self.plan(routing, counts, placement, shadowed)
-            y = self.dispatch_compute_combine(x, plan, routing)
+            self.last_materialized = ()  # set by the materialization, if this call has one
+            try:
+                y = self.dispatch_compute_combine(x, plan, routing)
+            finally:
+                self._call_materialized = {}  # the call's graph keeps them; nothing survives the call
         self.forward_calls += 1
         self.aux_loss = routing.aux_loss
         self.last_routing = routing
@@ -99,18 +109,38 @@ class MoELayer(nn.Module):
 
     def place(self, counts: torch.Tensor) -> Tuple[Placement, Tuple[int, ...]]:
         """This call's placement and the experts computed where their rows are (shadowed), from the
-        global ``[N, E]`` counts. The default: the static placement, nothing shadowed."""
+        global ``[N, E]`` counts. The default: the static placement, nothing shadowed. A placement
+        may add holders (materialized for the call), not take an expert from a rank holding it."""
         return self.placement, ()
 
     def plan(self, routing: Routing, counts: CountExchange, placement: Placement,
              shadowed: Sequence[int] = ()) -> DispatchPlan:
-        if placement.local_experts(self.comm.rank) != self.experts.experts:
-            raise ValueError(f"this call's placement puts experts {placement.local_experts(self.comm.rank)} on rank "
+        here = placement.local_experts(self.comm.rank)
+        if not set(self.experts.experts) <= set(here):
+            raise ValueError(f"this call's placement puts experts {here} on rank "
                              f"{self.comm.rank}, whose expert slots hold {self.experts.experts}")
         return self.dispatcher.plan_from_counts(counts, routing, placement, shadowed)
 
+    def materialization(self, plan: DispatchPlan) -> Materialization:
+        """The experts this call materializes: those its placement puts outside their static holders."""
+        if plan.placement is None or plan.placement is self.placement:
+            return Materialization((), (), (), ())
+        return Materialization.between(self.placement, plan.placement, plan.global_counts)
+
+    def materialize(self, x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Bring this call's materialized experts (:mod:`moelab.moe.materialize`); returns ``x``
+        passed through the materialization, which every later stage must read (it orders the
+        broadcasts before the dispatch and the gradient reduces after its backward)."""
+        mat = self.materialization(plan)
+        self.last_materialized = mat.experts
+        if not mat.experts:
+            return x
+        x, self._call_materialized = Materializer(self.comm, self.experts, mat).apply(x, self.experts.stacked())
+        return x
+
     # ---- dispatch, experts, combine -------------------------------------------------------------
     def dispatch_compute_combine(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
+        x = self.materialize(x, plan)
         xe = self.dispatch_postprocess(self.token_dispatch(self.dispatch_preprocess(x, plan, routing), plan), plan)
         with self.comm.rec.span("experts", "expert"):
             ye = self.compute_experts(xe, plan)
@@ -127,7 +157,10 @@ class MoELayer(nn.Module):
         return self.dispatcher.dispatch_postprocess(recv, plan)
 
     def compute_experts(self, xe: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        return self.experts(xe, plan.rows_per_slot)
+        here = plan.placement.local_experts(self.comm.rank) if plan.placement is not None else self.experts.experts
+        if here == self.experts.experts:
+            return self.experts(xe, plan.rows_per_slot)
+        return self.experts(xe, plan.rows_per_slot, experts=here, materialized=self._call_materialized)
 
     def combine_preprocess(self, ye: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         return self.dispatcher.combine_preprocess(ye, plan)
@@ -143,7 +176,8 @@ class MoELayer(nn.Module):
     # ---- the plan as data -------------------------------------------------------------------------
     def plan_record(self) -> dict:
         """JSON-able description of the latest call's plan (one line of ``plans.jsonl``): layer, call,
-        dispatcher, global counts; the placement when it is not plain EP; the shadow set if any;
+        dispatcher, global counts; the placement when it is not plain EP; the shadow set and the
+        materialized experts if any;
         the capacity when the dispatcher pads to one."""
         plan = self.last_plan
         if plan is None:
@@ -155,6 +189,8 @@ class MoELayer(nn.Module):
             rec["placement"] = pl.to_record()
         if plan.shadowed:
             rec["shadowed"] = list(plan.shadowed)
+        if self.last_materialized:
+            rec["materialized"] = list(self.last_materialized)
         if plan.capacity is not None:
             rec["capacity"] = plan.capacity
         return rec

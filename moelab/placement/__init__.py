@@ -4,8 +4,10 @@ EP is the trivial placement (expert e on rank e // (E/N), no replicas). Shadowin
 produce other placements; one replica-aware dispatcher and one replica gradient sync serve them all.
 Which holder a token goes to is the placement's ``rule`` (:mod:`.rules`; holder order by default,
 Hecate's locality-first rule as a second instance), used by the dispatcher and by the simulator's
-route matrix alike through :meth:`Placement.split`. Everything here is a pure function: every rank
-computes the same answer without talking.
+route matrix alike through :meth:`Placement.split`. Where a call computes each expert may differ
+from where it is held: :mod:`.policy` maps ``(counts, static placement)`` to the call's placement
+(the core materializes the difference, :mod:`moelab.moe.materialize`). Everything here is a pure
+function: every rank computes the same answer without talking.
 """
 from __future__ import annotations
 

@@ -2,160 +2,41 @@
 changes - route (topology-aware gate), place (dynamic shadowing) and dispatch+compute+combine
 (smart schedule) - each switched by an option (:mod:`.options`). Everything else is the core's.
 
-Per forward (spec §2.4 runtime protocol; every collective in the same order on every rank):
+Dynamic shadowing is one instance of placement per iteration (:mod:`moelab.placement.policy`):
 
 1. route (the gate, or the topology gate with the shadow hint); the core's count exchange
    ``C = all_gather(lec)``;
 2. place: ``S = select_shadows(C)`` (pure, same on every rank) or the forced set, sorted by id;
-3. plan: the core's :func:`~moelab.moe.dispatch.plan_from_counts` with ``shadowed=S``: the rows of
-   shadowed experts are not sent (``plan.shadow_pos``);
-4. the other rows go through the sparse path (uneven all-to-all, experts, reverse all-to-all) - or
-   the smart schedule (``dispatch_compute_combine``);
-5. for each ``e in S`` the owner broadcasts the current parameters of e (one flat buffer,
-   ``Communicator.broadcast_``); every rank runs its own rows for e on a private graph built on
-   the broadcast tensors, writing the outputs straight to their slots (never through the
-   all-to-all).
+   this call's placement is :func:`~moelab.placement.policy.replicate` of ``S`` on every rank, so
+   by the default rule (a holder keeps its own tokens) every row of a shadowed expert is computed
+   where it is;
+3. plan: the core's :func:`~moelab.moe.dispatch.plan_from_counts` with ``shadowed=S``: those rows are
+   kept out of the all-to-all altogether (``plan.shadow_pos``; not even as self-sends), so the
+   recorded bytes per collective are FasterMoE's;
+4. materialize (the core's stage, :mod:`moelab.moe.materialize`): the owner of each ``e in S``
+   broadcasts its parameters; in backward every rank's gradient of them is reduced (SUM) to the
+   owner and added to its gradient (a rank with no token for e joins with zeros);
+5. the other rows go through the sparse path (uneven all-to-all, experts, reverse all-to-all) and
+   the shadowed rows through the same expert code on the call's slots (``combine_postprocess``) -
+   or everything through the smart schedule (``dispatch_compute_combine``), which issues the same
+   materializer's broadcasts and reduces as tasks on its comm stream.
 
-Backward: the private graphs give ``grad_x`` locally and a flat parameter grad per shadowed
-expert, ``reduce``d (SUM) to the owner (``Communicator.reduce_``; a rank with no token for e joins
-with zeros) and returned as the owner's parameter gradient, so autograd *adds* it to whatever the
-owner's grad holds (micro-batch accumulation works). Shadow buffers live in the autograd context
-only: nothing is cached across iterations (the params change every step).
-
-Ordering: the shadow work is one autograd Function that takes the combine all-to-all's output as a
-pass-through input, so in forward it runs after that all-to-all (broadcasts after it) and in
-backward before its backward (reduces first) - by data dependence, not by the engine's scheduling.
+Nothing is cached across iterations: the broadcast buffers live in the call's autograd graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Tuple
 
 import torch
 
 from moelab.moe.dispatch import DispatchPlan
-from moelab.moe.experts import expert_param_shapes, ffn, flatten_slot, unflatten
 from moelab.moe.layer import MoELayer
+from moelab.moe.materialize import Materialization, Materializer
+from moelab.placement.policy import replicate
 from moelab.strategies.fastermoe.options import FasterMoEOptions
 from moelab.strategies.fastermoe.shadow import select_shadows
 from moelab.strategies.fastermoe.smart_schedule import TAG_STRIDE, SmartMoE, SmartPipeline, SmartPlan, comm_stream
 from moelab.strategies.fastermoe.topo_gate import TopoGate
-
-
-@dataclass
-class ShadowPlan:
-    """Who computes what for the shadowed experts, as data (read off the call's dispatch plan)."""
-
-    experts: Tuple[int, ...]  # S, sorted by id
-    owners: Tuple[int, ...]  # owner rank of each
-    slots: Tuple[int, ...]  # the expert's slot on its owner
-    counts: Tuple[int, ...]  # this rank's assignments for each (rows of x_shadow, in this order)
-    totals: Tuple[int, ...]  # global assignments for each
-    pos: torch.Tensor  # flat (token*k + j) slot index of each shadow row, expert-major
-
-    @classmethod
-    def from_plan(cls, plan: DispatchPlan) -> "ShadowPlan":
-        pl, S = plan.placement, plan.shadowed
-        owners = tuple(pl.owner(e) for e in S)
-        totals = plan.global_counts.sum(0)
-        return cls(tuple(S), owners, tuple(pl.slot_of(o, e) for o, e in zip(owners, S)), tuple(plan.shadow_counts),
-                   tuple(int(totals[e]) for e in S), plan.shadow_pos)
-
-
-class ShadowWork:
-    """Broadcast + private compute of the shadowed experts (forward), and the private backward +
-    reduce to the owner (backward). Used by both the plain and the smart path."""
-
-    def __init__(self, layer: "FasterMoELayer", plan: ShadowPlan):
-        self.comm, self.plan = layer.comm, plan
-        self.me = layer.comm.rank
-        self.shapes = expert_param_shapes(layer.experts)
-        self.act = layer.experts.act
-        self.graphs = []
-
-    def broadcast(self, params, e_index: int) -> list:
-        """Collective: the owner's current params of ``S[e_index]`` on every rank, as fresh leaves."""
-        pl = self.plan
-        o, slot = pl.owners[e_index], pl.slots[e_index]
-        real = [p for p in params if p is not None]
-        if self.me == o:
-            buf = flatten_slot(params, slot).clone()
-        else:
-            n = sum(p[0].numel() for p in real)
-            buf = torch.empty(n, dtype=real[0].dtype, device=real[0].device)
-        self.comm.broadcast_(buf, root=o)
-        return [None if t is None else t.detach().requires_grad_() for t in unflatten(buf, self.shapes)]
-
-    def compute(self, x_rows: torch.Tensor, leaves: list) -> torch.Tensor:
-        xe = x_rows.detach().requires_grad_()
-        with torch.enable_grad():
-            ye = ffn(xe, *leaves, act=self.act)
-        self.graphs.append((xe, leaves, ye))
-        return ye.detach()
-
-    def forward(self, xs: torch.Tensor, params) -> torch.Tensor:
-        outs, off = [], 0
-        for i, n in enumerate(self.plan.counts):
-            leaves = self.broadcast(params, i)
-            outs.append(self.compute(xs[off:off + n], leaves))
-            off += n
-        return torch.cat(outs, 0) if outs else xs.new_zeros(0, xs.shape[1])
-
-    def backward_expert(self, i: int, g_rows: torch.Tensor):
-        """Private backward of ``S[i]``: ``(grad_x_rows, flat param grad)`` (reduce not done here)."""
-        xe, leaves, ye = self.graphs[i]
-        real = [t for t in leaves if t is not None]
-        grads = torch.autograd.grad(ye, [xe] + real, g_rows, allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, [xe] + real)]
-        return grads[0], torch.cat([g.reshape(-1) for g in grads[1:]])
-
-    def reduce_to_owner(self, i: int, flat: torch.Tensor, acc: list) -> None:
-        """Collective: SUM the flat grads of ``S[i]`` onto its owner; the owner adds them into ``acc``
-        (full-size grads of its stacked params, created on demand)."""
-        pl = self.plan
-        o = pl.owners[i]
-        self.comm.reduce_(flat, root=o)
-        if self.me != o or pl.totals[i] == 0:  # no token anywhere: EP would leave no grad either
-            return
-        for j, g in enumerate(unflatten(flat, self.shapes)):
-            if g is None:
-                continue
-            acc[j][pl.slots[i]] += g
-
-    def backward(self, g_ys: torch.Tensor, params) -> tuple:
-        acc = [None if p is None else torch.zeros_like(p) for p in params]
-        touched = False
-        gx, off = [], 0
-        for i, n in enumerate(self.plan.counts):
-            g_rows, flat = self.backward_expert(i, g_ys[off:off + n])
-            gx.append(g_rows)
-            off += n
-            self.reduce_to_owner(i, flat, acc)
-            touched |= self.me == self.plan.owners[i] and self.plan.totals[i] > 0
-        self.graphs = []
-        gx = torch.cat(gx, 0) if gx else g_ys.new_zeros(0, g_ys.shape[1])
-        return gx, [a if touched else None for a in acc]
-
-
-class _ShadowFn(torch.autograd.Function):
-    """``(back, ys) = f(back, xs, work, *params)``: ``back`` passes through (it orders the shadow
-    collectives after the combine all-to-all in forward and before its backward)."""
-
-    @staticmethod
-    def forward(ctx, back, xs, work, *params):
-        ctx.work = work
-        ctx.tags = dict(work.comm.rec.tags)  # the layer's tags, for the backward's records
-        ctx.save_for_backward(*[p for p in params])
-        return back, work.forward(xs, params)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_back, g_ys):
-        params = ctx.saved_tensors
-        with ctx.work.comm.rec.tagged(**{**ctx.tags, "phase": "bwd"}):
-            gx, gp = ctx.work.backward(g_ys.contiguous(), params)
-        ctx.work = None
-        return (g_back, gx, None, *gp)
 
 
 class FasterMoELayer(MoELayer):
@@ -216,33 +97,42 @@ class FasterMoELayer(MoELayer):
                               exact=o.shadow_exact)
 
     def place(self, counts: torch.Tensor):
-        return self.placement, self.decide_shadows(counts)
+        """The shadow decision as this call's placement: the shadowed experts on every rank."""
+        S = self.decide_shadows(counts)
+        return replicate(self.placement, S), S
 
-    # ---- the shadowed experts' work, after the combine all-to-all --------------------------------
+    # ---- the shadowed experts' rows, computed where they are ---------------------------------
     def expert_params(self) -> list:
         return self.experts.stacked()
 
     def combine_postprocess(self, back, x, plan: DispatchPlan, routing) -> torch.Tensor:
+        """``x`` has passed through the materialization (the core's stage): the shadowed rows run on
+        this call's slots (owned here, else materialized), through the core's expert code."""
         ys = None
         if plan.shadowed:
             k = routing.idx.shape[1]
             xs = x.index_select(0, (plan.shadow_pos // k).to(x.device))
             with self.comm.rec.span("shadow", "expert"):
-                back, ys = _ShadowFn.apply(back, xs, ShadowWork(self, ShadowPlan.from_plan(plan)),
-                                           *self.expert_params())
+                ys = self.experts(xs, plan.shadow_counts, experts=plan.shadowed, materialized=self._call_materialized)
         return self.dispatcher.combine_postprocess(back, plan, routing, shadow_out=ys)
 
     # ---- the smart schedule: dispatch, compute and combine pipelined ------------------------------
     def dispatch_compute_combine(self, x, plan: DispatchPlan, routing) -> torch.Tensor:
         if not self.options.smart:
             return super().dispatch_compute_combine(x, plan, routing)
-        N, me, pl = self.comm.world_size, self.comm.rank, plan.placement
-        send_counts = torch.stack([plan.send_split[list(pl.local_experts(d)), d] for d in range(N)])
-        splan = SmartPlan(me, N, self.group_size, send_counts, plan.recv_counts,
+        N, me, static = self.comm.world_size, self.comm.rank, self.placement
+        # the pipeline runs the held slots only: shadowed experts have no rows in the all-to-all
+        send_counts = torch.stack([plan.send_split[list(static.local_experts(d)), d] for d in range(N)])
+        here = plan.placement.local_experts(me)
+        recv_counts = plan.recv_counts[:, [here.index(e) for e in static.local_experts(me)]]
+        splan = SmartPlan(me, N, self.group_size, send_counts, recv_counts,
                           tag_base=(self.layer_id % 10000) * 4 * TAG_STRIDE)
-        shadow = ShadowWork(self, ShadowPlan.from_plan(plan)) if plan.shadowed else None
+        # every rank (the owner too) runs the shadowed rows on a fetched copy, inside the pipeline
+        mat = Materialization.of(static, plan.shadowed, plan.global_counts)
+        self.last_materialized = mat.experts
+        materializer = Materializer(self.comm, self.experts, mat) if mat.experts else None
         pipe = SmartPipeline(self.comm, comm_stream(self.comm, self.options.smart_threaded), splan,
-                             self.experts.act, shadow)
+                             self.experts.act, materializer, plan.shadow_counts)
         k = routing.idx.shape[1]
         x_send = x.index_select(0, (plan.send_pos // k).to(x.device))
         xs = x.index_select(0, (plan.shadow_pos // k).to(x.device)) if plan.shadowed else x.new_zeros(0, x.shape[1])

@@ -4,8 +4,9 @@ The dispatch all-to-all, the expert compute and the combine all-to-all of one Mo
 ``G = N / Gs`` group-wise pairwise steps (plan: :mod:`.schedule`), pipelined on two "streams":
 
 - **comm stream**: one Python thread per rank with an in-order task queue (:class:`CommStream`);
-  every message of the pipeline - and, with shadowing, the parameter broadcasts and gradient
-  reduces - is issued from it, in the same order on every rank:
+  every message of the pipeline - and, with shadowing, the materializer's parameter broadcasts
+  and gradient reduces (:class:`~moelab.moe.materialize.Materializer`'s ``fetch`` / ``give_back``)
+  - is issued from it, in the same order on every rank:
   forward ``S_0 .. S_{G-1}, bcast(S), R_0 .. R_{G-1}``; backward ``S_0 .. S_{G-1}, reduce(S), R_0 .. R_{G-1}``;
 - **compute stream**: the main thread, ``C_0 .. C_{G-1}`` (then the shadowed experts in forward).
   ``C_s`` waits for ``S_s`` (a ``threading.Event``); ``R_s`` is queued when ``C_s`` is done.
@@ -39,6 +40,7 @@ import torch
 
 from moelab.moe.experts import ffn
 from moelab.comm.stream import CommStream, Task, comm_stream  # noqa: F401 - moved to moelab.comm
+from moelab.moe.materialize import Materializer
 from moelab.strategies.fastermoe.schedule import check_group_size, recv_peers, send_peers
 
 TAG_STRIDE = 4096
@@ -87,12 +89,32 @@ def _exchange(comm, sends: dict, recvs: dict, tag: int) -> None:
 class SmartPipeline:
     """Runs the S / C / R steps of one layer call, forward and backward (see module doc)."""
 
-    def __init__(self, comm, stream: CommStream, plan: SmartPlan, experts_act, shadow=None):
+    def __init__(self, comm, stream: CommStream, plan: SmartPlan, experts_act, mat: Optional[Materializer] = None,
+                 shadow_counts: Sequence[int] = ()):
         self.comm, self.stream, self.plan = comm, stream, plan
         self.act = experts_act
-        self.shadow = shadow  # a layer.ShadowWork, or None
+        self.mat = mat  # the shadowed experts' materializer (their params in, their grads back), or None
+        self.shadow_counts = tuple(shadow_counts)  # this rank's rows of each shadowed expert (mat's order)
         self.chunks: list = []  # (step, slot, x_leaf, y, [(src, start, n), ...])
+        self.shadow_graphs: list = []  # (x_leaf, param leaves, y) per shadowed expert
         self.p_leaves: list = []
+
+    # -- the shadowed experts: private graphs on fetched copies ------------------------------------
+    def _shadow_compute(self, x_rows: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        leaves = [None if t is None else t.detach().requires_grad_() for t in self.mat.views(buf)]
+        xe = x_rows.detach().requires_grad_()
+        with torch.enable_grad():
+            ye = ffn(xe, *leaves, act=self.act)
+        self.shadow_graphs.append((xe, leaves, ye))
+        return ye.detach()
+
+    def _shadow_backward(self, i: int, g_rows: torch.Tensor):
+        """Private backward of shadowed expert ``i``: ``(grad_x_rows, flat param grad)``."""
+        xe, leaves, ye = self.shadow_graphs[i]
+        real = [t for t in leaves if t is not None]
+        grads = torch.autograd.grad(ye, [xe] + real, g_rows, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, [xe] + real)]
+        return grads[0], torch.cat([g.reshape(-1) for g in grads[1:]])
 
     # -- helpers ---------------------------------------------------------------------------------
     def _s_task(self, src_rows: torch.Tensor, bufs: dict, step: int, backward: bool) -> "Task":
@@ -126,9 +148,9 @@ class SmartPipeline:
         y_back = x_send.new_empty(x_send.shape[0], d)
         s_tasks = [self._s_task(x_send, recv, s, False) for s in range(pl.G)]
         b_tasks = []
-        if self.shadow is not None:
-            for i in range(len(self.shadow.plan.experts)):
-                b_tasks.append(self.stream.submit(self.shadow.broadcast, params, i, name=f"bcast {i}"))
+        if self.mat is not None:
+            for i in range(len(self.mat.plan.experts)):
+                b_tasks.append(self.stream.submit(self.mat.fetch, params, i, name=f"bcast {i}"))
         r_tasks = []
         E_local = pl.recv_counts.shape[1]
         for s in range(pl.G):
@@ -149,12 +171,11 @@ class SmartPipeline:
                         off += n
             r_tasks.append(self._r_task(outb, y_back, s, False))
         ys = xs.new_zeros(0, d)
-        if self.shadow is not None:
+        if self.mat is not None:
             outs, off = [], 0
             with rec.span("shadow", "expert"):
-                for i, n in enumerate(self.shadow.plan.counts):
-                    leaves = b_tasks[i].wait()
-                    outs.append(self.shadow.compute(xs[off:off + n], leaves))
+                for i, n in enumerate(self.shadow_counts):
+                    outs.append(self._shadow_compute(xs[off:off + n], b_tasks[i].wait()))
                     off += n
             if outs:
                 ys = torch.cat(outs, 0)
@@ -175,15 +196,15 @@ class SmartPipeline:
         touched = False
         gxs = g_ys.new_zeros(0, d)
         red_tasks = []
-        if self.shadow is not None:
-            sh, parts, off = self.shadow, [], 0
+        if self.mat is not None:
+            parts, off = [], 0
             with rec.span("shadow bwd", "expert"):
-                for i, n in enumerate(sh.plan.counts):
-                    g_rows, flat = sh.backward_expert(i, g_ys[off:off + n])
+                for i, n in enumerate(self.shadow_counts):
+                    g_rows, flat = self._shadow_backward(i, g_ys[off:off + n])
                     parts.append(g_rows)
                     off += n
-                    red_tasks.append(self.stream.submit(sh.reduce_to_owner, i, flat, sh_acc, name=f"reduce {i}"))
-                    touched |= sh.me == sh.plan.owners[i] and sh.plan.totals[i] > 0
+                    red_tasks.append(self.stream.submit(self.mat.give_back, i, flat, sh_acc, name=f"reduce {i}"))
+            touched |= self.mat.owner_gets_grads()
             if parts:
                 gxs = torch.cat(parts, 0)
         by_step = {}
@@ -218,7 +239,7 @@ class SmartPipeline:
                     a += b
         for t in r_tasks:
             t.wait()
-        self.chunks, self.p_leaves = [], []
+        self.chunks, self.p_leaves, self.shadow_graphs = [], [], []
         return gx_send, gxs, [a if touched else None for a in acc]
 
 

@@ -2,11 +2,13 @@
 through them locally (FasterMoE §3: "the whole MoE layer is logically replicated and each worker
 runs its own tokens through all experts locally"; FastMoE with ``world_size=1`` inside ZeRO).
 
-Stages: route (the core gate, unchanged) -> place (:func:`full_replication`: every rank holds every
-expert, so by the placement's rule "a holder keeps its own tokens") -> dispatch/combine become a
-local permutation (no count exchange, no all-to-all: tokens never leave their rank) -> expert
-compute on the rank's own rows. The arithmetic per expert block is the core's
-(:class:`~moelab.moe.experts.Experts`), so outputs equal the EP layer's row for row.
+It overrides only the stages it changes: the count exchange (local counts) and the two all-to-alls
+(identities). Route, place, plan and expert compute are the core's: the placement
+(:func:`full_replication`: every rank holds every expert, so by the placement's rule "a holder
+keeps its own tokens") makes the core's plan keep every row on its rank, so ``last_plan`` and
+:meth:`~moelab.moe.layer.MoELayer.plan_record` describe ZeRO's calls like any layer's. The
+arithmetic per expert block is the core's (:class:`~moelab.moe.experts.Experts`), so outputs equal
+the EP layer's row for row.
 
 The only collective here is optional and *not training traffic*: with ``global_loads`` the
 per-expert counts are all-gathered with the recorder disabled (as the Trainer's loss all-reduce),
@@ -16,15 +18,16 @@ validation read. Whether an expert's gradient is synchronised is the Update's bu
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from moelab.comm.door import Communicator
 from moelab.comm.topology import Topology
 from moelab.config import MoEConfig
-from moelab.moe.dispatch import combine_slots
+from moelab.moe.dispatch import CountExchange, DispatchPlan, local_counts
 from moelab.moe.layer import MoELayer
+from moelab.moe.routing import Routing
 from moelab.placement import Placement
 from moelab.strategies.zero.options import ZeroOptions
 
@@ -68,35 +71,22 @@ class ZeroMoELayer(MoELayer):
         finally:
             comm.rec.enabled = was
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        rec, E = self.comm.rec, self.cfg.num_experts
-        with rec.tagged(layer=self.layer_id, phase="fwd"):
-            with rec.span("gate", "gate"):
-                routing = self.gate(x, rng=self.route_rng())
-            T, k = routing.idx.shape
-            flat = routing.idx.reshape(-1).cpu()
-            valid = (flat >= 0).nonzero().squeeze(1)
-            order = torch.argsort(flat[valid], stable=True)
-            pos = valid[order]  # slot index (token*k + j) of each row, expert-major, token order inside
-            lec = torch.bincount(flat[valid], minlength=E).to(torch.int64)
-            xe = x.index_select(0, (pos // k).to(x.device))
-            with rec.span("experts", "expert"):
-                ye = self.experts(xe, lec.tolist())
-            out_flat = ye.new_zeros(T * k, ye.shape[1]).index_copy(0, pos.to(ye.device), ye)
-            y = combine_slots(out_flat, routing.weights)
-            C = self._global_counts(lec)
-        self.forward_calls += 1
-        self.aux_loss = routing.aux_loss
-        self.last_routing = routing
-        self.last_global_counts = C
-        self.last_counts = C[self.comm.rank]
-        return y.reshape(shape)
+    # ---- the stages ZeRO changes (route, place, plan and expert compute are the core's) ----------
+    def exchange_counts(self, routing: Routing) -> CountExchange:
+        """Local counts; the ``[N, E]`` matrix only through the unrecorded metric gather."""
+        return CountExchange(self._global_counts(local_counts(routing.idx, self.cfg.num_experts)))
 
-    def plan_record(self) -> dict:
-        """The plan of the latest call: counts only (every rank holds every expert; nothing moves)."""
-        if self.last_global_counts is None:
-            raise RuntimeError("plan_record() needs a forward call first")
-        return {"layer": self.layer_id, "call": self.forward_calls - 1, "dispatcher": "local",
-                "counts": self.last_global_counts.tolist(), "placement": "full_replication"}
+    def plan(self, routing: Routing, counts: CountExchange, placement: Placement,
+             shadowed: Sequence[int] = ()) -> DispatchPlan:
+        plan = super().plan(routing, counts, placement, shadowed)
+        me = self.comm.rank
+        if any(n for r, n in enumerate(plan.in_rows) if r != me) or any(n for r, n in enumerate(plan.out_rows) if r != me):
+            raise RuntimeError(f"zero: the plan sends rows off rank {me} ({plan.in_rows}, {plan.out_rows}); "
+                               "full replication keeps every row local")
+        return plan
+
+    def token_dispatch(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return rows  # every row stays on its rank (checked in plan): no all-to-all
+
+    def token_combine(self, back: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return back
