@@ -63,15 +63,6 @@ def unrecorded(comm):
         comm.rec.enabled = was
 
 
-def plan_record(layer) -> dict:
-    """The layer's plan of its last forward: its own ``plan_record()`` where it has one, else what
-    every MoE layer keeps: global counts [N, E], placement holders, shadow set."""
-    if hasattr(layer, "plan_record"):
-        return layer.plan_record()
-    return {"counts": layer.last_global_counts, "holders": layer.placement.holders,
-            "shadowed": getattr(layer, "last_shadowed", ())}
-
-
 def _jsonable(x):
     if torch.is_tensor(x):
         return x.tolist()
@@ -181,7 +172,7 @@ class Trainer:
         for li, layer in enumerate(model.moe_layers()):
             for e, n in enumerate(layer.last_global_counts.sum(0).tolist()):
                 self.loads.append(dict(iter=it, layer=li, expert=e, tokens=int(n)))
-            self.plans.append({"iter": it, "layer": li, **_jsonable(plan_record(layer))})
+            self.plans.append({"iter": it, "layer": li, **_jsonable(layer.plan_record())})
         t = cfg.train
         if t.eval_every:
             done = (it + 1) % t.eval_every == 0
