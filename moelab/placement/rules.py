@@ -32,11 +32,9 @@ def rotating_split(src: int, candidates: Sequence[int], count: int) -> list:
     return out
 
 
-@dataclass(frozen=True)
-class HolderOrder:
-    """Today's rule: a holder keeps its tokens, else split over all holders in holder order."""
-
-    name = "holder_order"
+class KeepLocalRule:
+    """What every rule here shares: a holder keeps its own tokens; everyone else splits them over the
+    rule's :meth:`candidates` with :func:`rotating_split`."""
 
     def blocks(self, placement, src: int, e: int, count: int) -> list:
         h = placement.holders[e]
@@ -44,14 +42,27 @@ class HolderOrder:
             return []
         if src in h:
             return [(src, count)]
-        return rotating_split(src, h, count)
+        return rotating_split(src, self.candidates(src, h), count)
+
+    def candidates(self, src: int, holders: Sequence[int]) -> Sequence[int]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class HolderOrder(KeepLocalRule):
+    """Today's rule: a holder keeps its tokens, else split over all holders in holder order."""
+
+    name = "holder_order"
+
+    def candidates(self, src: int, holders: Sequence[int]) -> Sequence[int]:
+        return holders
 
     def to_dict(self) -> dict:
         return {"rule": self.name}
 
 
 @dataclass(frozen=True)
-class LocalityFirst:
+class LocalityFirst(KeepLocalRule):
     """Hecate's dispatcher rule (§2.6): local holder, else same-node holders, else any holder."""
 
     ranks_per_node: int
@@ -61,15 +72,9 @@ class LocalityFirst:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
 
-    def blocks(self, placement, src: int, e: int, count: int) -> list:
-        h = placement.holders[e]
-        if count == 0:
-            return []
-        if src in h:
-            return [(src, count)]
+    def candidates(self, src: int, holders: Sequence[int]) -> Sequence[int]:
         node = src // self.ranks_per_node
-        near = sorted(r for r in h if r // self.ranks_per_node == node)
-        return rotating_split(src, near or sorted(h), count)
+        return sorted(r for r in holders if r // self.ranks_per_node == node) or sorted(holders)
 
     def to_dict(self) -> dict:
         return {"rule": self.name, "ranks_per_node": self.ranks_per_node}
