@@ -122,6 +122,13 @@ def train_snapshot(rank: int, world: int, overrides: dict) -> dict:
                 ops=ops, cls=type(tr.model.moe_layers()[0]).__name__)
 
 
+def expert_grads(experts) -> dict:
+    """``{global expert id: [grad of w1, b1, w2, b2 slice]}`` of the slots an ``Experts`` holds (no
+    bias: w1, w2 only); a slot autograd never reached (no rows on this rank) has a zero gradient."""
+    grad = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)  # noqa: E731
+    return {e: [grad(p)[s].clone() for p in experts.stacked() if p is not None] for s, e in enumerate(experts.experts)}
+
+
 # ---- layer vs the fp64 reference ---------------------------------------------------------------
 def rank_inputs(tokens, d: int, seed: int = 0, shift: float = 0.0):
     """Per-rank fp64 inputs ``xs`` and upstream grads ``gys`` (``tokens[r]`` rows each), seeded;

@@ -20,7 +20,7 @@ import torch
 
 from moelab.config import MoEConfig, RunConfig
 from moelab.strategies import all_strategies
-from moelab.testing import TINY_TRAIN, rank_inputs, reference_grads, run_ranks, train_snapshot
+from moelab.testing import TINY_TRAIN, expert_grads, rank_inputs, reference_grads, run_ranks, train_snapshot
 
 D, F = 8, 16
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -70,10 +70,7 @@ def _layer_cases(rank, world, cases):
             x = xs[rank].clone().requires_grad_()
             y = layer(x)
             ((y * gys[rank]).sum() + layer.aux_loss).backward()
-            ex = layer.experts
-            eg = {e: [(p.grad[s] if p.grad is not None else torch.zeros_like(p[s])).clone()
-                      for p in (ex.w1, ex.b1, ex.w2, ex.b2)] for s, e in enumerate(ex.experts)}
-            out.append(dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad.clone(), eg=eg,
+            out.append(dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad.clone(), eg=expert_grads(layer.experts),
                             counts=layer.last_global_counts.clone()))
     return out
 

@@ -12,7 +12,7 @@ from moelab.comm.topology import Topology
 from moelab.config import MoEConfig
 from moelab.moe.reference import ReferenceMoE
 from moelab.moe.sync import sync_dense_grads
-from moelab.testing import assert_matches_reference, rank_inputs, reference_grads, run_ranks
+from moelab.testing import assert_matches_reference, expert_grads, rank_inputs, reference_grads, run_ranks
 
 D, F = 8, 16
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -48,9 +48,7 @@ def _layer_run(rank, world, case, options):
     y = layer(x)
     ((y * gys[rank]).sum() + layer.aux_loss).backward()
     sync_dense_grads(list(layer.gate.parameters()), comm)
-    ex = layer.experts
-    grad = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
-    eg = {e: [grad(p)[s].clone() for p in (ex.w1, ex.b1, ex.w2, ex.b2) if p is not None] for s, e in enumerate(ex.experts)}
+    eg = expert_grads(layer.experts)
     recs = [(r.op, r.tags.get("phase"), dict(r.bytes)) for r in comm.rec.comm]
     return dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad, eg=eg, recs=recs, S=layer.last_shadowed)
 

@@ -11,7 +11,7 @@ from moelab.moe.layer import MoELayer
 from moelab.moe.reference import ReferenceMoE
 from moelab.moe.sync import sync_dense_grads, sync_replica_grads
 from moelab.placement import Placement
-from moelab.testing import assert_matches_reference, rank_inputs, reference_grads, run_ranks
+from moelab.testing import assert_matches_reference, expert_grads, rank_inputs, reference_grads, run_ranks
 
 D, F = 8, 16
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -42,12 +42,9 @@ def _run_case(rank, world, case):
     loss.backward()
     sync_dense_grads(list(layer.gate.parameters()), comm)
     sync_replica_grads(layer, comm)
-    ex = layer.experts
-    grad = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)  # an idle expert has no grad
-    expert_grads = {e: [grad(p)[s].clone() for p in (ex.w1, ex.b1, ex.w2, ex.b2) if p is not None]
-                    for s, e in enumerate(ex.experts)}
+    eg = expert_grads(layer.experts)  # an idle expert has a zero grad
     a2a = [r.bytes for r in comm.rec.comm if r.op == "all_to_all"]
-    return dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad, eg=expert_grads, a2a=a2a,
+    return dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad, eg=eg, a2a=a2a,
                 counts=layer.last_global_counts)
 
 

@@ -18,7 +18,7 @@ from moelab.moe.reference import ReferenceMoE
 from moelab.moe.sync import sync_dense_grads
 from moelab.placement import LocalityFirst, Placement
 from moelab.placement.policy import ReplicateHottest, StaticPolicy, hottest, replicate
-from moelab.testing import assert_matches_reference, rank_inputs, reference_grads, run_ranks
+from moelab.testing import assert_matches_reference, expert_grads, rank_inputs, reference_grads, run_ranks
 
 D, F = 8, 16
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -101,14 +101,12 @@ def _policy_run(rank, world, case):
         y = layer(x)
         ((y * gys[rank]).sum() + layer.aux_loss).backward()
     sync_dense_grads(list(layer.gate.parameters()), comm)
-    ex = layer.experts
-    grad = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
-    eg = {e: [grad(p)[s].clone() for p in (ex.w1, ex.b1, ex.w2, ex.b2)] for s, e in enumerate(ex.experts)}
+    eg = expert_grads(layer.experts)
     recs = [(r.op, r.tags.get("phase"), dict(r.bytes)) for r in comm.rec.comm]
     return dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad, eg=eg, recs=recs, record=layer.plan_record(),
                 sent=layer.last_plan.send_split.clone(), counts=layer.last_global_counts.clone(),
                 slots=layer.experts.experts, left=dict(layer._call_materialized),
-                n_param=sum(p[0].numel() for p in ex.stacked()))
+                n_param=sum(p[0].numel() for p in layer.experts.stacked()))
 
 
 CASES = {
@@ -192,9 +190,7 @@ def _fastermoe_run(rank, world, smart):
     y = layer(x)
     ((y * gys[rank]).sum() + layer.aux_loss).backward()
     sync_dense_grads(list(layer.gate.parameters()), comm)
-    ex = layer.experts
-    grad = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
-    eg = {e: [grad(p)[s].clone() for p in (ex.w1, ex.b1, ex.w2, ex.b2)] for s, e in enumerate(ex.experts)}
+    eg = expert_grads(layer.experts)
     ops = [(r.op, r.tags.get("phase")) for r in comm.rec.comm]
     return dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad, eg=eg, record=layer.plan_record(), ops=ops)
 

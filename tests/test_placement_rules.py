@@ -14,7 +14,7 @@ import torch
 from moelab.comm.topology import Topology
 from moelab.placement import HolderOrder, LocalityFirst, Placement, rule_from_dict
 from moelab.sim.graphs import route_matrix
-from moelab.testing import run_ranks
+from moelab.testing import expert_grads, run_ranks
 
 
 def legacy_blocks(pl: Placement, src: int, e: int, count: int) -> list:
@@ -156,9 +156,7 @@ def _layer_rank(rank, world, holders, rule):
     ((y * gys[rank]).sum() + layer.aux_loss).backward()
     sync_dense_grads(list(layer.gate.parameters()), comm)
     sync_replica_grads(layer, comm)
-    ex = layer.experts
-    grad = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
-    eg = {e: [grad(p)[s].clone() for p in ex.stacked() if p is not None] for s, e in enumerate(ex.experts)}
+    eg = expert_grads(layer.experts)
     a2a = [r.bytes for r in comm.rec.comm if r.op == "all_to_all"]
     return dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad, eg=eg, a2a=a2a[0],
                 counts=layer.last_global_counts, sent=layer.last_plan.send_split, record=layer.plan_record())
