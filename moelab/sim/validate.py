@@ -2,7 +2,9 @@
 
 One plan, two executors: the same config, the same measured loads and the same placement are run
 for real (spawned gloo ranks, :class:`moelab.runtime.train.Trainer`) and priced by the simulator
-(:func:`moelab.sim.graphs.iteration_graph`). Then:
+(:func:`moelab.sim.graphs.iteration_graph`): real runs in :mod:`moelab.sim.realruns`, this
+machine's profile and the validation sets in :mod:`moelab.sim.local` (their names are importable
+from here too), the comparison here. Then:
 
 - **bytes** per rank, per link class, per iteration and per collective must be *exactly* equal
   (both sides use :mod:`moelab.comm.bytes`); every mismatch is listed (:attr:`Comparison.mismatches`)
@@ -68,7 +70,6 @@ Labels: a comparison is "REAL: n ranks gloo [EMULATED links] vs SIMULATED: <prof
 """
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -77,141 +78,14 @@ import numpy as np
 
 from moelab.comm.topology import LINK_CLASSES, Topology
 from moelab.config import RunConfig
-from moelab.sim.calibrate import cpu_cores
+from moelab.sim.calibrate import cpu_cores  # noqa: F401 (part of this module's API)
 
-GB = 1e9
-RING_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+
 
 
 class BytesMismatchWarning(UserWarning):
     """Simulated bytes differ from measured bytes: the simulator does not price the plan the runtime ran."""
-
-
-# ---- real runs -------------------------------------------------------------------------------------
-@dataclass
-class RealRun:
-    """What one real run measured (every rank), iterations in order.
-
-    ``step_times[it, r]``: rank r's step time (forward, backward, grad sync, optimizer) in s.
-    ``loads[it, l]``: the ``[N, E]`` matrix of tokens each source rank routed to each expert in MoE
-    layer l (after capacity drops), from the dispatcher's count exchange.
-    ``comm``: one row per training collective call (metric traffic is not recorded): rank, iter,
-    layer, phase, op, seq (call order within (rank, iter)), t_start, t_end, emulated_s, bytes_*.
-    ``spans``: the recorder's compute spans: rank, name, cat, t_start, t_end, iter, layer.
-    """
-
-    cfg: RunConfig
-    step_times: np.ndarray
-    loads: np.ndarray
-    comm: "object"  # pandas DataFrame
-    spans: "object"  # pandas DataFrame
-    wall_s: float = 0.0
-
-    @property
-    def nproc(self) -> int:
-        return self.step_times.shape[1]
-
-    @property
-    def iters(self) -> int:
-        return self.step_times.shape[0]
-
-    @property
-    def step_time_max(self) -> np.ndarray:
-        return self.step_times.max(axis=1)
-
-    def bytes(self):
-        """Per (iter, rank): bytes sent per link class, training traffic only."""
-        cols = [f"bytes_{c}" for c in LINK_CLASSES]
-        return self.comm.groupby(["iter", "rank"])[cols].sum().reset_index()
-
-    @property
-    def label(self) -> str:
-        return real_label(self.cfg)
-
-
-def real_label(cfg: RunConfig) -> str:
-    e = cfg.emulation
-    topo = cfg.parallel.topology
-    s = f"REAL: {cfg.parallel.nproc} ranks gloo"
-    if topo.nodes > 1:
-        s += f" ({topo.nodes} nodes declared)"
-    if e.enabled:
-        s += f", EMULATED links (intra {e.intra_bw_GBps:g} GB/s, inter {e.inter_bw_GBps:g} GB/s per rank)"
-    return s
-
-
-def _real_worker(rank, world, cfg_dicts):
-    """Runs on every rank: each config in turn, step by step; returns plain picklable data."""
-    import time
-
-    import torch
-
-    from moelab.runtime.train import Trainer
-
-    torch.set_num_threads(1)
-    out = []
-    for d in cfg_dicts:
-        cfg = RunConfig.from_dict(d)
-        t0 = time.time()
-        tr = Trainer.build(cfg)
-        loads = []
-        for it in range(cfg.train.iters):
-            tr.step(it)
-            loads.append(np.stack([layer.last_global_counts.numpy().astype(np.int64)
-                                   for layer in tr.model.moe_layers()]))
-        comm, seq = [], {}
-        for r in tr.comm.rec.comm:
-            it = r.tags.get("iter", -1)
-            seq[it] = seq.get(it, -1) + 1
-            comm.append((rank, it, r.tags.get("layer", -1), r.tags.get("phase", ""), r.op, seq[it],
-                         r.t_start, r.t_end, r.emulated_s, *(int(r.bytes.get(c, 0)) for c in LINK_CLASSES)))
-        spans = [(rank, name, cat, t0_, t1_, tags.get("iter", -1), tags.get("layer", -1))
-                 for name, cat, t0_, t1_, tags in tr.comm.rec.spans]
-        out.append(dict(step_times=[m["step_time_s"] for m in tr.metrics], loads=np.stack(loads),
-                        comm=comm, spans=spans, wall=time.time() - t0))
-        del tr
-    return out
-
-
-def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, timeout: float = 300.0) -> list:
-    """Run several configs (same ``nproc``) one after another on one set of spawned gloo ranks.
-
-    One spawn for all of them: starting ranks (importing torch, reading the corpus) costs seconds
-    on a small machine, a short run less. Returns one :class:`RealRun` per config.
-    """
-    import pandas as pd
-
-    from moelab.testing import run_ranks
-
-    cfgs = list(cfgs)
-    if not cfgs:
-        return []
-    nproc = nproc or cfgs[0].parallel.nproc
-    dicts = []
-    for c in cfgs:
-        if c.parallel.nproc != nproc:
-            c = c.with_overrides({"parallel.nproc": nproc})
-        dicts.append(c.validate().to_dict())
-    per_rank = run_ranks(_real_worker, nproc, dicts, timeout=timeout)
-    runs = []
-    for i, d in enumerate(dicts):
-        res = [per_rank[r][i] for r in range(nproc)]
-        comm = pd.DataFrame([row for x in res for row in x["comm"]],
-                            columns=["rank", "iter", "layer", "phase", "op", "seq", "t_start", "t_end",
-                                     "emulated_s", *[f"bytes_{c}" for c in LINK_CLASSES]])
-        spans = pd.DataFrame([row for x in res for row in x["spans"]],
-                             columns=["rank", "name", "cat", "t_start", "t_end", "iter", "layer"])
-        for r in range(1, nproc):  # the count exchange made every rank's loads the same matrix
-            if not np.array_equal(res[r]["loads"], res[0]["loads"]):
-                raise AssertionError(f"rank {r} recorded other loads than rank 0: the count exchange is broken")
-        runs.append(RealRun(RunConfig.from_dict(d), np.array([x["step_times"] for x in res]).T,
-                            res[0]["loads"], comm, spans, wall_s=max(x["wall"] for x in res)))
-    return runs
-
-
-def run_real(cfg: RunConfig, nproc: Optional[int] = None, *, timeout: float = 300.0) -> RealRun:
-    """A short real training of ``cfg`` on ``nproc`` spawned gloo ranks (default ``cfg.parallel.nproc``)."""
-    return run_real_many([cfg], nproc, timeout=timeout)[0]
 
 
 # ---- the simulated side ------------------------------------------------------------------------------
@@ -497,297 +371,6 @@ def compare(real, sim, *, warmup: int = 2, names: Optional[Sequence[str]] = None
     return out
 
 
-# ---- profiles of this machine ---------------------------------------------------------------------------
-
-
-def _compute_only_cfg(cfg: RunConfig) -> RunConfig:
-    return cfg.with_overrides({"parallel.nproc": 1, "parallel.topology.nodes": 1,
-                               "parallel.topology.ranks_per_node": None, "parallel.placement": None,
-                               "emulation.enabled": False, "train.trace": False})
-
-
-_COMPUTE_CACHE: dict = {}
-
-
-def measure_compute(cfg: RunConfig, iters: int = 10, warmup: int = 2, cache: bool = True) -> dict:
-    """Effective compute FLOP/s of ``cfg``'s model on one process of this machine (1 thread).
-
-    Runs ``iters`` real training steps of the model with every expert local (world 1: no
-    communication; the same per-rank batch, so the same attention, gate, head and, on average, expert
-    work per rank), and divides the FLOPs the simulator charges for that iteration by the median
-    measured step time after ``warmup``. Returns ``{flops, ops, time_s, flops_per_s}`` (``ops``: the
-    compute ops the simulator charges per rank, what a per-op overhead multiplies). Cached per model
-    shape (the result does not depend on the parallel layout).
-    """
-    import torch
-
-    from moelab.runtime.train import Trainer
-    from moelab.sim.graphs import iteration_graph
-    from moelab.sim.profiles import ClusterProfile
-
-    c1 = _compute_only_cfg(cfg).with_overrides({"train.iters": iters + warmup})
-    key = (repr(c1.model), c1.train.batch_size, c1.train.dtype, iters, warmup)
-    if cache and key in _COMPUTE_CACHE:
-        return dict(_COMPUTE_CACHE[key])
-    unit = ClusterProfile(name="unit", nodes=1, gpus_per_node=1, gpu="-", peak_flops=1.0, achieved_flops=1.0,
-                          intra_bw_GBps=1.0, intra_latency_us=0.0, inter_bw_GBps=1.0, inter_latency_us=0.0,
-                          mem_GB=1.0)
-    E = c1.model.moe.num_experts
-    from moelab.sim.graphs import moe_layer_ids
-
-    L = len(moe_layer_ids(c1.model))
-    T = c1.train.batch_size * c1.model.seq_len * c1.model.moe.top_k
-    loads = np.zeros((L, 1, E), dtype=np.int64)
-    loads[:, 0, :] = T // E
-    loads[:, 0, : T % E] += 1
-    g = iteration_graph(c1, unit, loads)
-    flops = float(sum(o.duration for o in g.ops if o.kind == "compute"))
-    n_ops = sum(1 for o in g.ops if o.kind == "compute" and o.duration > 0)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tr = Trainer.build(c1.validate())
-        times = [tr.step(it)["step_time_s"] for it in range(iters + warmup)]
-    finally:
-        torch.set_num_threads(old)
-    t = float(np.median(times[warmup:]))
-    out = dict(flops=flops, ops=n_ops, time_s=t, flops_per_s=flops / t)
-    _COMPUTE_CACHE[key] = dict(out)
-    return out
-
-
-def _compute_worker(i, cfg_dicts, iters, warmup, barrier, q):
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        out = []
-        for d in cfg_dicts:
-            barrier.wait(timeout=120)  # every process measures the same config at the same time
-            out.append(measure_compute(RunConfig.from_dict(d), iters=iters, warmup=warmup, cache=False))
-        q.put((i, True, out))
-    except BaseException as e:  # report, the parent raises
-        q.put((i, False, repr(e)))
-
-
-def measure_compute_concurrent(cfgs: Sequence[RunConfig], nproc: int, *, iters: int = 6, warmup: int = 2,
-                               timeout: float = 300.0) -> list:
-    """:func:`measure_compute` of each config on ``nproc`` processes at once (no communication).
-
-    ``nproc`` ranks share this machine's cores (and whatever else runs on it), so the rate one rank
-    gets is measured the way the real run will get it: all ranks computing together, as they do in
-    an expert-parallel step. Returns, per config, the median over processes of ``measure_compute``.
-    """
-    import multiprocessing as mp
-    import queue as queue_mod
-    import time
-
-    ctx = mp.get_context("spawn")
-    q, barrier = ctx.Queue(), ctx.Barrier(nproc)
-    dicts = [c.to_dict() for c in cfgs]
-    procs = [ctx.Process(target=_compute_worker, args=(i, dicts, iters, warmup, barrier, q), daemon=True)
-             for i in range(nproc)]
-    for p in procs:
-        p.start()
-    res, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(res) < nproc:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"measure_compute_concurrent did not finish within {timeout:.0f} s")
-            try:
-                i, ok, payload = q.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a compute-measurement process died with exit code {dead[0]}") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"compute measurement failed in process {i}: {payload}")
-            res[i] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=1)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        q.close()
-    out = []
-    for j in range(len(dicts)):
-        rows = [res[i][j] for i in range(nproc)]
-        t = float(np.median([r["time_s"] for r in rows]))
-        out.append(dict(flops=rows[0]["flops"], time_s=t, flops_per_s=rows[0]["flops"] / t, nproc=nproc))
-    return out
-
-
-def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compute="model", share_cores: bool = True,
-                    name: Optional[str] = None):
-    """This machine as a :class:`ClusterProfile` laid out as ``cfg``'s declared topology.
-
-    ``calibration``: a :func:`moelab.sim.calibrate.calibrate_local` result (collective fits; its
-    ``nproc`` need not equal ``cfg``'s: loopback gloo fits are per byte); may be None when
-    ``cfg.emulation`` is on (then every link is the emulated one). ``compute``:
-
-    - a number: FLOP/s per rank measured elsewhere (:func:`measure_compute_concurrent`: the ranks
-      already shared the cores while measuring, so no core share is applied);
-    - ``"model"``: effective FLOP/s of this model on one process (:func:`measure_compute`);
-    - ``"gemm"``: the calibrated GEMM rate (raw, under-predicts tiny CPU models);
-    - ``"calibrated"``: the calibration's one-process compute line (``calibration["compute"]``,
-      :func:`moelab.sim.calibrate.fit_compute`) with the host's cores as a pool the ranks share
-      while they compute (the engine slows R ranks computing at once on C cores by R/C, and gives a
-      waiting rank's core to the others), collectives by their alpha-beta lines on ``nproc`` ranks;
-    - ``"in_context"``: ``calibration["in_context"]`` (:func:`moelab.sim.calibrate.fit_in_context`):
-      a compute line and a per-call cost fitted on real multi-rank training steps of held-out
-      shapes, so the sharing of the cores is in those two terms (no pool).
-
-    ``share_cores`` (for ``"model"``/``"gemm"``): ranks beyond the core count time-share the cores,
-    so each rank's rate is scaled by ``min(1, cores / nproc)`` (a static factor, whether or not they
-    compute at the same time). With emulation on, the links are the emulated ones
-    (:func:`emulation_profile`).
-    """
-    from moelab.sim.profiles import ClusterProfile, local_profile_from_calibration
-
-    if calibration is not None:
-        base = local_profile_from_calibration(calibration, name=name or "local")
-    elif cfg.emulation.enabled and compute not in ("gemm", "calibrated", "in_context"):
-        # every link is emulated: nothing of loopback gloo is used, only compute needs measuring
-        base = ClusterProfile(name=name or "local", nodes=1, gpus_per_node=cfg.parallel.nproc, gpu="cpu",
-                              peak_flops=1.0, achieved_flops=1.0, intra_bw_GBps=1.0, intra_latency_us=0.0,
-                              inter_bw_GBps=1.0, inter_latency_us=0.0, mem_GB=0.0,
-                              sources={"*": "this machine; links EMULATED, compute measured"})
-    else:
-        raise ValueError("machine_profile needs a calibration (calibrate_local) unless every link is emulated")
-    topo = Topology.from_config(cfg.parallel.nproc, cfg.parallel.topology.nodes, cfg.parallel.topology.ranks_per_node)
-    share = min(1.0, cpu_cores() / cfg.parallel.nproc) if share_cores else 1.0
-    pool = {"shared_cores": 0, "op_overhead_s": 0.0, "call_overhead_s": 0.0}  # the static share instead of a pool
-    if compute in ("calibrated", "in_context"):
-        ctx = (calibration or {}).get("in_context") if compute == "in_context" else None
-        fit = ctx or (calibration or {}).get("compute")
-        if fit is None or (compute == "in_context" and ctx is None):
-            raise ValueError(f"compute={compute!r} needs a calibration with a compute fit (calibrate_local(..., "
-                             "compute_models=COMPUTE_MODELS), and train_models=TRAIN_MODELS for 'in_context')")
-        flops, share, tag = float(fit["flops_per_s"]), 1.0, compute
-        if ctx:  # fitted on multi-rank steps: the sharing of the cores is already in both terms
-            pool = {"shared_cores": 0, "op_overhead_s": float(ctx["op_overhead_s"]),
-                    "call_overhead_s": float(ctx["call_overhead_s"])}
-            src = (f"fitted: {ctx['source']}; op overhead {ctx['op_overhead_s'] * 1e6:.0f} us, "
-                   f"call overhead {ctx['call_overhead_s'] * 1e6:.0f} us")
-        else:
-            pool = {"shared_cores": int(calibration.get("cores") or cpu_cores()),
-                    "op_overhead_s": float(fit["op_overhead_s"])}
-            src = f"fitted: {fit['source']}; op overhead {fit['op_overhead_s'] * 1e6:.0f} us, cores shared by the ranks"
-    elif isinstance(compute, (int, float)):
-        flops, share, tag = float(compute), 1.0, "model"
-        src = f"effective FLOP/s of this model, {cfg.parallel.nproc} processes at once (measure_compute_concurrent)"
-    elif compute == "model":
-        flops, tag = measure_compute(cfg)["flops_per_s"], "model"
-        src = "effective FLOP/s of this model on 1 process (measure_compute)"
-    elif compute == "gemm":
-        flops, tag = float(calibration["gemm_flops"]), "gemm"
-        src = "GEMM FLOP/s (calibrate_local)"
-    else:
-        raise ValueError("compute must be a FLOP/s number, 'model', 'gemm', 'calibrated' or 'in_context', "
-                         f"got {compute!r}")
-    prof = dataclasses.replace(base, name=name or f"local-{tag}", nodes=topo.nodes, **pool,
-                               gpus_per_node=topo.ranks_per_node, achieved_flops=flops * share,
-                               sources={**base.sources, "achieved_flops": f"{src} x {share:g} core share"})
-    if cfg.emulation.enabled:
-        prof = emulation_profile(cfg, prof)
-    return prof
-
-
-def emulation_profile(cfg: RunConfig, base):
-    """``base`` with the links of ``cfg.emulation`` (labelled EMULATED in the name).
-
-    The emulator (``Communicator.emulated_time``) declares per-rank links: every rank has its own
-    intra-node port (``intra_bw_GBps``) and its own NIC (``inter_bw_GBps``), per direction. The
-    profile declares the same hardware in the simulator's terms: ``nics_per_node = ranks per node``
-    and the node's inter bandwidth = ``ranks_per_node x`` the per-rank NIC (``link_capacities``
-    gives each NIC its share), intra bandwidth and latencies as emulated. Both sides then price a
-    collective alike: all-to-all and p2p as direct transfers on those links (max(out, in) per port
-    or NIC, tested; a call spanning nodes pays the inter latency in the simulator even where an
-    intra port binds, the emulator that port's latency: at most their difference apart),
-    all-reduce / all-gather / reduce-scatter as the same rings (``costs.ring_channels``: one channel
-    per NIC across nodes; steps x latency + slowest link, tested). Broadcast and reduce are priced
-    differently (the emulator a flat tree from/to the root, the simulator a pipelined chain): inside
-    one node a fitted line ``(latency, 1/bw)`` over the bytes a rank sends reproduces the emulator;
-    across nodes the chain stays (the EP baseline issues neither). No number here is fitted to
-    measured times.
-    """
-    e = cfg.emulation
-    if not e.enabled:
-        return base
-    rpn = base.gpus_per_node
-    fits = {op: (e.intra_latency_us * 1e-6, 1.0 / (e.intra_bw_GBps * GB)) for op in ("broadcast", "reduce")}
-    return dataclasses.replace(
-        base, name=f"{base.name}+EMULATED", intra_bw_GBps=e.intra_bw_GBps, intra_latency_us=e.intra_latency_us,
-        inter_bw_GBps=e.inter_bw_GBps * rpn, inter_latency_us=e.inter_latency_us, nics_per_node=rpn, fits=fits,
-        sources={**base.sources, "intra_bw_GBps": "emulation.intra_bw_GBps (EMULATED, per rank)",
-                 "inter_bw_GBps": f"emulation.inter_bw_GBps x {rpn} ranks per node (EMULATED: one NIC per rank)",
-                 "nics_per_node": f"{rpn}: the emulator gives every rank its own NIC (EMULATED)",
-                 "fits": "broadcast/reduce inside a node: one emulated latency + bytes sent / emulated bandwidth"})
-
-
-# ---- validation sets ---------------------------------------------------------------------------------------
-BASE_MODEL = {"model.d_model": 32, "model.d_ff": 32, "model.n_layers": 2, "model.n_heads": 2,
-              "model.seq_len": 32, "train.trace": False, "train.dataset": "pydocs"}
-
-
-# (nodes, experts, top_k, batch, seed) of the 4-rank set: 4 ranks on this machine's 2 cores, the case
-# a FLOP/byte model without shared cores and per-call costs got wrong (R^2 about -0.9 unemulated)
-GRID_4 = [(1, 4, 1, 2, 0), (2, 8, 2, 8, 1), (1, 8, 2, 16, 2), (2, 4, 2, 32, 3), (1, 16, 1, 48, 4), (2, 8, 2, 64, 5)]
-
-
-def validation_configs_4(emulated: bool = False, *, iters: int = 7, intra_bw_GBps: float = 0.002,
-                         inter_bw_GBps: float = 0.001) -> list:
-    """``[(name, RunConfig)]`` of :data:`GRID_4`: 4 ranks, batch 2-64 so step times spread several-fold
-    (on a 2-core machine shared with other jobs one iteration can vary by 2x: R^2 needs that spread)."""
-    out = []
-    for nodes, E, k, B, seed in GRID_4:
-        ov = {**BASE_MODEL, "parallel.nproc": 4, "parallel.topology.nodes": nodes, "model.moe.num_experts": E,
-              "model.moe.top_k": k, "train.batch_size": B, "train.seed": seed, "train.iters": iters,
-              "emulation.enabled": emulated}
-        if emulated:
-            ov.update({"emulation.intra_bw_GBps": intra_bw_GBps, "emulation.inter_bw_GBps": inter_bw_GBps})
-        out.append((f"n4x{nodes}-e{E}k{k}-b{B}-s{seed}" + ("-emu" if emulated else ""),
-                    RunConfig().with_overrides(ov).validate()))
-    return out
-
-
-def validation_configs(scale: str = "smoke", emulated: bool = True, *, intra_bw_GBps: float = 0.002,
-                       inter_bw_GBps: float = 0.001, iters: Optional[int] = None) -> list:
-    """``[(name, RunConfig)]``: a spread of configs (ranks 2 and 4, experts, top-k, tokens, seeds).
-
-    With ``emulated``, slow links (intra ``intra_bw_GBps``, inter ``inter_bw_GBps`` per rank) make
-    communication dominate, so what is predicted is mostly the emulated transfer time. Why so slow
-    (2 and 1 MB/s by default): the model is tiny (d_model 32, fp32: 128 bytes per token and
-    all-to-all) and a CPU rank computes it at a few GFLOP/s, so links of 0.05-0.2 GB/s would leave
-    communication at 10-30% of a step and the prediction would mostly test compute timing on a
-    shared 2-core machine; at these rates it is 80-95% (``Comparison.iters.comm_share_sim``).
-    Seeds change the gate's initial weights and therefore how skewed the measured loads are.
-    """
-    if scale not in ("smoke", "default", "full"):
-        raise ValueError(f"scale must be smoke, default or full, got {scale!r}")
-    it = iters or {"smoke": 7, "default": 10, "full": 14}[scale]
-    # (nproc, nodes, experts, top_k, batch, seed)
-    grid = [(2, 1, 2, 1, 2, 0), (2, 1, 4, 2, 8, 1), (2, 1, 8, 2, 24, 2),
-            (4, 2, 4, 2, 4, 0), (4, 2, 8, 1, 16, 3), (4, 1, 8, 2, 12, 1)]
-    if scale != "smoke":
-        grid += [(2, 1, 4, 1, 12, 4), (2, 1, 8, 2, 4, 5), (4, 2, 4, 2, 16, 6), (4, 2, 8, 2, 8, 7)]
-    if scale == "full":
-        grid += [(2, 1, 2, 2, 32, 8), (4, 1, 4, 1, 16, 9), (4, 2, 16, 2, 24, 10), (4, 4, 8, 2, 6, 11)]
-    out = []
-    for n, nodes, E, k, B, seed in grid:
-        ov = {**BASE_MODEL, "parallel.nproc": n, "parallel.topology.nodes": nodes, "model.moe.num_experts": E,
-              "model.moe.top_k": k, "train.batch_size": B, "train.seed": seed, "train.iters": it,
-              "emulation.enabled": emulated}
-        if emulated:
-            ov.update({"emulation.intra_bw_GBps": intra_bw_GBps, "emulation.inter_bw_GBps": inter_bw_GBps})
-        name = f"n{n}x{nodes}-e{E}k{k}-b{B}-s{seed}" + ("-emu" if emulated else "")
-        out.append((name, RunConfig().with_overrides(ov).validate()))
-    return out
-
-
 def validate(named_cfgs, calibration: Optional[dict] = None, *, warmup: int = 3, compute="auto",
              share_cores: bool = True, timeout: float = 300.0, warn: bool = True):
     """Run every config for real (one spawn per ``nproc``), simulate it on this machine's profile, compare.
@@ -822,20 +405,13 @@ def validate(named_cfgs, calibration: Optional[dict] = None, *, warmup: int = 3,
     return compare(reals, sims, warmup=warmup, names=[n for n, _ in named_cfgs], warn=warn), reals, sims
 
 
-def quick_calibration(nproc: int = 2, sizes=(1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23), reps: int = 5,
-                      ops=("all_to_all", "all_reduce", "all_gather"), timeout_s: float = 60.0,
-                      compute_models=None, train_models=None) -> dict:
-    """:func:`moelab.sim.calibrate.calibrate_local` at small sizes (a few seconds on 2 cores);
-    ``compute_models`` / ``train_models`` (``moelab.sim.calibrate.COMPUTE_MODELS`` / ``TRAIN_MODELS``)
-    add the fitted compute line and the in-context terms (tens of seconds more)."""
-    from moelab.sim.calibrate import calibrate_local
-
-    return calibrate_local(nproc, sizes=sizes, gemm_sizes=((64, 64, 64), (128, 128, 128), (256, 256, 256)),
-                           ops=ops, reps=reps, timeout_s=timeout_s, compute_models=compute_models,
-                           train_models=train_models)
-
+# real runs and this machine's profile live beside this module; their names stay importable from here
+from moelab.sim.local import (BASE_MODEL, GRID_4, emulation_profile, machine_profile,  # noqa: E402,F401
+                              quick_calibration, validation_configs, validation_configs_4)
+from moelab.sim.realruns import (RealRun, measure_compute, measure_compute_concurrent, real_label,  # noqa: E402,F401
+                                 run_real, run_real_many)
 
 __all__ = ["RealRun", "SimRun", "Comparison", "BytesMismatchWarning", "run_real", "run_real_many", "simulate_real",
            "compare", "r2_score", "median_rel_err", "measure_compute", "measure_compute_concurrent", "machine_profile",
            "emulation_profile",
-           "validation_configs", "validation_configs_4", "GRID_4", "validate", "quick_calibration", "real_label", "cpu_cores"]
+           "validation_configs", "validation_configs_4", "GRID_4", "BASE_MODEL", "validate", "quick_calibration", "real_label", "cpu_cores"]

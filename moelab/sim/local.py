@@ -1,0 +1,202 @@
+"""This machine as a simulator profile, and the validation sets run on it.
+
+:func:`machine_profile` lays this machine out as a config's declared topology from a calibration
+(:func:`moelab.sim.calibrate.calibrate_local`: collective alpha-beta fits, compute lines; every
+fitted number carries its kind and source); :func:`emulation_profile` replaces its links by the
+EMULATED ones of ``cfg.emulation`` (the link emulator's declared hardware). :data:`GRID_4` and
+:func:`validation_configs` / :func:`validation_configs_4` are the configs
+:func:`moelab.sim.validate.validate` and ``benchmarks/sim_validation.py`` run. Measured accuracy on
+this machine: :mod:`moelab.sim.validate`'s docstring.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from moelab.comm.topology import Topology
+from moelab.config import RunConfig
+from moelab.sim.calibrate import cpu_cores
+from moelab.sim.realruns import measure_compute
+
+GB = 1e9
+
+
+def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compute="model", share_cores: bool = True,
+                    name: Optional[str] = None):
+    """This machine as a :class:`ClusterProfile` laid out as ``cfg``'s declared topology.
+
+    ``calibration``: a :func:`moelab.sim.calibrate.calibrate_local` result (collective fits; its
+    ``nproc`` need not equal ``cfg``'s: loopback gloo fits are per byte); may be None when
+    ``cfg.emulation`` is on (then every link is the emulated one). ``compute``:
+
+    - a number: FLOP/s per rank measured elsewhere (:func:`measure_compute_concurrent`: the ranks
+      already shared the cores while measuring, so no core share is applied);
+    - ``"model"``: effective FLOP/s of this model on one process (:func:`measure_compute`);
+    - ``"gemm"``: the calibrated GEMM rate (raw, under-predicts tiny CPU models);
+    - ``"calibrated"``: the calibration's one-process compute line (``calibration["compute"]``,
+      :func:`moelab.sim.calibrate.fit_compute`) with the host's cores as a pool the ranks share
+      while they compute (the engine slows R ranks computing at once on C cores by R/C, and gives a
+      waiting rank's core to the others), collectives by their alpha-beta lines on ``nproc`` ranks;
+    - ``"in_context"``: ``calibration["in_context"]`` (:func:`moelab.sim.calibrate.fit_in_context`):
+      a compute line and a per-call cost fitted on real multi-rank training steps of held-out
+      shapes, so the sharing of the cores is in those two terms (no pool).
+
+    ``share_cores`` (for ``"model"``/``"gemm"``): ranks beyond the core count time-share the cores,
+    so each rank's rate is scaled by ``min(1, cores / nproc)`` (a static factor, whether or not they
+    compute at the same time). With emulation on, the links are the emulated ones
+    (:func:`emulation_profile`).
+    """
+    from moelab.sim.profiles import ClusterProfile, local_profile_from_calibration
+
+    if calibration is not None:
+        base = local_profile_from_calibration(calibration, name=name or "local")
+    elif cfg.emulation.enabled and compute not in ("gemm", "calibrated", "in_context"):
+        # every link is emulated: nothing of loopback gloo is used, only compute needs measuring
+        base = ClusterProfile(name=name or "local", nodes=1, gpus_per_node=cfg.parallel.nproc, gpu="cpu",
+                              peak_flops=1.0, achieved_flops=1.0, intra_bw_GBps=1.0, intra_latency_us=0.0,
+                              inter_bw_GBps=1.0, inter_latency_us=0.0, mem_GB=0.0,
+                              sources={"*": "this machine; links EMULATED, compute measured"})
+    else:
+        raise ValueError("machine_profile needs a calibration (calibrate_local) unless every link is emulated")
+    topo = Topology.from_config(cfg.parallel.nproc, cfg.parallel.topology.nodes, cfg.parallel.topology.ranks_per_node)
+    share = min(1.0, cpu_cores() / cfg.parallel.nproc) if share_cores else 1.0
+    pool = {"shared_cores": 0, "op_overhead_s": 0.0, "call_overhead_s": 0.0}  # the static share instead of a pool
+    if compute in ("calibrated", "in_context"):
+        ctx = (calibration or {}).get("in_context") if compute == "in_context" else None
+        fit = ctx or (calibration or {}).get("compute")
+        if fit is None or (compute == "in_context" and ctx is None):
+            raise ValueError(f"compute={compute!r} needs a calibration with a compute fit (calibrate_local(..., "
+                             "compute_models=COMPUTE_MODELS), and train_models=TRAIN_MODELS for 'in_context')")
+        flops, share, tag = float(fit["flops_per_s"]), 1.0, compute
+        if ctx:  # fitted on multi-rank steps: the sharing of the cores is already in both terms
+            pool = {"shared_cores": 0, "op_overhead_s": float(ctx["op_overhead_s"]),
+                    "call_overhead_s": float(ctx["call_overhead_s"])}
+            src = (f"fitted: {ctx['source']}; op overhead {ctx['op_overhead_s'] * 1e6:.0f} us, "
+                   f"call overhead {ctx['call_overhead_s'] * 1e6:.0f} us")
+        else:
+            pool = {"shared_cores": int(calibration.get("cores") or cpu_cores()),
+                    "op_overhead_s": float(fit["op_overhead_s"])}
+            src = f"fitted: {fit['source']}; op overhead {fit['op_overhead_s'] * 1e6:.0f} us, cores shared by the ranks"
+    elif isinstance(compute, (int, float)):
+        flops, share, tag = float(compute), 1.0, "model"
+        src = f"effective FLOP/s of this model, {cfg.parallel.nproc} processes at once (measure_compute_concurrent)"
+    elif compute == "model":
+        flops, tag = measure_compute(cfg)["flops_per_s"], "model"
+        src = "effective FLOP/s of this model on 1 process (measure_compute)"
+    elif compute == "gemm":
+        flops, tag = float(calibration["gemm_flops"]), "gemm"
+        src = "GEMM FLOP/s (calibrate_local)"
+    else:
+        raise ValueError("compute must be a FLOP/s number, 'model', 'gemm', 'calibrated' or 'in_context', "
+                         f"got {compute!r}")
+    prof = dataclasses.replace(base, name=name or f"local-{tag}", nodes=topo.nodes, **pool,
+                               gpus_per_node=topo.ranks_per_node, achieved_flops=flops * share,
+                               sources={**base.sources, "achieved_flops": f"{src} x {share:g} core share"})
+    if cfg.emulation.enabled:
+        prof = emulation_profile(cfg, prof)
+    return prof
+
+
+def emulation_profile(cfg: RunConfig, base):
+    """``base`` with the links of ``cfg.emulation`` (labelled EMULATED in the name).
+
+    The emulator (``Communicator.emulated_time``) declares per-rank links: every rank has its own
+    intra-node port (``intra_bw_GBps``) and its own NIC (``inter_bw_GBps``), per direction. The
+    profile declares the same hardware in the simulator's terms: ``nics_per_node = ranks per node``
+    and the node's inter bandwidth = ``ranks_per_node x`` the per-rank NIC (``link_capacities``
+    gives each NIC its share), intra bandwidth and latencies as emulated. Both sides then price a
+    collective alike: all-to-all and p2p as direct transfers on those links (max(out, in) per port
+    or NIC, tested; a call spanning nodes pays the inter latency in the simulator even where an
+    intra port binds, the emulator that port's latency: at most their difference apart),
+    all-reduce / all-gather / reduce-scatter as the same rings (``costs.ring_channels``: one channel
+    per NIC across nodes; steps x latency + slowest link, tested). Broadcast and reduce are priced
+    differently (the emulator a flat tree from/to the root, the simulator a pipelined chain): inside
+    one node a fitted line ``(latency, 1/bw)`` over the bytes a rank sends reproduces the emulator;
+    across nodes the chain stays (the EP baseline issues neither). No number here is fitted to
+    measured times.
+    """
+    e = cfg.emulation
+    if not e.enabled:
+        return base
+    rpn = base.gpus_per_node
+    fits = {op: (e.intra_latency_us * 1e-6, 1.0 / (e.intra_bw_GBps * GB)) for op in ("broadcast", "reduce")}
+    return dataclasses.replace(
+        base, name=f"{base.name}+EMULATED", intra_bw_GBps=e.intra_bw_GBps, intra_latency_us=e.intra_latency_us,
+        inter_bw_GBps=e.inter_bw_GBps * rpn, inter_latency_us=e.inter_latency_us, nics_per_node=rpn, fits=fits,
+        sources={**base.sources, "intra_bw_GBps": "emulation.intra_bw_GBps (EMULATED, per rank)",
+                 "inter_bw_GBps": f"emulation.inter_bw_GBps x {rpn} ranks per node (EMULATED: one NIC per rank)",
+                 "nics_per_node": f"{rpn}: the emulator gives every rank its own NIC (EMULATED)",
+                 "fits": "broadcast/reduce inside a node: one emulated latency + bytes sent / emulated bandwidth"})
+
+
+# ---- validation sets ---------------------------------------------------------------------------------------
+BASE_MODEL = {"model.d_model": 32, "model.d_ff": 32, "model.n_layers": 2, "model.n_heads": 2,
+              "model.seq_len": 32, "train.trace": False, "train.dataset": "pydocs"}
+
+
+# (nodes, experts, top_k, batch, seed) of the 4-rank set: 4 ranks on this machine's 2 cores, the case
+# a FLOP/byte model without shared cores and per-call costs got wrong (R^2 about -0.9 unemulated)
+GRID_4 = [(1, 4, 1, 2, 0), (2, 8, 2, 8, 1), (1, 8, 2, 16, 2), (2, 4, 2, 32, 3), (1, 16, 1, 48, 4), (2, 8, 2, 64, 5)]
+
+
+def validation_configs_4(emulated: bool = False, *, iters: int = 7, intra_bw_GBps: float = 0.002,
+                         inter_bw_GBps: float = 0.001) -> list:
+    """``[(name, RunConfig)]`` of :data:`GRID_4`: 4 ranks, batch 2-64 so step times spread several-fold
+    (on a 2-core machine shared with other jobs one iteration can vary by 2x: R^2 needs that spread)."""
+    out = []
+    for nodes, E, k, B, seed in GRID_4:
+        ov = {**BASE_MODEL, "parallel.nproc": 4, "parallel.topology.nodes": nodes, "model.moe.num_experts": E,
+              "model.moe.top_k": k, "train.batch_size": B, "train.seed": seed, "train.iters": iters,
+              "emulation.enabled": emulated}
+        if emulated:
+            ov.update({"emulation.intra_bw_GBps": intra_bw_GBps, "emulation.inter_bw_GBps": inter_bw_GBps})
+        out.append((f"n4x{nodes}-e{E}k{k}-b{B}-s{seed}" + ("-emu" if emulated else ""),
+                    RunConfig().with_overrides(ov).validate()))
+    return out
+
+
+def validation_configs(scale: str = "smoke", emulated: bool = True, *, intra_bw_GBps: float = 0.002,
+                       inter_bw_GBps: float = 0.001, iters: Optional[int] = None) -> list:
+    """``[(name, RunConfig)]``: a spread of configs (ranks 2 and 4, experts, top-k, tokens, seeds).
+
+    With ``emulated``, slow links (intra ``intra_bw_GBps``, inter ``inter_bw_GBps`` per rank) make
+    communication dominate, so what is predicted is mostly the emulated transfer time. Why so slow
+    (2 and 1 MB/s by default): the model is tiny (d_model 32, fp32: 128 bytes per token and
+    all-to-all) and a CPU rank computes it at a few GFLOP/s, so links of 0.05-0.2 GB/s would leave
+    communication at 10-30% of a step and the prediction would mostly test compute timing on a
+    shared 2-core machine; at these rates it is 80-95% (``Comparison.iters.comm_share_sim``).
+    Seeds change the gate's initial weights and therefore how skewed the measured loads are.
+    """
+    if scale not in ("smoke", "default", "full"):
+        raise ValueError(f"scale must be smoke, default or full, got {scale!r}")
+    it = iters or {"smoke": 7, "default": 10, "full": 14}[scale]
+    # (nproc, nodes, experts, top_k, batch, seed)
+    grid = [(2, 1, 2, 1, 2, 0), (2, 1, 4, 2, 8, 1), (2, 1, 8, 2, 24, 2),
+            (4, 2, 4, 2, 4, 0), (4, 2, 8, 1, 16, 3), (4, 1, 8, 2, 12, 1)]
+    if scale != "smoke":
+        grid += [(2, 1, 4, 1, 12, 4), (2, 1, 8, 2, 4, 5), (4, 2, 4, 2, 16, 6), (4, 2, 8, 2, 8, 7)]
+    if scale == "full":
+        grid += [(2, 1, 2, 2, 32, 8), (4, 1, 4, 1, 16, 9), (4, 2, 16, 2, 24, 10), (4, 4, 8, 2, 6, 11)]
+    out = []
+    for n, nodes, E, k, B, seed in grid:
+        ov = {**BASE_MODEL, "parallel.nproc": n, "parallel.topology.nodes": nodes, "model.moe.num_experts": E,
+              "model.moe.top_k": k, "train.batch_size": B, "train.seed": seed, "train.iters": it,
+              "emulation.enabled": emulated}
+        if emulated:
+            ov.update({"emulation.intra_bw_GBps": intra_bw_GBps, "emulation.inter_bw_GBps": inter_bw_GBps})
+        name = f"n{n}x{nodes}-e{E}k{k}-b{B}-s{seed}" + ("-emu" if emulated else "")
+        out.append((name, RunConfig().with_overrides(ov).validate()))
+    return out
+
+
+def quick_calibration(nproc: int = 2, sizes=(1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23), reps: int = 5,
+                      ops=("all_to_all", "all_reduce", "all_gather"), timeout_s: float = 60.0,
+                      compute_models=None, train_models=None) -> dict:
+    """:func:`moelab.sim.calibrate.calibrate_local` at small sizes (a few seconds on 2 cores);
+    ``compute_models`` / ``train_models`` (``moelab.sim.calibrate.COMPUTE_MODELS`` / ``TRAIN_MODELS``)
+    add the fitted compute line and the in-context terms (tens of seconds more)."""
+    from moelab.sim.calibrate import calibrate_local
+
+    return calibrate_local(nproc, sizes=sizes, gemm_sizes=((64, 64, 64), (128, 128, 128), (256, 256, 256)),
+                           ops=ops, reps=reps, timeout_s=timeout_s, compute_models=compute_models,
+                           train_models=train_models)

@@ -1,0 +1,267 @@
+"""Real runs for the simulator's validation, and the compute measurements a local profile is fitted from.
+
+:func:`run_real_many` trains each config on spawned gloo ranks (:class:`moelab.runtime.train.Trainer`)
+and keeps what the comparison needs (:class:`RealRun`: per-rank step times, the dispatcher's loads,
+the communicator's records and spans). :func:`measure_compute` / :func:`measure_compute_concurrent`
+time a config's model on one process (or on as many as the run has ranks, concurrently) with no
+communication: the effective FLOP/s at the model's own shapes. :mod:`moelab.sim.validate` compares.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from moelab.comm.topology import LINK_CLASSES
+from moelab.config import RunConfig
+
+
+# ---- real runs -------------------------------------------------------------------------------------
+@dataclass
+class RealRun:
+    """What one real run measured (every rank), iterations in order.
+
+    ``step_times[it, r]``: rank r's step time (forward, backward, grad sync, optimizer) in s.
+    ``loads[it, l]``: the ``[N, E]`` matrix of tokens each source rank routed to each expert in MoE
+    layer l (after capacity drops), from the dispatcher's count exchange.
+    ``comm``: one row per training collective call (metric traffic is not recorded): rank, iter,
+    layer, phase, op, seq (call order within (rank, iter)), t_start, t_end, emulated_s, bytes_*.
+    ``spans``: the recorder's compute spans: rank, name, cat, t_start, t_end, iter, layer.
+    """
+
+    cfg: RunConfig
+    step_times: np.ndarray
+    loads: np.ndarray
+    comm: "object"  # pandas DataFrame
+    spans: "object"  # pandas DataFrame
+    wall_s: float = 0.0
+
+    @property
+    def nproc(self) -> int:
+        return self.step_times.shape[1]
+
+    @property
+    def iters(self) -> int:
+        return self.step_times.shape[0]
+
+    @property
+    def step_time_max(self) -> np.ndarray:
+        return self.step_times.max(axis=1)
+
+    def bytes(self):
+        """Per (iter, rank): bytes sent per link class, training traffic only."""
+        cols = [f"bytes_{c}" for c in LINK_CLASSES]
+        return self.comm.groupby(["iter", "rank"])[cols].sum().reset_index()
+
+    @property
+    def label(self) -> str:
+        return real_label(self.cfg)
+
+
+def real_label(cfg: RunConfig) -> str:
+    e = cfg.emulation
+    topo = cfg.parallel.topology
+    s = f"REAL: {cfg.parallel.nproc} ranks gloo"
+    if topo.nodes > 1:
+        s += f" ({topo.nodes} nodes declared)"
+    if e.enabled:
+        s += f", EMULATED links (intra {e.intra_bw_GBps:g} GB/s, inter {e.inter_bw_GBps:g} GB/s per rank)"
+    return s
+
+
+def _real_worker(rank, world, cfg_dicts):
+    """Runs on every rank: each config in turn, step by step; returns plain picklable data."""
+    import time
+
+    import torch
+
+    from moelab.runtime.train import Trainer
+
+    torch.set_num_threads(1)
+    out = []
+    for d in cfg_dicts:
+        cfg = RunConfig.from_dict(d)
+        t0 = time.time()
+        tr = Trainer.build(cfg)
+        loads = []
+        for it in range(cfg.train.iters):
+            tr.step(it)
+            loads.append(np.stack([layer.last_global_counts.numpy().astype(np.int64)
+                                   for layer in tr.model.moe_layers()]))
+        comm, seq = [], {}
+        for r in tr.comm.rec.comm:
+            it = r.tags.get("iter", -1)
+            seq[it] = seq.get(it, -1) + 1
+            comm.append((rank, it, r.tags.get("layer", -1), r.tags.get("phase", ""), r.op, seq[it],
+                         r.t_start, r.t_end, r.emulated_s, *(int(r.bytes.get(c, 0)) for c in LINK_CLASSES)))
+        spans = [(rank, name, cat, t0_, t1_, tags.get("iter", -1), tags.get("layer", -1))
+                 for name, cat, t0_, t1_, tags in tr.comm.rec.spans]
+        out.append(dict(step_times=[m["step_time_s"] for m in tr.metrics], loads=np.stack(loads),
+                        comm=comm, spans=spans, wall=time.time() - t0))
+        del tr
+    return out
+
+
+def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, timeout: float = 300.0) -> list:
+    """Run several configs (same ``nproc``) one after another on one set of spawned gloo ranks.
+
+    One spawn for all of them: starting ranks (importing torch, reading the corpus) costs seconds
+    on a small machine, a short run less. Returns one :class:`RealRun` per config.
+    """
+    import pandas as pd
+
+    from moelab.testing import run_ranks
+
+    cfgs = list(cfgs)
+    if not cfgs:
+        return []
+    nproc = nproc or cfgs[0].parallel.nproc
+    dicts = []
+    for c in cfgs:
+        if c.parallel.nproc != nproc:
+            c = c.with_overrides({"parallel.nproc": nproc})
+        dicts.append(c.validate().to_dict())
+    per_rank = run_ranks(_real_worker, nproc, dicts, timeout=timeout)
+    runs = []
+    for i, d in enumerate(dicts):
+        res = [per_rank[r][i] for r in range(nproc)]
+        comm = pd.DataFrame([row for x in res for row in x["comm"]],
+                            columns=["rank", "iter", "layer", "phase", "op", "seq", "t_start", "t_end",
+                                     "emulated_s", *[f"bytes_{c}" for c in LINK_CLASSES]])
+        spans = pd.DataFrame([row for x in res for row in x["spans"]],
+                             columns=["rank", "name", "cat", "t_start", "t_end", "iter", "layer"])
+        for r in range(1, nproc):  # the count exchange made every rank's loads the same matrix
+            if not np.array_equal(res[r]["loads"], res[0]["loads"]):
+                raise AssertionError(f"rank {r} recorded other loads than rank 0: the count exchange is broken")
+        runs.append(RealRun(RunConfig.from_dict(d), np.array([x["step_times"] for x in res]).T,
+                            res[0]["loads"], comm, spans, wall_s=max(x["wall"] for x in res)))
+    return runs
+
+
+def run_real(cfg: RunConfig, nproc: Optional[int] = None, *, timeout: float = 300.0) -> RealRun:
+    """A short real training of ``cfg`` on ``nproc`` spawned gloo ranks (default ``cfg.parallel.nproc``)."""
+    return run_real_many([cfg], nproc, timeout=timeout)[0]
+
+
+# ---- profiles of this machine ---------------------------------------------------------------------------
+
+
+def _compute_only_cfg(cfg: RunConfig) -> RunConfig:
+    return cfg.with_overrides({"parallel.nproc": 1, "parallel.topology.nodes": 1,
+                               "parallel.topology.ranks_per_node": None, "parallel.placement": None,
+                               "emulation.enabled": False, "train.trace": False})
+
+
+_COMPUTE_CACHE: dict = {}
+
+
+def measure_compute(cfg: RunConfig, iters: int = 10, warmup: int = 2, cache: bool = True) -> dict:
+    """Effective compute FLOP/s of ``cfg``'s model on one process of this machine (1 thread).
+
+    Runs ``iters`` real training steps of the model with every expert local (world 1: no
+    communication; the same per-rank batch, so the same attention, gate, head and, on average, expert
+    work per rank), and divides the FLOPs the simulator charges for that iteration by the median
+    measured step time after ``warmup``. Returns ``{flops, ops, time_s, flops_per_s}`` (``ops``: the
+    compute ops the simulator charges per rank, what a per-op overhead multiplies). Cached per model
+    shape (the result does not depend on the parallel layout).
+    """
+    import torch
+
+    from moelab.runtime.train import Trainer
+    from moelab.sim.graphs import iteration_graph
+    from moelab.sim.profiles import ClusterProfile
+
+    c1 = _compute_only_cfg(cfg).with_overrides({"train.iters": iters + warmup})
+    key = (repr(c1.model), c1.train.batch_size, c1.train.dtype, iters, warmup)
+    if cache and key in _COMPUTE_CACHE:
+        return dict(_COMPUTE_CACHE[key])
+    unit = ClusterProfile(name="unit", nodes=1, gpus_per_node=1, gpu="-", peak_flops=1.0, achieved_flops=1.0,
+                          intra_bw_GBps=1.0, intra_latency_us=0.0, inter_bw_GBps=1.0, inter_latency_us=0.0,
+                          mem_GB=1.0)
+    E = c1.model.moe.num_experts
+    from moelab.sim.graphs import moe_layer_ids
+
+    L = len(moe_layer_ids(c1.model))
+    T = c1.train.batch_size * c1.model.seq_len * c1.model.moe.top_k
+    loads = np.zeros((L, 1, E), dtype=np.int64)
+    loads[:, 0, :] = T // E
+    loads[:, 0, : T % E] += 1
+    g = iteration_graph(c1, unit, loads)
+    flops = float(sum(o.duration for o in g.ops if o.kind == "compute"))
+    n_ops = sum(1 for o in g.ops if o.kind == "compute" and o.duration > 0)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tr = Trainer.build(c1.validate())
+        times = [tr.step(it)["step_time_s"] for it in range(iters + warmup)]
+    finally:
+        torch.set_num_threads(old)
+    t = float(np.median(times[warmup:]))
+    out = dict(flops=flops, ops=n_ops, time_s=t, flops_per_s=flops / t)
+    _COMPUTE_CACHE[key] = dict(out)
+    return out
+
+
+def _compute_worker(i, cfg_dicts, iters, warmup, barrier, q):
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        out = []
+        for d in cfg_dicts:
+            barrier.wait(timeout=120)  # every process measures the same config at the same time
+            out.append(measure_compute(RunConfig.from_dict(d), iters=iters, warmup=warmup, cache=False))
+        q.put((i, True, out))
+    except BaseException as e:  # report, the parent raises
+        q.put((i, False, repr(e)))
+
+
+def measure_compute_concurrent(cfgs: Sequence[RunConfig], nproc: int, *, iters: int = 6, warmup: int = 2,
+                               timeout: float = 300.0) -> list:
+    """:func:`measure_compute` of each config on ``nproc`` processes at once (no communication).
+
+    ``nproc`` ranks share this machine's cores (and whatever else runs on it), so the rate one rank
+    gets is measured the way the real run will get it: all ranks computing together, as they do in
+    an expert-parallel step. Returns, per config, the median over processes of ``measure_compute``.
+    """
+    import multiprocessing as mp
+    import queue as queue_mod
+    import time
+
+    ctx = mp.get_context("spawn")
+    q, barrier = ctx.Queue(), ctx.Barrier(nproc)
+    dicts = [c.to_dict() for c in cfgs]
+    procs = [ctx.Process(target=_compute_worker, args=(i, dicts, iters, warmup, barrier, q), daemon=True)
+             for i in range(nproc)]
+    for p in procs:
+        p.start()
+    res, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(res) < nproc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"measure_compute_concurrent did not finish within {timeout:.0f} s")
+            try:
+                i, ok, payload = q.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a compute-measurement process died with exit code {dead[0]}") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"compute measurement failed in process {i}: {payload}")
+            res[i] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=1)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        q.close()
+    out = []
+    for j in range(len(dicts)):
+        rows = [res[i][j] for i in range(nproc)]
+        t = float(np.median([r["time_s"] for r in rows]))
+        out.append(dict(flops=rows[0]["flops"], time_s=t, flops_per_s=rows[0]["flops"] / t, nproc=nproc))
+    return out
