@@ -112,6 +112,16 @@ class Recorder:
             self._local.tags = old
 
     @contextlib.contextmanager
+    def paused(self):
+        """``with rec.paused(): ...`` - bookkeeping traffic (metrics, evaluation, checkpoint flags, load
+        gathers) is not training traffic: not recorded, hence not link-emulated either."""
+        was, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = was
+
+    @contextlib.contextmanager
     def span(self, name: str, cat: str = "compute"):
         t0 = time.time()
         try:

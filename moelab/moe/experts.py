@@ -102,16 +102,12 @@ class Experts(nn.Module):
     def _unbound(self):
         """Per-slot views made by one ``unbind`` per parameter: indexing ``w1[s]`` per slot would make
         each slot's backward write a gradient the size of the whole stack (cost ~ slots^2)."""
-        return [p.unbind(0) if p is not None else None for p in (self.w1, self.b1, self.w2, self.b2)]
+        return [p.unbind(0) if p is not None else None for p in self.stacked()]
 
     @staticmethod
     def _ffn(act, x, w1, b1, w2, b2):
         h = x @ w1 if b1 is None else torch.addmm(b1, x, w1)
         return act(h) @ w2 if b2 is None else torch.addmm(b2, act(h), w2)
-
-    def forward_slot(self, s: int, x: torch.Tensor) -> torch.Tensor:
-        p = [q[s] if q is not None else None for q in (self.w1, self.b1, self.w2, self.b2)]
-        return self._ffn(self.act, x, *p)
 
     def forward(self, x: torch.Tensor, rows_per_slot: Sequence[int], experts: Optional[Sequence[int]] = None,
                 materialized: Optional[dict] = None) -> torch.Tensor:
@@ -143,6 +139,3 @@ class Experts(nn.Module):
     def stacked(self) -> list:
         """The stacked parameters ``[w1, b1, w2, b2]`` (None where there is no bias)."""
         return [self.w1, self.b1, self.w2, self.b2]
-
-    def slot_parameters(self, s: int) -> list:
-        return [p[s] for p in (self.w1, self.b1, self.w2, self.b2) if p is not None]

@@ -181,11 +181,8 @@ def save(trainer, run_dir, step: int) -> Path:
 def _all_ok(comm, ok: bool) -> bool:
     """Every rank's flag, through the door but unrecorded (bookkeeping, not training traffic)."""
     flag = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
-    was, comm.rec.enabled = comm.rec.enabled, False
-    try:
+    with comm.rec.paused():
         comm.all_reduce_(flag)
-    finally:
-        comm.rec.enabled = was
     return int(flag.item()) == comm.world_size
 
 

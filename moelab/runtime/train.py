@@ -19,7 +19,6 @@ iterations: a checkpoint (:mod:`moelab.runtime.checkpoint`); ``train.resume_from
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -51,16 +50,6 @@ def placement_for(cfg: RunConfig, world: int) -> Placement:
 def topology_for(cfg: RunConfig, world: int) -> Topology:
     t = cfg.parallel.topology
     return Topology.from_config(world, t.nodes, t.ranks_per_node)
-
-
-@contextlib.contextmanager
-def unrecorded(comm):
-    """Bookkeeping traffic (metrics, evaluation, checkpoint flags) is not training traffic."""
-    was, comm.rec.enabled = comm.rec.enabled, False
-    try:
-        yield
-    finally:
-        comm.rec.enabled = was
 
 
 def _jsonable(x):
@@ -160,7 +149,7 @@ class Trainer:
         step_time = time.time() - t0
 
         stats = torch.tensor([lm.detach().double().item()], dtype=torch.float64, device=self.device)
-        with unrecorded(comm):  # metric traffic is not training traffic
+        with comm.rec.paused():  # metric traffic is not training traffic
             comm.all_reduce_(stats)
         bytes_cls = comm.rec.bytes_by_class(n_rec)
         row = dict(iter=it, loss=float(stats[0]) / world, step_time_s=step_time,
@@ -195,7 +184,7 @@ class Trainer:
         layers = self.model.moe_layers()
         saved = [_layer_state(layer) for layer in layers]
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed token loss, tokens
-        with unrecorded(comm), self.update.resident_params() as model:
+        with comm.rec.paused(), self.update.resident_params() as model:
             for i in range(cfg.train.eval_batches):
                 b = make_eval_batch(cfg, self.rank, comm.world_size, i)
                 logits = model(b["inputs"].to(self.device))

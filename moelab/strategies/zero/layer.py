@@ -64,12 +64,8 @@ class ZeroMoELayer(MoELayer):
             C = torch.zeros(N, lec.numel(), dtype=torch.int64)
             C[comm.rank] = lec
             return C
-        was = comm.rec.enabled
-        comm.rec.enabled = False  # metric traffic, not training traffic (and not link-emulated)
-        try:
+        with comm.rec.paused():  # metric traffic, not training traffic (and not link-emulated)
             return comm.all_gather(lec, group="dp").cpu()
-        finally:
-            comm.rec.enabled = was
 
     # ---- the stages ZeRO changes (route, place, plan and expert compute are the core's) ----------
     def exchange_counts(self, routing: Routing) -> CountExchange:
