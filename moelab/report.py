@@ -117,7 +117,7 @@ def collect(folder: str | Path) -> dict:
     for stem, files in groups.items():
         side = _sidecar(files[".json"]) if ".json" in files else None
         rel = {ext: p.relative_to(folder).as_posix() for ext, p in files.items()}
-        if side is None and ".json" in files:
+        if side is None and ".json" in files and stem.name != "manifest":  # manifest.json: _manifest_html
             others.append(rel[".json"])
         name = stem.relative_to(folder).as_posix()
         is_table = (side or {}).get("kind") == "table" or (side is None and (
@@ -159,6 +159,31 @@ def _table_html(table: dict) -> str:
     return frame.head(MAX_TABLE_ROWS).to_html(index=False, border=0, classes="data", na_rep="") + note
 
 
+def _manifest_html(folder: Path, base: str) -> str:
+    """The paper's manifest (``manifest.json`` written by :class:`moelab.repro.session.Session`): every
+    table and figure of the paper, with links to what moelab made of it or the reason it is missing."""
+    try:
+        m = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if m.get("kind") != "manifest":
+        return ""
+    rows = []
+    for it in m.get("items", []):
+        if not it.get("products"):
+            rows.append(f"<tr><td>{_e(it['id'])}</td><td>{_e(it['title'])}</td><td>{_badge('NOT REPRODUCED', 'NO')}"
+                        f"</td><td class=muted>{_e(it.get('not_reproduced'))}</td></tr>")
+        for p in it.get("products", []):
+            links = " · ".join(f'<a href="{_u(base + f["file"])}">{_e(f["stem"])}</a>' for f in p.get("files", []))
+            what = links if p.get("status") == "made" else f"<span class=warn>{_e(p.get('status'))}: {_e(p.get('reason'))}</span>"
+            notes = "".join(f"<br><span class=muted>{_e(n)}</span>" for n in p.get("notes", []) if len(n) < 300)
+            rows.append(f"<tr><td>{_e(it['id'])}</td><td>{_e(it['title'])}</td><td>{_badge(p['cls'], p['cls'])}"
+                        f"{_e(p['id'])}</td><td>{what}{notes}</td></tr>")
+    return (f"<h3>Manifest: what the paper has, what moelab made of it</h3><p class=muted>{_e(m.get('title'))} · "
+            f"spec <code>{_e(m.get('spec'))}</code></p><table><tr><th>paper item</th><th>title</th>"
+            f"<th>moelab product</th><th>files, or why not</th></tr>{''.join(rows)}</table>")
+
+
 def load_manifests(out: str | Path) -> list[dict]:
     """Every notebook's manifest in ``out/notebooks/`` (written by ``moelab reproduce``)."""
     found = []
@@ -183,7 +208,7 @@ pre{background:#fff4f4;border:1px solid #f5c2c2;padding:10px;overflow-x:auto;whi
 .badge{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;font-weight:600;color:#fff;
 margin-right:4px}.ok{background:#2f9e44}.failed,.timeout{background:#d9480f}.reused{background:#5c7cfa}
 .REAL{background:#2f9e44}.EMULATED{background:#e67700}.SIMULATED{background:#1c7ed6}
-.SUBSTITUTE{background:#7048e8}.PAPER{background:#868e96}.UNLABELLED{background:#e03131}
+.SUBSTITUTE{background:#7048e8}.PAPER{background:#868e96}.UNLABELLED{background:#e03131}.NO{background:#adb5bd}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:14px}
 .card{border:1px solid #e4e7eb;border-radius:6px;padding:10px;background:#fcfcfd}
 .card img{width:100%;border:1px solid #eef0f3;border-radius:4px}.card .t{font-weight:600;margin:0 0 4px}
@@ -264,6 +289,7 @@ def _section(m: dict, out: Path) -> str:
     body += [f"<p class=warn>warning: {_e(w)}</p>" for w in m.get("warnings") or []]
     if m.get("error"):
         body.append(f"<h3>Error</h3><pre>{_e(m['error'])}</pre>")
+    body.append(_manifest_html(out / fig_rel, base))
     if found["figures"]:
         body.append(f"<h3>Figures ({len(found['figures'])})</h3><div class=grid>"
                     + "".join(_figure_card(f, base) for f in found["figures"]) + "</div>")

@@ -1,0 +1,149 @@
+"""Paper vs moelab, driven by ``experiments/<paper>/paper.yaml``: the paper's numbers as data, each
+naming the moelab product, rows, column and reducer that give moelab's counterpart::
+
+    numbers:
+      zero3_speedup_trevor:
+        value: 17.87
+        quantity: MoE-layer time speedup of FasterMoE over ZeRO-3
+        unit: x
+        at: trevor, 64 V100-SXM2 (paper scale)
+        figure: Fig. 10
+        source: spec §1; §4 Fig. 10
+        neutral: 1.0                     # optional: the value meaning "no effect" (trend checks)
+        moelab:
+          - {product: fig10, where: {system: FasterMoE, cluster: trevor}, column: speedup_vs_zero3, reduce: max}
+
+Rules, so that a row never sets two different things side by side:
+
+- the product must declare the column's :class:`~moelab.repro.registry.Quantity`; a column of another
+  quantity or unit is **refused** (the row says why, no ratio);
+- a SIMULATED moelab value (the paper's cluster, priced) gets the ratio moelab / paper;
+- a REAL, EMULATED or SUBSTITUTE value (a CPU box, not the paper's scale) is a **trend check**: no
+  ratio, only whether it lies on the same side of ``neutral`` as the paper's;
+- a product that was not made gives a "not run" row.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+REDUCERS = {"max": lambda s: s.max(), "min": lambda s: s.min(), "mean": lambda s: s.mean(),
+            "median": lambda s: s.median(), "only": None}
+STATUSES = ("ratio", "trend check", "refused", "not run")
+
+
+class PaperNumbersError(ValueError):
+    """paper.yaml cannot be read as the comparison needs it."""
+
+
+def paper_numbers_path(paper: str) -> Path:
+    from moelab.reproduce import project_root
+
+    return project_root() / "experiments" / paper / "paper.yaml"
+
+
+def load_numbers(paper_or_path) -> dict:
+    """key -> the paper number's entry, checked (value, quantity, unit, figure, source, moelab list)."""
+    import yaml
+
+    p = Path(paper_or_path)
+    path = p if p.suffix in (".yaml", ".yml") else paper_numbers_path(str(paper_or_path))
+    data = yaml.safe_load(path.read_text()) or {}
+    out = {}
+    for key, e in (data.get("numbers") or {}).items():
+        missing = [k for k in ("value", "quantity", "unit", "figure", "source") if k not in e]
+        if missing:
+            raise PaperNumbersError(f"{path}: {key} lacks {missing}")
+        for src in e.get("moelab") or []:
+            if not {"product", "column"} <= set(src):
+                raise PaperNumbersError(f"{path}: {key}: each moelab source names a product and a column")
+            if src.get("reduce", "only") not in REDUCERS:
+                raise PaperNumbersError(f"{path}: {key}: reduce must be one of {sorted(REDUCERS)}")
+        out[key] = e
+    return out
+
+
+def _select(frame, where: dict):
+    for col, want in (where or {}).items():
+        if col not in frame:
+            return frame.iloc[0:0]
+        frame = frame[frame[col].isin(want if isinstance(want, list) else [want])]
+    return frame
+
+
+def _reduce(frame, column: str, how: str):
+    s = frame[column].dropna()
+    if not len(s):
+        return None
+    if how == "only":
+        if len(s) != 1:
+            raise PaperNumbersError(f"reduce 'only' needs one row, got {len(s)} for column {column}")
+        return float(s.iloc[0])
+    return float(REDUCERS[how](s))
+
+
+def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict) -> dict:
+    """One row: the paper number ``entry`` against moelab source ``src``."""
+    from moelab.report import label_kind
+
+    pid, col = src["product"], src["column"]
+    row = dict(key=key, figure=entry["figure"], quantity=entry["quantity"], unit=entry["unit"],
+               paper=float(entry["value"]), paper_at=entry.get("at", ""), moelab=math.nan, moelab_label="",
+               product=pid, status="not run", ratio=math.nan, trend="", note=src.get("note", ""),
+               paper_source=entry["source"])
+    prod = products.get(pid)
+    q = prod.quantities.get(col) if prod is not None else None
+    if isinstance(q, tuple):  # the column's quantity depends on another column: (that column, {value: Quantity})
+        q = q[1].get((src.get("where") or {}).get(q[0]))
+    if prod is not None and (q is None or q.name != entry["quantity"] or q.unit != entry["unit"]):
+        got = f"{q.name!r} [{q.unit}]" if q else "an undeclared quantity"
+        row.update(status="refused", note=f"moelab column {pid}.{col} measures {got}, the paper "
+                                          f"{entry['quantity']!r} [{entry['unit']}]")
+        return row
+    frame = values.get(pid)
+    if frame is None:
+        return row
+    sel = _select(frame, src.get("where"))
+    try:
+        v = _reduce(sel, col, src.get("reduce", "only")) if col in sel else None
+    except PaperNumbersError as e:
+        row.update(status="refused", note=str(e))
+        return row
+    if v is None:
+        row.update(note=(row["note"] + "; " if row["note"] else "") + "no rows match")
+        return row
+    label = frame.attrs.get("label", "")
+    kind = label_kind(label)
+    row.update(moelab=v, moelab_label=label)
+    if kind == "SIMULATED":
+        row.update(status="ratio", ratio=v / row["paper"] if row["paper"] else math.nan)
+    else:
+        neutral = entry.get("neutral")
+        row["status"] = "trend check"
+        if neutral is not None:
+            same = (v - neutral) * (row["paper"] - neutral) > 0
+            row["trend"] = f"{'same' if same else 'other'} side of {neutral:g} as the paper"
+        else:
+            row["trend"] = "no ratio: not measured at the paper's scale"
+    return row
+
+
+def compare(paper: str, values: dict, products: dict, numbers: dict | None = None):
+    """The paper-vs-moelab frame: one row per (paper number, moelab source), see the module doc."""
+    import pandas as pd
+
+    numbers = load_numbers(paper) if numbers is None else numbers
+    rows = []
+    for key, e in numbers.items():
+        for src in e.get("moelab") or [{}]:
+            if not src:  # the paper has it, moelab has nothing to set against it
+                rows.append(dict(key=key, figure=e["figure"], quantity=e["quantity"], unit=e["unit"],
+                                 paper=float(e["value"]), paper_at=e.get("at", ""), moelab=math.nan,
+                                 moelab_label="", product="", status="not run", ratio=math.nan, trend="",
+                                 note=e.get("no_counterpart", "no moelab counterpart"), paper_source=e["source"]))
+                continue
+            rows.append(compare_one(key, e, src, values, products))
+    df = pd.DataFrame(rows)
+    df.attrs["label"] = (f"PAPER vs moelab: the paper's numbers from experiments/{paper}/paper.yaml; ratios only "
+                         "for SIMULATED values at the paper's scale, trend checks for runs on this machine")
+    return df

@@ -1,0 +1,176 @@
+"""The reproduction kit (moelab.repro): manifests, the product registry, the session a notebook drives,
+the paper-vs-moelab comparison; and, for every paper, that manifest, registry, paper.yaml and notebook
+agree (a notebook that forgets a promised product fails here, before any run)."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from moelab.repro import Made, Quantity, Session, product
+from moelab.repro.compare import compare, load_numbers
+from moelab.repro.manifest import ManifestError, load_manifest, parse_manifest
+from moelab.repro.registry import check_against_manifest, products
+from moelab.repro.session import ProductError
+
+REPO = Path(__file__).resolve().parent.parent
+PAPERS = ("fastermoe",)
+
+
+def notebook_calls(paper: str) -> list:
+    """Product ids the paper's notebook passes to ``S.show`` (in order)."""
+    nb = json.loads((REPO / "notebooks" / f"{paper}.ipynb").read_text())
+    src = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    return re.findall(r"""\.show\(\s*["']([\w-]+)["']""", src)
+
+
+# ---- every paper: one registry, one manifest, one notebook ------------------------------------------------
+@pytest.mark.parametrize("paper", PAPERS)
+def test_manifest_registry_notebook_and_paper_numbers_agree(paper):
+    m = load_manifest(paper)
+    assert check_against_manifest(m) == []
+    promised = list(m.product_classes())
+    calls = notebook_calls(paper)
+    assert sorted(calls) == sorted(promised), set(promised) ^ set(calls)  # each product shown exactly once
+    reg = products(paper, m.products_module)
+    for key, e in load_numbers(paper).items():
+        for src in e.get("moelab") or []:
+            q = reg[src["product"]].quantities.get(src["column"])
+            if isinstance(q, tuple):
+                q = q[1].get((src.get("where") or {}).get(q[0]))
+            assert q is not None and (q.name, q.unit) == (e["quantity"], e["unit"]), (key, src)
+        assert e.get("moelab") or e.get("no_counterpart"), f"{key}: say why moelab has no counterpart"
+    for it in m.items:  # every item either has products or a reason
+        assert it.products or it.not_reproduced
+
+
+def test_the_notebook_check_catches_a_missing_call():
+    calls = notebook_calls("fastermoe")
+    promised = load_manifest("fastermoe").product_classes()
+    assert sorted(calls[1:]) != sorted(promised)
+
+
+# ---- manifest validation -----------------------------------------------------------------------------------
+def _m(items):
+    return {"paper": "toy", "title": "Toy", "products": "tests.nothing", "items": items}
+
+
+@pytest.mark.parametrize("items,match", [
+    ([{"id": "fig1", "products": {"f1": "MEASURED"}}], "class must be one of"),
+    ([{"id": "fig1"}], "either products or a not_reproduced"),
+    ([{"id": "fig1", "products": {"f1": "REAL"}, "not_reproduced": "x"}], "not both"),
+    ([{"id": "fig1", "not_reproduced": "x"}, {"id": "fig1", "not_reproduced": "y"}], "unique"),
+    ([{"id": "fig1", "products": {"f1": "REAL"}}, {"id": "fig2", "products": {"f1": "REAL"}}], "two items"),
+])
+def test_manifest_rejects(items, match):
+    with pytest.raises(ManifestError, match=match):
+        parse_manifest(_m(items))
+
+
+def test_manifest_classes():
+    m = parse_manifest(_m([{"id": "fig1", "not_reproduced": "schematic"},
+                           {"id": "fig2", "products": {"a": "REAL", "b": "SIMULATED"}}]))
+    assert m.item("fig1").classes == ("NOT REPRODUCED",) and m.item("fig2").classes == ("REAL", "SIMULATED")
+    assert m.item_of("b").id == "fig2"
+
+
+# ---- a toy paper through the session and the comparison ----------------------------------------------------
+TOY = "toy_repro_paper"
+SPEED = Quantity("speedup of the toy system", "x")
+
+
+def _frame(label, **cols):
+    df = pd.DataFrame(cols)
+    df.attrs["label"] = label
+    return df
+
+
+@product(TOY, "sim", quantities={"speedup": SPEED, "other": Quantity("something else", "x")})
+def _sim(ctx):
+    f = _frame("SIMULATED: toy cluster", system=["a", "b"], speedup=[2.0, 3.0], other=[9.0, 9.0])
+    return Made(f, tables={"table_sim": (f, "toy table")}, notes=["a note"])
+
+
+@product(TOY, "emu", needs_real=True, quantities={"speedup": SPEED})
+def _emu(ctx):
+    return Made(_frame("EMULATED: 2 ranks", speedup=[0.8]))
+
+
+@product(TOY, "liar")
+def _liar(ctx):
+    import plotly.graph_objects as go
+
+    fig = go.Figure(layout={"meta": {"label": "REAL: 2 ranks gloo"}})
+    return Made(None, figures={"fig_liar": fig})
+
+
+def _toy_manifest(with_liar=False):
+    items = [{"id": "fig1", "not_reproduced": "schematic"},
+             {"id": "fig2", "products": {"sim": "SIMULATED", "emu": "EMULATED"}}]
+    if with_liar:
+        items.append({"id": "fig3", "products": {"liar": "SIMULATED"}})
+    return parse_manifest({"paper": TOY, "title": "Toy", "products": __name__, "items": items})
+
+
+def test_registry_check_names_both_directions():
+    errs = check_against_manifest(_toy_manifest())
+    assert errs == [f"{TOY}: 'liar' is registered but in no manifest item"]
+    m = parse_manifest({"paper": TOY, "title": "Toy", "products": __name__,
+                        "items": [{"id": "x", "products": {"sim": "SIMULATED", "emu": "EMULATED", "liar": "SIMULATED",
+                                                           "ghost": "REAL"}}]})
+    assert check_against_manifest(m) == [f"{TOY}: manifest promises 'ghost', no function registers it"]
+
+
+def test_session_records_skips_and_rejects_a_mislabelled_product(tmp_path):
+    m = _toy_manifest(with_liar=True)
+    S = Session(TOY, "smoke", tmp_path, run_real=False, show=False, manifest=m)
+    assert S.show("sim")["speedup"].tolist() == [2.0, 3.0]
+    assert S.show("emu") is None and S.status["emu"]["status"] == "skipped"
+    with pytest.raises(ProductError, match="manifest says SIMULATED.*REAL"):
+        S.show("liar")
+    with pytest.raises(KeyError):
+        S.show("nope")
+    S.finish()
+    side = json.loads((tmp_path / "manifest.json").read_text())
+    prods = {p["id"]: p for it in side["items"] for p in it["products"]}
+    assert prods["sim"]["status"] == "made" and prods["sim"]["files"][0]["file"] == "table_sim.csv"
+    assert prods["emu"]["status"] == "skipped" and "run_real" in prods["emu"]["reason"]
+    mf = pd.read_csv(tmp_path / "table_manifest.csv")
+    assert mf.set_index("item").loc["fig1", "status"] == "not reproduced"
+    # the report shows the manifest with a link to each product's file and the reason for the rest
+    from moelab.report import _manifest_html
+
+    html = _manifest_html(tmp_path, "figures/toy/")
+    assert 'href="figures/toy/table_sim.csv"' in html and "schematic" in html and "run_real=False" in html
+
+
+def _numbers(**moelab):
+    base = dict(value=2.5, quantity=SPEED.name, unit="x", figure="Fig. 2", source="spec §1", neutral=1.0)
+    return {"n": {**base, "moelab": [moelab]}}
+
+
+def test_compare_ratio_only_for_simulated_and_trend_check_otherwise():
+    reg = products(TOY, __name__)
+    values = {"sim": _sim(None).value, "emu": _emu(None).value}
+    r = compare(TOY, values, reg, _numbers(product="sim", column="speedup", reduce="max")).iloc[0]
+    assert r.status == "ratio" and r.moelab == 3.0 and r.ratio == pytest.approx(3.0 / 2.5)
+    r = compare(TOY, values, reg, _numbers(product="sim", where={"system": "a"}, column="speedup")).iloc[0]
+    assert r.moelab == 2.0
+    r = compare(TOY, values, reg, _numbers(product="emu", column="speedup")).iloc[0]
+    assert r.status == "trend check" and math.isnan(r.ratio) and r.trend.startswith("other side of 1")
+    r = compare(TOY, {}, reg, _numbers(product="emu", column="speedup")).iloc[0]
+    assert r.status == "not run" and math.isnan(r.moelab)
+
+
+def test_compare_refuses_a_different_quantity():
+    reg = products(TOY, __name__)
+    values = {"sim": _sim(None).value}
+    for col in ("other", "system"):  # declared as another quantity / not declared at all
+        r = compare(TOY, values, reg, _numbers(product="sim", column=col, reduce="max")).iloc[0]
+        assert r.status == "refused" and math.isnan(r.ratio) and "measures" in r.note
+    r = compare(TOY, values, reg, _numbers(product="sim", column="speedup", reduce="only")).iloc[0]
+    assert r.status == "refused" and "one row" in r.note  # two rows where one was promised
