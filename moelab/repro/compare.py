@@ -147,3 +147,24 @@ def compare(paper: str, values: dict, products: dict, numbers: dict | None = Non
     df.attrs["label"] = (f"PAPER vs moelab: the paper's numbers from experiments/{paper}/paper.yaml; ratios only "
                          "for SIMULATED values at the paper's scale, trend checks for runs on this machine")
     return df
+
+
+def compare_figure(table, *, title: str = "Paper vs moelab: moelab / paper, SIMULATED values at the paper's scale"):
+    """One marker per ratio row (log scale, 1 = equal); trend-check and refused rows are listed in the
+    table only, since a CPU-box number over a paper-scale one is not a ratio worth drawing."""
+    import plotly.graph_objects as go
+
+    from moelab.viz.figures import finish
+
+    t = table[(table.status == "ratio") & (table.ratio > 0)]
+    fig = go.Figure()
+    fig.add_scatter(x=t.ratio, y=t.key, mode="markers", name="SIMULATED", marker={"size": 11, "color": "#1c7ed6"},
+                    text=t.moelab_label, customdata=t[["paper", "moelab"]].to_numpy(),
+                    hovertemplate="%{y}<br>paper %{customdata[0]:.3g}, moelab %{customdata[1]:.3g}"
+                                  "<br>%{text}<extra></extra>")
+    fig.add_vline(x=1.0, line_dash="dash", line_color="grey")
+    n_trend = int((table.status == "trend check").sum())
+    label = (f"SIMULATED over PAPER: {len(t)} ratios of SIMULATED values; {n_trend} trend checks of runs on this "
+             "machine are in the table, not drawn")
+    return finish(fig, title, label, xaxis={"type": "log", "title": "moelab / paper"},
+                  height=max(400, 28 * t.key.nunique() + 150))

@@ -128,14 +128,15 @@ class Session:
     def finish(self):
         """Write the paper-vs-moelab table, the manifest (``manifest.json`` + ``table_manifest.csv``) and
         the run time per product; return the paper-vs-moelab frame."""
-        from moelab.repro.compare import compare, paper_numbers_path
-        from moelab.report import record_table
+        from moelab.repro.compare import compare, compare_figure, paper_numbers_path
+        from moelab.report import record_figure, record_table
         from moelab.runtime.results import atomic_write_json
 
         pvm = None
         if paper_numbers_path(self.manifest.paper).is_file():
             pvm = compare(self.manifest.paper, self.values, self.products)
             record_table(pvm, self.out / "table_paper_vs_moelab", title="Paper vs moelab", label=pvm.attrs["label"])
+            record_figure(compare_figure(pvm), self.out / "paper_vs_moelab", formats=self.formats)
         mf = self.manifest_frame()
         record_table(mf, self.out / "table_manifest", title=f"Manifest: {self.manifest.title}", label=mf.attrs["label"])
         atomic_write_json(self.out / "manifest.json", dict(

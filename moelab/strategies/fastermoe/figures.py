@@ -282,23 +282,3 @@ def fig14_convergence(curves, *, label: str, title: str = "Fig. 14: training los
     fig.update_xaxes(title_text="step", row=1, col=3)
     fig.update_yaxes(title_text="LM loss (smoothed)", row=1, col=1)
     return finish(fig, title, label, height=450, width=1150)
-
-
-# ---- paper vs moelab --------------------------------------------------------------------------------
-@labelled
-def paper_vs_moelab(table, *, label: str, title: str = "Paper vs moelab: moelab / paper per headline number"):
-    """One marker per (paper number, moelab number): the ratio moelab / paper (log scale, 1 = equal),
-    coloured by the kind of the moelab number (SIMULATED, EMULATED, SUBSTITUTE, REAL)."""
-    t = table.dropna(subset=["ratio"])
-    t = t[t.ratio > 0]
-    kinds = t.moelab_label.str.split(":").str[0].str.split().str[0]
-    colours = {"SIMULATED": "#1c7ed6", "EMULATED": "#e67700", "SUBSTITUTE": "#7048e8", "REAL": "#2f9e44"}
-    fig = go.Figure()
-    for k, g in t.groupby(kinds):
-        fig.add_scatter(x=g.ratio, y=g.key, mode="markers", name=k, marker={"size": 11, "color": colours.get(k)},
-                        text=g.moelab_label, customdata=np.stack([g.paper, g.moelab], axis=1),
-                        hovertemplate="%{y}<br>paper %{customdata[0]:.3g}, moelab %{customdata[1]:.3g}"
-                                      "<br>%{text}<extra></extra>")
-    fig.add_vline(x=1.0, line_dash="dash", line_color="grey")
-    return finish(fig, title, label, xaxis={"type": "log", "title": "moelab / paper"},
-                  height=max(400, 28 * t.key.nunique() + 150))

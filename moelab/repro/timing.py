@@ -1,0 +1,45 @@
+"""The one timing harness of real-rank experiments: every rank starts together, and a step's time is the
+slowest rank's (the step is done when the last rank is). The barrier and the reduction are bookkeeping:
+they go through the comm door with recording paused, so they are neither logged nor link-emulated.
+
+::
+
+    out, t = timed(comm, lambda: layer(x).sum().backward())
+    t.slowest_s, t.own_s, t.per_rank_s
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepTime:
+    slowest_s: float  # the step's time: the slowest rank's
+    own_s: float  # this rank's
+    per_rank_s: tuple  # every member's, in group order
+
+
+def barrier(comm, group: str = "world") -> None:
+    """All members of ``group`` reach this point before any goes on (an unrecorded tiny all-gather)."""
+    with comm.rec.paused():
+        comm.all_gather(torch.zeros(1, dtype=torch.float64), group)
+
+
+def gather_seconds(comm, seconds: float, group: str = "world") -> tuple:
+    """Every member's ``seconds``, in group order, on every member (unrecorded)."""
+    with comm.rec.paused():
+        got = comm.all_gather(torch.tensor([float(seconds)], dtype=torch.float64), group)
+    return tuple(float(v) for v in got.reshape(-1))
+
+
+def timed(comm, fn, group: str = "world"):
+    """``(fn(), StepTime)``: a barrier, ``fn`` timed on this rank, then every member's time gathered."""
+    barrier(comm, group)
+    t0 = time.perf_counter()
+    out = fn()
+    own = time.perf_counter() - t0
+    per = gather_seconds(comm, own, group)
+    return out, StepTime(max(per), own, per)
