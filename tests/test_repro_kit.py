@@ -174,3 +174,19 @@ def test_compare_refuses_a_different_quantity():
         assert r.status == "refused" and math.isnan(r.ratio) and "measures" in r.note
     r = compare(TOY, values, reg, _numbers(product="sim", column="speedup", reduce="only")).iloc[0]
     assert r.status == "refused" and "one row" in r.note  # two rows where one was promised
+
+
+def test_fastermoe_paper_numbers_against_simulated_fig13():
+    """The real table: a SIMULATED product's rows get ratios computed from its own frame; products not
+    made are 'not run'; every paper number appears."""
+    from moelab.strategies.fastermoe import experiments as E
+
+    m = load_manifest("fastermoe")
+    reg = products("fastermoe", m.products_module)
+    f13 = E.fig13_breakdown("smoke")
+    table = compare("fastermoe", {"fig13": f13}, reg)
+    assert set(load_numbers("fastermoe")) == set(table.key)
+    row = table[(table.key == "breakdown_smart") & (table["product"] == "fig13")].iloc[0]
+    assert row.status == "ratio" and row.moelab == pytest.approx(f13[f13.variant == "smart"].speedup.max())
+    assert row.ratio == pytest.approx(row.moelab / 1.40)
+    assert (table[table["product"] != "fig13"].status == "not run").all()

@@ -155,11 +155,4 @@ from .popularity import (  # noqa: F401
     fig3_ep_example,
     fig4_popularity,
 )
-from .compare import (  # noqa: F401
-    paper_numbers,
-    _get,
-    _lab,
-    _extract,
-    paper_vs_moelab,
-)
 from moelab.strategies.fastermoe.shadow import select_shadows  # noqa: F401,E402
