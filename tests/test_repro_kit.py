@@ -190,3 +190,28 @@ def test_fastermoe_paper_numbers_against_simulated_fig13():
     assert row.status == "ratio" and row.moelab == pytest.approx(f13[f13.variant == "smart"].speedup.max())
     assert row.ratio == pytest.approx(row.moelab / 1.40)
     assert (table[table["product"] != "fig13"].status == "not run").all()
+
+
+# ---- scale specs as data -----------------------------------------------------------------------------------
+def test_scale_specs_from_yaml_are_checked():
+    from dataclasses import dataclass
+    from typing import Optional
+
+    from moelab.repro.scales import _build
+
+    @dataclass(frozen=True)
+    class Spec:
+        name: str
+        nproc: int
+        sizes: tuple
+        layers: Optional[int]
+        rate: float = 1.0
+
+    s = _build(Spec, "smoke", {"nproc": 4, "sizes": [1, 2], "layers": None, "rate": 2}, "f.yaml")
+    assert s == Spec("smoke", 4, (1, 2), None, 2)
+    with pytest.raises(ValueError, match=r"unknown fields \['nprocs'\], missing fields \['nproc'\]"):
+        _build(Spec, "smoke", {"nprocs": 4, "sizes": [1], "layers": 1}, "f.yaml")
+    with pytest.raises(ValueError, match="nproc must be int"):
+        _build(Spec, "smoke", {"nproc": "4", "sizes": [1], "layers": 1}, "f.yaml")
+    with pytest.raises(ValueError, match="sizes must be a list"):
+        _build(Spec, "smoke", {"nproc": 4, "sizes": 3, "layers": 1}, "f.yaml")
