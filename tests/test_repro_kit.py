@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 import pytest
@@ -193,19 +195,17 @@ def test_fastermoe_paper_numbers_against_simulated_fig13():
 
 
 # ---- scale specs as data -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    nproc: int
+    sizes: tuple
+    layers: Optional[int]
+    rate: float = 1.0
+
+
 def test_scale_specs_from_yaml_are_checked():
-    from dataclasses import dataclass
-    from typing import Optional
-
     from moelab.repro.scales import _build
-
-    @dataclass(frozen=True)
-    class Spec:
-        name: str
-        nproc: int
-        sizes: tuple
-        layers: Optional[int]
-        rate: float = 1.0
 
     s = _build(Spec, "smoke", {"nproc": 4, "sizes": [1, 2], "layers": None, "rate": 2}, "f.yaml")
     assert s == Spec("smoke", 4, (1, 2), None, 2)
