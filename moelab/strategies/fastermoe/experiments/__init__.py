@@ -118,6 +118,7 @@ from .convergence import (  # noqa: F401
     paper_iteration_time,
     _smooth,
     fig14_convergence,
+    TABLE3_TARGET_FRACTION,
     table3_time_to_loss,
 )
 from .predictor import (  # noqa: F401

@@ -77,10 +77,11 @@ def _extract(results: dict) -> dict:
         lab = "SIMULATED: johnny, per layer of GPT-S/L, BERT-Deep/-L, T2"
         put("smart_achieved_max", f12.achieved_simulator.max(), lab + " (moelab.sim)")
         put("smart_theoretical_max", f12.theoretical.max(), lab + " (perf model)")
-        put("smart_fraction_of_theory_max", f12.fraction_of_theory.max(), lab)
     f12r = _get(results, "fig12_real")
     if f12r is not None:
         put("smart_achieved_max", f12r.achieved.max(), _lab(f12r, "EMULATED"))
+        if "measured_fraction_of_theory" in f12r:  # measured / theory, the paper's quantity (not model / theory)
+            put("smart_fraction_of_theory_max", f12r.measured_fraction_of_theory.max(), _lab(f12r, "EMULATED"))
     f13 = _get(results, "fig13")
     if f13 is not None:
         j, t = f13[f13.cluster == "johnny"], f13[f13.cluster == "trevor"]
