@@ -305,7 +305,8 @@ def test_real_convergence_and_predictor():
     assert (curves.modelled_iter_s > 0).all()
     for _, g in curves.groupby("system"):
         assert (np.diff(g.modelled_time_s.to_numpy()) > 0).all()  # cumulative time strictly increases
-    check_table3(E.table3_time_to_loss(SMOKE, curves), curves)
+    t3 = E.table3_time_to_loss(SMOKE, curves)
+    check_table3(t3, curves)
     shares, summ = E.fig4_popularity(SMOKE)
     assert summ.trace.str.startswith("T1").any() and (shares.groupby(["trace", "iter"]).share.sum().round(6) == 1).all()
     pts, metrics = E.fig9_predictor(SMOKE)
