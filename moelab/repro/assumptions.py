@@ -51,7 +51,8 @@ class Assumption:
             raise AssumptionError(f"{at}: kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.source, str) or not self.source.strip():
             raise AssumptionError(f"{at}: source is missing (say where the number comes from)")
-        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value):
+        v = self.value
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise AssumptionError(f"{at}: value must be a finite number, got {self.value!r}"
                                   + (" (YAML reads 1e12 as text: write 1.0e+12)" if isinstance(self.value, str) else ""))
         if self.range is not None:

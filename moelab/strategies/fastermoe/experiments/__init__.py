@@ -35,7 +35,9 @@ cost functions (:func:`zero_layer_time`: ring all-gathers / reduce-scatters of t
 on the profile's links, plus compute with no imbalance, overlap factor ``zero_overlap``), labelled as
 such; :func:`fig10_full_iteration` cross-checks with whole-iteration makespans from the simulator's
 ``"zero"`` graph when it is registered, and :func:`fig10_real` runs moelab's ``zero`` strategy for real
-(tiny model, EMULATED links) beside FastMoE and FasterMoE. Every guessed constant (ZeRO's overlap, trevor's P, BERT-Wide's sizes, ...) is read from
+(tiny model, EMULATED links) beside FastMoE and FasterMoE.
+
+Every guessed constant (ZeRO's overlap, trevor's P, BERT-Wide's sizes, ...) is read from
 ``experiments/fastermoe/assumptions.yaml`` (:func:`assumptions`); figures that depend on one list it in
 ``attrs["assumptions"]`` and their label, and :func:`fig10_sensitivity` shows how far each moves the
 speedup over ZeRO-3. BASE Layers (Fig. 14, Table 3) joins the

@@ -5,8 +5,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
-from .common import (moe_layer_times, PAPER_LAYER_MODELS, PaperLayerModel, TRACE_ITERS, TRACE_WEIGHTS, _timed, assumptions,
-                     mark_assumptions, paper_layer_models, policy_constants, scale_spec, sim_profile)
+from .common import (moe_layer_times, PAPER_LAYER_MODELS, PaperLayerModel, TRACE_ITERS, TRACE_WEIGHTS, _timed,
+                     assumptions, mark_assumptions, paper_layer_models, policy_constants, scale_spec, sim_profile)
 from .convergence import FASTERMOE_OPTS, _conv_config, _conv_rank
 from .suite import layer_suite, suite_medians
 from .traces import t2_counts
@@ -45,12 +45,27 @@ def paper_trace(m: PaperLayerModel, iters: Sequence[int], layers: int, seed: int
     return t2_counts(list(iters), layers, N, m.experts, m.tokens, 1000 * seed + k)
 
 
-@_timed
-def paper_layer_sims(scale, seed: int = 0, overrides: tuple = (), clusters: tuple = ("johnny", "trevor")) -> pd.DataFrame:
+CLUSTERS = ("johnny", "trevor")
+
+
+def paper_layer_sims(scale, seed: int = 0, overrides: tuple = (), clusters: tuple = CLUSTERS) -> pd.DataFrame:
     """SIMULATED: every paper layer model (:func:`paper_layer_models`) of ``clusters`` on its cluster
     profile, T2 traces at ``trace_iters``, the four plans of :func:`paper_variant_options`; one row per
     (model, trace iteration, layer, variant) with the MoE-layer time (ms) and the shadow set (the
-    policy's, same function the runtime calls). ``overrides``: assumptions varied (sensitivity)."""
+    policy's, same function the runtime calls). ``overrides``: assumptions varied (sensitivity); only
+    the base runs are cached, so a sensitivity sweep does not evict them."""
+    clusters = tuple(c for c in CLUSTERS if c in clusters)
+    if overrides:
+        return _paper_layer_sims(scale, seed, tuple(overrides), clusters)
+    return _paper_layer_sims_cached(scale, seed, clusters)
+
+
+@_timed
+def _paper_layer_sims_cached(scale, seed: int, clusters: tuple) -> pd.DataFrame:
+    return _paper_layer_sims(scale, seed, (), clusters)
+
+
+def _paper_layer_sims(scale, seed: int, overrides: tuple, clusters: tuple) -> pd.DataFrame:
     from moelab.sim import simulate
     from moelab.strategies.fastermoe.sim_graph import fastermoe_iteration_graph
 
