@@ -153,9 +153,24 @@ def test_paper_scale_breakdown_and_end_to_end():
     assert (both >= single.reindex(both.index) * 0.95).all()
     f10 = labelled(E.fig10_end_to_end(SMOKE))
     t = f10.pivot_table(index="model", columns="system", values="time_ms")
-    assert (t.FasterMoE < t.FastMoE).all() and (t.FastMoE < t["ZeRO-3"]).all()  # FastMoE already beats ZeRO-3
-    assert (t["ZeRO-3"] > t["ZeRO-2"]).all()
-    assert (f10[f10.system == "ZeRO-3"].speedup_vs_zero3 == 1.0).all()
+    assert (t.FasterMoE < t.FastMoE).all()  # shadowing + smart schedule on a skewed trace (as Fig. 13)
+    # speedup columns are the time ratios, recomputed here from the time column
+    for _, r in f10.iterrows():
+        assert r.speedup_vs_zero3 == pytest.approx(t.loc[r.model, "ZeRO-3"] / r.time_ms)
+        assert r.speedup_vs_zero2 == pytest.approx(t.loc[r.model, "ZeRO-2"] / r.time_ms)
+    # ZeRO pricing mechanism (spec §3), not an outcome: stage 3 moves 3/2 of stage 1/2's bytes, compute is
+    # 12 B k h h_ff / P, the overlap hides that fraction of min(compute, comm)
+    sp = E.scale_spec(SMOKE)
+    for m in E.PAPER_LAYER_MODELS.values():
+        z = {st: E.zero_layer_time(st, m, overlap=0.0) for st in (1, 2, 3)}
+        Tc = 12.0 * m.tokens * 2 * m.h * m.h_ff / E.sim_profile(m.cluster).achieved_flops
+        assert z[1] == z[2] and z[3] > z[2] > Tc
+        assert (z[3] - Tc) / (z[2] - Tc) == pytest.approx(1.5, rel=1e-6)
+        o = E.assumptions().value("zero_overlap")
+        for st in (2, 3):
+            assert E.zero_layer_time(st, m) == pytest.approx(z[st] - o * min(Tc, z[st] - Tc))
+        L = min(sp.paper_layers, m.layers)
+        assert t.loc[m.name, "ZeRO-3"] == pytest.approx(1e3 * L * E.zero_layer_time(3, m))
 
 
 def test_fig12_theory_bounds_and_fig11_shadowing():
@@ -163,6 +178,8 @@ def test_fig12_theory_bounds_and_fig11_shadowing():
     assert ((f12.theoretical >= 1.0) & (f12.theoretical <= 1.75 + 1e-12)).all()
     assert (f12.achieved_pipeline_model <= f12.theoretical + 1e-9).all()
     assert (f12.achieved_simulator >= 1.0).all()
+    assert "fraction_of_theory" not in f12  # renamed: model / theory is not the paper's measured / theory
+    np.testing.assert_allclose(f12.model_fraction_of_theory, f12.achieved_pipeline_model / f12.theoretical)
     lat, smap, summ = E.fig11_shadowing(SMOKE)
     labelled(lat)
     s = summ.iloc[0]
@@ -178,6 +195,50 @@ def test_full_iteration_cross_check_when_a_zero_graph_exists():
     assert {"FastMoE", "FasterMoE"} <= set(ok.system)
     t = ok.pivot_table(index="model", columns="system", values="makespan_ms")
     assert (t.FasterMoE <= t.FastMoE).all()
+
+
+def check_table3(t3, curves):
+    """Table 3 against its definition, recomputed from the curves: one target (FastMoE's smoothed loss at
+    80 % of the budget), first step at or below it, ratios to FastMoE / FasterMoE."""
+    ref = curves[curves.system == "FastMoE (top-2)"]
+    target = float(ref.loss_smooth.iloc[int(0.8 * len(ref)) - 1])
+    assert t3.target.nunique() == 1 and (t3.target_loss == target).all()
+    t = t3.set_index("system")
+    for name, g in curves.groupby("system"):
+        hit = g[g.loss_smooth <= target]
+        assert t.loc[name, "reached"] == bool(len(hit))
+        if len(hit):
+            assert t.loc[name, "steps_to_target"] == hit.step.iloc[0]
+            assert t.loc[name, "modelled_time_to_target_s"] == hit.modelled_time_s.iloc[0]
+        else:
+            assert math.isnan(t.loc[name, "steps_to_target"])
+    fm = t.loc["FastMoE (top-2)"]
+    np.testing.assert_allclose(t.steps_vs_fastmoe, t.steps_to_target / fm.steps_to_target)
+    np.testing.assert_allclose(t.iter_speedup_vs_fastmoe, fm.mean_modelled_iter_ms / t.mean_modelled_iter_ms)
+    if "FasterMoE" in t.index:
+        fr = t.loc["FasterMoE"]
+        np.testing.assert_allclose(t.time_vs_fastermoe, t.modelled_time_to_target_s / fr.modelled_time_to_target_s)
+        np.testing.assert_allclose(t.iter_gain_vs_fastermoe, 1 - t.mean_modelled_iter_ms / fr.mean_modelled_iter_ms)
+
+
+def test_table3_one_target_on_synthetic_curves():
+    n = 50
+    steps = np.arange(1, n + 1)
+    rows = []
+    for name, rate, it_s in (("FastMoE (top-2)", 1.0, 0.2), ("FasterMoE", 1.0, 0.1), ("GShard", 0.9, 0.1),
+                             ("slow", 0.01, 0.1)):
+        loss = 5.0 * np.exp(-rate * 0.05 * steps)
+        rows.append(pd.DataFrame(dict(system=name, step=steps, loss=loss, loss_smooth=loss,
+                                      modelled_iter_s=it_s, modelled_time_s=it_s * steps,
+                                      measured_step_s=it_s, measured_time_s=it_s * steps)))
+    curves = pd.concat(rows, ignore_index=True)
+    t3 = E.table3_time_to_loss(SMOKE, curves)
+    check_table3(t3, curves)
+    t = t3.set_index("system")
+    assert t.loc["FastMoE (top-2)", "steps_to_target"] == 40  # 80 % of 50 steps
+    assert t.loc["GShard", "steps_to_target"] == 45 and t.loc["GShard", "steps_vs_fastmoe"] == pytest.approx(45 / 40)
+    assert not t.loc["slow", "reached"] and math.isnan(t.loc["slow", "time_vs_fastermoe"])
+    assert t.loc["FasterMoE", "time_to_target_speedup_vs_fastmoe"] == pytest.approx(2.0)
 
 
 # ---- REAL / EMULATED at smoke scale ---------------------------------------------------------------------------
@@ -212,7 +273,11 @@ def test_real_fig3_routing_and_idle():
     labelled(workers)
     tot = routing.groupby("expert").tokens.sum().to_numpy()
     assert tot[0] == 3 * tot[2]  # expert 0 gets 3x expert 2
-    assert (workers.idle_ms >= 0).all() and workers.idle_ms.iloc[0] == 0.0 or workers.idle_ms.min() == 0.0
+    w = workers.set_index("worker")
+    assert list(w.tokens) == [6 * 128, 4 * 128, 2 * 128]  # worker e owns expert e
+    assert w.idle_ms["worker 0"] == 0.0  # the worker with 3x the tokens is the slowest one
+    assert w.idle_ms["worker 2"] > 0.0  # expert 2's owner waits for it
+    assert w.idle_ms["worker 2"] == pytest.approx(w.compute_fw_ms.max() - w.compute_fw_ms["worker 2"])
 
 
 @pytest.mark.slow
@@ -222,11 +287,11 @@ def test_real_convergence_and_predictor():
     a = curves[curves.system == "FastMoE (top-2)"].loss.to_numpy()
     b = curves[curves.system == "FasterMoE"].loss.to_numpy()
     np.testing.assert_allclose(b, a, rtol=1e-4)  # shadowing + smart schedule do not change the model
-    assert (curves.modelled_iter_s > 0).all() and curves.modelled_time_s.is_monotonic_increasing is not None
+    assert (curves.modelled_iter_s > 0).all()
+    for _, g in curves.groupby("system"):
+        assert (np.diff(g.modelled_time_s.to_numpy()) > 0).all()  # cumulative time strictly increases
     t3 = E.table3_time_to_loss(SMOKE, curves)
-    assert list(dict.fromkeys(t3.target)) == ["FastMoE at 80 %", "FastMoE at 40 %", "FastMoE at 20 %"]
-    ref = t3[t3.system == "FastMoE (top-2)"].set_index("target")
-    assert ref.loc["FastMoE at 80 %", "steps_to_target"] <= len(a) and ref.steps_vs_fastmoe.eq(1.0).all()
+    check_table3(t3, curves)
     shares, summ = E.fig4_popularity(SMOKE)
     assert summ.trace.str.startswith("T1").any() and (shares.groupby(["trace", "iter"]).share.sum().round(6) == 1).all()
     pts, metrics = E.fig9_predictor(SMOKE)
@@ -234,7 +299,6 @@ def test_real_convergence_and_predictor():
     m = metrics[(metrics["mode"] == "emulated") & (metrics.split == "evaluation") & (metrics.part == "e2e")]
     assert len(m) == 1 and math.isfinite(m.r2.iloc[0]) and m.n.iloc[0] >= 2
     assert {"paper (johnny)", "paper (trevor)"} <= set(metrics["mode"])
-    assert isinstance(E.paper_vs_moelab({"fig9_metrics": metrics, "table3": t3}), pd.DataFrame)
 
 
 @pytest.mark.slow
@@ -246,4 +310,4 @@ def test_real_end_to_end_steps():
     assert t.loc["FasterMoE", "final_loss"] == pytest.approx(t.loc["FastMoE", "final_loss"], rel=1e-4)
     if E.zero_available():
         assert {"ZeRO-1", "ZeRO-2", "ZeRO-3"} <= set(t.index)
-        assert t.loc["ZeRO-3", "speedup_vs_zero3"] == 1.0
+        np.testing.assert_allclose(t.speedup_vs_zero3, t.loc["ZeRO-3", "step_ms"] / t.step_ms)

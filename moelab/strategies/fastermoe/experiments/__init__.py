@@ -32,10 +32,15 @@ per (scale, arguments) in a process and shared by the figures that read them (Fi
 
 ZeRO (Fig. 10): at paper scale ZeRO-1/2/3 are priced with the spec's §3 volume model on the simulator's
 cost functions (:func:`zero_layer_time`: ring all-gathers / reduce-scatters of the whole layer's parameters
-on the profile's links, plus compute with no imbalance, overlap factor :data:`ZERO_OVERLAP`), labelled as
+on the profile's links, plus compute with no imbalance, overlap factor ``zero_overlap``), labelled as
 such; :func:`fig10_full_iteration` cross-checks with whole-iteration makespans from the simulator's
 ``"zero"`` graph when it is registered, and :func:`fig10_real` runs moelab's ``zero`` strategy for real
-(tiny model, EMULATED links) beside FastMoE and FasterMoE. BASE Layers (Fig. 14, Table 3) joins the
+(tiny model, EMULATED links) beside FastMoE and FasterMoE.
+
+Every guessed constant (ZeRO's overlap, trevor's P, BERT-Wide's sizes, ...) is read from
+``experiments/fastermoe/assumptions.yaml`` (:func:`assumptions`); figures that depend on one list it in
+``attrs["assumptions"]`` and their label, and :func:`fig10_sensitivity` shows how far each moves the
+speedup over ZeRO-3. BASE Layers (Fig. 14, Table 3) joins the
 convergence comparison when moelab has the ``base`` gate.
 
 Known model differences (reported, not tuned away): the link emulator prices a broadcast as a flat tree
@@ -52,6 +57,12 @@ from .common import (  # noqa: F401
     TRACE_WEIGHTS,
     ZERO_OVERLAP,
     PAPER_R2,
+    assumptions,
+    assumes,
+    mark_assumptions,
+    MODEL_FIELDS,
+    MODEL_CLUSTERS,
+    paper_layer_models,
     ScaleSpec,
     _SCALES,
     scale_spec,
@@ -109,6 +120,7 @@ from .convergence import (  # noqa: F401
     paper_iteration_time,
     _smooth,
     fig14_convergence,
+    TABLE3_TARGET_FRACTION,
     table3_time_to_loss,
 )
 from .predictor import (  # noqa: F401
@@ -125,6 +137,7 @@ from .end_to_end import (  # noqa: F401
     paper_layer_sims,
     weighted_model_times,
     zero_layer_time,
+    PRICING_ONLY,
     fig10_end_to_end,
     fig10_full_iteration,
     zero_available,
@@ -154,5 +167,10 @@ from .popularity import (  # noqa: F401
     FIG3_COUNTS,
     fig3_ep_example,
     fig4_popularity,
+)
+from .sensitivity import (  # noqa: F401
+    clusters_of,
+    fig10_speedups,
+    fig10_sensitivity,
 )
 from moelab.strategies.fastermoe.shadow import select_shadows  # noqa: F401,E402

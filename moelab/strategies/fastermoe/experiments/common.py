@@ -2,20 +2,22 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
+from moelab.repro.assumptions import Assumptions, load_assumptions
 from moelab.strategies.fastermoe import perf_model as pm
 
 
 SCALES = ("smoke", "default", "full")
 TRACE_ITERS = (500, 5500, 80500)  # AE trace iterations (Figs. 10, 12, 13)
 TRACE_WEIGHTS = (500, 5000, 75000)  # AE time weights of those iterations
-ZERO_OVERLAP = 0.5  # [R] fraction of min(compute, comm) ZeRO hides (overlap_comm / prefetch), spec §3, §6.16
 PAPER_R2 = {"johnny": 0.987, "trevor": 0.967}
 
 
@@ -92,6 +94,42 @@ def scale_spec(scale) -> ScaleSpec:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}") from None
 
 
+# ==== assumptions (experiments/fastermoe/assumptions.yaml) ================================================
+@functools.lru_cache(maxsize=1)
+def _base_assumptions() -> Assumptions:
+    return load_assumptions("fastermoe", root=Path(__file__).resolve().parent)
+
+
+def assumptions(overrides: tuple = ()) -> Assumptions:
+    """FasterMoE's constants as data; ``overrides``: ``((name, value), ...)`` (hashable, so cached
+    experiments can take it) replaces some values, e.g. for :func:`fig10_sensitivity`."""
+    A = _base_assumptions()
+    return A.with_values(dict(overrides)) if overrides else A
+
+
+def assumes(fig_id: str, overrides: tuple = ()) -> tuple:
+    """``(names, text)``: the guessed/fitted constants ``fig_id`` depends on and a short "assumes: ..."
+    for its label (values as used, overridden ones marked VARIED)."""
+    A = assumptions(overrides)
+    names = A.names_for(fig_id)
+    varied = dict(overrides)
+    parts = [f"{n}={A.value(n):g}" + (" (VARIED)" if n in varied else "") for n in names]
+    parts += [f"{n}={v:g} (VARIED)" for n, v in varied.items() if n not in names]
+    text = "assumes: " + (", ".join(parts) if parts else "no guessed constant (paper values only)")
+    return names, text + " [experiments/fastermoe/assumptions.yaml]"
+
+
+def mark_assumptions(df: pd.DataFrame, fig_id: str, overrides: tuple = ()) -> pd.DataFrame:
+    """Put ``attrs["assumptions"]`` (names) on ``df`` and append "assumes: ..." to its label."""
+    names, text = assumes(fig_id, overrides)
+    df.attrs["assumptions"] = names
+    df.attrs["label"] = (df.attrs.get("label", "") + "; " + text).lstrip("; ")
+    return df
+
+
+ZERO_OVERLAP = assumptions().value("zero_overlap")  # the base value; experiments read it per call
+
+
 # ==== paper models (Table 2 as far as it can be reconstructed) ===========================================
 @dataclass(frozen=True)
 class PaperLayerModel:
@@ -105,43 +143,80 @@ class PaperLayerModel:
     source: str
 
 
-PAPER_LAYER_MODELS = {
-    "GPT-S": PaperLayerModel("GPT-S", "johnny", 12, 16, 1024, 1024, 2048, "spec §4 Table 2 (AE scripts)"),
-    "GPT-L": PaperLayerModel("GPT-L", "johnny", 12, 16, 1024, 4096, 8192, "spec §4 Table 2 (AE scripts)"),
-    "BERT-Deep": PaperLayerModel("BERT-Deep", "johnny", 24, 16, 2048, 1024, 2048, "spec §4 Table 2 (AE scripts)"),
-    "BERT-Deep-L": PaperLayerModel("BERT-Deep-L", "johnny", 24, 16, 2048, 4096, 8192, "spec §4 Table 2 (AE scripts)"),
-    "BERT-Wide": PaperLayerModel("BERT-Wide", "trevor", 12, 64, 2048, 2048, 4096,
-                                 "spec §4 Table 2: 12 layers, 64 experts; tokens and h unknown [R: 2048, 2048]"),
-}
+MODEL_FIELDS = ("layers", "experts", "tokens", "h", "h_ff")
+MODEL_CLUSTERS = {"GPT-S": "johnny", "GPT-L": "johnny", "BERT-Deep": "johnny", "BERT-Deep-L": "johnny",
+                  "BERT-Wide": "trevor"}  # spec §4 Table 2
+
+
+def paper_layer_models(overrides: tuple = ()) -> dict:
+    """Table 2's layer models with their sizes read from the assumptions file (``model.<name>.<field>``)."""
+    A = assumptions(overrides)
+    out = {}
+    for name, cl in MODEL_CLUSTERS.items():
+        ent = {f: A[f"model.{name}.{f}"] for f in MODEL_FIELDS}
+        kinds = {}
+        for f, a in ent.items():
+            kinds.setdefault(a.kind, []).append(f)
+        src = "; ".join(f"{k}: {', '.join(v)}" for k, v in kinds.items())
+        out[name] = PaperLayerModel(name, cl, *(int(ent[f].value) for f in MODEL_FIELDS), source=src)
+    return out
+
+
+PAPER_LAYER_MODELS = paper_layer_models()
 
 
 def table2_models() -> pd.DataFrame:
-    """Table 2 (model specs) as moelab uses them; the real models' sizes are unknown (spec §4, §6.17)."""
-    rows = [dict(model=m.name, cluster=m.cluster, gpus=16 if m.cluster == "johnny" else 64, moe_layers=m.layers,
-                 experts=m.experts, tokens_per_worker=m.tokens, top_k=2, h=m.h, h_ff=m.h_ff, source=m.source)
-            for m in PAPER_LAYER_MODELS.values()]
+    """Table 2 (model specs) as moelab uses them, with each value's kind: the paper's (spec §4, from
+    the AE scripts) or a moelab assumption where the paper gives none (spec §4, §6.17)."""
+    A = assumptions()
+    rows = []
+    for m in PAPER_LAYER_MODELS.values():
+        r = dict(model=m.name, cluster=m.cluster, gpus=16 if m.cluster == "johnny" else 64, moe_layers=m.layers,
+                 experts=m.experts, tokens_per_worker=m.tokens, top_k=2, h=m.h, h_ff=m.h_ff)
+        kinds = {f: A[f"model.{m.name}.{f}"].kind for f in MODEL_FIELDS}
+        r.update({f"{f}_kind": k for f, k in kinds.items()})
+        r["assumed"] = ", ".join(f for f, k in kinds.items() if k != "paper")
+        r["source"] = m.source
+        rows.append(r)
     df = pd.DataFrame(rows)
-    df.attrs["label"] = "PAPER: Table 2 as reconstructed from the AE scripts (spec §4); [R] marks moelab choices"
-    return df
+    df.attrs["label"] = ("PAPER values (spec §4 Table 2, from the AE scripts) and moelab ASSUMPTIONS where the "
+                         "paper gives none: see the *_kind columns and 'assumed'")
+    return mark_assumptions(df, "table2")
 
 
 def cluster_preset(name: str) -> pm.Cluster:
-    """The perf model's directed-link tree of a paper cluster (``johnny`` 16 GPUs, ``trevor`` 64)."""
-    return pm.cluster(name)
+    """The perf model's directed-link tree of a paper cluster (``johnny`` 16 GPUs, ``trevor`` 64), with
+    its P from the assumptions file."""
+    return pm.cluster(name, P=policy_constants(name)["P"])
 
 
-def sim_profile(name: str):
+def sim_profile(name: str, overrides: tuple = ()):
+    """The simulator profile of a paper cluster with the assumptions file's values applied (P as
+    ``achieved_flops``; trevor's NIC bandwidth)."""
     from moelab.sim import get_profile
 
-    return get_profile({"johnny": "fastermoe_johnny", "trevor": "fastermoe_trevor"}.get(name, name))
+    prof = get_profile({"johnny": "fastermoe_johnny", "trevor": "fastermoe_trevor"}.get(name, name))
+    A = assumptions(overrides)
+    src = "experiments/fastermoe/assumptions.yaml: "
+    if prof.name == "fastermoe_johnny":
+        return dataclasses.replace(prof, achieved_flops=A.value("johnny_P"),
+                                   sources={**prof.sources, "achieved_flops": src + "johnny_P"})
+    if prof.name == "fastermoe_trevor":
+        return dataclasses.replace(prof, achieved_flops=A.value("trevor_P"),
+                                   inter_bw_GBps=A.value("trevor_nic_Gbps") / 8,
+                                   sources={**prof.sources, "achieved_flops": src + "trevor_P",
+                                            "inter_bw_GBps": src + "trevor_nic_Gbps / 8"})
+    return prof
 
 
-def policy_constants(cluster: str) -> dict:
-    """Shadow-policy constants of a paper cluster (FastMoE defaults for johnny, spec §2.7; trevor: its
-    P [R] and its NIC bandwidth)."""
-    if cluster == "johnny":
-        return dict(P=pm.P_V100_PCIE, W_net=pm.W_NET_DEFAULT)
-    return dict(P=pm.P_V100_SXM2, W_net=62 * pm.GBPS)
+def policy_constants(cluster: str, overrides: tuple = ()) -> dict:
+    """Shadow-policy constants of a paper cluster from the assumptions file: P, W_net (bytes/s), c and the
+    smart schedule's group size (johnny: FastMoE's defaults and the AE's Gs = 2, spec §2.7; trevor: its
+    assumed P, its NIC as W_net, the code default Gs = 4)."""
+    A = assumptions(overrides)
+    cl = "johnny" if cluster == "johnny" else "trevor"
+    return dict(P=A.value(f"{cl}_P"), W_net=A.value(f"{cl}_policy_W_net_Gbps") * pm.GBPS,
+                c=int(A.value("shadow_comm_factor")), group_size=int(A.value(f"{cl}_group_size")))
 
 
 # ==== cached suites ===============================================================================================

@@ -1,29 +1,30 @@
 """FasterMoE reproduction: end_to_end."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
-from .common import moe_layer_times, PAPER_LAYER_MODELS, PaperLayerModel, TRACE_ITERS, TRACE_WEIGHTS, ZERO_OVERLAP, _timed, policy_constants, scale_spec, sim_profile
+from .common import (moe_layer_times, PAPER_LAYER_MODELS, PaperLayerModel, TRACE_ITERS, TRACE_WEIGHTS, _timed,
+                     assumptions, mark_assumptions, paper_layer_models, policy_constants, scale_spec, sim_profile)
 from .convergence import FASTERMOE_OPTS, _conv_config, _conv_rank
 from .suite import layer_suite, suite_medians
 from .traces import t2_counts
 
 
 # ==== SIMULATED paper scale: MoE-layer replays (Figs. 10-13) ==================================================
-def paper_variant_options(cluster: str) -> dict:
+def paper_variant_options(cluster: str, overrides: tuple = ()) -> dict:
     """The FasterMoE plans simulated at paper scale: shadow policy with the cluster's constants,
-    smart schedule with the AE's group size (johnny Gs = 2, ``FMOE_FUSE_GRAN=2``; trevor Gs = 4, the
-    code default = one node)."""
-    c = policy_constants(cluster)
-    sh = {"shadow": True, "shadow_gpu_flops": c["P"], "shadow_net_bw": c["W_net"]}
-    gs = 2 if cluster == "johnny" else 4
+    smart schedule with its group size (johnny Gs = 2, the AE's ``FMOE_FUSE_GRAN=2``; trevor Gs = 4, the
+    code default = one node), all from the assumptions file (:func:`policy_constants`)."""
+    c = policy_constants(cluster, overrides)
+    sh = {"shadow": True, "shadow_gpu_flops": c["P"], "shadow_net_bw": c["W_net"], "shadow_comm_factor": c["c"]}
+    gs = c["group_size"]
     return {"fastmoe": {}, "shadow": sh, "smart": {"smart": True, "group_size": gs},
             "both": {**sh, "smart": True, "group_size": gs}}
 
 
-def _paper_layer_config(m: PaperLayerModel, layers: int, options: dict):
+def _paper_layer_config(m: PaperLayerModel, layers: int, options: dict, overrides: tuple = ()):
     from moelab.config import RunConfig
     from moelab.sim.graphs import config_for_profile
 
@@ -33,7 +34,7 @@ def _paper_layer_config(m: PaperLayerModel, layers: int, options: dict):
         "model.n_layers": layers, "model.n_heads": 16, "model.seq_len": seq, "model.moe.num_experts": m.experts,
         "model.moe.top_k": 2, "train.batch_size": max(m.tokens // seq, 1), "train.dtype": "float32",
         "parallel.strategy": "fastermoe", "parallel.strategy_options": options})
-    return config_for_profile(cfg, sim_profile(m.cluster))
+    return config_for_profile(cfg, sim_profile(m.cluster, overrides))
 
 
 def paper_trace(m: PaperLayerModel, iters: Sequence[int], layers: int, seed: int = 0) -> np.ndarray:
@@ -44,23 +45,40 @@ def paper_trace(m: PaperLayerModel, iters: Sequence[int], layers: int, seed: int
     return t2_counts(list(iters), layers, N, m.experts, m.tokens, 1000 * seed + k)
 
 
+CLUSTERS = ("johnny", "trevor")
+
+
+def paper_layer_sims(scale, seed: int = 0, overrides: tuple = (), clusters: tuple = CLUSTERS) -> pd.DataFrame:
+    """SIMULATED: every paper layer model (:func:`paper_layer_models`) of ``clusters`` on its cluster
+    profile, T2 traces at ``trace_iters``, the four plans of :func:`paper_variant_options`; one row per
+    (model, trace iteration, layer, variant) with the MoE-layer time (ms) and the shadow set (the
+    policy's, same function the runtime calls). ``overrides``: assumptions varied (sensitivity); only
+    the base runs are cached, so a sensitivity sweep does not evict them."""
+    clusters = tuple(c for c in CLUSTERS if c in clusters)
+    if overrides:
+        return _paper_layer_sims(scale, seed, tuple(overrides), clusters)
+    return _paper_layer_sims_cached(scale, seed, clusters)
+
+
 @_timed
-def paper_layer_sims(scale, seed: int = 0) -> pd.DataFrame:
-    """SIMULATED: every paper layer model (:data:`PAPER_LAYER_MODELS`) on its cluster profile, T2 traces at
-    ``trace_iters``, the four plans of :func:`paper_variant_options`; one row per (model, trace iteration,
-    layer, variant) with the MoE-layer time (ms) and the shadow set (the policy's, same function the
-    runtime calls)."""
+def _paper_layer_sims_cached(scale, seed: int, clusters: tuple) -> pd.DataFrame:
+    return _paper_layer_sims(scale, seed, (), clusters)
+
+
+def _paper_layer_sims(scale, seed: int, overrides: tuple, clusters: tuple) -> pd.DataFrame:
     from moelab.sim import simulate
     from moelab.strategies.fastermoe.sim_graph import fastermoe_iteration_graph
 
     sp = scale_spec(scale)
     rows = []
-    for m in PAPER_LAYER_MODELS.values():
+    for m in paper_layer_models(overrides).values():
+        if m.cluster not in clusters:
+            continue
         L = m.layers if sp.paper_layers is None else min(sp.paper_layers, m.layers)
         tr = paper_trace(m, sp.trace_iters, L, seed)
-        prof = sim_profile(m.cluster)
-        for vi, (variant, opts) in enumerate(paper_variant_options(m.cluster).items()):
-            cfg = _paper_layer_config(m, L, opts)
+        prof = sim_profile(m.cluster, overrides)
+        for vi, (variant, opts) in enumerate(paper_variant_options(m.cluster, overrides).items()):
+            cfg = _paper_layer_config(m, L, opts, overrides)
             for ti, it in enumerate(sp.trace_iters):
                 g = fastermoe_iteration_graph(cfg, prof, tr[ti])
                 res = simulate(g)
@@ -85,18 +103,20 @@ def weighted_model_times(sims: pd.DataFrame) -> pd.DataFrame:
     return per.groupby(["cluster", "model", "variant"], sort=False).time_ms.sum().reset_index()
 
 
-def zero_layer_time(stage: int, m: PaperLayerModel, overlap: float = ZERO_OVERLAP) -> float:
+def zero_layer_time(stage: int, m: PaperLayerModel, overlap: Optional[float] = None, overrides: tuple = ()) -> float:
     """Seconds of one MoE layer (forward + backward) under ZeRO stage 1/2/3 on the model's cluster
     profile, by the spec's §3 volume model on the simulator's cost functions: every worker runs its
     own ``tokens x 2`` assignments through all (replicated) experts locally (``12 B k h h_ff / P``, no
     imbalance); stage 1/2 all-reduce the layer's gradients (``2 (N-1)/N Sp``, a ring over the
     profile's links), stage 3 all-gathers the parameters before forward and again before backward and
     reduce-scatters the gradients (``3 (N-1)/N Sp``); ``Sp = E * 2 h h_ff * 4`` bytes. ``overlap``
-    hides that fraction of ``min(compute, comm)`` (DeepSpeed's overlap_comm / prefetch, [R], the
-    least trustworthy number here, spec §6.16). Stages 1 and 2 move the same bytes in this model."""
+    hides that fraction of ``min(compute, comm)`` (DeepSpeed's overlap_comm / prefetch; default: the
+    assumption ``zero_overlap``, the least trustworthy number here, spec §6.16). Stages 1 and 2 move the
+    same bytes in this model."""
     from moelab.sim import costs
 
-    prof = sim_profile(m.cluster)
+    overlap = assumptions(overrides).value("zero_overlap") if overlap is None else overlap
+    prof = sim_profile(m.cluster, overrides)
     topo = prof.topology()
     N = prof.world_size
     Sp = m.experts * 2 * m.h * m.h_ff * 4
@@ -110,20 +130,27 @@ def zero_layer_time(stage: int, m: PaperLayerModel, overlap: float = ZERO_OVERLA
     return Tc + Tm - overlap * min(Tc, Tm)
 
 
-def fig10_end_to_end(scale, seed: int = 0) -> pd.DataFrame:
+PRICING_ONLY = ("zero_overlap",)  # assumptions that only the analytic ZeRO pricing reads
+
+
+def fig10_end_to_end(scale, seed: int = 0, overrides: tuple = (),
+                     clusters: tuple = ("johnny", "trevor")) -> pd.DataFrame:
     """Fig. 10 (b): per model, MoE-layer time of ZeRO-1/2/3 (spec §3 volume model on the simulator's
     costs, :func:`zero_layer_time`), FastMoE and FasterMoE (shadowing + smart schedule, simulated), and
-    the speedup over ZeRO-3 (and ZeRO-2)."""
-    sims = paper_layer_sims(scale, seed)
+    the speedup over ZeRO-3 (and ZeRO-2) = that system's time / this row's time. ``overrides`` varies
+    assumptions (:func:`fig10_sensitivity`); ``clusters`` restricts the models simulated."""
+    sim_ov = tuple((k, v) for k, v in overrides if k not in PRICING_ONLY)  # no re-simulation for those
+    sims = paper_layer_sims(scale, seed, sim_ov, tuple(clusters))
     wt = weighted_model_times(sims)
     sp = scale_spec(scale)
+    models = [m for m in paper_layer_models(overrides).values() if m.cluster in clusters]
     rows = []
-    for m in PAPER_LAYER_MODELS.values():
+    for m in models:
         L = m.layers if sp.paper_layers is None else min(sp.paper_layers, m.layers)
         w = wt[wt.model == m.name].set_index("variant").time_ms
         for stage in (1, 2, 3):
             rows.append(dict(cluster=m.cluster, model=m.name, system=f"ZeRO-{stage}",
-                             time_ms=1e3 * L * zero_layer_time(stage, m),
+                             time_ms=1e3 * L * zero_layer_time(stage, m, overrides=overrides),
                              source="spec §3 volume model on the simulator's costs (analytic)"))
         rows.append(dict(cluster=m.cluster, model=m.name, system="FastMoE", time_ms=float(w["fastmoe"]),
                          source="moelab.sim (EP plan)"))
@@ -135,11 +162,10 @@ def fig10_end_to_end(scale, seed: int = 0) -> pd.DataFrame:
     df["speedup_vs_zero3"] = df.model.map(z3) / df.time_ms
     df["speedup_vs_zero2"] = df.model.map(z2) / df.time_ms
     df["layers"] = df.model.map({m.name: (m.layers if sp.paper_layers is None else min(sp.paper_layers, m.layers))
-                                 for m in PAPER_LAYER_MODELS.values()})
+                                 for m in models})
     df.attrs["label"] = ("SIMULATED: johnny (16 GPUs) / trevor (64 GPUs) profiles, SUBSTITUTE T2 traces; "
-                         "ZeRO priced analytically (spec §3 volume model, overlap "
-                         f"{ZERO_OVERLAP:g} [R])")
-    return df
+                         "ZeRO priced analytically (spec §3 volume model, the least trustworthy numbers, spec §6.16)")
+    return mark_assumptions(df, "fig10", overrides)
 
 
 def fig10_full_iteration(scale, seed: int = 0) -> pd.DataFrame:
@@ -156,7 +182,7 @@ def fig10_full_iteration(scale, seed: int = 0) -> pd.DataFrame:
         return pd.DataFrame(columns=["cluster", "model", "system", "makespan_ms", "speedup_vs_zero3"])
     sp = scale_spec(scale)
     rows = []
-    for m in PAPER_LAYER_MODELS.values():
+    for m in paper_layer_models().values():
         L = m.layers if sp.paper_layers is None else min(sp.paper_layers, m.layers)
         tr = paper_trace(m, [sp.trace_iters[-1]], L, seed)[0]
         prof = sim_profile(m.cluster)
@@ -178,7 +204,7 @@ def fig10_full_iteration(scale, seed: int = 0) -> pd.DataFrame:
     z3 = df[df.system == "ZeRO-3"].set_index("model").makespan_ms
     df["speedup_vs_zero3"] = df.model.map(z3) / df.makespan_ms
     df.attrs["label"] = "SIMULATED: whole iterations (moelab.sim graphs ep/fastermoe/zero), SUBSTITUTE T2 traces"
-    return df
+    return mark_assumptions(df, "fig10")
 
 
 def zero_available() -> bool:
@@ -233,7 +259,7 @@ def fig13_breakdown(scale, seed: int = 0) -> pd.DataFrame:
                              time_ms=float(t[v]), speedup=float(t["fastmoe"] / t[v])))
     df = pd.DataFrame(rows)
     df.attrs["label"] = "SIMULATED: johnny / trevor profiles, SUBSTITUTE T2 traces (MoE-layer replay)"
-    return df
+    return mark_assumptions(df, "fig13")
 
 
 def fig13_breakdown_real(scale, trace: str = "t2") -> pd.DataFrame:

@@ -8,7 +8,7 @@ import pandas as pd
 
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe.schedule import check_group_size, recv_peers, send_peers
-from .common import PAPER_LAYER_MODELS, cluster_preset, scale_spec
+from .common import PAPER_LAYER_MODELS, cluster_preset, mark_assumptions, policy_constants, scale_spec
 from .end_to_end import paper_layer_sims, paper_trace
 from .suite import _suite_warmup, layer_suite, predict_layer_variants, suite_cluster, suite_medians
 
@@ -52,11 +52,14 @@ def fig12_smart(scale, seed: int = 0) -> pd.DataFrame:
     """Fig. 12 (b): per layer of GPT-S/L and BERT-Deep/-L (johnny, T2 trace at iteration 80500): the
     theoretical smart-schedule speedup ``(4Tm + 3Tc) / (max(2Tm, Tc) + max(2Tm, 2Tc))`` from the perf
     model on the johnny tree (spec §2.2), the pipeline model's achievable speedup (same model, Gs = 2)
-    and the simulator's (``moelab.sim``, fastmoe vs smart plan)."""
+    and the simulator's (``moelab.sim``, fastmoe vs smart plan). ``model_fraction_of_theory`` = pipeline
+    model ÷ theory, both from one model, so <= 1 by construction: it is *not* the paper's measured ÷
+    theory (that ratio exists only for measured runs: :func:`fig12_smart_real`)."""
     sp = scale_spec(scale)
     sims = paper_layer_sims(scale, seed)
     it = sp.trace_iters[-1]
     cl = cluster_preset("johnny")
+    gs = policy_constants("johnny")["group_size"]
     rows = []
     for m in PAPER_LAYER_MODELS.values():
         if m.cluster != "johnny":
@@ -68,20 +71,23 @@ def fig12_smart(scale, seed: int = 0) -> pd.DataFrame:
         for layer in range(L):
             C = tr[layer]
             Tc, Tm = pm.compute_time(C, m.h, m.h_ff, cl.P), pm.comm_time(C, cl, m.h)
-            ach = pm.predict_layer(C, cl, m.h, m.h_ff).e2e / pm.smart_layer_time(C, cl, 2, m.h, m.h_ff)
+            ach = pm.predict_layer(C, cl, m.h, m.h_ff).e2e / pm.smart_layer_time(C, cl, gs, m.h, m.h_ff)
             rows.append(dict(model=m.name, layer=layer + 1, Tc_ms=1e3 * Tc, Tm_ms=1e3 * Tm,
                              theoretical=pm.smart_speedup_theoretical(Tm, Tc), achieved_pipeline_model=ach,
                              achieved_simulator=float(st.loc[layer, "fastmoe"] / st.loc[layer, "smart"])))
     df = pd.DataFrame(rows)
-    df["fraction_of_theory"] = df.achieved_pipeline_model / df.theoretical  # same model on both sides: <= 1
+    df["model_fraction_of_theory"] = df.achieved_pipeline_model / df.theoretical  # one model both sides: <= 1
     df.attrs["label"] = (f"SIMULATED: johnny (perf-model tree for theory / pipeline model, moelab.sim profile for "
-                         f"'simulator'), SUBSTITUTE T2 trace at iteration {it}")
-    return df
+                         f"'simulator'), SUBSTITUTE T2 trace at iteration {it}; model_fraction_of_theory is model "
+                         "over model (<= 1 by construction), not measured over theory")
+    return mark_assumptions(df, "fig12")
 
 
 def fig12_smart_real(scale, trace: str = "t2") -> pd.DataFrame:
     """Fig. 12 (a): achieved smart-schedule speedup on the REAL layer suite (EMULATED links) for each group
-    size Gs, beside the theoretical speedup from the calibrated model (emulated links, measured P)."""
+    size Gs, beside the theoretical speedup from the calibrated model (emulated links, measured P).
+    ``measured_fraction_of_theory`` = measured speedup ÷ its theory (the paper's quantity);
+    ``model_fraction_of_theory`` = pipeline model ÷ theory (<= 1 by construction)."""
     s = layer_suite(scale, trace)
     med = suite_medians(s)
     cl = suite_cluster(s)
@@ -99,6 +105,9 @@ def fig12_smart_real(scale, trace: str = "t2") -> pd.DataFrame:
                          theoretical=float(np.median([p["theoretical"] for p in pred])),
                          pipeline_model=float(np.median([p["fastmoe"] / p["smart"] for p in pred]))))
     df = pd.DataFrame(rows)
+    if len(df):
+        df["measured_fraction_of_theory"] = df.achieved / df.theoretical
+        df["model_fraction_of_theory"] = df.pipeline_model / df.theoretical
     df.attrs["label"] = s["label"] + f", {trace.upper()} trace replay"
     return df
 

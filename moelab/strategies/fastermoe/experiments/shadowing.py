@@ -7,7 +7,7 @@ import pandas as pd
 
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe import roofline as rl
-from .common import moe_layer_times, PAPER_LAYER_MODELS, scale_spec, sim_profile
+from .common import mark_assumptions, moe_layer_times, PAPER_LAYER_MODELS, scale_spec, sim_profile
 from .end_to_end import _paper_layer_config, paper_variant_options
 from .suite import _suite_warmup, layer_suite
 from .traces import t2_popularity, top2_counts
@@ -47,6 +47,7 @@ def fig11_shadowing(scale, seed: int = 0):
     for f in (lat, smap, summary):
         f.attrs["label"] = ("SIMULATED: fastermoe_johnny, MoE-BERT-Deep layer 12 (h=1024), SUBSTITUTE T2 trace, "
                             "shadow policy with the FastMoE constants (P=11.5 TFLOP/s, W_net=6.25 GB/s, c=2)")
+        mark_assumptions(f, "fig11")
     return lat, smap, summary
 
 
