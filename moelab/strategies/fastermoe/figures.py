@@ -165,12 +165,13 @@ def fig9_predictor(points, metrics, *, label: str, title: str = "Fig. 9: perform
         r = m.iloc[0]
         flag = "" if r.get("r2_meaningful", True) else f" (n={int(r.n)}: too few)"
         share = r.get("share_of_e2e", np.nan)
-        share = f", {100 * share:.0f}% of e2e" if part != "e2e" and np.isfinite(share) else ""
-        return f"{short.get(mode, mode)} R² {r.r2:.2f}, err {100 * r.median_rel_err:.0f}%{share}{flag}"
+        share = f" · {100 * share:.0f}% of e2e" if part != "e2e" and np.isfinite(share) else ""
+        return f"{short.get(mode, mode)}: R² {r.r2:.2f} · err {100 * r.median_rel_err:.0f}%{share}{flag}"
 
     modes = list(dict.fromkeys(points["mode"]))
     subt = [f"{names[p]}<br>" + "<br>".join(score(m, p) for m in modes) for p, _, _ in parts]
-    fig = make_subplots(rows=1, cols=3, subplot_titles=subt)
+    fig = make_subplots(rows=1, cols=3, subplot_titles=subt, horizontal_spacing=0.08)
+    fig.update_annotations(font_size=11)  # the subplot titles: two or three lines each
     symbols = {"calibration": "circle-open", "evaluation": "circle"}
     for c, (part, meas, pred) in enumerate(parts, 1):
         lim = 0.0
@@ -191,7 +192,7 @@ def fig9_predictor(points, metrics, *, label: str, title: str = "Fig. 9: perform
     if ref:  # the paper's R^2 as a legend entry (no data)
         fig.add_scatter(x=[None], y=[None], mode="markers", marker={"color": "rgba(0,0,0,0)"},
                         name=f"paper R² (end-to-end): {ref}", row=1, col=1)
-    return finish(fig, title + " (held-out half)", label, height=560, width=1200, margin={"t": 170})
+    return finish(fig, title + " (held-out half)", label, height=560, width=1250, margin={"t": 170})
 
 
 # ---- Fig. 10, 13 -----------------------------------------------------------------------------------
