@@ -66,6 +66,12 @@ the compute line and a per-call cost on real 4-rank training steps of held-out s
 better split (compute-only R^2 0.25-0.72 in the last 2 rounds), unemulated total R^2 -0.78 to 0.36
 (median 0.06), EMULATED 0.98-0.99.
 
+In parts (:meth:`Comparison.parts`: e2e, compute, comm per iteration and per MoE layer, EMULATED and
+loopback never pooled), 3 rounds of ``benchmarks/sim_validation.py`` (``cpu_pool``, load average
+0.4-8): EMULATED e2e R^2 0.999, comm 96 % of a step (R^2 0.999), compute 3.5 % (R^2 0.69-0.85; per
+layer -0.45 to 0.21); loopback e2e -0.74 to 0.70, compute 41 % (R^2 0.53-0.84), comm 59 % (R^2 -9.4
+to -0.8). An EMULATED e2e R^2 is mostly the links' formula: read it beside its compute part.
+
 Labels: a comparison is "REAL: n ranks gloo [EMULATED links] vs SIMULATED: <profile>".
 """
 from __future__ import annotations
