@@ -18,8 +18,9 @@ from moelab.comm.door import Communicator
 from moelab.comm.topology import Topology
 from moelab.config import EmulationConfig, RunConfig
 from moelab.sim import allgather_time, allreduce_time, alltoall_time, broadcast_time, reduce_scatter_time
-from moelab.sim.validate import (BASE_MODEL, BytesMismatchWarning, compare, emulation_profile, machine_profile,
-                                 median_rel_err, r2_score, run_real_many, simulate_real, validation_configs)
+from moelab.sim.validate import (BASE_MODEL, MIN_R2_POINTS, R2_TARGET, REL_ERR_TARGET, BytesMismatchWarning, compare,
+                                 emulation_profile, machine_profile, median_rel_err, parts_table, r2_score,
+                                 run_real_many, simulate_real, validation_configs)
 
 torch.set_num_threads(1)
 
@@ -84,6 +85,23 @@ def test_r2_and_relative_error():
     assert r2_score(y, np.full(4, y.mean())) == pytest.approx(0.0)
     assert r2_score(y, y + 10) < 0  # a biased prediction is not rescued by a refit
     assert median_rel_err(y, 1.1 * y) == pytest.approx(0.1)
+
+
+def test_parts_table_scores_each_part_and_flags_what_it_cannot():
+    """Each part scored on its own columns; too few points flagged; an unmeasured part gets a note, not a number."""
+    import pandas as pd
+
+    y = np.arange(1.0, 9.0)
+    f = pd.DataFrame({"real_s": y, "sim_s": y, "real_compute_s": y / 4, "sim_compute_s": y / 2,
+                      "real_comm_s": np.zeros(8), "sim_comm_s": y, "kind": ["a"] * 6 + ["b"] * 2})
+    t = parts_table(f, by="kind", run=str.upper).set_index(["group", "part"])
+    assert t.loc[("a", "e2e"), "r2"] == 1.0 and t.loc[("a", "e2e"), "r2_meaningful"]
+    assert t.loc[("a", "compute"), "median_rel_err"] == pytest.approx(1.0)  # predicted twice the measured
+    assert t.loc[("a", "compute"), "r2"] < 0
+    assert np.isnan(t.loc[("a", "comm"), "r2"]) and "NOT MEASURED" in t.loc[("a", "comm"), "note"]
+    assert t.loc[("b", "e2e"), "n"] == 2 < MIN_R2_POINTS and not t.loc[("b", "e2e"), "r2_meaningful"]
+    assert "not meaningful" in t.loc[("b", "e2e"), "note"] and t.loc[("b", "e2e"), "run"] == "B"
+    assert t.loc[("a", "compute"), "share_of_e2e"] == pytest.approx(0.25)
 
 
 def _emulated(fake, op, group, topo, nbytes=0, splits=None, root=None):
@@ -238,7 +256,9 @@ def test_bytes_exact_dense_2_ranks(runs2):
 
 @pytest.mark.timeout(120)
 def test_emulated_validation_2_ranks(runs2):
-    """EMULATED slow links: the simulator predicts step time over a spread of configs."""
+    """EMULATED slow links: the simulator predicts step time over a spread of configs at spec §5.9's
+    thresholds (R^2 >= 0.9, median |rel. error| <= 25 %) over >= MIN_R2_POINTS timed iterations; the
+    compute and communication parts are measured and reported (not gated: compute is a few % of a step)."""
     reals = [runs2[n] for n, _ in EMU2]
     sims = [simulate_real(r.cfg, r.loads, machine_profile(r.cfg, None, compute="model")) for r in reals]
     c = compare(reals, sims, warmup=2, names=[n for n, _ in EMU2])
@@ -247,9 +267,13 @@ def test_emulated_validation_2_ranks(runs2):
     assert (c.iters.comm_share_sim > 0.6).all()
     spread = c.iters[~c.iters.warmup].real_s
     assert spread.max() > 2.5 * spread.min()  # R^2 over a spread of times, not one point
-    # loose on purpose (noisy shared machine): the measured value is reported by the notebook
-    print(c.summary())
-    assert m["config_r2"] > 0.5 and m["median_rel_err"] < 0.4, c.summary()
+    parts = c.parts()
+    print(c.summary() + "\n" + parts.to_string())
+    it = parts[parts.level == "iteration"].set_index("part")
+    assert set(it.run) == {"EMULATED links"} and set(it.index) == {"e2e", "compute", "comm"}
+    assert it.loc["comm", "n"] == it.loc["e2e", "n"] == m["n_points"] >= MIN_R2_POINTS
+    assert it[["r2", "median_rel_err"]].notna().all().all()  # every part measured on the real runs
+    assert m["r2"] >= R2_TARGET and m["median_rel_err"] <= REL_ERR_TARGET, c.summary()
 
 
 # ---- real 4-rank runs (2 nodes x 2 declared) ----------------------------------------------------------

@@ -147,26 +147,37 @@ def fig8_schedules(frame, *, label: str, by: str = "variant",
 # ---- Fig. 9 ----------------------------------------------------------------------------------------
 @labelled
 def fig9_predictor(points, metrics, *, label: str, title: str = "Fig. 9: performance model, predicted vs measured"):
-    """Predicted vs measured (ms) for the whole layer (forward + backward), the forward expert compute
-    and the all-to-alls; markers by mode and calibration/evaluation split; y = x dashed; R^2 of the
-    held-out points in the panel titles, the paper's R^2 in the title."""
+    """Predicted vs measured (ms), one panel per part: the whole layer (forward + backward), the
+    forward expert compute, the all-to-alls (each measured on the real runs); markers by run kind
+    (EMULATED links / REAL loopback gloo) and calibration/evaluation split; y = x dashed. Each panel's
+    title gives R^2 and median |rel. error| of the held-out points per run kind and the part's share
+    of the measured end-to-end time, flagged when too few points or a part was not measured; the paper's R^2 (end-to-end only) is a legend entry."""
     parts = (("e2e", "e2e_s", "predicted_e2e_s"), ("compute", "compute_fw_s", "predicted_compute_fw_s"),
              ("comm", "comm_s", "predicted_comm_s"))
+    names = {"e2e": "end-to-end (fw+bw)", "compute": "compute (fw experts)", "comm": "communication (4 a2a)"}
+    kind = {"emulated": "EMULATED links", "plain": "REAL loopback gloo"}
+    short = {"emulated": "emu", "plain": "loopback"}
 
-    def r2(mode, part):
+    def score(mode, part):
         m = metrics[(metrics["mode"] == mode) & (metrics.split == "evaluation") & (metrics.part == part)]
-        return f"{m.r2.iloc[0]:.3f}" if len(m) else "-"
+        if not len(m) or not np.isfinite(m.r2.iloc[0]):
+            return f"{short.get(mode, mode)}: not measured" if len(m) else f"{short.get(mode, mode)}: -"
+        r = m.iloc[0]
+        flag = "" if r.get("r2_meaningful", True) else f" (n={int(r.n)}: too few)"
+        share = r.get("share_of_e2e", np.nan)
+        share = f" · {100 * share:.0f}% of e2e" if part != "e2e" and np.isfinite(share) else ""
+        return f"{short.get(mode, mode)}: R² {r.r2:.2f} · err {100 * r.median_rel_err:.0f}%{share}{flag}"
 
     modes = list(dict.fromkeys(points["mode"]))
-    short = {"emulated": "emu", "plain": "loopback"}
-    subt = [f"{p}<br>R² " + " / ".join(f"{r2(m, p)} {short.get(m, m)}" for m in modes) for p, _, _ in parts]
-    fig = make_subplots(rows=1, cols=3, subplot_titles=subt)
+    subt = [f"{names[p]}<br>" + "<br>".join(score(m, p) for m in modes) for p, _, _ in parts]
+    fig = make_subplots(rows=1, cols=3, subplot_titles=subt, horizontal_spacing=0.08)
+    fig.update_annotations(font_size=11)  # the subplot titles: two or three lines each
     symbols = {"calibration": "circle-open", "evaluation": "circle"}
     for c, (part, meas, pred) in enumerate(parts, 1):
         lim = 0.0
         for i, mode in enumerate(modes):
             for split, g in points[points["mode"] == mode].groupby("split"):
-                fig.add_scatter(x=1e3 * g[meas], y=1e3 * g[pred], mode="markers", name=f"{mode}, {split}",
+                fig.add_scatter(x=1e3 * g[meas], y=1e3 * g[pred], mode="markers", name=f"{kind.get(mode, mode)}, {split}",
                                 legendgroup=f"{mode}{split}", showlegend=c == 1,
                                 marker={"color": _c(i), "symbol": symbols.get(split, "circle"), "size": 9},
                                 text=g.point, hovertemplate="%{text}<br>measured %{x:.2f} ms<br>predicted %{y:.2f} ms",
@@ -180,8 +191,8 @@ def fig9_predictor(points, metrics, *, label: str, title: str = "Fig. 9: perform
     ref = ", ".join(f"{m.replace('paper ', '').strip('()')} {v:.3f}" for m, v in zip(paper["mode"], paper.r2))
     if ref:  # the paper's R^2 as a legend entry (no data)
         fig.add_scatter(x=[None], y=[None], mode="markers", marker={"color": "rgba(0,0,0,0)"},
-                        name=f"paper R²: {ref}", row=1, col=1)
-    return finish(fig, title + " (R² of held-out points)", label, height=520, width=1150, margin={"t": 130})
+                        name=f"paper R² (end-to-end): {ref}", row=1, col=1)
+    return finish(fig, title + " (held-out half)", label, height=560, width=1250, margin={"t": 170})
 
 
 # ---- Fig. 10, 13 -----------------------------------------------------------------------------------

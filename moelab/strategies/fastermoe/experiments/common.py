@@ -63,7 +63,7 @@ class ScaleSpec:
 _SCALES = {
     "smoke": ScaleSpec("smoke", nproc=4, d=64, tokens=256, suite_iters=4, shadow_iters=2, warmup=1,
                        intra_GBps=0.05, inter_GBps=0.01, latency_us=50.0,
-                       sweep_nprocs=(2, 4), sweep_h=(64, 128), sweep_tokens=256, sweep_iters=3, sweep_plain=False,
+                       sweep_nprocs=(2, 4), sweep_h=(64, 128, 256), sweep_tokens=256, sweep_iters=3, sweep_plain=False,
                        conv_nproc=4, conv_steps=30, conv_d=32, conv_layers=2, conv_seq=32, conv_batch=4,
                        conv_time_samples=3, paper_layers=2, trace_iters=(80500,), fig11_iters=16,
                        fig4_iters=300, e2e_iters=4),
