@@ -56,7 +56,6 @@ from .common import (  # noqa: F401
     TRACE_ITERS,
     TRACE_WEIGHTS,
     ZERO_OVERLAP,
-    PAPER_R2,
     assumptions,
     assumes,
     mark_assumptions,

@@ -18,7 +18,6 @@ from moelab.strategies.fastermoe import perf_model as pm
 SCALES = ("smoke", "default", "full")
 TRACE_ITERS = (500, 5500, 80500)  # AE trace iterations (Figs. 10, 12, 13)
 TRACE_WEIGHTS = (500, 5000, 75000)  # AE time weights of those iterations
-PAPER_R2 = {"johnny": 0.987, "trevor": 0.967}
 
 
 # ==== scales ===========================================================================================
