@@ -151,7 +151,8 @@ def fig9_predictor(points, metrics, *, label: str, title: str = "Fig. 9: perform
     forward expert compute, the all-to-alls (each measured on the real runs); markers by run kind
     (EMULATED links / REAL loopback gloo) and calibration/evaluation split; y = x dashed. Each panel's
     title gives R^2 and median |rel. error| of the held-out points per run kind and the part's share
-    of the measured end-to-end time, flagged when too few points or a part was not measured; the paper's R^2 (end-to-end only) is a legend entry."""
+    of the measured end-to-end time, flagged when too few points or a part was not measured (the paper's
+    R^2 is in the paper-vs-moelab table, from paper.yaml)."""
     parts = (("e2e", "e2e_s", "predicted_e2e_s"), ("compute", "compute_fw_s", "predicted_compute_fw_s"),
              ("comm", "comm_s", "predicted_comm_s"))
     names = {"e2e": "end-to-end (fw+bw)", "compute": "compute (fw experts)", "comm": "communication (4 a2a)"}
@@ -187,11 +188,6 @@ def fig9_predictor(points, metrics, *, label: str, title: str = "Fig. 9: perform
                         showlegend=c == 1, row=1, col=c)
         fig.update_xaxes(title_text="measured (ms)", row=1, col=c)
         fig.update_yaxes(title_text="predicted (ms)", row=1, col=c)
-    paper = metrics[metrics["mode"].astype(str).str.startswith("paper")]
-    ref = ", ".join(f"{m.replace('paper ', '').strip('()')} {v:.3f}" for m, v in zip(paper["mode"], paper.r2))
-    if ref:  # the paper's R^2 as a legend entry (no data)
-        fig.add_scatter(x=[None], y=[None], mode="markers", marker={"color": "rgba(0,0,0,0)"},
-                        name=f"paper R² (end-to-end): {ref}", row=1, col=1)
     return finish(fig, title + " (held-out half)", label, height=560, width=1250, margin={"t": 170})
 
 
