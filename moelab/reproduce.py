@@ -161,8 +161,11 @@ def _package_sources() -> list[Path]:
 
 
 def _inputs(nb: Path, params_file: Path | None, values: list, root: Path) -> list[Path]:
-    """Files whose change makes an executed notebook stale."""
-    files = [nb, *([params_file] if params_file else []), *_package_sources()]
+    """Files whose change makes an executed notebook stale: the notebook, its parameters, the package, its
+    paper's data (``experiments/<name>/*.yaml``: scales, manifest, paper numbers, assumptions) and files
+    that parameters name."""
+    data = sorted((root / "experiments" / notebook_name(nb)).glob("*.yaml"))
+    files = [nb, *([params_file] if params_file else []), *_package_sources(), *data]
     for v in values:
         if isinstance(v, str) and v and len(v) < 4096 and "\n" not in v:
             p = Path(v) if Path(v).is_absolute() else root / v

@@ -63,7 +63,6 @@ from .common import (  # noqa: F401
     MODEL_CLUSTERS,
     paper_layer_models,
     ScaleSpec,
-    _SCALES,
     scale_spec,
     PaperLayerModel,
     PAPER_LAYER_MODELS,

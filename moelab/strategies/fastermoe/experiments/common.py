@@ -59,38 +59,12 @@ class ScaleSpec:
     e2e_iters: int = 8  # Fig. 10 (a): training steps per system of the REAL end-to-end comparison
 
 
-_SCALES = {
-    "smoke": ScaleSpec("smoke", nproc=4, d=64, tokens=256, suite_iters=4, shadow_iters=2, warmup=1,
-                       intra_GBps=0.05, inter_GBps=0.01, latency_us=50.0,
-                       sweep_nprocs=(2, 4), sweep_h=(64, 128, 256), sweep_tokens=256, sweep_iters=3, sweep_plain=False,
-                       conv_nproc=4, conv_steps=30, conv_d=32, conv_layers=2, conv_seq=32, conv_batch=4,
-                       conv_time_samples=3, paper_layers=2, trace_iters=(80500,), fig11_iters=16,
-                       fig4_iters=300, e2e_iters=4),
-    "default": ScaleSpec("default", nproc=8, d=128, tokens=512, suite_iters=12, shadow_iters=20, warmup=2,
-                         intra_GBps=0.1, inter_GBps=0.02, latency_us=50.0,
-                         sweep_nprocs=(2, 4, 8), sweep_h=(64, 128, 256, 512), sweep_tokens=256, sweep_iters=4,
-                         sweep_plain=True,
-                         conv_nproc=8, conv_steps=150, conv_d=64, conv_layers=2, conv_seq=64, conv_batch=4,
-                         conv_time_samples=8, paper_layers=None, trace_iters=TRACE_ITERS, fig11_iters=62,
-                         fig4_iters=1000),
-    "full": ScaleSpec("full", nproc=8, d=256, tokens=1024, suite_iters=24, shadow_iters=40, warmup=3,
-                      intra_GBps=0.2, inter_GBps=0.04, latency_us=50.0,
-                      sweep_nprocs=(2, 4, 8), sweep_h=(64, 128, 256, 512), sweep_tokens=512, sweep_iters=8,
-                      sweep_plain=True,
-                      conv_nproc=8, conv_steps=600, conv_d=128, conv_layers=4, conv_seq=64, conv_batch=4,
-                      conv_time_samples=16, paper_layers=None, trace_iters=TRACE_ITERS, fig11_iters=62,
-                      fig4_iters=2000, e2e_iters=12),
-}
-
-
 def scale_spec(scale) -> ScaleSpec:
-    """The :class:`ScaleSpec` of ``scale`` (a name, or a ScaleSpec passed through)."""
-    if isinstance(scale, ScaleSpec):
-        return scale
-    try:
-        return _SCALES[scale]
-    except KeyError:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}") from None
+    """The :class:`ScaleSpec` of ``scale`` (a name in ``experiments/fastermoe/scales.yaml``, or a ScaleSpec
+    passed through)."""
+    from moelab.repro.scales import load_scale
+
+    return load_scale("fastermoe", ScaleSpec, scale)
 
 
 # ==== assumptions (experiments/fastermoe/assumptions.yaml) ================================================
