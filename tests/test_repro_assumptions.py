@@ -124,7 +124,7 @@ def test_fig10_and_fig13_name_their_assumptions():
     assert "zero_overlap" in f10.attrs["assumptions"] and "assumes: zero_overlap=0.5" in f10.attrs["label"]
     f13 = E.fig13_breakdown(SMOKE)
     assert "zero_overlap" not in f13.attrs["assumptions"] and "trevor_P" in f13.attrs["assumptions"]
-    assert E.fig12_smart(SMOKE).attrs["assumptions"] == []  # johnny only: the paper's constants
+    assert set(E.fig12_smart(SMOKE).attrs["assumptions"]) == {"t2_noise", "t2_step0", "t2_step_decay"}  # johnny: paper constants + T2
 
 
 # ---- sensitivity ----------------------------------------------------------------------------------------------

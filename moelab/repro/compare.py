@@ -63,6 +63,12 @@ def load_numbers(paper_or_path) -> dict:
     return out
 
 
+def paper_value(paper: str, key: str) -> float:
+    """The paper's own number ``key`` from paper.yaml: where moelab calibrates to a paper number (and says
+    so), it reads it from here rather than retyping it."""
+    return float(load_numbers(paper)[key]["value"])
+
+
 def _select(frame, where: dict):
     for col, want in (where or {}).items():
         if col not in frame:

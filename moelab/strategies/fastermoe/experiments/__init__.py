@@ -74,20 +74,8 @@ from .common import (  # noqa: F401
     _timed,
     moe_layer_times,
 )
-from .traces import (  # noqa: F401
-    T2_HOT_SHARE,
-    T2_NOISE,
-    T2_STEP0,
-    T2_STEP_DECAY,
-    top2_shares,
-    _calibrate_hot,
-    t2_popularity,
-    top2_counts,
-    t2_counts,
-    rescale_counts,
-    popularity_summary,
-    TraceGate,
-)
+from .traces import t2_constants, t2_counts, t2_popularity  # noqa: F401
+from moelab.repro.traces import TraceGate, popularity_summary, rescale_counts, top2_counts, top2_shares  # noqa: F401
 from .suite import (  # noqa: F401
     _emulation,
     _measure_flops,

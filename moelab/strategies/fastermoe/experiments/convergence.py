@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import torch
 from .common import ScaleSpec, _timed, assumptions, scale_spec, sim_profile
-from .traces import rescale_counts
+from moelab.repro.traces import rescale_counts
 
 
 # ==== REAL tiny MoE-GPT: convergence (Fig. 14, Table 3) and trace T1 ===========================================

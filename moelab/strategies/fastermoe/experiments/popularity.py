@@ -7,7 +7,8 @@ import pandas as pd
 from .common import scale_spec
 from .convergence import convergence_suite
 from .suite import run_layer_suite
-from .traces import popularity_summary, t2_popularity, top2_shares
+from moelab.repro.traces import popularity_summary, top2_shares
+from .traces import t2_popularity
 
 
 # ==== Fig. 3, 4, 6, 7, 8 ===========================================================================================

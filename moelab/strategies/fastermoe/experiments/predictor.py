@@ -11,7 +11,8 @@ from moelab.strategies.fastermoe import perf_model as pm
 from .common import ScaleSpec, _timed, scale_spec
 from .convergence import _conv_tokens, convergence_suite
 from .suite import EmulatedCluster, _emulation
-from .traces import TraceGate, rescale_counts, t2_counts
+from moelab.repro.traces import TraceGate, rescale_counts
+from .traces import t2_counts
 
 # ==== Fig. 9: the performance model against measurements (CPU, N in {2, 4, 8}) ================================
 def _sweep_rank(rank, world, a):

@@ -10,7 +10,8 @@ from moelab.strategies.fastermoe import roofline as rl
 from .common import mark_assumptions, moe_layer_times, PAPER_LAYER_MODELS, scale_spec, sim_profile
 from .end_to_end import _paper_layer_config, paper_variant_options
 from .suite import _suite_warmup, layer_suite
-from .traces import t2_popularity, top2_counts
+from moelab.repro.traces import top2_counts
+from .traces import t2_popularity
 
 # ==== Fig. 11: shadowing over consecutive iterations ==========================================================
 def fig11_shadowing(scale, seed: int = 0):

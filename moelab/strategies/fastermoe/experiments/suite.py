@@ -12,7 +12,8 @@ from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe import roofline as rl
 from .common import moe_layer_times, _timed, scale_spec
 from .convergence import _conv_tokens, convergence_suite
-from .traces import TraceGate, rescale_counts, t2_counts
+from moelab.repro.traces import TraceGate, rescale_counts
+from .traces import t2_counts
 
 def _emulation(intra, inter, lat):
     from moelab.config import EmulationConfig
