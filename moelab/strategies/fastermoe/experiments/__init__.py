@@ -70,8 +70,6 @@ from .common import (  # noqa: F401
     cluster_preset,
     sim_profile,
     policy_constants,
-    _copy,
-    _timed,
     moe_layer_times,
 )
 from .traces import t2_constants, t2_counts, t2_popularity  # noqa: F401

@@ -1,7 +1,6 @@
 """FasterMoE reproduction: common."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -190,23 +189,6 @@ def policy_constants(cluster: str, overrides: tuple = ()) -> dict:
     cl = "johnny" if cluster == "johnny" else "trevor"
     return dict(P=A.value(f"{cl}_P"), W_net=A.value(f"{cl}_policy_W_net_Gbps") * pm.GBPS,
                 c=int(A.value("shadow_comm_factor")), group_size=int(A.value(f"{cl}_group_size")))
-
-
-# ==== cached suites ===============================================================================================
-def _copy(obj):
-    return copy.deepcopy(obj)
-
-
-def _timed(fn):
-    """Cache per arguments; return deep copies (callers may modify frames)."""
-    cached = functools.lru_cache(maxsize=16)(fn)
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kw):
-        return _copy(cached(*args, **kw))
-
-    wrapper.cache_clear = cached.cache_clear
-    return wrapper
 
 
 def moe_layer_times(res, layer_ids: Sequence[int]) -> np.ndarray:

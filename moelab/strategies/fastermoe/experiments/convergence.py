@@ -7,7 +7,8 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 import torch
-from .common import ScaleSpec, _timed, assumptions, scale_spec, sim_profile
+from moelab.repro.cache import cached
+from .common import ScaleSpec, assumptions, scale_spec, sim_profile
 from moelab.repro.traces import rescale_counts
 
 
@@ -88,7 +89,7 @@ def _conv_rank(rank, world, cfg_dicts):
     return out
 
 
-@_timed
+@cached
 def convergence_suite(scale) -> dict:
     """REAL training of a tiny MoE-GPT (16 experts, top-2, pydocs bytes) on ``conv_nproc`` gloo ranks
     declared as 2 nodes with EMULATED links, once per system of :func:`convergence_systems`, same seed

@@ -5,7 +5,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
-from .common import (moe_layer_times, PAPER_LAYER_MODELS, PaperLayerModel, TRACE_ITERS, TRACE_WEIGHTS, _timed,
+from moelab.repro.cache import cached
+from .common import (moe_layer_times, PAPER_LAYER_MODELS, PaperLayerModel, TRACE_ITERS, TRACE_WEIGHTS,
                      assumptions, mark_assumptions, paper_layer_models, policy_constants, scale_spec, sim_profile)
 from .convergence import FASTERMOE_OPTS, _conv_config, _conv_rank
 from .suite import layer_suite, suite_medians
@@ -60,7 +61,7 @@ def paper_layer_sims(scale, seed: int = 0, overrides: tuple = (), clusters: tupl
     return _paper_layer_sims_cached(scale, seed, clusters)
 
 
-@_timed
+@cached
 def _paper_layer_sims_cached(scale, seed: int, clusters: tuple) -> pd.DataFrame:
     return _paper_layer_sims(scale, seed, (), clusters)
 

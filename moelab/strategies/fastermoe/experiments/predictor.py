@@ -8,7 +8,8 @@ import pandas as pd
 import torch
 
 from moelab.strategies.fastermoe import perf_model as pm
-from .common import ScaleSpec, _timed, scale_spec
+from moelab.repro.cache import cached
+from .common import ScaleSpec, scale_spec
 from .convergence import _conv_tokens, convergence_suite
 from .suite import EmulatedCluster, _emulation
 from moelab.repro.traces import TraceGate, rescale_counts
@@ -113,7 +114,7 @@ def parts_metrics(df: pd.DataFrame, sp: ScaleSpec) -> list:
     return t[cols].to_dict("records")
 
 
-@_timed
+@cached
 def predictor_sweep(scale, seed: int = 0) -> pd.DataFrame:
     """Fig. 9 (a) measurements: the FastMoE layer on N in ``sweep_nprocs`` gloo ranks (2 declared nodes),
     h in ``sweep_h`` (h_ff = 2h), traces T1/T2, EMULATED links (and plain loopback at default/full).

@@ -10,7 +10,8 @@ import torch
 
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe import roofline as rl
-from .common import moe_layer_times, _timed, scale_spec
+from moelab.repro.cache import cached
+from .common import moe_layer_times, scale_spec
 from .convergence import _conv_tokens, convergence_suite
 from moelab.repro.traces import TraceGate, rescale_counts
 from .traces import t2_counts
@@ -276,7 +277,7 @@ def suite_trace(scale, kind: str = "t2", seed: int = 0) -> np.ndarray:
     raise ValueError(f"trace kind must be t2, hot or t1, got {kind!r}")
 
 
-@_timed
+@cached
 def layer_suite(scale, trace: str = "t2", seed: int = 0) -> dict:
     """REAL layer benchmark at ``scale`` (EMULATED 2-node links), every variant of :func:`suite_variants`
     plus ``shadow_top1`` (the hottest expert forced into shadowing, on the timeline iteration only:
