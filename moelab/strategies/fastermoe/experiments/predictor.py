@@ -1,7 +1,6 @@
 """FasterMoE reproduction: predictor."""
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pandas as pd
@@ -17,11 +16,10 @@ from .traces import t2_counts
 
 # ==== Fig. 9: the performance model against measurements (CPU, N in {2, 4, 8}) ================================
 def _sweep_rank(rank, world, a):
-    import torch.distributed as dist
-
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
     from moelab.config import MoEConfig
+    from moelab.repro.timing import timed
     from moelab.strategies.fastermoe.layer import FasterMoELayer
 
     torch.set_num_threads(1)
@@ -40,17 +38,13 @@ def _sweep_rank(rank, world, a):
             for it in range(a["warmup"] + a["iters"]):
                 rec = comm.rec
                 n_c, n_s = len(rec.comm), len(rec.spans)
-                dist.barrier()
-                t0 = time.perf_counter()
-                xi = x0.clone().requires_grad_()
-                layer(xi).sum().backward()
-                dt = time.perf_counter() - t0
+                _, t = timed(comm, lambda: layer(x0.clone().requires_grad_()).sum().backward())
                 a2a = [r.t_end - r.t_start for r in rec.comm[n_c:] if r.op == "all_to_all"]
                 comp = sum(t1 - t0_ for nm, cat, t0_, t1, tags in rec.spans[n_s:] if nm == "experts")
                 rec.comm.clear()
                 rec.spans.clear()
                 if it >= a["warmup"]:
-                    rows.append(dict(point=key, h=h, mode=mode, iter=it, rank=rank, time_s=dt, a2a=a2a,
+                    rows.append(dict(point=key, h=h, mode=mode, iter=it, rank=rank, time_s=t.slowest_s, a2a=a2a,
                                      compute_fw_s=comp))
                 layer.zero_grad(set_to_none=True)
     return rows
