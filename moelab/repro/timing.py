@@ -28,10 +28,10 @@ def barrier(comm, group: str = "world") -> None:
         comm.all_gather(torch.zeros(1, dtype=torch.float64), group)
 
 
-def gather_seconds(comm, seconds: float, group: str = "world") -> tuple:
-    """Every member's ``seconds``, in group order, on every member (unrecorded)."""
+def gather_floats(comm, value: float, group: str = "world") -> tuple:
+    """Every member's ``value`` (a time, a measured rate), in group order, on every member (unrecorded)."""
     with comm.rec.paused():
-        got = comm.all_gather(torch.tensor([float(seconds)], dtype=torch.float64), group)
+        got = comm.all_gather(torch.tensor([float(value)], dtype=torch.float64), group)
     return tuple(float(v) for v in got.reshape(-1))
 
 
@@ -41,5 +41,5 @@ def timed(comm, fn, group: str = "world"):
     t0 = time.perf_counter()
     out = fn()
     own = time.perf_counter() - t0
-    per = gather_seconds(comm, own, group)
+    per = gather_floats(comm, own, group)
     return out, StepTime(max(per), own, per)

@@ -34,7 +34,7 @@ from moelab.moe.layer import MoELayer
 from moelab.moe.materialize import Materialization, Materializer
 from moelab.placement.policy import replicate
 from moelab.strategies.fastermoe.options import FasterMoEOptions
-from moelab.strategies.fastermoe.shadow import select_shadows
+from moelab.strategies.fastermoe.shadow import shadow_decision
 from moelab.strategies.fastermoe.smart_schedule import TAG_STRIDE, SmartMoE, SmartPipeline, SmartPlan, comm_stream
 from moelab.strategies.fastermoe.topo_gate import TopoGate
 
@@ -70,6 +70,7 @@ class FasterMoELayer(MoELayer):
         self.group_size = min(self.options.group_size, self.comm.world_size)
         self.last_shadowed: Tuple[int, ...] = ()
         self.shadow_log: list = []  # the shadow set of every forward (Fig. 11's map)
+        self.last_shadow_decision = None  # the policy's ShadowDecision (modelled times), None when forced/off
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
@@ -87,14 +88,17 @@ class FasterMoELayer(MoELayer):
     # ---- place: the shadow decision --------------------------------------------------------------
     def decide_shadows(self, C: torch.Tensor) -> Tuple[int, ...]:
         o = self.options
+        self.last_shadow_decision = None
         if o.shadow_force is not None:
             return tuple(o.shadow_force)
         if not o.shadow:
             return ()
-        return select_shadows(C.to(torch.float64).numpy(), h=o.shadow_d_model or self.d_model,
-                              h_ff=o.shadow_d_ff or self.d_ff, P=o.shadow_gpu_flops, W_net=o.shadow_net_bw,
-                              s=o.shadow_elem_bytes, c=o.shadow_comm_factor, max_shadow=o.shadow_max,
-                              exact=o.shadow_exact)
+        d = shadow_decision(C.to(torch.float64).numpy(), h=o.shadow_d_model or self.d_model,
+                            h_ff=o.shadow_d_ff or self.d_ff, P=o.shadow_gpu_flops, W_net=o.shadow_net_bw,
+                            s=o.shadow_elem_bytes, c=o.shadow_comm_factor, max_shadow=o.shadow_max,
+                            exact=o.shadow_exact)
+        self.last_shadow_decision = d  # what the policy compared: t_imbl vs t_chosen (the modelled gain)
+        return d.chosen
 
     def place(self, counts: torch.Tensor):
         """The shadow decision as this call's placement: the shadowed experts on every rank."""

@@ -1,6 +1,9 @@
 """FasterMoE (PPoPP'22) reproduction: the data behind every figure and table of the paper, as pandas
-frames, for ``notebooks/fastermoe.ipynb`` (spec ``shared/papers/fastermoe.md`` §4). The notebook only
-calls these functions and the builders of :mod:`.figures`.
+frames (spec ``shared/papers/fastermoe.md`` §4), one module per figure family (``popularity``, ``roofline``,
+``suite`` + ``shadowing`` + ``schedule`` for the real layer benchmark, ``predictor``, ``end_to_end``,
+``sensitivity``, ``convergence``; ``common`` and ``traces`` hold scales, paper models and T2). ``products``
+registers one function per manifest product (``experiments/fastermoe/manifest.yaml``); the notebook
+calls ``moelab.repro.Session.show(id)`` for each. This package re-exports the public names.
 
 Every experiment function takes ``scale`` (``"smoke"`` | ``"default"`` | ``"full"``, sizes in
 :func:`scale_spec`) and returns pandas frames; every frame carries a ``label`` column (or attribute
@@ -25,10 +28,15 @@ Workload mechanics follow the AE: Figs. 9-13 are MoE-*layer* benchmarks (a trace
 time-weighted mean over trace iterations 500 / 5500 / 80500 with weights 500 : 5000 : 75000
 (:data:`TRACE_ITERS`, :data:`TRACE_WEIGHTS`).
 
-Caching: the expensive real suites (:func:`layer_suite`, :func:`convergence_suite`,
-:func:`predictor_sweep`) and the paper-scale simulations (:func:`paper_layer_sims`) are computed once
-per (scale, arguments) in a process and shared by the figures that read them (Figs. 5a, 6, 8, 11a,
-12a and 13a all read one layer suite). Frames returned are fresh copies.
+Sizes per scale are data (``experiments/fastermoe/scales.yaml``, :func:`scale_spec`). Caching
+(:func:`moelab.repro.cache.cached`): the expensive real suites (:func:`layer_suite`,
+:func:`convergence_suite`, :func:`predictor_sweep`) and the paper-scale simulations
+(:func:`paper_layer_sims`) run once per (scale, arguments) in a process and are shared by the figures
+that read them (Figs. 5a, 6, 8, 11a, 12a and 13a all read one layer suite); frames returned are copies.
+
+The layer suite replays a skewed trace (one expert at 40 %) at every scale, since on T2 (seed 0) the
+shadow policy never fires (:func:`shadow_decisions` records what it compared each iteration; Figs. 11a
+and 13a say in their labels whether it fired).
 
 ZeRO (Fig. 10): at paper scale ZeRO-1/2/3 are priced with the spec's §3 volume model on the simulator's
 cost functions (:func:`zero_layer_time`: ring all-gathers / reduce-scatters of the whole layer's parameters
@@ -55,16 +63,16 @@ from .common import (  # noqa: F401
     SCALES,
     TRACE_ITERS,
     TRACE_WEIGHTS,
-    ZERO_OVERLAP,
+    ScaleSpec,
+    scale_spec,
     assumptions,
     assumes,
     mark_assumptions,
+    ZERO_OVERLAP,
+    PaperLayerModel,
     MODEL_FIELDS,
     MODEL_CLUSTERS,
     paper_layer_models,
-    ScaleSpec,
-    scale_spec,
-    PaperLayerModel,
     PAPER_LAYER_MODELS,
     table2_models,
     cluster_preset,
@@ -72,21 +80,22 @@ from .common import (  # noqa: F401
     policy_constants,
     moe_layer_times,
 )
-from .traces import t2_constants, t2_counts, t2_popularity  # noqa: F401
-from moelab.repro.traces import TraceGate, popularity_summary, rescale_counts, top2_counts, top2_shares  # noqa: F401
+from .traces import (  # noqa: F401
+    t2_constants,
+    t2_popularity,
+    t2_counts,
+)
 from .suite import (  # noqa: F401
-    _emulation,
-    _measure_flops,
-    _layer_rank,
     run_layer_suite,
     EmulatedCluster,
-    _shadow_comm,
     predict_layer_variants,
     suite_variants,
+    TRACE_KINDS,
     suite_trace,
     layer_suite,
+    shadow_decisions,
+    shadowing_note,
     suite_medians,
-    _suite_warmup,
     suite_cluster,
     simulate_layer_variants,
 )
@@ -94,30 +103,24 @@ from .convergence import (  # noqa: F401
     GSHARD,
     FASTERMOE_OPTS,
     TOPO_FRACTION,
-    _conv_tokens,
     base_gate_available,
     convergence_systems,
-    _conv_config,
-    _conv_rank,
     convergence_suite,
-    _paper_gpt_config,
     paper_iteration_time,
-    _smooth,
     fig14_convergence,
     TABLE3_TARGET_FRACTION,
     table3_time_to_loss,
 )
 from .predictor import (  # noqa: F401
-    _sweep_rank,
-    _sweep_points,
-    _nonneg_lstsq,
+    RUN_KIND,
+    parts_metrics,
     predictor_sweep,
     fig9_predictor,
 )
 from .end_to_end import (  # noqa: F401
     paper_variant_options,
-    _paper_layer_config,
     paper_trace,
+    CLUSTERS,
     paper_layer_sims,
     weighted_model_times,
     zero_layer_time,
@@ -129,9 +132,14 @@ from .end_to_end import (  # noqa: F401
     fig13_breakdown,
     fig13_breakdown_real,
 )
+from .sensitivity import (  # noqa: F401
+    CLUSTERS,
+    clusters_of,
+    fig10_speedups,
+    fig10_sensitivity,
+)
 from .shadowing import (  # noqa: F401
     fig11_shadowing,
-    _fig11_summary,
     fig11_shadowing_real,
     fig6_shadow_bytes,
 )
@@ -140,7 +148,6 @@ from .schedule import (  # noqa: F401
     fig12_smart,
     fig12_smart_real,
     fig7_schedule,
-    _label_p2p,
     fig8_schedules,
 )
 from .roofline import (  # noqa: F401
@@ -152,9 +159,5 @@ from .popularity import (  # noqa: F401
     fig3_ep_example,
     fig4_popularity,
 )
-from .sensitivity import (  # noqa: F401
-    clusters_of,
-    fig10_speedups,
-    fig10_sensitivity,
-)
+from moelab.repro.traces import TraceGate, popularity_summary, rescale_counts, top2_counts, top2_shares  # noqa: F401,E402
 from moelab.strategies.fastermoe.shadow import select_shadows  # noqa: F401,E402

@@ -56,6 +56,7 @@ class ScaleSpec:
     fig11_iters: int  # iterations of the Fig. 11 replay (paper: 62)
     fig4_iters: int  # T2 iterations drawn in Fig. 4
     e2e_iters: int = 8  # Fig. 10 (a): training steps per system of the REAL end-to-end comparison
+    suite_trace: str = "hot"  # what the layer suite replays (suite.TRACE_KINDS)
 
 
 def scale_spec(scale) -> ScaleSpec:

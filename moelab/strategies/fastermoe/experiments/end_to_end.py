@@ -9,7 +9,7 @@ from moelab.repro.cache import cached
 from .common import (moe_layer_times, PAPER_LAYER_MODELS, PaperLayerModel, TRACE_ITERS, TRACE_WEIGHTS,
                      assumptions, mark_assumptions, paper_layer_models, policy_constants, scale_spec, sim_profile)
 from .convergence import FASTERMOE_OPTS, _conv_config, _conv_rank
-from .suite import layer_suite, suite_medians
+from .suite import layer_suite, shadow_decisions, shadowing_note, suite_medians
 from .traces import t2_counts
 
 
@@ -263,7 +263,7 @@ def fig13_breakdown(scale, seed: int = 0) -> pd.DataFrame:
     return mark_assumptions(df, "fig13")
 
 
-def fig13_breakdown_real(scale, trace: str = "t2") -> pd.DataFrame:
+def fig13_breakdown_real(scale, trace: Optional[str] = None) -> pd.DataFrame:
     """Fig. 13 (a): the same speedups measured on the REAL layer suite (EMULATED links)."""
     s = layer_suite(scale, trace)
     med = suite_medians(s)
@@ -273,7 +273,9 @@ def fig13_breakdown_real(scale, trace: str = "t2") -> pd.DataFrame:
             rows.append(dict(variant=name, fastmoe_ms=1e3 * med["fastmoe"], time_ms=1e3 * med[v],
                              speedup=float(med["fastmoe"] / med[v])))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = s["label"] + f", {trace.upper()} trace replay"
+    dec = shadow_decisions(s, "both")  # "shadow" and "both" run the same policy on the same loads
+    note = shadowing_note(dec)
+    df.attrs.update(label=f"{s['label']}; {note}", shadowing=note, fired=bool((dec.n_shadowed > 0).any()))
     return df
 
 

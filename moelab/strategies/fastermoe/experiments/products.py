@@ -7,7 +7,7 @@ from __future__ import annotations
 from moelab.repro.registry import Made, Quantity, product
 from moelab.strategies.fastermoe import figures as F
 
-from . import convergence, end_to_end, popularity, predictor, roofline, schedule, sensitivity, shadowing
+from . import convergence, end_to_end, popularity, predictor, roofline, schedule, sensitivity, shadowing, suite
 from .common import scale_spec, table2_models  # noqa: F401 - scale_spec: the Session's scale lookup
 
 P = "fastermoe"
@@ -150,10 +150,12 @@ def fig11(ctx):
 @product(P, "fig11a", needs_real=True, quantities={"mean_fraction_shadowed": SHADOW_FRACTION})
 def fig11a(ctx):
     lat, smap, summ = shadowing.fig11_shadowing_real(ctx.scale)
-    notes = [summ.attrs["shadowing"]] if "shadowing" in summ.attrs else []
-    return Made(summ, notes=notes, tables={"table_fig11a_summary": (summ, "Fig. 11 (a): shadowing on CPU ranks")},
-                figures={"fig11a_shadowing_real": F.fig11_shadowing(
-                    lat, smap, label=_label(lat), title="Fig. 11 (a): shadowing on CPU ranks")})
+    dec = suite.shadow_decisions(suite.layer_suite(ctx.scale))
+    title = "Fig. 11 (a): shadowing on CPU ranks" + ("" if summ.attrs["fired"] else ": the policy never fired")
+    return Made(summ, notes=[summ.attrs["shadowing"]],
+                tables={"table_fig11a_summary": (summ, "Fig. 11 (a): shadowing on CPU ranks"),
+                        "table_fig11a_decisions": (dec, "Fig. 11 (a): the shadow policy's decision per iteration")},
+                figures={"fig11a_shadowing_real": F.fig11_shadowing(lat, smap, label=_label(lat), title=title)})
 
 
 @product(P, "fig12", quantities={"achieved_simulator": SMART_ACHIEVED, "theoretical": SMART_THEORY,
@@ -184,10 +186,10 @@ def fig13(ctx):
 @product(P, "fig13a", needs_real=True, quantities={"speedup": ("variant", BREAKDOWN)})
 def fig13a(ctx):
     f13r = end_to_end.fig13_breakdown_real(ctx.scale)
-    notes = [f13r.attrs["shadowing"]] if "shadowing" in f13r.attrs else []
-    return Made(f13r, notes=notes, tables={"table_fig13a_breakdown_real": (f13r, "Fig. 13 (a): on CPU ranks")},
-                figures={"fig13a_breakdown_real": F.fig13_breakdown(
-                    f13r, x="variant", label=_label(f13r), title="Fig. 13 (a): on CPU ranks")})
+    title = "Fig. 13 (a): on CPU ranks" + ("" if f13r.attrs["fired"] else ": the shadow policy never fired")
+    return Made(f13r, notes=[f13r.attrs["shadowing"]],
+                tables={"table_fig13a_breakdown_real": (f13r, "Fig. 13 (a): on CPU ranks")},
+                figures={"fig13a_breakdown_real": F.fig13_breakdown(f13r, x="variant", label=_label(f13r), title=title)})
 
 
 @product(P, "fig14", needs_real=True)

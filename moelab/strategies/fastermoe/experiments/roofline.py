@@ -1,6 +1,8 @@
 """FasterMoE reproduction: roofline."""
 from __future__ import annotations
 
+from typing import Optional
+
 
 import numpy as np
 import pandas as pd
@@ -40,7 +42,7 @@ def fig5_roofline(scale, seed: int = 0, h: int = 1024, h_ff: int = 2048, tokens:
     return points, lines
 
 
-def fig5_roofline_measured(scale, trace: str = "t2"):
+def fig5_roofline_measured(scale, trace: Optional[str] = None):
     """Fig. 5 (a): measured points of the REAL layer suite (EMULATED links): Theta from the measured
     iteration time, rho from the calibrated model (measured P, emulated bandwidths), with this machine's
     own ideal / semi-ideal lines (roof = the measured per-rank P). Returns ``(points, lines)``."""
@@ -76,7 +78,7 @@ def fig5_roofline_measured(scale, trace: str = "t2"):
     points = pd.DataFrame(rows)
     rho = np.logspace(-2, 2, 200)
     lines = pd.DataFrame(dict(rho=rho, ideal_GFLOPs=rl.ideal(rho, P) / 1e9, semi_ideal_GFLOPs=rl.semi_ideal(rho, P) / 1e9))
-    label = s["label"] + f", {trace.upper()} trace; P = {P / 1e9:.1f} GFLOP/s per rank (measured, all ranks at once)"
+    label = s["label"] + f"; P = {P / 1e9:.1f} GFLOP/s per rank (measured, all ranks at once)"
     points.attrs["label"] = lines.attrs["label"] = label
     return points, lines
 

@@ -83,7 +83,7 @@ def fig12_smart(scale, seed: int = 0) -> pd.DataFrame:
     return mark_assumptions(df, "fig12")
 
 
-def fig12_smart_real(scale, trace: str = "t2") -> pd.DataFrame:
+def fig12_smart_real(scale, trace: Optional[str] = None) -> pd.DataFrame:
     """Fig. 12 (a): achieved smart-schedule speedup on the REAL layer suite (EMULATED links) for each group
     size Gs, beside the theoretical speedup from the calibrated model (emulated links, measured P).
     ``measured_fraction_of_theory`` = measured speedup ÷ its theory (the paper's quantity);
@@ -108,7 +108,7 @@ def fig12_smart_real(scale, trace: str = "t2") -> pd.DataFrame:
     if len(df):
         df["measured_fraction_of_theory"] = df.achieved / df.theoretical
         df["model_fraction_of_theory"] = df.pipeline_model / df.theoretical
-    df.attrs["label"] = s["label"] + f", {trace.upper()} trace replay"
+    df.attrs["label"] = s["label"]
     return df
 
 
@@ -144,7 +144,7 @@ def _label_p2p(C, rank: int, N: int, gs: int, n: int) -> list:
     return names if len(names) == n else [f"p2p{i}" for i in range(n)]
 
 
-def fig8_schedules(scale, trace: str = "t2"):
+def fig8_schedules(scale, trace: Optional[str] = None):
     """Fig. 8. (a) REAL timelines (EMULATED links) of the hottest rank for the smart schedule run
     sequentially (``smart_threaded=False``, 8a-like: every op in turn) and on two streams (comm thread +
     compute, 8b/8c). (b) SIMULATED Gantt charts of the two-stream pipeline model fed with the op times

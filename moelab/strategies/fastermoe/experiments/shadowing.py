@@ -1,6 +1,8 @@
 """FasterMoE reproduction: shadowing."""
 from __future__ import annotations
 
+from typing import Optional
+
 
 import numpy as np
 import pandas as pd
@@ -9,7 +11,7 @@ from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe import roofline as rl
 from .common import mark_assumptions, moe_layer_times, PAPER_LAYER_MODELS, scale_spec, sim_profile
 from .end_to_end import _paper_layer_config, paper_variant_options
-from .suite import _suite_warmup, layer_suite
+from .suite import _suite_warmup, layer_suite, shadow_decisions, shadowing_note
 from moelab.repro.traces import top2_counts
 from .traces import t2_popularity
 
@@ -63,7 +65,7 @@ def _fig11_summary(lat, smap, E) -> pd.DataFrame:
                               max_speedup_one_shadow=float(one.max()) if len(one) else float("nan"))])
 
 
-def fig11_shadowing_real(scale, trace: str = "t2"):
+def fig11_shadowing_real(scale, trace: Optional[str] = None):
     """Fig. 11 (a): the REAL layer suite (EMULATED 2-node links, 16 experts): per iteration, the measured
     latency of FastMoE and of shadowing (policy constants calibrated on this machine) and the shadow set.
     Returns ``(latency, shadow_map, summary)``."""
@@ -82,12 +84,17 @@ def fig11_shadowing_real(scale, trace: str = "t2"):
     summary["P_eff_GFLOPs"] = s["P_eff"] / 1e9
     summary["policy_W_net_GBps"] = s["inter_GBps"]
     summary["policy_c"] = s["policy_c"]
+    dec = shadow_decisions(s)
+    summary["mean_modelled_gain_ms"] = float(dec.modelled_gain_ms.mean()) if len(dec) else float("nan")
+    note = shadowing_note(dec)
     for f in (lat, smap, summary):
-        f.attrs["label"] = s["label"] + f", {trace.upper()} trace replay"
+        f.attrs["label"] = f"{s['label']}; {note}"
+        f.attrs["shadowing"] = note
+        f.attrs["fired"] = bool((dec.n_shadowed > 0).any())
     return lat, smap, summary
 
 
-def fig6_shadow_bytes(scale, trace: str = "t2") -> pd.DataFrame:
+def fig6_shadow_bytes(scale, trace: Optional[str] = None) -> pd.DataFrame:
     """Fig. 6 (a): bytes one REAL iteration moves (all ranks, by collective and link class) without and with
     the hottest expert shadowed (``shadow_force``): its tokens no longer travel; its parameters are
     broadcast and its gradients reduced instead. Also the tokens each rank computes."""
@@ -110,7 +117,7 @@ def fig6_shadow_bytes(scale, trace: str = "t2") -> pd.DataFrame:
         no_shadow=pm.worker_loads(C).tolist(),
         shadow=(pm.worker_loads(rl.shadow_counts(C, [hot])[0]) + rl.shadow_counts(C, [hot])[1]).tolist())
     df.attrs["E_local"] = El
-    df.attrs["label"] = s["label"] + f", {trace.upper()} trace, iteration {t_it}; shadowed expert {hot}"
+    df.attrs["label"] = s["label"] + f", iteration {t_it}; shadowed expert {hot} (forced)"
     return df
 
 

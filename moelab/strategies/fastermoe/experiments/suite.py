@@ -37,11 +37,10 @@ def _measure_flops(d: int, f: int, rows: int, reps: int = 5) -> float:
 
 def _layer_rank(rank, world, a):
     """One rank of :func:`run_layer_suite` (spawned by :func:`moelab.testing.run_ranks`)."""
-    import torch.distributed as dist
-
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
     from moelab.config import MoEConfig
+    from moelab.repro.timing import barrier, gather_floats, timed
     from moelab.strategies.fastermoe.layer import FasterMoELayer
 
     torch.set_num_threads(1)
@@ -53,10 +52,8 @@ def _layer_rank(rank, world, a):
     # calibrate the per-rank compute rate with every rank computing at once (cores are shared), mean
     # over ranks so every rank prices the shadow policy with the same constant
     rows = int(trace[0].sum() // world) if trace.size else a["tokens"] * k
-    dist.barrier()
-    rate = torch.tensor([_measure_flops(d, f, rows)], dtype=torch.float64)
-    dist.all_reduce(rate)
-    P_eff = float(rate) / world
+    barrier(comm)
+    P_eff = float(np.mean(gather_floats(comm, _measure_flops(d, f, rows))))
     variants = {}
     for name, opts in a["variants"].items():
         o = dict(opts)
@@ -83,21 +80,26 @@ def _layer_rank(rank, world, a):
             layer.gate.set_counts(trace[it, rank], seed=it * 1009 + rank)
             rec = comm.rec
             n_c, n_s = len(rec.comm), len(rec.spans)
-            dist.barrier()
-            t0 = time.perf_counter()
-            wall0 = time.time()
-            xi = x0.clone().requires_grad_()
-            layer(xi).sum().backward()
-            dt = time.perf_counter() - t0
-            t = torch.tensor([dt], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            start = {}
+
+            def step():
+                start["wall"] = time.time()
+                layer(x0.clone().requires_grad_()).sum().backward()
+
+            _, st = timed(comm, step)
+            wall0 = start["wall"]
             comm_recs = rec.comm[n_c:]
             spans = rec.spans[n_s:]
             a2a = sum(r.t_end - r.t_start for r in comm_recs if r.op == "all_to_all")
             expert_fw = sum(t1 - t0_ for nm, cat, t0_, t1, tags in spans
                             if cat == "expert" and tags.get("phase") == "fwd" and not nm.endswith("bwd"))
-            rows_out.append(dict(iter=it, variant=name, rank=rank, time_s=float(t), own_s=dt, a2a_s=a2a,
-                                 expert_fw_s=expert_fw, shadowed=tuple(layer.last_shadowed)))
+            dec = layer.last_shadow_decision  # the policy's modelled times (None: forced or off)
+            a2a_bytes = sum(sum(r.bytes.values()) for r in comm_recs if r.op == "all_to_all")  # sent, all classes
+            rows_out.append(dict(iter=it, variant=name, rank=rank, time_s=st.slowest_s, own_s=st.own_s, a2a_s=a2a,
+                                 a2a_bytes=int(a2a_bytes),
+                                 expert_fw_s=expert_fw, shadowed=tuple(layer.last_shadowed),
+                                 modelled_imbl_s=dec.t_imbl if dec else float("nan"),
+                                 modelled_shadow_s=dec.t_chosen if dec else float("nan")))
             if it == a["timeline_iter"] and name in a["timeline_variants"]:
                 for r in comm_recs:
                     timeline.append(dict(variant=name, rank=rank, kind="comm", name=r.op, t0=r.t_start - wall0,
@@ -256,10 +258,17 @@ def suite_variants(nproc: int) -> dict:
     return v
 
 
+TRACE_KINDS = {  # what the layer suite replays, in the words its labels use
+    "t2": "SUBSTITUTE trace T2 (synthetic drifting popularity from iteration 5000)",
+    "hot": "SUBSTITUTE trace: expert 3 takes 40 % of the assignments (a skewed benchmark load)",
+    "t1": "trace T1 (REAL routing of the tiny MoE-GPT, rescaled)",
+}
+
+
 def suite_trace(scale, kind: str = "t2", seed: int = 0) -> np.ndarray:
-    """The ``[iters, N, 16]`` counts the layer suite replays: ``t2`` (SUBSTITUTE T2, 16 experts from
-    iteration 5000 on, one layer), ``hot`` (one expert takes 40 % of the assignments, the benchmark's
-    skewed trace), ``t1`` (REAL gate decisions of the tiny MoE-GPT, :func:`convergence_suite`)."""
+    """The ``[iters, N, 16]`` counts the layer suite replays (:data:`TRACE_KINDS`): ``t2`` (16 experts from
+    iteration 5000 on, one layer), ``hot`` (one expert takes 40 % of the assignments), ``t1`` (REAL gate
+    decisions of the tiny MoE-GPT, :func:`convergence_suite`)."""
     sp = scale_spec(scale)
     n_it = sp.suite_iters + sp.shadow_iters
     N, E = sp.nproc, 16
@@ -278,21 +287,54 @@ def suite_trace(scale, kind: str = "t2", seed: int = 0) -> np.ndarray:
 
 
 @cached
-def layer_suite(scale, trace: str = "t2", seed: int = 0) -> dict:
+def layer_suite(scale, trace: Optional[str] = None, seed: int = 0) -> dict:
     """REAL layer benchmark at ``scale`` (EMULATED 2-node links), every variant of :func:`suite_variants`
     plus ``shadow_top1`` (the hottest expert forced into shadowing, on the timeline iteration only:
-    Fig. 6). Shared by Figs. 5a, 6, 8, 11a, 12a and 13a."""
+    Fig. 6). Shared by Figs. 5a, 6, 8, 11a, 12a and 13a. ``trace``: default the scale's ``suite_trace``
+    (``hot`` at every scale: on T2 seed 0 the shadow policy never fires, see :func:`shadow_decisions`)."""
     sp = scale_spec(scale)
+    trace = trace or sp.suite_trace
     tr = suite_trace(sp, trace, seed)
     variants = suite_variants(sp.nproc)
     t_it = sp.suite_iters - 1
     hot = int(np.argmax(tr[t_it].sum(0)))
     variants["shadow_top1"] = {"shadow_force": [hot]}
-    return run_layer_suite(tr, variants, nodes=2, d=sp.d, emulate=True, intra_GBps=sp.intra_GBps,
-                           inter_GBps=sp.inter_GBps, latency_us=sp.latency_us, all_iters=sp.suite_iters,
-                           long_variants=("fastmoe", "shadow"), timeline_iter=t_it,
-                           timeline_variants=("fastmoe", "shadow_top1", "smart_gs2", "smart_seq", "both"),
-                           timeline_only=("shadow_top1",), seed=seed, warmup=sp.warmup)
+    s = run_layer_suite(tr, variants, nodes=2, d=sp.d, emulate=True, intra_GBps=sp.intra_GBps,
+                        inter_GBps=sp.inter_GBps, latency_us=sp.latency_us, all_iters=sp.suite_iters,
+                        long_variants=("fastmoe", "shadow"), timeline_iter=t_it,
+                        timeline_variants=("fastmoe", "shadow_top1", "smart_gs2", "smart_seq", "both"),
+                        timeline_only=("shadow_top1",), seed=seed, warmup=sp.warmup)
+    s.update(trace_kind=trace, label=f"{s['label']}; {TRACE_KINDS[trace]}")
+    return s
+
+
+def shadow_decisions(suite: dict, variant: str = "shadow") -> pd.DataFrame:
+    """The shadow policy's decision per timed iteration of a policy variant (identical on every rank,
+    checked): the chosen set and what the policy compared, T_imbl vs T_shadow(chosen) (modelled, ms)."""
+    df = suite["times"]
+    df = df[(df.variant == variant) & (df.iter >= _suite_warmup(suite))]
+    rows = []
+    for it, g in df.groupby("iter"):
+        sets = set(g.shadowed)
+        if len(sets) != 1:
+            raise AssertionError(f"iteration {it}: ranks chose different shadow sets {sets}")
+        r = g.iloc[0]
+        rows.append(dict(iter=int(it), variant=variant, shadowed=r.shadowed, n_shadowed=len(r.shadowed),
+                         modelled_imbl_ms=1e3 * r.modelled_imbl_s, modelled_shadow_ms=1e3 * r.modelled_shadow_s,
+                         modelled_gain_ms=1e3 * (r.modelled_imbl_s - r.modelled_shadow_s)))
+    out = pd.DataFrame(rows)
+    out.attrs["label"] = suite["label"]
+    return out
+
+
+def shadowing_note(decisions: pd.DataFrame) -> str:
+    """One line saying whether the policy fired, for titles and notes (a figure must say so when not)."""
+    n, k = len(decisions), int((decisions.n_shadowed > 0).sum()) if len(decisions) else 0
+    if not k:
+        return f"shadow policy never fired in {n} iterations on this configuration: shadow == FastMoE"
+    fired = decisions[decisions.n_shadowed > 0]
+    return (f"shadow policy fired in {k}/{n} iterations (mean {fired.n_shadowed.mean():.1f} experts, "
+            f"modelled gain {fired.modelled_gain_ms.mean():.1f} ms of {fired.modelled_imbl_ms.mean():.1f} ms)")
 
 
 def suite_medians(suite: dict, variants: Optional[Sequence[str]] = None,
