@@ -38,12 +38,13 @@ def _paper_layer_config(m: PaperLayerModel, layers: int, options: dict, override
     return config_for_profile(cfg, sim_profile(m.cluster, overrides))
 
 
-def paper_trace(m: PaperLayerModel, iters: Sequence[int], layers: int, seed: int = 0) -> np.ndarray:
+def paper_trace(m: PaperLayerModel, iters: Sequence[int], layers: int, seed: int = 0,
+                overrides: tuple = ()) -> np.ndarray:
     """T2 counts ``[len(iters), layers, N, E]`` of a paper model (one expert per GPU); every model gets its
     own T2 draw (the paper's models have their own traces)."""
     N = m.experts
     k = list(PAPER_LAYER_MODELS).index(m.name) if m.name in PAPER_LAYER_MODELS else 0
-    return t2_counts(list(iters), layers, N, m.experts, m.tokens, 1000 * seed + k)
+    return t2_counts(list(iters), layers, N, m.experts, m.tokens, 1000 * seed + k, overrides)
 
 
 CLUSTERS = ("johnny", "trevor")
@@ -76,7 +77,7 @@ def _paper_layer_sims(scale, seed: int, overrides: tuple, clusters: tuple) -> pd
         if m.cluster not in clusters:
             continue
         L = m.layers if sp.paper_layers is None else min(sp.paper_layers, m.layers)
-        tr = paper_trace(m, sp.trace_iters, L, seed)
+        tr = paper_trace(m, sp.trace_iters, L, seed, overrides)
         prof = sim_profile(m.cluster, overrides)
         for vi, (variant, opts) in enumerate(paper_variant_options(m.cluster, overrides).items()):
             cfg = _paper_layer_config(m, L, opts, overrides)

@@ -7,9 +7,11 @@ recomputed. The paper's number is a reference column only: nothing here is tuned
 """
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 
 import pandas as pd
+
+from moelab.repro.compare import paper_value
 
 from .common import MODEL_CLUSTERS, assumptions, scale_spec
 from .end_to_end import fig10_end_to_end
@@ -41,12 +43,19 @@ def fig10_speedups(scale, seed: int = 0, overrides: tuple = (), clusters: tuple 
 
 def _paper_speedup(cluster: str) -> float:
     """The paper's FasterMoE-over-ZeRO-3 number (``experiments/fastermoe/paper.yaml``), a reference only."""
-    import yaml
+    return paper_value("fastermoe", f"zero3_speedup_{cluster}")
 
-    from moelab.reproduce import project_root
 
-    p = project_root(Path(__file__).resolve().parent) / "experiments" / "fastermoe" / "paper.yaml"
-    return float(yaml.safe_load(p.read_text())["numbers"][f"zero3_speedup_{cluster}"]["value"])
+SENSITIVITY_LAYERS = 4  # layers per model the sweep simulates (fewer at smoke): base and ends alike
+
+
+def sweep_spec(scale):
+    """The scale's spec at the sweep's fidelity: at most :data:`SENSITIVITY_LAYERS` layers per model and
+    the last trace iteration only (80500: 93 % of the AE's time weight). Each assumption costs two
+    full Fig. 10 simulations, so the sweep trades fidelity for time; its base is recomputed alike."""
+    sp = scale_spec(scale)
+    return dataclasses.replace(sp, paper_layers=min(sp.paper_layers or SENSITIVITY_LAYERS, SENSITIVITY_LAYERS),
+                               trace_iters=(sp.trace_iters[-1],))
 
 
 def fig10_sensitivity(scale, seed: int = 0) -> pd.DataFrame:
@@ -54,7 +63,7 @@ def fig10_sensitivity(scale, seed: int = 0) -> pd.DataFrame:
     base / high,
     FasterMoE's SIMULATED speedup over ZeRO-3 at each, the changes from base and the swing (high - low
     of the three); ``paper_speedup`` is the paper's number as a reference column."""
-    sp = scale_spec(scale)
+    sp = scale = sweep_spec(scale)
     A = assumptions()
     base = fig10_speedups(scale, seed)
     rows = []
@@ -76,7 +85,7 @@ def fig10_sensitivity(scale, seed: int = 0) -> pd.DataFrame:
                              source=a.source))
     df = pd.DataFrame(rows)
     df = df.sort_values(["cluster", "swing"], ascending=[False, False], kind="stable").reset_index(drop=True)
-    layers = "all layers" if sp.paper_layers is None else f"{sp.paper_layers} layers per model"
+    layers = f"{sp.paper_layers} layers per model, trace iteration {sp.trace_iters[0]}"
     df.attrs["label"] = (f"SIMULATED: fastermoe_trevor / fastermoe_johnny profiles, SUBSTITUTE T2 traces, scale "
                          f"{sp.name} ({layers}); one assumption at a time set to the ends of its range in "
                          "experiments/fastermoe/assumptions.yaml, all others at base; johnny: best of 4 models; "
