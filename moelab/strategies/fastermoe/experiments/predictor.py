@@ -88,7 +88,7 @@ def parts_metrics(df: pd.DataFrame, sp: ScaleSpec) -> list:
     """R^2 and median |rel. error| per (mode, split, part) of the points frame, each part measured on
     the real runs (:func:`moelab.sim.validate.parts_table`: a part not measured gets a note, not a
     number; under ``MIN_R2_POINTS`` points ``r2_meaningful`` is False)."""
-    from moelab.sim.validate import parts_table
+    from moelab.sim.accuracy import parts_table
 
     ren = {"e2e_s": "real_s", "predicted_e2e_s": "sim_s", "compute_fw_s": "real_compute_s",
            "predicted_compute_fw_s": "sim_compute_s", "comm_s": "real_comm_s", "predicted_comm_s": "sim_comm_s"}
