@@ -215,3 +215,20 @@ def test_scale_specs_from_yaml_are_checked():
         _build(Spec, "smoke", {"nproc": "4", "sizes": [1], "layers": 1}, "f.yaml")
     with pytest.raises(ValueError, match="sizes must be a list"):
         _build(Spec, "smoke", {"nproc": 4, "sizes": 3, "layers": 1}, "f.yaml")
+
+
+def test_cache_runs_once_per_bound_arguments_and_returns_copies():
+    from moelab.repro.cache import cached
+
+    calls = []
+
+    @cached
+    def suite(scale, trace=None, seed=0):
+        calls.append((scale, trace, seed))
+        return {"rows": [1, 2]}
+
+    a = suite("smoke")
+    a["rows"].append(3)  # a caller editing its copy
+    assert suite("smoke", None) == {"rows": [1, 2]} and suite("smoke", trace=None, seed=0) == {"rows": [1, 2]}
+    suite("smoke", "hot")
+    assert calls == [("smoke", None, 0), ("smoke", "hot", 0)]

@@ -1,4 +1,6 @@
-"""FasterMoE reproduction: common."""
+"""FasterMoE reproduction, shared pieces: the scale spec (sizes in ``experiments/fastermoe/scales.yaml``),
+the AE's trace iterations and weights, the paper-scale layer models and constants (``assumptions.yaml``),
+the paper clusters' profiles and shadow-policy constants, and the MoE-layer time of a simulated iteration."""
 from __future__ import annotations
 
 import dataclasses

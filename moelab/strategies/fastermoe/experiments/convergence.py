@@ -1,4 +1,5 @@
-"""FasterMoE reproduction: convergence."""
+"""FasterMoE reproduction, Fig. 14 and Table 3 (SUBSTITUTE): tiny REAL MoE-GPT training runs per system on
+EMULATED links (also trace T1), their per-iteration time modelled at paper scale, and time/steps to one target loss."""
 from __future__ import annotations
 
 import time

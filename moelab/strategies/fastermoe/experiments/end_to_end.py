@@ -1,4 +1,6 @@
-"""FasterMoE reproduction: end_to_end."""
+"""FasterMoE reproduction, Figs. 10 and 13: SIMULATED MoE-layer replays on johnny / trevor (FastMoE, shadowing,
+smart schedule, both; ZeRO-1/2/3 priced by the spec's volume model), the whole-iteration cross-check, and the
+REAL whole-step and layer-suite counterparts."""
 from __future__ import annotations
 
 from typing import Optional, Sequence

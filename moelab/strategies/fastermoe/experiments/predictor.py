@@ -1,4 +1,5 @@
-"""FasterMoE reproduction: predictor."""
+"""FasterMoE reproduction, Fig. 9: the performance model against measured layer times on CPU ranks
+(N in {2, 4, 8}, EMULATED links and REAL loopback), calibrated on one half, R² and median error in parts."""
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
-"""FasterMoE reproduction: roofline."""
+"""FasterMoE reproduction, Fig. 5: the DDL-Roofline, SIMULATED on johnny with the performance model and measured
+on CPU ranks (EMULATED links) from the layer suite."""
 from __future__ import annotations
 
 from typing import Optional

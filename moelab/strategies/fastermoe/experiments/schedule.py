@@ -1,4 +1,5 @@
-"""FasterMoE reproduction: schedule."""
+"""FasterMoE reproduction, Figs. 7, 8 and 12: the smart schedule's fine-grained operations, the sequential /
+two-stream / smart timelines (EMULATED and the pipeline model), and the theoretical vs achieved speedup per layer."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -8,6 +9,8 @@ import pandas as pd
 
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe.schedule import check_group_size, recv_peers, send_peers
+from moelab.repro.cache import cached
+
 from .common import PAPER_LAYER_MODELS, cluster_preset, mark_assumptions, policy_constants, scale_spec
 from .end_to_end import paper_layer_sims, paper_trace
 from .suite import _suite_warmup, layer_suite, predict_layer_variants, suite_cluster, suite_medians
@@ -144,6 +147,7 @@ def _label_p2p(C, rank: int, N: int, gs: int, n: int) -> list:
     return names if len(names) == n else [f"p2p{i}" for i in range(n)]
 
 
+@cached  # Fig. 8 (a) and (b) are two products of one computation
 def fig8_schedules(scale, trace: Optional[str] = None):
     """Fig. 8. (a) REAL timelines (EMULATED links) of the hottest rank for the smart schedule run
     sequentially (``smart_threaded=False``, 8a-like: every op in turn) and on two streams (comm thread +

@@ -1,4 +1,6 @@
-"""FasterMoE reproduction: shadowing."""
+"""FasterMoE reproduction, Figs. 6 and 11: dynamic shadowing, SIMULATED on johnny over consecutive T2 iterations
+and EMULATED on the layer suite (the policy's decision per iteration and whether it fired), and the bytes a
+forced shadow moves."""
 from __future__ import annotations
 
 from typing import Optional

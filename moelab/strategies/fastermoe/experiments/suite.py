@@ -1,4 +1,6 @@
-"""FasterMoE reproduction: suite."""
+"""FasterMoE reproduction, the REAL layer benchmark shared by Figs. 5a, 6, 8, 11a, 12a and 13a: FasterMoE layers
+on spawned gloo ranks with EMULATED 2-node links replaying a trace, every variant interleaved per iteration
+and timed by the kit's harness; the perf model on the emulated network; the shadow policy's decisions."""
 from __future__ import annotations
 
 import time
