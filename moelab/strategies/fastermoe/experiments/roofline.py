@@ -37,7 +37,7 @@ def fig5_roofline(scale, seed: int = 0, h: int = 1024, h_ff: int = 2048, tokens:
     rho = np.logspace(-2, 2, 200)
     lines = pd.DataFrame(dict(rho=rho, ideal_TFLOPs=rl.ideal(rho, cl.P) / 1e12,
                               semi_ideal_TFLOPs=rl.semi_ideal(rho, cl.P) / 1e12))
-    label = (f"SIMULATED: perf model on the johnny tree (16 V100-PCIe, P=11.5 TFLOP/s), h={h}, h_ff={h_ff}, "
+    label = (f"SIMULATED: perf model on the johnny tree (16 V100-PCIe, P={cl.P / 1e12:g} TFLOP/s), h={h}, h_ff={h_ff}, "
              f"{tokens}x2 assignments per worker, SUBSTITUTE T2 counts (iteration {iteration}); shadowed {list(S)}")
     points.attrs["label"] = lines.attrs["label"] = label
     return points, lines

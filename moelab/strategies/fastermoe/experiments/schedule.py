@@ -132,7 +132,7 @@ def fig7_schedule(N: int = 6, group_size: int = 2, tokens: int = 1024, h: int = 
                   str(peers[s][0] if op == "S" else peers[s][1]) for op, s in zip(g.op, g.step)]
     g["name"] = [f"{op}{s}" for op, s in zip(g.op, g.step)]
     g.attrs["label"] = (f"SIMULATED: moelab schedule generator, N={N} workers in G={G} groups of {group_size}, "
-                        f"uniform load, perf-model op times (star, {bw_GBps:g} GB/s, P=11.5 TFLOP/s)")
+                        f"uniform load, perf-model op times (star, {bw_GBps:g} GB/s, P={cl.P / 1e12:g} TFLOP/s)")
     return g
 
 

@@ -11,7 +11,7 @@ import pandas as pd
 
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe import roofline as rl
-from .common import mark_assumptions, moe_layer_times, PAPER_LAYER_MODELS, scale_spec, sim_profile
+from .common import mark_assumptions, moe_layer_times, PAPER_LAYER_MODELS, policy_constants, scale_spec, sim_profile
 from .end_to_end import _paper_layer_config, paper_variant_options
 from .suite import _suite_warmup, layer_suite, shadow_decisions, shadowing_note
 from moelab.repro.traces import top2_counts
@@ -49,9 +49,11 @@ def fig11_shadowing(scale, seed: int = 0):
             smap.append(dict(iter=it, expert=e, shadowed=int(e in S), share=float(C[0, :, e].sum() / C.sum())))
     lat, smap = pd.DataFrame(lat), pd.DataFrame(smap)
     summary = _fig11_summary(lat, smap, m.experts)
+    c = policy_constants("johnny")
     for f in (lat, smap, summary):
         f.attrs["label"] = ("SIMULATED: fastermoe_johnny, MoE-BERT-Deep layer 12 (h=1024), SUBSTITUTE T2 trace, "
-                            "shadow policy with the FastMoE constants (P=11.5 TFLOP/s, W_net=6.25 GB/s, c=2)")
+                            f"shadow policy with the FastMoE constants (P={c['P'] / 1e12:g} TFLOP/s, "
+                            f"W_net={c['W_net'] / 1e9:g} GB/s, c={c['c']})")
         mark_assumptions(f, "fig11")
     return lat, smap, summary
 
