@@ -166,6 +166,8 @@ def test_compare_ratio_only_for_simulated_and_trend_check_otherwise():
     assert r.status == "trend check" and math.isnan(r.ratio) and r.trend.startswith("other side of 1")
     r = compare(TOY, {}, reg, _numbers(product="emu", column="speedup")).iloc[0]
     assert r.status == "not run" and math.isnan(r.moelab)
+    r = compare(TOY, values, reg, _numbers(product="sim", where={"system": "z"}, column="speedup")).iloc[0]
+    assert r.status == "no value" and "no rows match" in r.note
 
 
 def test_compare_refuses_a_different_quantity():

@@ -20,7 +20,8 @@ Rules, so that a row never sets two different things side by side:
 - a SIMULATED moelab value (the paper's cluster, priced) gets the ratio moelab / paper;
 - a REAL, EMULATED or SUBSTITUTE value (a CPU box, not the paper's scale) is a **trend check**: no
   ratio, only whether it lies on the same side of ``neutral`` as the paper's;
-- a product that was not made gives a "not run" row.
+- a product that was not made gives a "not run" row; one that was made without a number there (no row
+  matches, or only NaN: e.g. a system that never reached the target) a "no value" row.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from pathlib import Path
 
 REDUCERS = {"max": lambda s: s.max(), "min": lambda s: s.min(), "mean": lambda s: s.mean(),
             "median": lambda s: s.median(), "only": None}
-STATUSES = ("ratio", "trend check", "refused", "not run")
+STATUSES = ("ratio", "trend check", "refused", "no value", "not run")
 
 
 class PaperNumbersError(ValueError):
@@ -115,8 +116,8 @@ def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict) 
     except PaperNumbersError as e:
         row.update(status="refused", note=str(e))
         return row
-    if v is None:
-        row.update(note=(row["note"] + "; " if row["note"] else "") + "no rows match")
+    if v is None:  # the product ran, but has no such number (e.g. a system never reached the target)
+        row.update(status="no value", note=(row["note"] + "; " if row["note"] else "") + "no rows match")
         return row
     label = frame.attrs.get("label", "")
     kind = label_kind(label)
