@@ -35,3 +35,33 @@ def test_slowest_rank_time_everywhere_and_no_recorded_traffic():
     assert per[2] >= 0.2 - 1e-3 and max(per[:2]) < per[2]  # the slow rank is the step's time
     assert [round(r["t"].own_s, 6) for r in res] == [round(v, 6) for v in per]
     assert all(r["records"] == 0 for r in res) and all(r["wall"] < 5 for r in res)  # unrecorded, hence not emulated
+
+
+def _measure_rank(rank, world):
+    import torch
+
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+    from moelab.repro.timing import measure
+
+    torch.set_num_threads(1)
+    comm = Communicator(Topology(world, world))
+    x = torch.ones(4, 8, dtype=torch.float32)
+
+    def step():
+        with comm.rec.span("work", "expert"):
+            comm.all_to_all_raw(x, [2] * world, [2] * world)
+
+    before = measure(comm, lambda: None)
+    m = measure(comm, step)
+    return dict(before=len(before.comm), n=len(m.comm), a2a_bytes=m.op_bytes("all_to_all"),
+                spans=[s[0] for s in m.spans], left=len(comm.rec.comm), t=m.time.slowest_s, a2a_s=m.op_seconds("all_to_all"))
+
+
+@pytest.mark.timeout(120)
+def test_measure_keeps_the_steps_records_and_clears_the_recorder():
+    res = run_ranks(_measure_rank, 2, timeout=90)
+    for r in res:
+        assert r["before"] == 0 and r["n"] == 1 and r["spans"] == ["work"] and r["left"] == 0
+        assert r["a2a_bytes"] == 4 * 8 * 4  # 2 rows of 8 fp32 to each of 2 members (self included)
+        assert 0 <= r["a2a_s"] <= r["t"] + 1e-3

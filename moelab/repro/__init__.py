@@ -6,7 +6,8 @@ Adding a paper, in five steps:
 1. **Experiments**: ``moelab/strategies/<paper>/experiments/<family>.py`` — functions returning labelled
    pandas frames (``frame.attrs["label"]`` says REAL / EMULATED / SIMULATED / SUBSTITUTE and of what),
    one module per figure family, each under ~400 lines; real runs spawn ranks with
-   :func:`moelab.testing.run_ranks` and time steps with :func:`moelab.repro.timing.timed`.
+   :func:`moelab.testing.run_ranks` and time steps with :func:`moelab.repro.timing.measure` (a step's
+   slowest-rank time with the door records and spans it produced).
 2. **Data**: ``experiments/<paper>/`` — ``manifest.yaml`` (every table and figure of the paper, each with
    its products and their class, or the reason it is not reproduced: :mod:`.manifest`), ``paper.yaml``
    (the paper's numbers and where moelab's counterparts come from: :mod:`.compare`), ``assumptions.yaml``

@@ -43,3 +43,40 @@ def timed(comm, fn, group: str = "world"):
     own = time.perf_counter() - t0
     per = gather_floats(comm, own, group)
     return out, StepTime(max(per), own, per)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One timed step with what the comm door recorded during it (records, compute spans) and its wall-clock
+    start, so per-step traffic, timelines and compute can be read without hand-kept recorder offsets."""
+
+    time: StepTime
+    wall0: float  # time.time() when the step began (timeline origin)
+    comm: tuple  # the door's records of this step
+    spans: tuple  # (name, category, t0, t1, tags) spans of this step
+
+    def op_seconds(self, op: str) -> float:
+        return sum(r.t_end - r.t_start for r in self.comm if r.op == op)
+
+    def op_bytes(self, op: str) -> int:
+        """Bytes this rank sent in ``op`` calls, every link class (local included)."""
+        return int(sum(sum(r.bytes.values()) for r in self.comm if r.op == op))
+
+
+def measure(comm, fn, group: str = "world", clear: bool = True) -> Measured:
+    """:func:`timed` ``fn`` and keep the records and spans it produced; ``clear`` empties the recorder
+    afterwards (a long replay does not accumulate every step's records)."""
+    rec = comm.rec
+    n_c, n_s = len(rec.comm), len(rec.spans)
+    start = {}
+
+    def step():
+        start["wall"] = time.time()
+        return fn()
+
+    _, t = timed(comm, step, group)
+    m = Measured(t, start["wall"], tuple(rec.comm[n_c:]), tuple(rec.spans[n_s:]))
+    if clear:
+        rec.comm.clear()
+        rec.spans.clear()
+    return m

@@ -20,7 +20,7 @@ def _sweep_rank(rank, world, a):
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
     from moelab.config import MoEConfig
-    from moelab.repro.timing import timed
+    from moelab.repro.timing import measure
     from moelab.strategies.fastermoe.layer import FasterMoELayer
 
     torch.set_num_threads(1)
@@ -37,15 +37,11 @@ def _sweep_rank(rank, world, a):
             layer.gate = TraceGate(a["E"], 2)
             layer.gate.set_counts(np.asarray(counts)[rank], seed=rank)
             for it in range(a["warmup"] + a["iters"]):
-                rec = comm.rec
-                n_c, n_s = len(rec.comm), len(rec.spans)
-                _, t = timed(comm, lambda: layer(x0.clone().requires_grad_()).sum().backward())
-                a2a = [r.t_end - r.t_start for r in rec.comm[n_c:] if r.op == "all_to_all"]
-                comp = sum(t1 - t0_ for nm, cat, t0_, t1, tags in rec.spans[n_s:] if nm == "experts")
-                rec.comm.clear()
-                rec.spans.clear()
+                m = measure(comm, lambda: layer(x0.clone().requires_grad_()).sum().backward())
+                a2a = [r.t_end - r.t_start for r in m.comm if r.op == "all_to_all"]  # per call
+                comp = sum(t1 - t0_ for nm, cat, t0_, t1, tags in m.spans if nm == "experts")
                 if it >= a["warmup"]:
-                    rows.append(dict(point=key, h=h, mode=mode, iter=it, rank=rank, time_s=t.slowest_s, a2a=a2a,
+                    rows.append(dict(point=key, h=h, mode=mode, iter=it, rank=rank, time_s=m.time.slowest_s, a2a=a2a,
                                      compute_fw_s=comp))
                 layer.zero_grad(set_to_none=True)
     return rows

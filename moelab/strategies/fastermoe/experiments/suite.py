@@ -42,7 +42,7 @@ def _layer_rank(rank, world, a):
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
     from moelab.config import MoEConfig
-    from moelab.repro.timing import barrier, gather_floats, timed
+    from moelab.repro.timing import barrier, gather_floats, measure
     from moelab.strategies.fastermoe.layer import FasterMoELayer
 
     torch.set_num_threads(1)
@@ -80,41 +80,30 @@ def _layer_rank(rank, world, a):
                 continue
             layer = layers[name]
             layer.gate.set_counts(trace[it, rank], seed=it * 1009 + rank)
-            rec = comm.rec
-            n_c, n_s = len(rec.comm), len(rec.spans)
-            start = {}
-
-            def step():
-                start["wall"] = time.time()
-                layer(x0.clone().requires_grad_()).sum().backward()
-
-            _, st = timed(comm, step)
-            wall0 = start["wall"]
-            comm_recs = rec.comm[n_c:]
-            spans = rec.spans[n_s:]
-            a2a = sum(r.t_end - r.t_start for r in comm_recs if r.op == "all_to_all")
-            expert_fw = sum(t1 - t0_ for nm, cat, t0_, t1, tags in spans
+            m = measure(comm, lambda: layer(x0.clone().requires_grad_()).sum().backward())
+            expert_fw = sum(t1 - t0_ for nm, cat, t0_, t1, tags in m.spans
                             if cat == "expert" and tags.get("phase") == "fwd" and not nm.endswith("bwd"))
             dec = layer.last_shadow_decision  # the policy's modelled times (None: forced or off)
-            a2a_bytes = sum(sum(r.bytes.values()) for r in comm_recs if r.op == "all_to_all")  # sent, all classes
-            rows_out.append(dict(iter=it, variant=name, rank=rank, time_s=st.slowest_s, own_s=st.own_s, a2a_s=a2a,
-                                 a2a_bytes=int(a2a_bytes),
+            rows_out.append(dict(iter=it, variant=name, rank=rank, time_s=m.time.slowest_s, own_s=m.time.own_s,
+                                 a2a_s=m.op_seconds("all_to_all"), a2a_bytes=m.op_bytes("all_to_all"),
                                  expert_fw_s=expert_fw, shadowed=tuple(layer.last_shadowed),
                                  modelled_imbl_s=dec.t_imbl if dec else float("nan"),
                                  modelled_shadow_s=dec.t_chosen if dec else float("nan")))
             if it == a["timeline_iter"] and name in a["timeline_variants"]:
-                for r in comm_recs:
-                    timeline.append(dict(variant=name, rank=rank, kind="comm", name=r.op, t0=r.t_start - wall0,
-                                         t1=r.t_end - wall0, emulated_s=r.emulated_s, phase=r.tags.get("phase", ""),
-                                         **{f"bytes_{c}": int(r.bytes.get(c, 0)) for c in ("local", "intra", "inter")}))
-                for nm, cat, s0, s1, tags in spans:
-                    timeline.append(dict(variant=name, rank=rank, kind="span", name=nm, t0=s0 - wall0, t1=s1 - wall0,
-                                         emulated_s=0.0, phase=tags.get("phase", ""), bytes_local=0, bytes_intra=0,
-                                         bytes_inter=0))
-            rec.comm.clear()
-            rec.spans.clear()
+                timeline += _timeline_rows(m, name, rank)
             layer.zero_grad(set_to_none=True)
     return dict(rows=rows_out, timeline=timeline, P_eff=P_eff)
+
+
+def _timeline_rows(m, name: str, rank: int) -> list:
+    """One step's door records and compute spans as timeline rows (seconds from the step's start)."""
+    rows = [dict(variant=name, rank=rank, kind="comm", name=r.op, t0=r.t_start - m.wall0, t1=r.t_end - m.wall0,
+                 emulated_s=r.emulated_s, phase=r.tags.get("phase", ""),
+                 **{f"bytes_{c}": int(r.bytes.get(c, 0)) for c in ("local", "intra", "inter")}) for r in m.comm]
+    rows += [dict(variant=name, rank=rank, kind="span", name=nm, t0=s0 - m.wall0, t1=s1 - m.wall0, emulated_s=0.0,
+                  phase=tags.get("phase", ""), bytes_local=0, bytes_intra=0, bytes_inter=0)
+             for nm, cat, s0, s1, tags in m.spans]
+    return rows
 
 
 def run_layer_suite(trace, variants: dict, *, nodes: int = 2, d: int = 128, f: Optional[int] = None, k: int = 2,
