@@ -31,7 +31,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 _REGISTRY: dict = {}
-_BUILTIN = {"fastermoe": "moelab.strategies.fastermoe", "zero": "moelab.strategies.zero"}  # name -> module that registers it
+_BUILTIN = {  # name -> module that registers it
+    "fastermoe": "moelab.strategies.fastermoe",
+    "zero": "moelab.strategies.zero",
+    "hecate": "moelab.strategies.hecate",
+    "smartmoe": "moelab.strategies.smartmoe",
+    "fsdp_expert": "moelab.strategies.fsdp_expert",
+}
 
 
 @dataclass(frozen=True)
