@@ -170,6 +170,7 @@ def test_simulated_bytes_equal_measured(real_runs, case):
     assert len(real.comm), "the run recorded no training traffic"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BytesMismatchWarning)
-        sim = simulate_real(real.cfg, real.loads, machine_profile(real.cfg, CAL, compute="gemm"))
+        sim = simulate_real(real.cfg, real.loads, machine_profile(real.cfg, CAL, compute="gemm"),
+                           plans=real.graph_plans())
         c = compare(real, sim, warmup=0, names=[IDS[case]])
     assert c.metrics["bytes_exact"], c.mismatches

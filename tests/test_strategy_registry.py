@@ -89,3 +89,31 @@ def test_a_registered_gate_passes_validation_an_unknown_one_does_not():
         GATES.pop("toy_gate")
     with pytest.raises(ConfigError, match="model.moe.gate must be one of"):
         RunConfig().with_overrides({"model.moe.gate": "toy_gate"}).validate()
+
+
+def _toy_plan(cfg, records):
+    return {"hot": [r["layer"] for r in records if r.get("hot")]}
+
+
+def test_sim_plan_maps_an_iterations_records_to_graph_kwargs():
+    cfg = RunConfig()
+    s = Strategy("toy_plan", sim_plan=_toy_plan)
+    assert s.graph_kwargs(cfg, [{"layer": 0, "hot": True}, {"layer": 1}]) == {"hot": [0]}
+    by_name = Strategy("toy_plan2", sim_plan=f"{__name__}:_toy_plan")
+    assert by_name.graph_kwargs(cfg, [{"layer": 3, "hot": 1}]) == {"hot": [3]}
+    assert Strategy("toy_none").graph_kwargs(cfg, [{"layer": 0}]) == {}  # no sim_plan: no kwargs
+
+
+def test_real_run_graph_plans_apply_the_strategys_sim_plan():
+    import numpy as np
+
+    from moelab.sim.realruns import RealRun
+
+    s = register_strategy(Strategy("toy_plan3", sim_plan=_toy_plan))
+    try:
+        cfg = RunConfig().with_overrides({"parallel.strategy": "toy_plan3"})
+        run = RealRun(cfg, np.zeros((2, 1)), np.zeros((2, 1, 1, 1)), None, None,
+                      plans=[[{"iter": 0, "layer": 0}], [{"iter": 1, "layer": 0, "hot": True}]])
+        assert run.graph_plans() == [{"hot": []}, {"hot": [0]}]
+    finally:
+        _REGISTRY.pop(s.name, None)

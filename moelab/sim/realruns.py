@@ -8,7 +8,7 @@ communication: the effective FLOP/s at the model's own shapes. :mod:`moelab.sim.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -28,6 +28,8 @@ class RealRun:
     ``comm``: one row per training collective call (metric traffic is not recorded): rank, iter,
     layer, phase, op, seq (call order within (rank, iter)), t_start, t_end, emulated_s, bytes_*.
     ``spans``: the recorder's compute spans: rank, name, cat, t_start, t_end, iter, layer.
+    ``plans[it]``: rank 0's plan records of iteration ``it`` (``layer.plan_record()`` of every MoE layer,
+    as in ``plans.jsonl``; the plans are pure functions of all-gathered data, the same on every rank).
     """
 
     cfg: RunConfig
@@ -36,6 +38,7 @@ class RealRun:
     comm: "object"  # pandas DataFrame
     spans: "object"  # pandas DataFrame
     wall_s: float = 0.0
+    plans: list = field(default_factory=list)
 
     @property
     def nproc(self) -> int:
@@ -57,6 +60,15 @@ class RealRun:
     @property
     def label(self) -> str:
         return real_label(self.cfg)
+
+    def graph_plans(self) -> list:
+        """Per iteration, the keyword arguments of the strategy's simulator graph for the plan this run
+        executed (:meth:`moelab.strategies.Strategy.graph_kwargs` of ``plans[it]``): what
+        :func:`moelab.sim.validate.simulate_real` takes as ``plans=`` to price the same plans."""
+        from moelab.strategies import get
+
+        s = get(self.cfg.parallel.strategy)
+        return [s.graph_kwargs(self.cfg, recs) for recs in self.plans]
 
 
 def real_label(cfg: RunConfig) -> str:
@@ -97,8 +109,11 @@ def _real_worker(rank, world, cfg_dicts):
                          r.t_start, r.t_end, r.emulated_s, *(int(r.bytes.get(c, 0)) for c in LINK_CLASSES)))
         spans = [(rank, name, cat, t0_, t1_, tags.get("iter", -1), tags.get("layer", -1))
                  for name, cat, t0_, t1_, tags in tr.comm.rec.spans]
+        plans = [[] for _ in range(cfg.train.iters)]
+        for rec in tr.plans:
+            plans[rec["iter"]].append(rec)
         out.append(dict(step_times=[m["step_time_s"] for m in tr.metrics], loads=np.stack(loads),
-                        comm=comm, spans=spans, wall=time.time() - t0))
+                        comm=comm, spans=spans, wall=time.time() - t0, plans=plans))
         del tr
     return out
 
@@ -135,7 +150,8 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
             if not np.array_equal(res[r]["loads"], res[0]["loads"]):
                 raise AssertionError(f"rank {r} recorded other loads than rank 0: the count exchange is broken")
         runs.append(RealRun(RunConfig.from_dict(d), np.array([x["step_times"] for x in res]).T,
-                            res[0]["loads"], comm, spans, wall_s=max(x["wall"] for x in res)))
+                            res[0]["loads"], comm, spans, wall_s=max(x["wall"] for x in res),
+                            plans=res[0]["plans"]))
     return runs
 
 

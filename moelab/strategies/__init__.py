@@ -12,6 +12,10 @@ A strategy is everything a system changes, as data the core reads:
   (the data-parallel update ``parallel.grad_sync`` names);
 - ``sim_graph``: the simulator's iteration graph ``(cfg, profile, loads, placement=None, **kw) ->
   OpGraph`` (or ``"module:function"``, imported when first priced); None: the EP graph;
+- ``sim_plan``: ``(cfg, records) -> dict`` (or ``"module:function"``): one iteration's plan records
+  (``layer.plan_record()`` of every MoE layer, as in ``plans.jsonl``) as keyword arguments of
+  ``sim_graph``, so the simulator prices the plan the runtime executed (a re-sharding, a replica set,
+  a calibration); None: no per-iteration arguments;
 - ``groups``: ``run_cfg -> {name: [[ranks], ...]}``, process groups the strategy needs beyond the
   core's (Parm's MP/ESP, Lina's expert-DP); None: none;
 - ``conformance``: option sets the conformance suite (``tests/test_conformance.py``) runs on every
@@ -47,6 +51,7 @@ class Strategy:
     layer: Optional[Callable] = None
     update: Optional[type] = None
     sim_graph: Union[Callable, str, None] = None
+    sim_plan: Union[Callable, str, None] = None
     groups: Optional[Callable] = None
     conformance: tuple = ({},)  # option dicts for the conformance suite
     changes_model: tuple = ()  # option names that change the trained model (exempt from equivalences)
@@ -71,13 +76,21 @@ class Strategy:
         opts = self.bind(run_cfg)
         return None if self.layer is None else self.layer(run_cfg, opts)
 
+    def _resolve(self, key: str, ref):
+        if isinstance(ref, str):
+            if key not in self._cache:
+                mod, fn = ref.split(":")
+                self._cache[key] = getattr(importlib.import_module(mod), fn)
+            return self._cache[key]
+        return ref
+
     def graph(self) -> Optional[Callable]:
-        if isinstance(self.sim_graph, str):
-            if "fn" not in self._cache:
-                mod, fn = self.sim_graph.split(":")
-                self._cache["fn"] = getattr(importlib.import_module(mod), fn)
-            return self._cache["fn"]
-        return self.sim_graph
+        return self._resolve("graph", self.sim_graph)
+
+    def graph_kwargs(self, run_cfg, records) -> dict:
+        """The simulator graph's keyword arguments for one iteration's plan ``records`` ({} without ``sim_plan``)."""
+        fn = self._resolve("plan", self.sim_plan)
+        return dict(fn(run_cfg, list(records))) if fn is not None else {}
 
     def declared_groups(self, run_cfg) -> dict:
         return dict(self.groups(run_cfg)) if self.groups is not None else {}
