@@ -60,3 +60,19 @@ def test_cpu_pool_gives_idle_cores_to_the_ranks_still_computing():
     r = simulate(g)
     assert [r.end[i] for i in ids[1:]] == pytest.approx([2.0] * 3)
     assert r.end[ids[0]] == pytest.approx(2.0 + 2.0)
+
+
+def test_moe_layer_times_span_each_layers_non_attention_ops():
+    from moelab.config import RunConfig
+    from moelab.sim.engine import simulate
+    from moelab.sim.graphs import iteration_graph, synthetic_loads
+    from moelab.sim.profiles import get_profile
+
+    cfg = RunConfig().with_overrides({"parallel.nproc": 4, "model.n_layers": 2, "model.moe.num_experts": 4})
+    prof = get_profile("hecate_A")
+    res = simulate(iteration_graph(cfg, prof, synthetic_loads(cfg, seed=1)))
+    t = res.moe_layer_times([0, 1])
+    assert t.shape == (2,) and (t > 0).all() and t.sum() < res.makespan
+    ops = res.ops_frame()
+    o = ops[(ops.layer == 0) & (ops.phase == "fwd") & ~ops.category.isin(["attention", "ffn", "head"])]
+    assert t[0] >= float(o.end.max() - o.start.min())  # fwd span is part of it; bwd adds its own

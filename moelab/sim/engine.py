@@ -183,6 +183,22 @@ class SimResult:
             i = int(self.blocker[i])
         return path[::-1]
 
+    def moe_layer_times(self, layer_ids) -> np.ndarray:
+        """Seconds of each MoE layer (forward span + backward span of its non-attention ops: gate,
+        count exchange, all-to-alls, experts, materialization): the MoE-layer-only time papers' layer
+        benchmarks report (FasterMoE spec §6.15, Hecate Fig. 11)."""
+        ops = self.ops_frame()
+        ops = ops[ops.layer.notna() & ~ops.category.isin(["attention", "ffn", "head"])]
+        out = []
+        for i in layer_ids:
+            t = 0.0
+            for ph in ("fwd", "bwd"):
+                o = ops[(ops.layer == i) & (ops.phase == ph)]
+                if len(o):
+                    t += float(o.end.max() - o.start.min())
+            out.append(t)
+        return np.asarray(out)
+
     def breakdown(self, by: str = "category") -> dict:
         """Seconds of the critical path per op category (``by='kind'``: compute / comm); sums to makespan."""
         out: dict = {}

@@ -195,17 +195,6 @@ def policy_constants(cluster: str, overrides: tuple = ()) -> dict:
 
 
 def moe_layer_times(res, layer_ids: Sequence[int]) -> np.ndarray:
-    """Seconds of each MoE layer (forward span + backward span of its gate/count exchange/all-to-all/
-    expert/shadow ops) in one simulated iteration: the MoE-layer-only time the AE's layer benchmarks
-    measure (spec §6.15)."""
-    ops = res.ops_frame()
-    ops = ops[ops.layer.notna() & ~ops.category.isin(["attention", "ffn", "head"])]
-    out = []
-    for i in layer_ids:
-        t = 0.0
-        for ph in ("fwd", "bwd"):
-            o = ops[(ops.layer == i) & (ops.phase == ph)]
-            if len(o):
-                t += float(o.end.max() - o.start.min())
-        out.append(t)
-    return np.asarray(out)
+    """Seconds of each MoE layer in one simulated iteration (:meth:`moelab.sim.engine.SimResult.moe_layer_times`:
+    the MoE-layer-only time the AE's layer benchmarks measure, spec §6.15)."""
+    return res.moe_layer_times(layer_ids)
