@@ -1,0 +1,138 @@
+"""Hecate's cost model (spec ``papers/hecate.md`` §2.9), pure: the overlap degree t, the calibration's
+accept rule, and the rearranging baselines' decisions all price plans with it.
+
+Inputs are a plan (``holders``: per expert ``(owner, replicas...)``) and the per-source token counts
+``[N][E]`` of one layer; tokens go to holders by Hecate's dispatcher rule
+(:class:`moelab.placement.rules.LocalityFirst`, through :meth:`moelab.placement.Placement.routes`: the
+same split the runtime dispatches with). Times in seconds:
+
+- expert forward: ``max_q load[q] · 2 P_e / flops`` (the busiest device; backward is twice that);
+- all-to-all: ``alpha + max(intra term per device, inter term per node)``, bytes = tokens · d · β_act, a
+  node's NIC carrying the traffic of all its devices to other nodes;
+- sparse all-gather (spRS mirrors it): ``hier`` — each new remote expert crosses a node's NIC once;
+  flat — once per receiving device; plus the intra-node fan-in per device;
+- one MoE layer's forward critical path: dispatch + experts + combine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from moelab.placement import Placement
+from moelab.placement.rules import LocalityFirst
+
+from .fssdp import overlap_degree as _overlap_degree
+
+
+@dataclass(frozen=True)
+class FSSDPCost:
+    d_model: int
+    d_ff: int
+    ranks_per_node: int
+    flops: float  # effective expert GEMM FLOP/s per device
+    intra_Bps: float  # per device, per direction, inside a node
+    nic_Bps: float  # per NODE (all its NICs), per direction
+    alpha_a2a_s: float = 0.0
+    param_bytes: int = 2  # bytes per parameter on the wire (fp16 in the paper)
+    act_bytes: int = 2  # bytes per activation element (β_act)
+    expert_numel: Optional[int] = None  # P_e; default 2·d·d_ff (no biases, as the paper's experts)
+    hier: bool = True  # spAG/spRS cross a node's NIC once per expert (broadcast trees), else per replica
+    state_factor: float = 6.0  # optimizer state bytes per parameter byte moved by a migration (§2.9: 12 B / 2 B)
+
+    def __post_init__(self):
+        if self.ranks_per_node < 1 or self.flops <= 0 or self.intra_Bps <= 0 or self.nic_Bps <= 0:
+            raise ValueError(f"ranks_per_node >= 1 and positive flops/bandwidths needed, got {self}")
+
+    @classmethod
+    def from_profile(cls, profile, d_model: int, d_ff: int, *, ranks_per_node: Optional[int] = None,
+                     expert_numel: Optional[int] = None, param_bytes: Optional[int] = None,
+                     act_bytes: Optional[int] = None, alpha_a2a_s: Optional[float] = None,
+                     hier: bool = True) -> "FSSDPCost":
+        """From a simulator :class:`~moelab.sim.profiles.ClusterProfile`: ``achieved_flops``, per-device intra
+        bandwidth, per-node inter bandwidth (its NICs together), ``elem_bytes`` for params and activations,
+        alpha = the inter-node latency per collective step unless given."""
+        return cls(d_model=int(d_model), d_ff=int(d_ff),
+                   ranks_per_node=int(ranks_per_node or profile.gpus_per_node), flops=float(profile.achieved_flops),
+                   intra_Bps=profile.intra_bw_GBps * 1e9, nic_Bps=profile.inter_bw_GBps * 1e9,
+                   alpha_a2a_s=float(profile.inter_latency_us * 1e-6 if alpha_a2a_s is None else alpha_a2a_s),
+                   param_bytes=int(param_bytes or profile.elem_bytes), act_bytes=int(act_bytes or profile.elem_bytes),
+                   expert_numel=expert_numel, hier=hier)
+
+    # ---- sizes -------------------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return int(self.expert_numel or 2 * self.d_model * self.d_ff)
+
+    @property
+    def expert_bytes(self) -> float:
+        """s_e: one expert's parameters on the wire."""
+        return float(self.numel * self.param_bytes)
+
+    def migration_bytes(self, n_experts: int) -> float:
+        """Bytes to move ``n_experts`` with their optimizer state (§2.9: s_e · (1 + 6))."""
+        return float(n_experts) * self.expert_bytes * (1.0 + self.state_factor)
+
+    # ---- tokens ---------------------------------------------------------------------------------------
+    def routes(self, holders, counts) -> np.ndarray:
+        """``tokens[src, dst]`` of one layer: the dispatcher's split of ``counts[src][e]`` over ``holders``."""
+        C = np.asarray(counts, dtype=np.int64)
+        N, E = C.shape
+        return Placement(E, N, tuple(tuple(h) for h in holders), LocalityFirst(self.ranks_per_node)).routes(C)
+
+    def load(self, holders, counts) -> np.ndarray:
+        """Tokens each device computes."""
+        return self.routes(holders, counts).sum(0)
+
+    def t_expert_fwd(self, holders, counts) -> float:
+        return float(self.load(holders, counts).max(initial=0)) * 2.0 * self.numel / self.flops
+
+    def t_a2a(self, holders, counts) -> float:
+        R = self.routes(holders, counts).astype(np.float64) * self.d_model * self.act_bytes
+        N, G = R.shape[0], self.ranks_per_node
+        node = np.arange(N) // G
+        same = node[:, None] == node[None, :]
+        np.fill_diagonal(R, 0.0)
+        intra = np.where(same, R, 0.0)
+        inter = np.where(same, 0.0, R)
+        t_intra = max(intra.sum(1).max(initial=0), intra.sum(0).max(initial=0)) / self.intra_Bps
+        K = N // G
+        out_n = np.array([inter[node == n].sum() for n in range(K)])
+        in_n = np.array([inter[:, node == n].sum() for n in range(K)])
+        t_inter = max(out_n.max(initial=0), in_n.max(initial=0)) / self.nic_Bps
+        return self.alpha_a2a_s + float(max(t_intra, t_inter))
+
+    def t_moe(self, holders, counts) -> float:
+        """One MoE layer's forward critical path: dispatch all-to-all, experts, combine all-to-all."""
+        return 2.0 * self.t_a2a(holders, counts) + self.t_expert_fwd(holders, counts)
+
+    # ---- sparse collectives ---------------------------------------------------------------------------
+    def t_spag(self, holders_from, holders_to) -> float:
+        """Seconds of spAG(P_from, P_to) (spRS(P_to, P_from) is its mirror, same time): every copy in
+        ``holders_to`` not in ``holders_from`` comes from the expert's owner."""
+        G = self.ranks_per_node
+        per_dev, node_in, node_out = {}, {}, {}
+        for h0, h1 in zip(holders_from, holders_to):
+            owner, new = h0[0], [d for d in h1 if d not in h0]
+            for d in new:
+                per_dev[d] = per_dev.get(d, 0) + 1
+            remote = sorted({d // G for d in new} - {owner // G})
+            k = len(remote) if self.hier else sum(1 for d in new if d // G != owner // G)
+            node_out[owner // G] = node_out.get(owner // G, 0) + k
+            for n in remote:
+                node_in[n] = node_in.get(n, 0) + (1 if self.hier else sum(1 for d in new if d // G == n))
+        s = self.expert_bytes
+        t_nic = s * max([*node_in.values(), *node_out.values(), 0]) / self.nic_Bps
+        return float(max(t_nic, s * max(per_dev.values(), default=0) / self.intra_Bps))
+
+    # ---- overlap ---------------------------------------------------------------------------------------
+    @staticmethod
+    def exposed(t_comm: float, t_hide: float) -> float:
+        return max(0.0, float(t_comm) - float(t_hide))
+
+    def overlap_degree(self, t_nonmoe_s: float, E: int) -> int:
+        """t for this cluster: the node's NIC bandwidth with the hierarchical collectives, its per-device
+        share (NIC / G) with flat ones (spec §2.3 [choice])."""
+        bw = self.nic_Bps if self.hier else self.nic_Bps / self.ranks_per_node
+        return _overlap_degree(t_nonmoe_s, bw, self.expert_bytes, E)
