@@ -1,0 +1,144 @@
+"""Hecate's sparse collectives (moelab.comm.sparse) on real gloo ranks: spAG copies the owner's bytes
+bitwise to exactly P' (spec §5.3), spRS sums replicas exactly and repeatably (§5.4), and the door's
+records carry the bytes of §2.2 (§5.5) for every backend. One spawn per world size runs every check."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moelab.comm.sparse import BACKENDS, sparse_plan
+from moelab.testing import run_ranks
+
+NUMEL = 6
+
+
+def random_plans(N, E, seed, n=4):
+    rng = np.random.default_rng(seed)
+    owners = [e // (E // N) for e in range(E)]
+    P = tuple((o,) for o in owners)
+    plans = [P]  # EP: nothing to move
+    for _ in range(n):
+        plans.append(tuple((o,) + tuple(sorted(int(r) for r in rng.choice(
+            [r for r in range(N) if r != o], size=int(rng.integers(0, N)), replace=False))) for o in owners))
+    plans.append(tuple((o,) + tuple(r for r in range(N) if r != o) for o in owners))  # D x E
+    return P, plans
+
+
+def chunk(e):
+    return torch.arange(NUMEL, dtype=torch.float32) + 100.0 * e + 0.25
+
+
+def _checks(rank, world, G, E):
+    from moelab.comm.door import Communicator
+    from moelab.comm.sparse import accumulate_, sp_all_gather, sp_reduce_scatter
+    from moelab.comm.topology import Topology
+
+    import time
+
+    torch.set_num_threads(1)
+    comm = Communicator(Topology(world, G), groups={"sparse": [list(range(world))]})
+    P, plans = random_plans(world, E, seed=world)
+    backends = [b for b in BACKENDS if b != "hier" or world // G > 1]
+    out = []
+    for pi, Pp in enumerate(plans):
+        for b in backends:
+            plan = sparse_plan(P, Pp, rank, world, G)
+            owned = {e: chunk(e) for e in range(E) if P[e][0] == rank}
+            n0 = len(comm.rec.comm)
+            with comm.rec.tagged(phase="spag", plan=pi):
+                h = sp_all_gather(comm, plan, owned, NUMEL, torch.float32, backend=b)
+                issued = time.time()
+                busy = torch.randn(64, 64) @ torch.randn(64, 64)  # work while the gather is in flight
+                got = h.wait()
+            assert h.wait() is got and busy.shape == (64, 64)  # idempotent
+            ag = comm.rec.comm[n0:]
+            grads = {e: torch.full((NUMEL,), float(rank + 1)) for e in plan.replicas_here}
+            n1 = len(comm.rec.comm)
+            with comm.rec.tagged(phase="sprs", plan=pi):
+                red = sp_reduce_scatter(comm, plan, grads, NUMEL, torch.float32, backend=b).wait()
+            rs = comm.rec.comm[n1:]
+            again = sp_reduce_scatter(comm, plan, grads, NUMEL, torch.float32, backend=b, async_op=False)
+            sums = {e: accumulate_(torch.full((NUMEL,), float(rank + 1)), red.get(e)) for e in owned}
+            out.append(dict(plan=pi, backend=b, got={e: t.tolist() for e, t in got.items()},
+                            sums={e: t.tolist() for e, t in sums.items()},
+                            repeat=all(torch.equal(red[e], again[e]) for e in red), issued=issued,
+                            ag=[(r.op, dict(r.sent_to), dict(r.recv_from), r.t_start) for r in ag],
+                            rs=[(r.op, dict(r.sent_to), dict(r.recv_from)) for r in rs]))
+    return out
+
+
+@pytest.fixture(scope="module", params=[(2, 1, 4), (4, 2, 8)], ids=["2ranks", "2x2ranks"])
+def runs(request):
+    world, G, E = request.param
+    return world, G, E, run_ranks(_checks, world, G, E, timeout=120)
+
+
+def test_spag_replicas_equal_the_owner_bitwise_and_non_holders_get_nothing(runs):
+    world, G, E, res = runs
+    P, plans = random_plans(world, E, seed=world)
+    for r in range(world):
+        for case in res[r]:
+            Pp = plans[case["plan"]]
+            want = {e for e in range(E) if r in Pp[e] and P[e][0] != r}
+            assert set(case["got"]) == want, (r, case["plan"], case["backend"])
+            for e in want:
+                assert case["got"][e] == chunk(e).tolist()
+
+
+def test_sprs_sums_rank_plus_one_exactly_and_repeatably(runs):
+    world, G, E, res = runs
+    P, plans = random_plans(world, E, seed=world)
+    for r in range(world):
+        for case in res[r]:
+            Pp = plans[case["plan"]]
+            for e, v in case["sums"].items():
+                assert v == [float(sum(d + 1 for d in Pp[e]))] * NUMEL, (r, e, case["backend"])
+            assert case["repeat"]
+
+
+def test_bytes_of_the_records_are_the_formulas_of_section_2_2(runs):
+    world, G, E, res = runs
+    P, plans = random_plans(world, E, seed=world)
+    s_e = NUMEL * 4
+    for pi, Pp in enumerate(plans):
+        n = [len(h) - 1 for h in Pp]
+        for b in {c["backend"] for c in res[0]}:
+            cases = [next(c for c in res[r] if c["plan"] == pi and c["backend"] == b) for r in range(world)]
+            sent_ag = [sum(v for rec in c["ag"] for q, v in rec[1].items() if q != r) for r, c in enumerate(cases)]
+            recv_ag = [sum(v for rec in c["ag"] for q, v in rec[2].items() if q != r) for r, c in enumerate(cases)]
+            sent_rs = [sum(v for rec in c["rs"] for q, v in rec[1].items() if q != r) for r, c in enumerate(cases)]
+            if sum(n) == 0:  # EP: no sparse collective at all
+                assert all(not c["ag"] and not c["rs"] for c in cases)
+                continue
+            assert sum(sent_ag) == sum(sent_rs) == s_e * sum(n)  # = ring all-reduce total / 2
+            if b != "hier":  # flat: every copy comes from its owner, straight
+                for r in range(world):
+                    assert recv_ag[r] == s_e * sum(1 for e in range(E) if r in Pp[e] and P[e][0] != r)
+                    assert sent_ag[r] == s_e * sum(n[e] for e in range(E) if P[e][0] == r)
+            else:  # an expert crosses to each other node holding it once
+                inter = sum(v for c in cases for rec in c["ag"] for q, v in rec[1].items()
+                            if q // G != cases.index(c) // G)
+                pairs = sum(len({d // G for d in Pp[e][1:]} - {P[e][0] // G}) for e in range(E))
+                assert inter == s_e * pairs
+
+
+def test_the_gather_is_issued_when_called_not_when_waited(runs):
+    world, G, E, res = runs
+    for r in range(world):
+        for case in res[r]:
+            if case["ag"]:  # the first (or only) stage was posted before the caller went on working
+                op, _s, _r, t_start = case["ag"][0]
+                assert op in ("all_to_all", "p2p") and t_start <= case["issued"]
+
+
+def test_plans_are_validated():
+    with pytest.raises(ValueError, match="must contain P"):
+        sparse_plan(((0,), (1,)), ((1,), (1,)), 0, 2)
+    with pytest.raises(ValueError, match="one owner"):
+        sparse_plan(((0, 1), (1,)), ((0, 1), (1,)), 0, 2)
+    with pytest.raises(ValueError, match="more than one node"):
+        sparse_plan(((0,), (1,)), ((0, 1), (1,)), 0, 2, 2).gather_stages("hier")
+    p = sparse_plan(((0,), (1,)), ((0, 1), (1, 0)), 0, 2)
+    assert p.send == {1: (0,)} and p.recv == {1: (1,)} and p.replicas_here == (1,)
+    assert p.bytes_in(10, 4) == p.bytes_out(10, 4) == 40 and sparse_plan(((0,), (1,)), ((0, 1), (1, 0)), 0, 2) is p
