@@ -122,3 +122,24 @@ def test_ddp_overlap_under_fastermoe_smart_schedule(world):
                                             **SMALL_BUCKETS, "train.batch_size": 4 // world}, timeout=120)
     assert res[0]["cls"] == "FasterMoELayer" and res[0]["ops"]["p2p"] > 0 and res[0]["ops"]["all_reduce"] == 3 * 3
     assert_same_training(res, one, rtol=1e-9)
+
+
+def test_refresh_params_follows_parameters_swapped_by_set_placement():
+    from moelab.config import RunConfig
+    from moelab.runtime.train import Trainer
+
+    cfg = RunConfig().with_overrides({"parallel.nproc": 1, "model.n_layers": 1, "model.moe.num_experts": 2,
+                                      "train.iters": 1, "train.trace": False}).validate()
+    tr = Trainer.build(cfg)
+    layer = tr.model.moe_layers()[0]
+    old = layer.experts.w1
+    layer.set_placement(layer.placement, [None if p is None else p.detach().clone() for p in layer.experts.stacked()])
+    assert layer.experts.w1 is not old and torch.equal(layer.experts.w1, old)
+    seen = []
+    tr.update.on_grad_ready = seen.append
+    tr.update.refresh_params()
+    assert any(p is layer.experts.w1 for p in tr.update._params) and not any(p is old for p in tr.update._params)
+    layer(torch.randn(3, cfg.model.d_model)).sum().backward()
+    assert any(p is layer.experts.w1 for p in seen)  # the new stack's gradient-ready hook fires
+    with pytest.raises(ValueError, match="stacks 1 experts"):
+        layer.set_placement(layer.placement, [p[:1] if p is not None else None for p in layer.experts.stacked()])

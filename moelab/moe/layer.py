@@ -173,6 +173,32 @@ class MoELayer(nn.Module):
         """``x`` is the layer input, for strategies that compute some rows here (shadowed experts)."""
         return self.dispatcher.combine_postprocess(back, plan, routing)
 
+    def set_placement(self, placement: Placement, tensors: Sequence[Optional[torch.Tensor]]) -> None:
+        """Swap the static placement and this rank's expert slots (a migration: Hecate's Alg. 2,
+        SmartMoE, FlexMoE; :mod:`moelab.moe.migrate`). ``tensors``: the new stacked ``[w1, b1, w2, b2]``
+        of ``placement.local_experts(rank)`` (any count, 0 included), moved from their old holders,
+        never re-initialised. The stacked parameters become new ``nn.Parameter`` objects (their shapes
+        change): whoever holds the old ones (optimizer, hooks) must follow them
+        (:meth:`moelab.runtime.update.Update.refresh_params`)."""
+        if placement.world_size != self.comm.world_size or placement.num_experts != self.cfg.num_experts:
+            raise ValueError("placement does not match the communicator's world size or the expert count")
+        here = tuple(placement.local_experts(self.comm.rank))
+        ex = self.experts
+        for name, t in zip(("w1", "b1", "w2", "b2"), tensors):
+            if (t is None) != (getattr(ex, name) is None):
+                raise ValueError(f"set_placement: {name} given={t is not None}, the experts have it: "
+                                 f"{getattr(ex, name) is not None}")
+            if t is None:
+                continue
+            if t.shape[0] != len(here):
+                raise ValueError(f"set_placement: {name} stacks {t.shape[0]} experts, the rank holds {len(here)}")
+            p = nn.Parameter(t.detach(), requires_grad=getattr(ex, name).requires_grad)
+            p.moelab_expert = True
+            setattr(ex, name, p)
+        ex.experts = here
+        self.placement = placement
+        self.dispatcher = DISPATCHERS[self.cfg.dispatcher](self.comm, placement)
+
     # ---- the plan as data -------------------------------------------------------------------------
     def plan_record(self) -> dict:
         """JSON-able description of the latest call's plan (one line of ``plans.jsonl``): layer, call,

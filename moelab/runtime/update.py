@@ -49,6 +49,16 @@ class Update:
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                             for p in self._params if p.requires_grad]
 
+    def refresh_params(self) -> None:
+        """The model's parameter objects changed (a migration swapped an expert stack,
+        :meth:`moelab.moe.layer.MoELayer.set_placement`): hook the gradient-ready callbacks onto the
+        live ones (the optimizer's entries are moved by the migration itself)."""
+        for h in self._grad_hooks:
+            h.remove()
+        self._params = list(self.model.parameters())
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                            for p in self._params if p.requires_grad]
+
     def _grad_ready(self, p) -> None:
         self.on_grad_ready(p)
         self.memory.grad_ready(p)
