@@ -131,6 +131,7 @@ class Communicator:
         self._groups: dict = {}
         self._seq: dict = {}
         self._shadow: dict = {}  # group -> process group for the emulator's finish-time reduction
+        self._replica_names: dict = {}  # rank set -> name of its on-demand group (replica_group)
         for name in list(BUILTIN) + sorted(declared):  # new_group is collective: same order everywhere
             for inst in decl[name]:
                 pg = self._new_group(inst)
@@ -162,6 +163,27 @@ class Communicator:
         communicator then creates them)."""
         self._groups[name] = (pg, list(ranks))
         self._seq[name] = itertools.count()
+
+    def replica_group(self, ranks: Sequence[int]) -> str:
+        """The name of a group over ``ranks`` (any subset of the world), created on first use and cached
+        (one process group per distinct rank set, never one per call): FlexMoE's replica sets, which
+        change as the scheduler runs, so they cannot be declared at build. Collective like
+        ``new_group``: every rank calls it with the same rank sets in the same order (pure plans
+        agree). A member may then call any collective with ``group=name`` (records, emulation, the
+        per-group seq as for declared groups); a non-member gets the name only."""
+        key = tuple(sorted({int(r) for r in ranks}))
+        if not key or key[0] < 0 or key[-1] >= self.world_size:
+            raise ValueError(f"replica_group ranks {list(ranks)} must be a non-empty subset of 0..{self.world_size - 1}")
+        cache = self._replica_names
+        if key not in cache:
+            name = "replica:" + ",".join(map(str, key))
+            pg = self._new_group(list(key))
+            shadow = self._new_group(list(key)) if self.emulation is not None else None
+            if self.rank in key:
+                self.add_group(name, key, pg)
+                self._shadow[name] = shadow
+            cache[key] = name
+        return cache[key]
 
     def group(self, name: str):
         return self._groups[name]
