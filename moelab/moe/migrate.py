@@ -2,11 +2,13 @@
 re-sharding (Alg. 2), SmartMoE's re-placement and FlexMoE's Migrate (spec ``papers/hecate.md`` §2.5,
 §3).
 
-Every rank calls :func:`migrate_owners` with the same new owners (plans are pure functions of
-all-reduced loads, so they agree). Each moved expert travels as one row of ``3 × numel`` elements —
-its parameters, Adam's ``exp_avg`` and ``exp_avg_sq`` (zeros before the first step) — in ONE uneven
-all-to-all over all layers through the comm door (phase ``migrate``). Adam's ``step`` is not sent:
-every expert steps every iteration (one optimizer semantics), so all steps are equal. The layers then
+Every rank calls :func:`migrate_holders` (or its one-holder case :func:`migrate_owners`) with the same
+new holders (plans are pure functions of all-reduced loads, so they agree). Each moved expert travels
+as one row of ``3 × numel`` elements — its parameters, Adam's ``exp_avg`` and ``exp_avg_sq`` (zeros
+before the first step) — in ONE uneven all-to-all over all layers through the comm door (phase
+``migrate``); with replicas, every new copy comes from the expert's first old holder and a dropped
+copy is freed with its state. Adam's ``step`` is not sent: every expert steps every iteration (one
+optimizer semantics), so all steps are equal. The layers then
 swap their expert slots (:meth:`moelab.moe.layer.MoELayer.set_placement`) and the optimizer's entries
 follow the new parameter objects. Nothing is issued when nothing moves. Parameters and states are
 copied bitwise: a migration never re-initialises an expert.
@@ -39,27 +41,66 @@ def _zeros_like_params(params):
     return [None if p is None else torch.zeros_like(p) for p in params]
 
 
+def copies_between(old_holders, new_holders) -> list:
+    """The copies a placement change needs, for one layer: ``[(expert, source, destination), ...]``, one
+    per (expert, rank) in ``new_holders`` and not in ``old_holders``, sent by the expert's first old
+    holder; expert-major, destinations in the new holders' order. Pure: the runtime (:func:`migrate_holders`)
+    and the simulator (FlexMoE's migration bytes) price the same copies."""
+    out = []
+    for e, (h0, h1) in enumerate(zip(old_holders, new_holders)):
+        out.extend((e, int(h0[0]), int(d)) for d in h1 if d not in h0)
+    return out
+
+
+def _check_holders(li, layer, holders) -> tuple:
+    pl = layer.placement
+    if len(holders) != pl.num_experts:
+        raise ValueError(f"layer {li}: {len(holders)} holder sets for {pl.num_experts} experts")
+    out = []
+    for e, h in enumerate(holders):
+        h = tuple(int(r) for r in h)
+        bad = [r for r in h if not 0 <= r < pl.world_size]
+        if bad:
+            raise ValueError(f"layer {li}, expert {e}: holder {bad[0]} is not a rank of 0..{pl.world_size - 1}")
+        if not h or len(set(h)) != len(h):
+            raise ValueError(f"layer {li}, expert {e}: holders {list(h)} must be distinct ranks, at least one")
+        out.append(h)
+    return tuple(out)
+
+
 def migrate_owners(comm, layers: Sequence, new_owners: Sequence[Sequence[int]], optimizer=None,
                    group: str = "world") -> list:
     """Give expert e of layer i the owner ``new_owners[i][e]``, moving parameters and Adam state.
 
     ``layers``: MoE layers whose static placement has one holder per expert (owners only). Returns the
-    moves ``[(layer index, expert, source rank, destination rank), ...]`` (the same list on every rank)."""
+    moves ``[(layer index, expert, source rank, destination rank), ...]`` (the same list on every rank).
+    The one-holder case of :func:`migrate_holders`."""
+    for li, layer in enumerate(layers):
+        if not layer.placement.is_trivial:
+            raise ValueError(f"layer {li}: migrate_owners moves owners; the placement has replicas")
+    return migrate_holders(comm, layers, [[(o,) for o in owners] for owners in new_owners], optimizer, group)
+
+
+def migrate_holders(comm, layers: Sequence, new_holders, optimizer=None, group: str = "world") -> list:
+    """Give expert e of layer i the holders ``new_holders[i][e]`` (owner first, replicas after), each
+    holding the parameters AND its own Adam state (FlexMoE's vExperts, spec §3).
+
+    Every (layer, expert, rank) in the new holders and not in the old gets the expert's parameters and
+    Adam moments from the expert's first old holder (:func:`copies_between`), all layers in ONE
+    all-to-all through the door (deterministic order); a dropped copy is freed with its state. Returns
+    the copies ``[(layer, expert, source, destination), ...]`` (the same on every rank); no collective
+    when nothing is copied, and layers whose holders do not change are not touched."""
     me = comm.rank
-    moves = []
+    moves, changed = [], []
+    targets = []
     for li, layer in enumerate(layers):
         pl = layer.placement
-        if not pl.is_trivial:
-            raise ValueError(f"layer {li}: migrate_owners moves owners; the placement has replicas")
-        if len(new_owners[li]) != pl.num_experts:
-            raise ValueError(f"layer {li}: {len(new_owners[li])} owners for {pl.num_experts} experts")
-        for e in range(pl.num_experts):
-            dst = int(new_owners[li][e])
-            if not 0 <= dst < pl.world_size:
-                raise ValueError(f"layer {li}, expert {e}: owner {dst} is not a rank of 0..{pl.world_size - 1}")
-            if pl.owner(e) != dst:
-                moves.append((li, e, pl.owner(e), dst))
-    if not moves:
+        new = _check_holders(li, layer, new_holders[li])
+        targets.append(new)
+        if new != tuple(tuple(h) for h in pl.holders):
+            changed.append(li)
+            moves.extend((li, e, s, d) for e, s, d in copies_between(pl.holders, new))
+    if not changed:
         return []
     stacked = [layer.experts.stacked() for layer in layers]
     states = [_state(optimizer, ps) for ps in stacked]
@@ -74,31 +115,34 @@ def migrate_owners(comm, layers: Sequence, new_owners: Sequence[Sequence[int]], 
             parts.append(flatten_slot(full, s))
         return torch.cat(parts)
 
-    members = list(comm.group_ranks(group))
-    pos = {r: i for i, r in enumerate(members)}
-    send = sorted((dst, li, e) for li, e, src, dst in moves if src == me)
-    recv = sorted((src, li, e) for li, e, src, dst in moves if dst == me)
-    in_rows, out_rows = [0] * len(members), [0] * len(members)
-    for dst, _, _ in send:
-        in_rows[pos[dst]] += 1
-    for src, _, _ in recv:
-        out_rows[pos[src]] += 1
     numel = sum(0 if s is None else int(torch.Size(s).numel()) for s in shapes[0])
-    ref = next(p for p in stacked[0] if p is not None)
-    x = torch.stack([row(li, e) for _, li, e in send]) if send else ref.new_empty((0, 3 * numel))
-    with torch.no_grad(), comm.rec.tagged(phase="migrate"):
-        out = comm.all_to_all_raw(x.detach(), out_rows, in_rows, group=group)
-    got = {(li, e): out[i] for i, (_, li, e) in enumerate(recv)}
-    changed = sorted({li for li, *_ in moves})
+    got = {}
+    if moves:
+        members = list(comm.group_ranks(group))
+        pos = {r: i for i, r in enumerate(members)}
+        send = sorted((dst, li, e) for li, e, src, dst in moves if src == me)
+        recv = sorted((src, li, e) for li, e, src, dst in moves if dst == me)
+        in_rows, out_rows = [0] * len(members), [0] * len(members)
+        for dst, _, _ in send:
+            in_rows[pos[dst]] += 1
+        for src, _, _ in recv:
+            out_rows[pos[src]] += 1
+        ref = next(p for p in stacked[0] if p is not None)
+        x = torch.stack([row(li, e) for _, li, e in send]) if send else ref.new_empty((0, 3 * numel))
+        with torch.no_grad(), comm.rec.tagged(phase="migrate"):
+            out = comm.all_to_all_raw(x.detach(), out_rows, in_rows, group=group)
+        got = {(li, e): out[i] for i, (_, li, e) in enumerate(recv)}
     for li in changed:
-        _swap(layers[li], li, new_owners[li], got, stacked[li], states[li], shapes[li], numel, optimizer)
+        _swap(layers[li], li, targets[li], got, stacked[li], states[li], shapes[li], numel, optimizer)
     return moves
 
 
-def _swap(layer, li, owners, got, params, states, shapes, numel, optimizer) -> None:
-    """Rebuild ``layer``'s stacked slots for its new owners from kept slots and received rows."""
+def _swap(layer, li, holders, got, params, states, shapes, numel, optimizer) -> None:
+    """Rebuild ``layer``'s stacked slots for its new holders from kept slots and received rows."""
     me, old = layer.comm.rank, layer.experts.experts
-    mine = [e for e in range(len(owners)) if int(owners[e]) == me]
+    pl = layer.placement
+    placement = Placement(pl.num_experts, pl.world_size, holders, pl.rule)
+    mine = list(placement.local_experts(me))
 
     def piece(e, k):  # k = 0 params, 1 exp_avg, 2 exp_avg_sq: the expert's [w1, b1, w2, b2]
         if e in old:
@@ -119,9 +163,7 @@ def _swap(layer, li, owners, got, params, states, shapes, numel, optimizer) -> N
         return out
 
     new_params, new_states = stack(0), [stack(1), stack(2)]
-    pl = layer.placement
-    layer.set_placement(Placement(pl.num_experts, pl.world_size, tuple((int(o),) for o in owners), pl.rule),
-                        new_params)
+    layer.set_placement(placement, new_params)
     if optimizer is None:
         return
     for j, (old_p, new_p) in enumerate(zip(params, layer.experts.stacked())):
