@@ -1,0 +1,42 @@
+"""Hecate / FSSDP (arXiv 2502.02581) in moelab: fully sharded sparse data parallelism. Spec:
+``shared/papers/hecate.md``.
+
+Pure (no processes): Alg. 1/2, calibration and the load window in :mod:`moelab.placement.fssdp`, the
+§2.9 cost model in :mod:`moelab.placement.fssdp_cost`; the sparse collectives in
+:mod:`moelab.comm.sparse`; the migration routine in :mod:`moelab.moe.migrate`. Runtime:
+:class:`.layer.HecateMoELayer` (a ``MoELayer`` subclass) driven by :class:`.update.HecateUpdate`;
+options in :mod:`.options`. Simulator: :mod:`.sim_graph` (the same plans priced by ``moelab.sim``).
+Reproduction: :mod:`.experiments` (``notebooks/hecate.ipynb``).
+
+Registered as strategy ``hecate``: ``parallel.strategy: hecate`` with ``parallel.strategy_options``
+such as ``{t: 2, m: 1}``, ``{rm: true}``, ``{reshard_interval: 50}``, ``{spag_backend: hier}``. The
+strategy declares its own process group ``sparse`` (all ranks) for spAG/spRS.
+"""
+from __future__ import annotations
+
+import functools
+
+from moelab.strategies import Strategy, register_strategy
+from moelab.strategies.hecate.options import HecateOptionError, HecateOptions
+from moelab.strategies.hecate.update import HecateUpdate
+
+
+def layer_factory(run_cfg, opts: HecateOptions):
+    from moelab.strategies.hecate.layer import HecateMoELayer
+
+    return functools.partial(HecateMoELayer, options=opts)
+
+
+def sparse_group(run_cfg) -> dict:
+    return {"sparse": [list(range(run_cfg.parallel.nproc))]}
+
+
+STRATEGY = register_strategy(Strategy(
+    "hecate", options=HecateOptions, layer=layer_factory, update=HecateUpdate, groups=sparse_group,
+    sim_graph="moelab.strategies.hecate.sim_graph:hecate_iteration_graph",
+    sim_plan="moelab.strategies.hecate.sim_graph:hecate_sim_plan",
+    conformance=({"t": 1}, {"t": 2, "m": 1, "calibration": False}, {"t": 1, "replicate_force": [0, 1, 2, 3]},
+                 {"t": 2, "m": 2, "spag_backend": "p2p"}, {"t": 1, "rm": True}),
+    doc="Hecate / FSSDP: sparse materialization (Alg. 1), heterogeneous sharding (Alg. 2), spAG/spRS, RM"))
+
+__all__ = ["STRATEGY", "layer_factory", "HecateOptions", "HecateOptionError"]

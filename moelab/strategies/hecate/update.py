@@ -1,0 +1,149 @@
+"""Hecate's executor as an :class:`~moelab.runtime.update.Update` (spec ``papers/hecate.md`` §2.8).
+
+Per iteration, on every rank, from all-reduced integers only (so every rank computes the same plans):
+
+- ``before_forward``: every ``reshard_interval`` iterations Alg. 2 re-shards all layers jointly from the
+  load window and :func:`moelab.moe.migrate.migrate_owners` moves params + Adam state (only if owners
+  change); then Alg. 1 gives each layer's P' from the window F̂ (iteration 0: no history, P' = P);
+- forward: each layer's spAG is issued from a forward pre-hook on its block's attention (registered
+  here), waited in the layer before dispatch (:class:`.layer.HecateMoELayer`);
+- backward: each layer issues its spRS (and, with RM, the previous layer's re-gather) when its experts'
+  backward ends;
+- ``sync``: wait the spRS handles in issue order, owners add the replicas' sums; then the data-parallel
+  sync of the dense parameters; every owned expert gets a gradient (zeros without tokens);
+- ``step``: Adam on what the rank owns (owned experts + dense); the window takes this iteration's loads.
+
+The overlap degree ``t`` (unless given) is ⌊T_nonMoE · bw / s_e⌋ with T_nonMoE the attention forward time
+measured in iteration 0 (max over ranks, exchanged unrecorded) or ``t_nonmoe_s``, bw the emulated
+per-node inter-node bandwidth (hier) or its per-rank share (flat), else ``cost_profile``'s NIC.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from moelab.moe.migrate import migrate_owners
+from moelab.placement.fssdp import (LoadWindow, holders_of, materialize_plan, memory_slots, overlap_degree,
+                                    plan_hash, reshard_owners)
+from moelab.runtime.update import DataParallelUpdate
+
+from .options import HecateOptions
+
+
+class HecatePlanError(RuntimeError):
+    """Ranks computed different plans (they would pair different collectives and hang)."""
+
+
+class HecateUpdate(DataParallelUpdate):
+    def __init__(self, model, comm, cfg, options: Optional[HecateOptions] = None):
+        super().__init__(model, comm, cfg)
+        self.options = options or HecateOptions.from_dict(cfg.parallel.strategy_options)
+        o = self.options
+        self.layers = model.moe_layers()
+        L, E = len(self.layers), cfg.model.moe.num_experts
+        for i, layer in enumerate(self.layers):
+            layer.driver = self
+            layer.prev_layer = self.layers[i - 1] if i else None
+            layer.is_last = i == L - 1
+        self.N, self.G = comm.world_size, comm.topo.ranks_per_node
+        self.window = LoadWindow(o.window, L, E)
+        self.reshard_window = LoadWindow(o.reshard_window or o.window, L, E)
+        self.iteration = 0
+        self.t: Optional[int] = o.t
+        self.m: Optional[int] = None
+        self._attn_s: list = []
+        self._hooks = []
+        for block in getattr(model, "blocks", []):
+            if block.ffn in self.layers:
+                self._hooks.append(block.attn.register_forward_pre_hook(self._before_attention(block.ffn)))
+                self._hooks.append(block.attn.register_forward_hook(self._after_attention))
+
+    # ---- hooks ---------------------------------------------------------------------------------------
+    def _before_attention(self, layer):
+        def hook(module, args):
+            self._t_attn = time.perf_counter()
+            layer.prefetch()  # spAG(l) runs while attention_l computes
+        return hook
+
+    def _after_attention(self, module, args, output):
+        if self.iteration == 0 and torch.is_grad_enabled():
+            self._attn_s.append(time.perf_counter() - self._t_attn)
+
+    # ---- t and m ----------------------------------------------------------------------------------------
+    def _decide_t_m(self) -> None:
+        o, layer = self.options, self.layers[0]
+        s_e = layer.numel * torch.empty(0, dtype=layer.dtype).element_size()
+        E = self.cfg.model.moe.num_experts
+        if self.t is None:
+            T = o.t_nonmoe_s
+            if T is None:
+                mine = sum(self._attn_s) / max(1, len(self._attn_s))
+                with self.comm.rec.paused():  # metric traffic: every rank takes the same (max) time
+                    T = float(self.comm.all_gather(torch.tensor([mine], dtype=torch.float64)).max())
+            em = self.cfg.emulation
+            if em.enabled:
+                bw = em.inter_bw_GBps * 1e9 * (self.G if o.spag_backend == "hier" else 1)
+                self.t = overlap_degree(T, bw, s_e, E)
+            else:
+                self.t = layer.cost.overlap_degree(T, E)
+        if o.m is not None:
+            self.m = o.m
+        elif o.replica_budget_bytes is not None:
+            self.m = memory_slots(o.replica_budget_bytes, 2 if o.rm else len(self.layers), s_e, s_e)
+        else:
+            self.m = self.t
+
+    # ---- the Update interface -------------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        o = self.options
+        if self.m is None and (self.iteration > 0 or self.t is not None):
+            self._decide_t_m()
+        t, m = self.t or 0, self.m or 0
+        moved = []
+        if (o.shard and o.reshard_interval and self.iteration > 0 and self.iteration % o.reshard_interval == 0
+                and len(self.reshard_window)):
+            owners = [layer.owners for layer in self.layers]
+            new = reshard_owners(self.reshard_window.estimate(), t, owners, self.N, self.G, o.prefer_fewer_free)
+            if new != owners:
+                moved = migrate_owners(self.comm, self.layers, new, self.optimizer)
+                self.refresh_params()
+        F = self.window.estimate()
+        plans = []
+        for li, layer in enumerate(self.layers):
+            P = holders_of(layer.owners)
+            holders = (materialize_plan(layer.owners, F[li].tolist(), t, m, self.N, self.G, o.assign)
+                       if o.materialize and len(self.window) else P)
+            plans.append(holders)
+            layer.begin_iteration(holders, t, m, [(e, s, d) for l, e, s, d in moved if l == li])
+        if o.debug_plan_hash:
+            self._check_same_plan(plans)
+
+    def _check_same_plan(self, plans) -> None:
+        h = int(plan_hash(plans)[:15], 16)
+        with self.comm.rec.paused():
+            got = self.comm.all_gather(torch.tensor([h], dtype=torch.int64)).reshape(-1).tolist()
+        if len(set(got)) > 1:
+            raise HecatePlanError(f"iteration {self.iteration}: ranks computed different Hecate plans "
+                                  f"(hashes {got}); every rank must see the same loads and options")
+
+    def sync(self) -> None:
+        for layer in reversed(self.layers):  # spRS were issued last layer first: wait in that order
+            layer.finish_backward()
+        super().sync()
+        loads = torch.stack([layer.last_global_counts.sum(0) for layer in self.layers]).numpy()
+        self.window.push(loads)
+        self.reshard_window.push(loads)
+
+    def step(self) -> None:
+        super().step()
+        self.iteration += 1
+
+    def param_tensors(self) -> list:
+        return super().param_tensors() + [t for layer in self.layers for t in layer.replica_tensors()]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
