@@ -1,0 +1,35 @@
+"""FlexMoE (dynamic device placement; Hecate's baseline, spec ``shared/papers/hecate.md`` §3) in moelab.
+
+Pure: the scheduler (:mod:`moelab.placement.flexmoe`: slot budget E/N + r, balance ratio, Expand /
+Shrink / Migrate kept while gain × K > migration cost). Runtime: the core layer on a placement with
+replicas (:class:`.layer.FlexMoELayer` only adds its plan record), driven by :class:`.update.FlexMoEUpdate`
+(scheduling before the forward, :func:`moelab.moe.migrate.migrate_holders` for params + Adam state, one
+all-reduce per replicated expert over its cached replica-set group). Simulator: :mod:`.sim_graph`.
+
+Registered as strategy ``flexmoe``: ``parallel.strategy: flexmoe`` with ``parallel.strategy_options``
+such as ``{r: 2, interval: 10, threshold: 1.2, max_steps: 4}`` (:mod:`.options`).
+"""
+from __future__ import annotations
+
+import functools
+
+from moelab.strategies import Strategy, register_strategy
+from moelab.strategies.flexmoe.options import FlexMoEOptionError, FlexMoEOptions
+from moelab.strategies.flexmoe.update import FlexMoEUpdate
+
+
+def layer_factory(run_cfg, opts: FlexMoEOptions):
+    from moelab.strategies.flexmoe.layer import FlexMoELayer
+
+    return functools.partial(FlexMoELayer, options=opts)
+
+
+STRATEGY = register_strategy(Strategy(
+    "flexmoe", options=FlexMoEOptions, layer=layer_factory, update=FlexMoEUpdate,
+    sim_graph="moelab.strategies.flexmoe.sim_graph:flexmoe_iteration_graph",
+    sim_plan="moelab.strategies.flexmoe.sim_graph:flexmoe_sim_plan",
+    conformance=({}, {"interval": 1, "threshold": 1.01, "r": 1, "migration_cost_s": 0.0}),
+    doc="FlexMoE: replicas with their own Adam state (E/N + r slots), ring all-reduce per replica set, "
+        "Expand/Shrink/Migrate"))
+
+__all__ = ["STRATEGY", "layer_factory", "FlexMoEOptions", "FlexMoEOptionError", "FlexMoEUpdate"]

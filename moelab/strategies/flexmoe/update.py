@@ -1,0 +1,133 @@
+"""FlexMoE's executor as an :class:`~moelab.runtime.update.Update` (spec ``papers/hecate.md`` §3).
+
+Per iteration, every rank, from all-gathered integers only (so every rank computes the same plan):
+
+- ``before_forward``: from iteration 1, per layer, the balance ratio of the window's loads under the
+  current holders; every ``interval`` iterations, or when a layer's ratio exceeds ``threshold``, the
+  pure scheduler (:func:`moelab.placement.flexmoe.schedule`) plans that layer's round, priced by the
+  §2.9 cost model (``t_moe`` gain × K against the migration cost of each copied expert). The rounds of
+  all layers are executed together by :func:`moelab.moe.migrate.migrate_holders` (one all-to-all of
+  params + Adam moments); then every replica set gets its cached group
+  (:meth:`moelab.comm.door.Communicator.replica_group`, all ranks, same order);
+- ``sync``: the dense data-parallel all-reduce, then per layer and replicated expert (ascending) one
+  all-reduce of the expert's flat gradient over its replica-set group: every copy then holds the full
+  gradient and takes the identical Adam step (each copy has its own Adam state);
+- ``step``: Adam on everything the rank holds; the window takes this iteration's ``[N, E]`` loads.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from moelab.moe.migrate import migrate_holders
+from moelab.moe.sync import sync_dense_grads
+from moelab.placement.flexmoe import balance_ratio, canonical, schedule, time_gain
+from moelab.runtime.update import DataParallelUpdate, fill_missing_grads
+
+from .options import FlexMoEOptions
+
+
+class FlexMoEUpdate(DataParallelUpdate):
+    def __init__(self, model, comm, cfg, options: Optional[FlexMoEOptions] = None):
+        super().__init__(model, comm, cfg)
+        self.options = options or FlexMoEOptions.from_dict(cfg.parallel.strategy_options)
+        self.layers = model.moe_layers()
+        self.N, self.E = comm.world_size, cfg.model.moe.num_experts
+        self._window: list = []  # per iteration, [L, N, E] int64 global loads (the last `window` kept)
+        self.iteration = 0
+        self._cost = None
+        self.rounds: list = []  # (iteration, layer, steps) of every round that changed a layer
+
+    # ---- the cost model ---------------------------------------------------------------------------
+    @property
+    def cost(self):
+        if self._cost is None:
+            from moelab.placement.fssdp_cost import FSSDPCost
+            from moelab.sim.graphs import expert_param_count
+            from moelab.sim.profiles import get_profile
+
+            m = self.cfg.model
+            self._cost = FSSDPCost.from_profile(get_profile(self.options.cost_profile), m.d_model, m.d_ff,
+                                                ranks_per_node=self.comm.topo.ranks_per_node,
+                                                expert_numel=expert_param_count(m))
+        return self._cost
+
+    @property
+    def migration_cost_s(self) -> float:
+        """Seconds to copy one expert with its Adam state: the option, else §2.9 bytes over one NIC."""
+        o = self.options
+        if o.migration_cost_s is not None:
+            return float(o.migration_cost_s)
+        return self.cost.migration_bytes(1) / self.cost.nic_Bps
+
+    def window_loads(self) -> np.ndarray:
+        """``[L, N, E]``: the window's summed per-source loads (zeros before any iteration)."""
+        if not self._window:
+            return np.zeros((len(self.layers), self.N, self.E), dtype=np.int64)
+        return np.sum(self._window, axis=0, dtype=np.int64)
+
+    # ---- the Update interface -------------------------------------------------------------------------
+    def plan_round(self) -> list:
+        """This iteration's new holders and steps per layer (pure in the window and the current holders)."""
+        o, W = self.options, self.window_loads()
+        out = []
+        for li, layer in enumerate(self.layers):
+            holders = canonical(layer.placement.holders)
+            if not self._window:
+                out.append((holders, []))
+                continue
+            F = W[li].sum(0)
+            due = self.iteration % o.interval == 0 or balance_ratio(holders, F, self.N) > o.threshold
+            if not due:
+                out.append((holders, []))
+                continue
+            gain = time_gain(self.cost, W[li])
+            per_iter = lambda old, new, g=gain: g(old, new) / len(self._window)  # noqa: E731 (window sums)
+            out.append(schedule(holders, F, self.N, o.r, max_steps=o.max_steps, gain_fn=per_iter,
+                                migration_cost=self.migration_cost_s, K=o.interval))
+        return out
+
+    def before_forward(self) -> None:
+        plan = self.plan_round()
+        if any(h != tuple(layer.placement.holders) for (h, _), layer in zip(plan, self.layers)):
+            migrate_holders(self.comm, self.layers, [h for h, _ in plan], self.optimizer)
+            self.refresh_params()
+        for li, (layer, (_, steps)) in enumerate(zip(self.layers, plan)):
+            layer.flex_steps = [tuple(s) for s in steps]
+            if steps:
+                self.rounds.append((self.iteration, li, list(steps)))
+        for layer in self.layers:  # collective: every rank, every replica set, the same order
+            for h in layer.placement.holders:
+                if len(h) > 1:
+                    self.comm.replica_group(h)
+
+    def sync(self) -> None:
+        sync_dense_grads(self.model.dense_parameters(), self.comm)
+        fill_missing_grads(self.model.expert_parameters())
+        for layer in self.layers:
+            self._sync_replicas(layer)
+        self._window.append(np.stack([layer.last_global_counts.numpy().astype(np.int64) for layer in self.layers]))
+        del self._window[:-self.options.window]
+
+    def _sync_replicas(self, layer) -> None:
+        """One all-reduce per replicated expert held here, over its replica set's group (expert order)."""
+        pl, me, ex = layer.placement, self.comm.rank, layer.experts
+        params = [p for p in ex.stacked() if p is not None]
+        with self.comm.rec.tagged(layer=layer.layer_id, phase="replica_sync"):
+            for e, h in enumerate(pl.holders):
+                if len(h) < 2 or me not in h:
+                    continue
+                s = pl.slot_of(me, e)
+                flat = torch.cat([p.grad[s].reshape(-1) for p in params])
+                self.comm.all_reduce_(flat, group=self.comm.replica_group(h))
+                off = 0
+                for p in params:
+                    n = p.grad[s].numel()
+                    p.grad[s].copy_(flat[off:off + n].view_as(p.grad[s]))
+                    off += n
+
+    def step(self) -> None:
+        super().step()
+        self.iteration += 1
