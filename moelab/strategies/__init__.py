@@ -41,6 +41,7 @@ _BUILTIN = {  # name -> module that registers it
     "hecate": "moelab.strategies.hecate",
     "smartmoe": "moelab.strategies.smartmoe",
     "fsdp_expert": "moelab.strategies.fsdp_expert",
+    "flexmoe": "moelab.strategies.flexmoe",
 }
 
 
