@@ -19,11 +19,13 @@ per-node inter-node bandwidth (hier) or its per-rank share (flat), else ``cost_p
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
 import torch
 
+from moelab.comm.record import Span
 from moelab.moe.migrate import migrate_owners
 from moelab.placement.fssdp import (LoadWindow, holders_of, materialize_plan, memory_slots, overlap_degree,
                                     plan_hash, reshard_owners)
@@ -58,18 +60,35 @@ class HecateUpdate(DataParallelUpdate):
         for block in getattr(model, "blocks", []):
             if block.ffn in self.layers:
                 self._hooks.append(block.attn.register_forward_pre_hook(self._before_attention(block.ffn)))
-                self._hooks.append(block.attn.register_forward_hook(self._after_attention))
+                self._hooks.append(block.attn.register_forward_hook(self._after_attention(block.ffn)))
+                self._hooks.append(block.attn.register_full_backward_pre_hook(self._attention_bwd(block.ffn)))
 
     # ---- hooks ---------------------------------------------------------------------------------------
     def _before_attention(self, layer):
         def hook(module, args):
-            self._t_attn = time.perf_counter()
             layer.prefetch()  # spAG(l) runs while attention_l computes
+            self._t_attn = time.time()
         return hook
 
-    def _after_attention(self, module, args, output):
-        if self.iteration == 0 and torch.is_grad_enabled():
-            self._attn_s.append(time.perf_counter() - self._t_attn)
+    def _after_attention(self, layer):
+        def hook(module, args, output):
+            t1 = time.time()
+            if self.iteration == 0 and torch.is_grad_enabled():
+                self._attn_s.append(t1 - self._t_attn)
+            rec = self.comm.rec
+            if rec.enabled:  # attention on the trace, so the overlap with the gather is visible
+                rec.spans.append(Span("attention", "attention", self._t_attn, t1,
+                                      {**rec.tags, "layer": layer.layer_id, "phase": "fwd"}, threading.current_thread().name))
+        return hook
+
+    def _attention_bwd(self, layer):
+        def hook(module, grad_output):  # attention's backward is about to run: mark it on the trace
+            rec = self.comm.rec
+            if rec.enabled:
+                t = time.time()
+                rec.spans.append(Span("attention.bwd.start", "attention", t, t,
+                                      {**rec.tags, "layer": layer.layer_id, "phase": "bwd"}, threading.current_thread().name))
+        return hook
 
     # ---- t and m ----------------------------------------------------------------------------------------
     def _decide_t_m(self) -> None:
