@@ -47,9 +47,11 @@ class FsdpExpertUpdate(Update):
             layer.driver = self
 
     def gathered(self, layer) -> None:
-        """A layer's buffer was (re)allocated mid-forward: its storage is parameter memory, not a saved
-        activation, for the memory meter (the meter lists parameter storages when the forward starts)."""
+        """A layer's buffer was (re)allocated (forward, or its backward with ``reshard_after_forward``):
+        its storage is parameter memory, not a saved activation (the meter lists parameter storages when
+        the forward starts), and the moment is a peak candidate, so the meter samples it."""
         self.memory._param_ptrs.add(layer.full.untyped_storage().data_ptr())
+        self.memory.sample()
 
     def sync(self) -> None:
         sync_dense_grads(self.dense, self.comm)
