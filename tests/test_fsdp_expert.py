@@ -230,8 +230,11 @@ def test_sim_graph_bytes_equal_the_measured_ones(runs):
     from moelab.sim.graphs import graph_bytes
     from moelab.strategies.fsdp_expert.sim_graph import fsdp_expert_iteration_graph
 
+    from moelab.sim import simulate
+
     world, res = runs
     over = {"train.batch_size": 1} if world == 4 else {}
+    peak = {}
     for name in ("fsdp", "reshard"):
         cfg = RunConfig().with_overrides({**TINY_TRAIN, "parallel.nproc": world, **TRAIN[name], **over}).validate()
         loads = np.full((2, world, TINY_TRAIN["model.moe.num_experts"]), 4)
@@ -241,3 +244,5 @@ def test_sim_graph_bytes_equal_the_measured_ones(runs):
             row = r["rows"][0]
             assert gb[rank]["intra"] + gb[rank]["inter"] == row["bytes_intra"] + row["bytes_inter"]
         assert g.meta["layer_flat_bytes"] == res[0]["train"][name]["S"][0]
+        peak[name] = simulate(g).peak_memory()["params"].max()
+    assert peak["fsdp"] - peak["reshard"] == res[0]["train"]["fsdp"]["S"][0]  # one layer's buffer fewer
