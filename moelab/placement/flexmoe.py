@@ -200,3 +200,28 @@ def undo_steps(holders, steps) -> tuple:
         else:
             raise ValueError(f"unknown FlexMoE step kind {kind!r}; known: {list(KINDS)}")
     return canonical(cur)
+
+
+def plan_round(holders_per_layer, window_loads, n_window: int, iteration: int, N: int, *, r: int, interval: int,
+               threshold: float, max_steps: int, cost, migration_cost: float) -> list:
+    """One iteration's FlexMoE round for every layer: ``[(new holders, steps), ...]``. Pure in the window's
+    summed ``[L, N, E]`` loads (``n_window`` iterations) and the current holders, so the runtime's Update and
+    the paper-scale replay run the very same decision: a layer is scheduled every ``interval`` iterations or
+    when its balance ratio exceeds ``threshold``, each step priced by ``cost.t_moe`` (gain per iteration x K
+    against ``migration_cost`` seconds per copied expert)."""
+    out = []
+    for li, holders in enumerate(holders_per_layer):
+        holders = canonical(holders)
+        if not n_window:
+            out.append((holders, []))
+            continue
+        W = window_loads[li]
+        F = W.sum(0)
+        if not (iteration % interval == 0 or balance_ratio(holders, F, N) > threshold):
+            out.append((holders, []))
+            continue
+        gain = time_gain(cost, W)
+        per_iter = lambda old, new, g=gain: g(old, new) / n_window  # noqa: E731 (the window sums n_window iterations)
+        out.append(schedule(holders, F, N, r, max_steps=max_steps, gain_fn=per_iter, migration_cost=migration_cost,
+                            K=interval))
+    return out

@@ -23,7 +23,7 @@ import torch
 
 from moelab.moe.migrate import migrate_holders
 from moelab.moe.sync import sync_dense_grads
-from moelab.placement.flexmoe import balance_ratio, canonical, schedule, time_gain
+from moelab.placement.flexmoe import plan_round
 from moelab.runtime.update import DataParallelUpdate, fill_missing_grads
 
 from .options import FlexMoEOptions
@@ -70,24 +70,11 @@ class FlexMoEUpdate(DataParallelUpdate):
 
     # ---- the Update interface -------------------------------------------------------------------------
     def plan_round(self) -> list:
-        """This iteration's new holders and steps per layer (pure in the window and the current holders)."""
-        o, W = self.options, self.window_loads()
-        out = []
-        for li, layer in enumerate(self.layers):
-            holders = canonical(layer.placement.holders)
-            if not self._window:
-                out.append((holders, []))
-                continue
-            F = W[li].sum(0)
-            due = self.iteration % o.interval == 0 or balance_ratio(holders, F, self.N) > o.threshold
-            if not due:
-                out.append((holders, []))
-                continue
-            gain = time_gain(self.cost, W[li])
-            per_iter = lambda old, new, g=gain: g(old, new) / len(self._window)  # noqa: E731 (window sums)
-            out.append(schedule(holders, F, self.N, o.r, max_steps=o.max_steps, gain_fn=per_iter,
-                                migration_cost=self.migration_cost_s, K=o.interval))
-        return out
+        """This iteration's new holders and steps per layer (:func:`moelab.placement.flexmoe.plan_round`)."""
+        o = self.options
+        return plan_round([layer.placement.holders for layer in self.layers], self.window_loads(), len(self._window),
+                          self.iteration, self.N, r=o.r, interval=o.interval, threshold=o.threshold,
+                          max_steps=o.max_steps, cost=self.cost, migration_cost=self.migration_cost_s)
 
     def before_forward(self) -> None:
         plan = self.plan_round()

@@ -34,3 +34,110 @@ def fig3_heatmap(frame, *, label: str, title: str = "Fig. 3: share of tokens per
         fig.update_yaxes(title_text="expert", row=r, col=1)
     fig.update_xaxes(title_text="iteration", row=len(layers), col=1)
     return finish(fig, title, label, height=260 * len(layers) + 120, width=900)
+
+
+@labelled
+def speedup_bars(frame, *, label: str, title: str, y: str = "speedup_vs_ep", facet: str = "gpus",
+                 y_title: str = "speedup over EP"):
+    """Grouped bars: one group per model, one bar per system, one panel per ``facet`` value; a system the
+    checkout lacks (NaN) is left out and named in the legend title."""
+    facets = list(dict.fromkeys(frame[facet])) if facet in frame else [None]
+    fig = make_subplots(rows=1, cols=len(facets), subplot_titles=[f"{f} {facet}" if f is not None else "" for f in facets],
+                        shared_yaxes=True)
+    systems = list(dict.fromkeys(frame.system))
+    for c, f in enumerate(facets, 1):
+        sub = frame if f is None else frame[frame[facet] == f]
+        for i, s in enumerate(systems):
+            g = sub[sub.system == s]
+            fig.add_bar(x=g.model, y=g[y], name=s, legendgroup=s, showlegend=c == 1,
+                        marker_color=SYSTEM_COLOURS.get(s.split(" (")[0], _c(i)), row=1, col=c)
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    missing = sorted(set(frame[frame[y].isna()].system))
+    fig.update_yaxes(title_text=y_title, row=1, col=1)
+    return finish(fig, title, label, barmode="group", width=520 * len(facets) + 200,
+                  legend_title_text="not built yet: " + ", ".join(missing) if missing else "system")
+
+
+@labelled
+def layer_speedups(frame, *, label: str, title: str = "Fig. 11: MoE-layer speedup of Hecate over EP, per layer"):
+    fig = go.Figure(go.Bar(x=frame.layer, y=frame.speedup, marker_color=SYSTEM_COLOURS["Hecate"],
+                           text=[f"{v:.2f}x" for v in frame.speedup], textposition="outside"))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    return finish(fig, title, label, xaxis_title="MoE layer", yaxis_title="speedup over EP (MoE-layer time)")
+
+
+@labelled
+def breakdown_bars(frame, *, label: str, title: str = "Fig. 12: critical-path breakdown per system"):
+    """Stacked bars: seconds of each op category on the simulated critical path, per system."""
+    cats = [c for c in frame.columns if c.startswith("cp_")]
+    fig = go.Figure()
+    for i, c in enumerate(cats):
+        fig.add_bar(x=frame.system, y=frame[c], name=c[3:], marker_color=_c(i))
+    return finish(fig, title, label, barmode="stack", yaxis_title="ms per iteration on the critical path")
+
+
+@labelled
+def interval_bars(frame, *, label: str, title: str = "Fig. 15b: speedup of re-sharding every R iterations over none"):
+    fig = go.Figure(go.Bar(x=[str(r) for r in frame.interval], y=frame.speedup, marker_color=SYSTEM_COLOURS["Hecate"],
+                           text=[f"{v:.2f}x" for v in frame.speedup], textposition="outside"))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    return finish(fig, title, label, xaxis_title="re-sharding interval R (iterations)",
+                  yaxis_title="speedup over materialization only")
+
+
+@labelled
+def memory_bars(frame, *, label: str, title: str = "Fig. 13: peak memory per device (activations excluded)"):
+    fig = go.Figure()
+    for c, name, colour in (("optim_GB", "Opt", "#4c78a8"), ("grad_GB", "Grad", "#f58518"), ("param_GB", "Param", "#54a24b")):
+        fig.add_bar(x=frame.system, y=frame[c], name=name, marker_color=colour)
+    return finish(fig, title, label, barmode="stack", yaxis_title="GB per device")
+
+
+@labelled
+def bytes_per_layer(frame, *, label: str, title: str = "Fig. 4: bytes per MoE layer per iteration, FSDP vs FSSDP"):
+    g = frame.groupby("layer")[["fsdp_formula", "hecate_sparse", "hecate_a2a", "ep_a2a"]].mean().reset_index()
+    fig = go.Figure()
+    for c, name, colour in (("fsdp_formula", "FSDP all-gather + reduce-scatter (formula)", "#9d755d"),
+                            ("hecate_sparse", "Hecate spAG + spRS (measured)", "#e45756"),
+                            ("hecate_a2a", "Hecate token all-to-alls (measured)", "#ff9da6"),
+                            ("ep_a2a", "EP token all-to-alls (measured)", "#4c78a8")):
+        fig.add_bar(x=[f"layer {l}" for l in g.layer], y=g[c], name=name, marker_color=colour)
+    return finish(fig, title, label, barmode="group", yaxis_title="bytes (all ranks, mean over iterations)")
+
+
+@labelled
+def gantt(frame, *, label: str, title: str, row: str = "row"):
+    """Horizontal bars ``start_ms .. end_ms`` per ``row``, coloured by ``what``."""
+    fig = go.Figure()
+    for i, (what, g) in enumerate(frame.groupby("what", sort=False)):
+        fig.add_bar(y=g[row], x=g.end_ms - g.start_ms, base=g.start_ms, orientation="h", name=what, marker_color=_c(i))
+    return finish(fig, title, label, barmode="overlay", xaxis_title="ms", height=120 + 28 * frame[row].nunique(),
+                  yaxis={"autorange": "reversed"})
+
+
+@labelled
+def chunk_grid(frame, *, label: str, title: str = "Fig. 6: spAG and spRS on 4 devices (chunk values)"):
+    cols = (("before", "before (P: owners)"), ("after_spag", "after spAG(P, P')"), ("after_sprs", "after spRS(P', P): owners"))
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in cols], shared_yaxes=True)
+    for c, (col, _) in enumerate(cols, 1):
+        grid = frame.pivot_table(index="device", columns="chunk", values=col, aggfunc="first")
+        z = grid.to_numpy(dtype=float)
+        fig.add_trace(go.Heatmap(z=z, x=[f"chunk {x}" for x in grid.columns], y=[f"device {y}" for y in grid.index],
+                                 text=[["" if v != v else f"{v:g}" for v in r] for r in z], texttemplate="%{text}",
+                                 colorscale="Blues", showscale=False), 1, c)
+    fig.update_yaxes(autorange="reversed")
+    return finish(fig, title, label, width=1100, height=380)
+
+
+@labelled
+def sharding_bars(frame, *, label: str, title: str = "Fig. 8: homogeneous vs heterogeneous sharding (Alg. 2)"):
+    kinds = list(dict.fromkeys(frame.sharding))
+    fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=kinds, shared_yaxes=True)
+    for c, k in enumerate(kinds, 1):
+        sub = frame[frame.sharding == k]
+        for l, g in sub.groupby("layer"):
+            fig.add_bar(x=[f"device {d}" for d in g.device], y=g.load, name=f"layer {l}", legendgroup=f"l{l}",
+                        showlegend=c == 1, marker_color=_c(int(l)), text=g.experts, textposition="inside",
+                        hovertext=g.owned, row=1, col=c)
+    fig.update_yaxes(title_text="tokens (window), bar text = experts owned", row=1, col=1)
+    return finish(fig, title, label, barmode="stack", width=1000)
