@@ -39,6 +39,7 @@ class RealRun:
     spans: "object"  # pandas DataFrame
     wall_s: float = 0.0
     plans: list = field(default_factory=list)
+    metrics: list = field(default_factory=list)  # rank 0's per-iteration metrics rows (memory peaks, bytes)
 
     @property
     def nproc(self) -> int:
@@ -113,7 +114,7 @@ def _real_worker(rank, world, cfg_dicts):
         for rec in tr.plans:
             plans[rec["iter"]].append(rec)
         out.append(dict(step_times=[m["step_time_s"] for m in tr.metrics], loads=np.stack(loads),
-                        comm=comm, spans=spans, wall=time.time() - t0, plans=plans))
+                        comm=comm, spans=spans, wall=time.time() - t0, plans=plans, metrics=list(tr.metrics)))
         del tr
     return out
 
@@ -151,7 +152,7 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
                 raise AssertionError(f"rank {r} recorded other loads than rank 0: the count exchange is broken")
         runs.append(RealRun(RunConfig.from_dict(d), np.array([x["step_times"] for x in res]).T,
                             res[0]["loads"], comm, spans, wall_s=max(x["wall"] for x in res),
-                            plans=res[0]["plans"]))
+                            plans=res[0]["plans"], metrics=res[0]["metrics"]))
     return runs
 
 

@@ -418,7 +418,7 @@ def validate(named_cfgs, calibration: Optional[dict] = None, *, warmup: int = 3,
     sims = []
     for (name, cfg), real, rate in zip(named_cfgs, reals, rates):
         prof = machine_profile(cfg, calibration, compute=rate, share_cores=share_cores)
-        sims.append(simulate_real(cfg, real.loads, prof))
+        sims.append(simulate_real(cfg, real.loads, prof, plans=real.graph_plans()))
     return compare(reals, sims, warmup=warmup, names=[n for n, _ in named_cfgs], warn=warn), reals, sims
 
 

@@ -95,9 +95,10 @@ def memory_bars(frame, *, label: str, title: str = "Fig. 13: peak memory per dev
 
 @labelled
 def bytes_per_layer(frame, *, label: str, title: str = "Fig. 4: bytes per MoE layer per iteration, FSDP vs FSSDP"):
-    g = frame.groupby("layer")[["fsdp_formula", "hecate_sparse", "hecate_a2a", "ep_a2a"]].mean().reset_index()
+    g = frame.groupby("layer")[["fsdp", "fsdp_formula", "hecate_sparse", "hecate_a2a", "ep_a2a"]].mean().reset_index()
     fig = go.Figure()
-    for c, name, colour in (("fsdp_formula", "FSDP all-gather + reduce-scatter (formula)", "#9d755d"),
+    for c, name, colour in (("fsdp", "FSDP all-gather + reduce-scatter (measured)", "#9d755d"),
+                            ("fsdp_formula", "FSDP formula 2(N-1)/N·S per rank", "#bab0ac"),
                             ("hecate_sparse", "Hecate spAG + spRS (measured)", "#e45756"),
                             ("hecate_a2a", "Hecate token all-to-alls (measured)", "#ff9da6"),
                             ("ep_a2a", "EP token all-to-alls (measured)", "#4c78a8")):

@@ -259,7 +259,7 @@ def fig4(ctx):
     from . import real
 
     df = real.fig4_bytes(ctx.scale.name)
-    df["fsdp_over_hecate"] = df.fsdp_formula / df.hecate_sparse.where(df.hecate_sparse > 0)
+    df["fsdp_over_hecate"] = df.fsdp / df.hecate_sparse.where(df.hecate_sparse > 0)
     notes = [] if (df.hecate_sparse > 0).any() else ["no replica was materialized in these iterations: spAG/spRS moved 0 bytes"]
     return Made(df, tables={"table_fig04_bytes": (df, "Fig. 4: bytes per MoE layer and iteration")},
                 figures={"fig04_bytes": F.bytes_per_layer(df, label=df.attrs["label"])}, notes=notes)

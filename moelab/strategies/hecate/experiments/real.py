@@ -27,21 +27,23 @@ def real_config(sp: ScaleSpec, strategy: str = "hecate", options=None):
 
 @cached
 def real_runs(scale="smoke") -> dict:
-    """REAL runs of EP and Hecate (same data, same model) on ``nodes x ranks_per_node`` gloo ranks."""
+    """REAL runs of EP, Hecate and FSDP of the experts (same data, same model) on ``nodes x ranks_per_node``
+    gloo ranks."""
     from moelab.sim.realruns import run_real_many
 
     sp = scale_spec(scale)
-    ep, hec = run_real_many([real_config(sp, "ep", {}), real_config(sp)], sp.nproc, timeout=600)
-    return {"EP": ep, "Hecate": hec}
+    ep, hec, fsdp = run_real_many([real_config(sp, "ep", {}), real_config(sp), real_config(sp, "fsdp_expert", {})],
+                                  sp.nproc, timeout=600)
+    return {"EP": ep, "Hecate": hec, "FSDP": fsdp}
 
 
 def fig4_bytes(scale="smoke") -> pd.DataFrame:
-    """Bytes per MoE layer per iteration, all ranks: Hecate's measured spAG + spRS (door records) against an
-    FSDP of the same layer (the formula 2(N-1)/N·S per rank and pass pair: all-gather + reduce-scatter) and the
-    token all-to-alls of EP and Hecate, measured."""
+    """Bytes per MoE layer per iteration, all ranks, as the door recorded them: Hecate's spAG + spRS against
+    the ``fsdp_expert`` baseline's all-gather + reduce-scatter of the same layer (beside its formula
+    2(N-1)/N·S per rank) and the token all-to-alls of EP and Hecate."""
     sp = scale_spec(scale)
     runs = real_runs(sp.name)
-    hec, ep = runs["Hecate"], runs["EP"]
+    hec, ep, fsdp = runs["Hecate"], runs["EP"], runs["FSDP"]
     m = hec.cfg.model
     N = hec.cfg.parallel.nproc
     elem = 4
@@ -52,13 +54,15 @@ def fig4_bytes(scale="smoke") -> pd.DataFrame:
         for layer in range(m.n_layers):
             h = hec.comm[(hec.comm.iter == it) & (hec.comm.layer == layer)]
             e = ep.comm[(ep.comm.iter == it) & (ep.comm.layer == layer)]
+            f = fsdp.comm[(fsdp.comm.iter == it) & (fsdp.comm.layer == layer)]
             rows.append(dict(iter=it, layer=layer,
                              hecate_sparse=int(byts(h[h.phase.isin(["spag", "sprs", "calibrate", "spag_rm"])]).sum()),
                              hecate_a2a=int(byts(h[h.phase.isin(["fwd", "bwd"]) & (h.op == "all_to_all")]).sum()),
                              ep_a2a=int(byts(e[e.phase.isin(["fwd", "bwd"]) & (e.op == "all_to_all")]).sum()),
+                             fsdp=int(byts(f[f.op.isin(["all_gather", "reduce_scatter"])]).sum()),
                              fsdp_formula=int(N * 2 * (N - 1) * S // N)))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = hec.label + f"; fp32; FSDP: the formula 2(N-1)/N·S per rank (S = {S} B per layer), not run"
+    df.attrs["label"] = hec.label + f"; fp32; S = {S} B of experts per layer (FSDP pads it to a multiple of N)"
     return df
 
 

@@ -1,0 +1,103 @@
+"""Hecate and its baselines trained on real gloo ranks with EMULATED links (2 nodes x 4 ranks by default),
+with the simulator's prediction of the same plans beside every measured number.
+
+One spawn; every system trains the same model on the same data (they are numerically the same model, so
+they route the same tokens: one skewed, drifting load trace for all — the real routing of the byte
+corpus), fp32, attention + MoE blocks, systems run one after another (not interleaved: say so when
+comparing small differences). An iteration's time is the slowest rank's; the table shows medians after
+``--warmup``. Predictions: ``moelab.sim`` on the emulated network with each run's own recorded plans
+(:meth:`moelab.sim.realruns.RealRun.graph_plans`) and this machine's measured compute rate.
+
+Printed: iteration time and speedup over EP (measured / simulated) of Hecate (full, sharding only,
+materialization only, RM, no calibration) and every baseline present (FasterMoE, FlexMoE, FSDP, SmartMoE);
+inter-node all-to-all bytes EP / Hecate; spAG + spRS bytes vs FlexMoE's replica all-reduce bytes;
+memory at the iteration peak (params / total) per system; the computed overlap degree t. CPU timings are
+not paper numbers (spec §6.15): the ratios check mechanisms, the simulator carries the paper scale.
+
+Usage: python benchmarks/hecate.py [--nproc 8] [--nodes 2] [--d 64] [--experts 16] [--iters 8] [--warmup 3]
+                                   [--intra 0.1] [--inter 0.02]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--intra", type=float, default=0.1, help="emulated intra-node GB/s per rank")
+    p.add_argument("--inter", type=float, default=0.02, help="emulated inter-node GB/s per rank")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    a = p.parse_args(argv)
+
+    import numpy as np
+
+    from moelab.config import RunConfig
+    from moelab.strategies import known_strategies
+    from moelab.sim.validate import validate
+
+    base = {"model.d_model": a.d, "model.d_ff": 2 * a.d, "model.n_layers": a.layers, "model.n_heads": 4,
+            "model.seq_len": a.seq, "model.moe.num_experts": a.experts, "model.moe.top_k": 2,
+            "model.moe.balance_loss_coef": 0.0, "parallel.nproc": a.nproc, "parallel.topology.nodes": a.nodes,
+            "train.iters": a.iters, "train.batch_size": a.batch, "train.trace": False,
+            "emulation.enabled": True, "emulation.intra_bw_GBps": a.intra, "emulation.inter_bw_GBps": a.inter}
+    hec = {"reshard_interval": max(2, a.warmup), "spag_backend": "hier"}
+    systems = {"EP": ("ep", {}), "Hecate": ("hecate", hec),
+               "Hecate sharding only": ("hecate", {**hec, "materialize": False, "calibration": False}),
+               "Hecate materialization only": ("hecate", {**hec, "shard": False}),
+               "Hecate-RM": ("hecate", {**hec, "rm": True}), "Hecate no calibration": ("hecate", {**hec, "calibration": False}),
+               "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": a.nproc // a.nodes}),
+               "FlexMoE": ("flexmoe", {}), "FSDP": ("fsdp_expert", {}), "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
+    have = known_strategies()
+    named = [(n, RunConfig().with_overrides({**base, "parallel.strategy": s, "parallel.strategy_options": o}).validate())
+             for n, (s, o) in systems.items() if s in have]
+    print(f"# {len(named)} systems on {a.nproc} gloo ranks as {a.nodes} nodes, EMULATED links intra {a.intra} GB/s, "
+          f"inter {a.inter} GB/s per rank; d={a.d}, {a.layers} layers, {a.experts} experts, {a.iters} iterations")
+    comp, reals, sims = validate(named, warmup=a.warmup, timeout=a.timeout, warn=False)
+    t = comp.iters[~comp.iters.warmup].groupby("config", sort=False)[["real_s", "sim_s"]].median()
+    ep = t.loc["EP"]
+    print(f"\n{'system':30s} {'iter ms real':>12s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} {'pred err':>8s}")
+    for name, row in t.iterrows():
+        print(f"{name:30s} {1e3 * row.real_s:12.1f} {1e3 * row.sim_s:8.1f} {ep.real_s / row.real_s:12.2f} "
+              f"{ep.sim_s / row.sim_s:6.2f} {(row.sim_s - row.real_s) / row.real_s:+8.0%}")
+
+    def inter_a2a(r):
+        c = r.comm[(r.comm.op == "all_to_all") & r.comm.phase.isin(["fwd", "bwd"]) & (r.comm.iter >= a.warmup)]
+        return c.bytes_inter.sum()
+
+    runs = dict(zip([n for n, _ in named], reals))
+    print(f"\ninter-node token all-to-all bytes EP / Hecate: {inter_a2a(runs['EP']) / max(1, inter_a2a(runs['Hecate'])):.2f}")
+    h = runs["Hecate"].comm
+    sparse = h[h.phase.isin(["spag", "sprs", "calibrate"]) & (h.iter >= a.warmup)]
+    print(f"Hecate spAG+spRS bytes per iteration (sent, all links): "
+          f"{sparse[['bytes_intra', 'bytes_inter']].sum().sum() / (a.iters - a.warmup):.0f}")
+    if "FlexMoE" in runs:
+        f = runs["FlexMoE"].comm
+        ar = f[(f.phase == "replica_sync") & (f.iter >= a.warmup)]
+        print(f"FlexMoE replica all-reduce bytes per iteration: {ar[['bytes_intra', 'bytes_inter']].sum().sum() / (a.iters - a.warmup):.0f}"
+              " (its replicas differ from Hecate's plan: not the same-plan identity of spec §2.2, see tests)")
+    plans = runs["Hecate"].plans
+    print(f"Hecate overlap degree t = {plans[-1][0]['hecate']['t']}, m = {plans[-1][0]['hecate']['m']}; "
+          f"calibrations: {[r['hecate']['calibration'] for it in plans for r in it].count('accepted')} accepted; "
+          f"experts migrated: {sum(len(r['hecate']['moved']) for it in plans for r in it)}")
+    print(f"\n{'system':30s} {'params peak MB':>14s} {'total peak MB':>14s} {'total / EP':>10s}")
+    peak = {n: (max(m['mem_params_peak_bytes'] for m in r.metrics), max(m['mem_total_peak_bytes'] for m in r.metrics))
+            for n, r in runs.items()}
+    for n, (pp, tt) in peak.items():
+        print(f"{n:30s} {pp / 1e6:14.3f} {tt / 1e6:14.3f} {tt / peak['EP'][1]:10.2f}")
+    print(f"\nsimulated bytes == measured bytes: {comp.metrics['bytes_exact']} ({comp.metrics['bytes_cells']} cells); "
+          f"median prediction error {comp.metrics['median_rel_err']:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
