@@ -142,3 +142,12 @@ def sharding_bars(frame, *, label: str, title: str = "Fig. 8: homogeneous vs het
                         hovertext=g.owned, row=1, col=c)
     fig.update_yaxes(title_text="tokens (window), bar text = experts owned", row=1, col=1)
     return finish(fig, title, label, barmode="stack", width=1000)
+
+
+@labelled
+def memory_speedup(frame, *, label: str, title: str = "M2: FlexMoE speedup over EP vs its expert memory"):
+    fig = go.Figure(go.Scatter(x=frame.expert_memory_over_ep, y=frame.speedup, mode="lines+markers+text",
+                               text=[f"r={r}" for r in frame.r], textposition="top center",
+                               marker_color=SYSTEM_COLOURS["FlexMoE"]))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    return finish(fig, title, label, xaxis_title="expert memory over EP (E/N + r) / (E/N)", yaxis_title="speedup over EP")

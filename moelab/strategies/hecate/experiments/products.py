@@ -323,3 +323,32 @@ def fig1(ctx):
     return Made(df, tables={"table_fig01_timeline": (df, "Fig. 1: simulated timeline rows")},
                 figures={"fig01_timeline": F.gantt(df, label=df.attrs["label"],
                                                    title="Fig. 1: one iteration, EP vs FSSDP (simulated, rank 0)")})
+
+
+# ---- motivation (M1-M3) -----------------------------------------------------------------------------------------
+@product(P, "m1", quantities={"slowdown": Quantity("EP iteration time under imbalanced over balanced loads", X)})
+def m1(ctx):
+    from . import motivation as M
+
+    df = M.m1(ctx.scale.name, ctx.seed)
+    fit = M.m1_fit(ctx.scale.name, ctx.seed)
+    best = fit.max_slowdown.max()
+    notes = [f"M1 fit: over efficiency x latency the largest EP slowdown the model reaches is {best:.2f}x; "
+             f"{'it reaches' if best >= 5.18 else 'it cannot reach'} the paper's 5.18x, so no constant is fitted to it "
+             "(profile constants stay as sourced)"]
+    return Made(df, tables={"table_m1_imbalance": (df, "M1: EP imbalanced vs balanced"),
+                            "table_m1_fit": (fit, "M1: the fit's scan")}, notes=notes,
+                figures={"m1_imbalance": F.speedup_bars(df.assign(system="EP imbalanced / balanced", gpus=16),
+                                                        label=df.attrs["label"], y="slowdown",
+                                                        title="M1: EP slowdown under imbalanced loads",
+                                                        y_title="imbalanced / balanced iteration time")})
+
+
+@product(P, "m2", quantities={"speedup": ("r", {6: Quantity("FlexMoE speedup reached with 4x reserved memory", X)})})
+def m2(ctx):
+    from . import motivation as M
+
+    df = M.m2(ctx.scale.name, ctx.seed)
+    fig = F.memory_speedup(df, label=df.attrs["label"])
+    return Made(df, tables={"table_m2_flexmoe": (df, "M2: FlexMoE speedup vs reserved memory")}, figures={"m2_flexmoe": fig},
+                notes=[f"r={r.r}: {r.note}" for r in df.itertuples()])
