@@ -249,6 +249,27 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     return g, ctx, prev
 
 
+def token_stages(routes, before_experts_bwd=None):
+    """The token path of an MoE layer as the two hooks of :func:`transformer_iteration_graph`: dispatch
+    all-to-all, experts on the received rows, combine all-to-all (backward: the mirror, 2x compute).
+    ``routes[j]``: tokens ``[src, dst]`` of MoE layer j; ``before_experts_bwd(i) -> op ids``: extra ops the
+    expert backward of layer i waits for (Hecate's re-materialization)."""
+    def moe_forward(ctx, i, j, deps):
+        recv = routes[j].sum(0)
+        disp = ctx.a2a(f"L{i}.dispatch", routes[j], deps, i, "fwd")
+        exps = [ctx.experts(r, f"L{i}.experts.fwd", recv[r], (disp,), i, "fwd") for r in ctx.ranks]
+        return [ctx.a2a(f"L{i}.combine", routes[j].T, exps, i, "fwd")] * len(ctx.ranks)
+
+    def moe_backward(ctx, i, j, deps):
+        recv = routes[j].sum(0)
+        comb_b = ctx.a2a(f"L{i}.combine.bwd", routes[j], deps, i, "bwd")
+        wait = (comb_b,) + tuple(before_experts_bwd(i) if before_experts_bwd is not None else ())
+        exps = [ctx.experts(r, f"L{i}.experts.bwd", recv[r], wait, i, "bwd") for r in ctx.ranks]
+        return [ctx.a2a(f"L{i}.dispatch.bwd", routes[j].T, exps, i, "bwd")] * len(ctx.ranks)
+
+    return moe_forward, moe_backward
+
+
 def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *,
                        elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False) -> OpGraph:
     """One training iteration of the EP baseline, every rank, every layer.
@@ -274,18 +295,7 @@ def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = Non
     else:
         routes = [route_matrix(placement, L) for L in loads]
 
-    def moe_forward(ctx, i, j, deps):
-        recv = routes[j].sum(0)
-        disp = ctx.a2a(f"L{i}.dispatch", routes[j], deps, i, "fwd")
-        exps = [ctx.experts(r, f"L{i}.experts.fwd", recv[r], (disp,), i, "fwd") for r in ctx.ranks]
-        return [ctx.a2a(f"L{i}.combine", routes[j].T, exps, i, "fwd")] * N
-
-    def moe_backward(ctx, i, j, deps):
-        recv = routes[j].sum(0)
-        comb_b = ctx.a2a(f"L{i}.combine.bwd", routes[j], deps, i, "bwd")
-        exps = [ctx.experts(r, f"L{i}.experts.bwd", recv[r], (comb_b,), i, "bwd") for r in ctx.ranks]
-        return [ctx.a2a(f"L{i}.dispatch.bwd", routes[j].T, exps, i, "bwd")] * N
-
+    moe_forward, moe_backward = token_stages(routes)
     g, ctx, prev = transformer_iteration_graph(cfg, profile, loads, placement, moe_forward, moe_backward,
                                                elem_bytes=elem_bytes, hierarchical_a2a=hierarchical_a2a,
                                                meta={"strategy": "ep"})

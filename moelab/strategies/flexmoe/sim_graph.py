@@ -29,7 +29,7 @@ from moelab.placement.flexmoe import canonical, undo_steps
 from moelab.sim import costs
 from moelab.sim.engine import OpGraph
 from moelab.sim.graphs import (elem_bytes_of, expert_param_count, moe_layer_ids, route_matrix, topology_of,
-                               transformer_iteration_graph)
+                               token_stages, transformer_iteration_graph)
 
 
 def migration_matrix(holders, steps, N: int, row_bytes: int) -> np.ndarray:
@@ -73,17 +73,7 @@ def flexmoe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] 
                             comm={"op": "all_to_all", "group": ctx.ranks, "splits": mig})
         return [op] * N
 
-    def moe_forward(ctx, i, j, deps):
-        recv = routes[j].sum(0)
-        disp = ctx.a2a(f"L{i}.dispatch", routes[j], deps, i, "fwd")
-        exps = [ctx.experts(r, f"L{i}.experts.fwd", recv[r], (disp,), i, "fwd") for r in ctx.ranks]
-        return [ctx.a2a(f"L{i}.combine", routes[j].T, exps, i, "fwd")] * N
-
-    def moe_backward(ctx, i, j, deps):
-        recv = routes[j].sum(0)
-        comb_b = ctx.a2a(f"L{i}.combine.bwd", routes[j], deps, i, "bwd")
-        exps = [ctx.experts(r, f"L{i}.experts.bwd", recv[r], (comb_b,), i, "bwd") for r in ctx.ranks]
-        return [ctx.a2a(f"L{i}.dispatch.bwd", routes[j].T, exps, i, "bwd")] * N
+    moe_forward, moe_backward = token_stages(routes)
 
     g, ctx, prev = transformer_iteration_graph(cfg, profile, loads, pls[0], moe_forward, moe_backward,
                                                elem_bytes=eb, hierarchical_a2a=hierarchical_a2a,

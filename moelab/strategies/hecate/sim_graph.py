@@ -20,7 +20,7 @@ from moelab.comm.sparse import sparse_plan
 from moelab.placement import Placement
 from moelab.placement.rules import LocalityFirst
 from moelab.sim import costs
-from moelab.sim.graphs import (elem_bytes_of, expert_param_count, moe_layer_ids, topology_of,
+from moelab.sim.graphs import (elem_bytes_of, expert_param_count, moe_layer_ids, token_stages, topology_of,
                                transformer_iteration_graph)
 
 
@@ -96,23 +96,18 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
                                     tuple(deps), ip, "bwd", "spag")
         return None
 
+    stage_fwd, stage_bwd = token_stages(routes, lambda i: (rm_ops[i],) if i in rm_ops else ())
+
     def moe_forward(ctx, i, j, deps):
-        if cal[j]:
+        if cal[j]:  # an accepted calibration: a blocking gather of the added copies before dispatch
             deps = (collective(ctx, f"L{i}.calibrate", cal[j], deps, i, "fwd", "spag"),)
-        recv = routes[j].sum(0)
-        disp = ctx.a2a(f"L{i}.dispatch", routes[j], deps, i, "fwd")
-        exps = [ctx.experts(r, f"L{i}.experts.fwd", recv[r], (disp,), i, "fwd") for r in ranks]
-        return [ctx.a2a(f"L{i}.combine", routes[j].T, exps, i, "fwd")] * N
+        return stage_fwd(ctx, i, j, deps)
 
     def moe_backward(ctx, i, j, deps):
-        recv = routes[j].sum(0)
-        comb_b = ctx.a2a(f"L{i}.combine.bwd", routes[j], deps, i, "bwd")
-        wait = (comb_b,) + ((rm_ops[i],) if i in rm_ops else ())
-        exps = [ctx.experts(r, f"L{i}.experts.bwd", recv[r], wait, i, "bwd") for r in ranks]
-        done = ctx.a2a(f"L{i}.dispatch.bwd", routes[j].T, exps, i, "bwd")
-        if sprs[j]:
-            rs_ops.append(collective(ctx, f"L{i}.sprs", sprs[j], (done,), i, "bwd", "sprs"))
-        return [done] * N
+        done = stage_bwd(ctx, i, j, deps)
+        if sprs[j]:  # issued when the layer's backward ends, waited at the iteration's sync
+            rs_ops.append(collective(ctx, f"L{i}.sprs", sprs[j], (done[0],), i, "bwd", "sprs"))
+        return done
 
     g, ctx, prev = transformer_iteration_graph(cfg, profile, loads, Placement.expert_parallel(E, N), moe_forward,
                                                moe_backward, elem_bytes=eb, hierarchical_a2a=hierarchical_a2a,
