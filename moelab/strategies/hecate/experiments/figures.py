@@ -151,3 +151,12 @@ def memory_speedup(frame, *, label: str, title: str = "M2: FlexMoE speedup over 
                                marker_color=SYSTEM_COLOURS["FlexMoE"]))
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
     return finish(fig, title, label, xaxis_title="expert memory over EP (E/N + r) / (E/N)", yaxis_title="speedup over EP")
+
+
+@labelled
+def throughput_batch(frame, *, label: str, title: str = "Fig. 14: throughput vs batch size (OOM: no point)"):
+    fig = go.Figure()
+    for i, (s, g) in enumerate(frame.groupby("system", sort=False)):
+        fig.add_scatter(x=g.batch, y=g.tokens_per_s, mode="lines+markers", name=s,
+                        marker_color=SYSTEM_COLOURS.get(s, _c(i)))
+    return finish(fig, title, label, xaxis_title="batch (sequences per GPU)", yaxis_title="tokens / s (all GPUs)")

@@ -188,9 +188,6 @@ def fig15b(ctx):
                 figures={"fig15b_interval": fig}, notes=notes)
 
 
-BYTES = dict(param=2, grad=2, optim=12)  # spec §6.19: fp16 params and grads, fp32 master + Adam m, v (12 B/param)
-
-
 @product(P, "fig13", quantities={
     "flexmoe_over_hecate": Quantity("peak memory (params + grads + optimizer) of FlexMoE over Hecate", X),
     "hecate_params_over_ep": Quantity("parameter memory of Hecate over EP", X),
@@ -198,15 +195,14 @@ BYTES = dict(param=2, grad=2, optim=12)  # spec §6.19: fp16 params and grads, f
     "rm_param_cut": Quantity("fraction of materialized (replica) parameter memory that RM removes", "fraction"),
     "rm_total_over_ep": Quantity("peak memory (params + grads + optimizer) of Hecate-RM over EP", X)})
 def fig13(ctx):
-    """Peak model-state memory per device (activations excluded), by spec §5.7's accounting with byte factors
-    as parameters, on the plans the replays produced: owned experts + dense parts carry params, grads and
-    optimizer state; Hecate's replicas params + grads for every layer (RM: the two live layers); FlexMoE's
-    E/N + r slots per layer are full experts with their own optimizer state."""
+    """Peak model-state memory per device (activations excluded, :mod:`.memory`) on the plans the replays produced."""
     import numpy as np
     import pandas as pd
 
-    from moelab.models.params import count_params, paper_model
+    from moelab.models.params import paper_model
 
+    from .baselines import FLEXMOE
+    from .memory import max_replicas, state_bytes
     from .paper_scale import paper_config, paper_loads, paper_profile
 
     model, cluster, gpus = "BERT-MoE-Deep", "hecate_B", 32
@@ -214,30 +210,16 @@ def fig13(ctx):
     m = paper_model(model)
     loads = paper_loads(ctx.scale.name, model, cluster, gpus, ctx.seed)
     cfg = paper_config(model, prof, layers=loads.shape[1])
-    L_full, E, N = m.n_layers, 2 * gpus, gpus
-    Pe = 2 * m.d_model * m.d_ff
-    dense = count_params(m, convention="hecate")["attention"]
+    E, N = 2 * gpus, gpus
     _, plans, _ = EE.system_plans("Hecate", cfg, prof, loads)
-    reps = max(max(sum(1 for h in p["holders"][j] for r in h[1:] if r == d) for d in range(N))
-               for p in plans[1:] for j in range(len(p["holders"])))  # the most replicas a device held in a layer
-    from .baselines import FLEXMOE
-
-    own = E // N * L_full
-    rows = []
-
-    def row(system, owned_full, replicas_pg, note):
-        p = (dense + owned_full * Pe + replicas_pg * Pe) * BYTES["param"]
-        g = (dense + owned_full * Pe + replicas_pg * Pe) * BYTES["grad"]
-        o = (dense + owned_full * Pe) * BYTES["optim"]
-        rows.append(dict(system=system, param_GB=p / 1e9, grad_GB=g / 1e9, optim_GB=o / 1e9, total_GB=(p + g + o) / 1e9,
-                         replicas_per_layer=replicas_pg / L_full if replicas_pg else 0, note=note))
-
-    row("EP", own, 0, "E/N experts per layer")
-    row("SmartMoE", own, 0, "a permutation: the same as EP")
-    row("FlexMoE", own + FLEXMOE["r"] * L_full, 0, f"E/N + r slots per layer (r={FLEXMOE['r']}), each with optimizer state")
-    row("Hecate", own, reps * L_full, f"at most {reps} replicas per layer per device (replayed plans), live in every layer")
-    row("Hecate-RM", own, reps * 2, "replicas of the 2 live layers only (current + prefetched)")
-    df = pd.DataFrame(rows).set_index("system")
+    reps = max_replicas(plans[1:], N)
+    m.moe.num_experts = E
+    rows = [("EP", {}, "E/N experts per layer"), ("SmartMoE", {}, "a permutation: the same as EP"),
+            ("FlexMoE", {"extra_slots": FLEXMOE["r"]}, f"E/N + r slots per layer (r={FLEXMOE['r']}), each with optimizer state"),
+            ("Hecate", {"replicas": reps}, f"at most {reps} replicas per layer per device (replayed plans), live in every layer"),
+            ("Hecate-RM", {"replicas": reps, "live_layers": 2}, "replicas of the 2 live layers only (current + prefetched)")]
+    df = pd.DataFrame([dict(system=n, **{f"{k}_GB": v / 1e9 for k, v in state_bytes(m, N, E, **kw).items()}, note=note)
+                       for n, kw, note in rows]).set_index("system")
     df["flexmoe_over_hecate"] = df.total_GB["FlexMoE"] / df.total_GB["Hecate"]
     df["hecate_params_over_ep"] = df.param_GB["Hecate"] / df.param_GB["EP"]
     df["hecate_total_over_ep"] = df.total_GB["Hecate"] / df.total_GB["EP"]
@@ -245,11 +227,10 @@ def fig13(ctx):
     df["rm_param_cut"] = (df.param_GB["Hecate"] - df.param_GB["Hecate-RM"]) / extra if extra > 0 else np.nan
     df["rm_total_over_ep"] = df.total_GB["Hecate-RM"] / df.total_GB["EP"]
     df = df.reset_index()
-    df.attrs["label"] = (f"SIMULATED: {cluster}, {gpus} GPUs, {model} (all {L_full} layers); replica counts from the "
+    df.attrs["label"] = (f"SIMULATED: {cluster}, {gpus} GPUs, {model} (all {m.n_layers} layers); replica counts from the "
                          "replayed Hecate plans; byte factors fp16 params/grads, 12 B/param optimizer (spec §6.19)")
-    fig = F.memory_bars(df, label=df.attrs["label"])
     return Made(df, tables={"table_fig13_memory": (df, "Fig. 13: peak model-state memory per device")},
-                figures={"fig13_memory": fig})
+                figures={"fig13_memory": F.memory_bars(df, label=df.attrs["label"])})
 
 
 # ---- REAL (Figs. 1, 4, 5, 6, 8) ---------------------------------------------------------------------------------
@@ -352,3 +333,62 @@ def m2(ctx):
     fig = F.memory_speedup(df, label=df.attrs["label"])
     return Made(df, tables={"table_m2_flexmoe": (df, "M2: FlexMoE speedup vs reserved memory")}, figures={"m2_flexmoe": fig},
                 notes=[f"r={r.r}: {r.note}" for r in df.itertuples()])
+
+
+BATCHES = (1, 2, 4, 6, 8)  # spec §6.11: sequences per GPU
+
+
+@product(P, "fig14", quantities={"rm_over_hecate": Quantity("iteration time of Hecate-RM over Hecate", X)})
+def fig14(ctx):
+    """Throughput vs batch with OOM cut-offs: per system and batch the simulated iteration (GPT-MoE-S, cluster B)
+    and the per-device memory = model states (:mod:`.memory`, replicas from that batch's replayed plans) +
+    the simulator's activation peak; a point over the GPU's memory is an OOM (no throughput)."""
+    import numpy as np
+    import pandas as pd
+
+    from moelab.models.params import paper_model
+    from moelab.sim.engine import simulate
+    from moelab.sim.graphs import iteration_graph
+
+    from .baselines import FLEXMOE
+    from .memory import max_replicas, state_bytes
+    from .paper_scale import paper_config, paper_loads, paper_profile
+    from .trace import real_trace, upsample
+
+    sp = ctx.scale
+    prof = paper_profile("hecate_B", 32)
+    m = paper_model("GPT-MoE-S")
+    m.moe.num_experts = 64
+    base = paper_loads(sp.name, "GPT-MoE-S", "hecate_B", 32, ctx.seed)
+    L = base.shape[1]
+    scale_L = m.n_layers / L  # activations of the simulated layers, scaled to the model's depth
+    rows = []
+    for b in BATCHES:
+        tr = real_trace(sp.name, experts=64)[:len(base)]
+        loads = upsample(tr[:, [l % tr.shape[1] for l in range(L)]], 32, b * m.seq_len, seed=ctx.seed)
+        cfg = paper_config("GPT-MoE-S", prof, layers=L, batch=b)
+        for system in ("EP", "FasterMoE", "FlexMoE", "Hecate", "Hecate-RM"):
+            scfg, plans, _ = EE.system_plans(system, cfg, prof, loads)
+            res = [simulate(iteration_graph(scfg, prof, loads[i], None, elem_bytes=2, **plans[i]))
+                   for i in range(1, len(loads))]
+            t = float(np.mean([r.makespan for r in res]))
+            act = max(float(r.peak_memory().get("activations", 0.0).max()) for r in res) * scale_L
+            kw = {"replicas": max_replicas(plans[1:], 32)} if system.startswith("Hecate") else {}
+            if system == "Hecate-RM":
+                kw["live_layers"] = 2
+            if system == "FlexMoE":
+                kw["extra_slots"] = FLEXMOE["r"]
+            mem = (state_bytes(m, 32, 64, **kw)["total"] + act) / 1e9
+            oom = mem > prof.mem_GB
+            rows.append(dict(system=system, batch=b, iter_ms=1e3 * t, memory_GB=mem, oom=oom,
+                             tokens_per_s=np.nan if oom else b * m.seq_len * 32 / t))
+    df = pd.DataFrame(rows)
+    h = df[df.system == "Hecate"].set_index("batch").iter_ms
+    df["rm_over_hecate"] = df.batch.map(df[df.system == "Hecate-RM"].set_index("batch").iter_ms / h)
+    df.loc[df.system != "Hecate-RM", "rm_over_hecate"] = np.nan
+    df.attrs["label"] = (f"SIMULATED: hecate_B profile, 32 GPUs ({prof.mem_GB:g} GB each), GPT-MoE-S ({L} simulated "
+                         f"layers, activations scaled to {m.n_layers}); model states analytic (fp16 + 12 B/param optimizer); "
+                         "loads = REAL tiny-model trace upsampled per batch")
+    return Made(df, tables={"table_fig14_batch": (df, "Fig. 14: throughput and memory vs batch")},
+                figures={"fig14_batch": F.throughput_batch(df, label=df.attrs["label"])},
+                notes=[f"OOM: {sorted(set(df[df.oom].system + ' @' + df[df.oom].batch.astype(str)))}"])
