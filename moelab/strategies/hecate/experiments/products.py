@@ -392,3 +392,15 @@ def fig14(ctx):
     return Made(df, tables={"table_fig14_batch": (df, "Fig. 14: throughput and memory vs batch")},
                 figures={"fig14_batch": F.throughput_batch(df, label=df.attrs["label"])},
                 notes=[f"OOM: {sorted(set(df[df.oom].system + ' @' + df[df.oom].batch.astype(str)))}"])
+
+
+@product(P, "fig9r", needs_real=True)
+def fig9r(ctx):
+    from . import real
+
+    df = real.fig9_real(ctx.scale.name)
+    idle = [r.system for r in df.itertuples() if r.system != "EP" and r.system != "FSDP" and not r.policy_fired]
+    notes = [f"no plan change in these iterations (the policy did not fire): {idle}"] if idle else []
+    return Made(df, notes=notes, tables={"table_fig09r_real_plans": (df, "Fig. 9 (small): REAL plans priced on cluster A")},
+                figures={"fig09r_real_plans": F.speedup_bars(df, label=df.attrs["label"], facet="gpus",
+                                                             title="Fig. 9 (small): REAL plans of every system, timed by the simulator on cluster A")})

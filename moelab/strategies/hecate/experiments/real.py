@@ -15,6 +15,7 @@ HECATE_REAL = {"t": 2, "m": 2, "reshard_interval": 3}  # small enough to see eve
 
 
 def real_config(sp: ScaleSpec, strategy: str = "hecate", options=None):
+    """A tiny Transformer-MoE on ``sp``'s ranks and nodes running ``strategy`` (Hecate: :data:`HECATE_REAL`)."""
     from moelab.config import RunConfig
 
     return RunConfig().with_overrides({
@@ -32,9 +33,42 @@ def real_runs(scale="smoke") -> dict:
     from moelab.sim.realruns import run_real_many
 
     sp = scale_spec(scale)
-    ep, hec, fsdp = run_real_many([real_config(sp, "ep", {}), real_config(sp), real_config(sp, "fsdp_expert", {})],
-                                  sp.nproc, timeout=600)
-    return {"EP": ep, "Hecate": hec, "FSDP": fsdp}
+    systems = {"EP": ("ep", {}), "Hecate": ("hecate", None), "FSDP": ("fsdp_expert", {}),
+               "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": sp.ranks_per_node}),
+               "FlexMoE": ("flexmoe", {"interval": 2}), "SmartMoE": ("smartmoe", {"interval": 2})}
+    from moelab.strategies import known_strategies
+
+    have = known_strategies()
+    names = [n for n, (s, _) in systems.items() if s in have]
+    runs = run_real_many([real_config(sp, *systems[n]) for n in names], sp.nproc, timeout=900)
+    return dict(zip(names, runs))
+
+
+def fig9_real(scale="smoke", cluster: str = "hecate_A") -> pd.DataFrame:
+    """The REAL runs' own plans and loads (every system on the same gloo ranks), each iteration priced by the
+    simulator with ``cluster``'s links and compute: what these plans would cost there at this model size."""
+    from moelab.sim.profiles import get_profile
+    from moelab.sim.validate import simulate_real
+
+    sp = scale_spec(scale)
+    prof = get_profile(cluster)
+    rows = []
+    for name, run in real_runs(sp.name).items():
+        sim = simulate_real(run.cfg, run.loads, prof, plans=run.graph_plans())
+        t = np.array([r.makespan for r in sim.results])[1:]
+        fired = sum(1 for it in run.plans for r in it if (r.get("hecate", {}).get("prefetch") or r.get("shadowed")
+                                                          or r.get("flexmoe", {}).get("steps")
+                                                          or r.get("smartmoe", {}).get("moved")))
+        rows.append(dict(system=name, policy_fired=fired,
+                         sim_iter_ms=1e3 * float(t.mean()), real_iter_ms=1e3 * float(np.median(run.step_time_max[1:])),
+                         inter_bytes=int(run.comm[run.comm.iter >= 1].bytes_inter.sum())))
+    df = pd.DataFrame(rows)
+    ep = df.set_index("system").loc["EP"]
+    df["speedup_vs_ep"] = ep.sim_iter_ms / df.sim_iter_ms
+    df["model"], df["gpus"] = f"tiny (d={sp.d}, E={sp.experts})", sp.nproc
+    df.attrs["label"] = (f"SIMULATED: {cluster} links and compute pricing the plans and loads of REAL runs on {sp.nproc} "
+                         f"gloo ranks ({sp.nodes} declared nodes), tiny model; real_iter_ms is this CPU's wall clock")
+    return df
 
 
 def fig4_bytes(scale="smoke") -> pd.DataFrame:
