@@ -160,3 +160,13 @@ def throughput_batch(frame, *, label: str, title: str = "Fig. 14: throughput vs 
         fig.add_scatter(x=g.batch, y=g.tokens_per_s, mode="lines+markers", name=s,
                         marker_color=SYSTEM_COLOURS.get(s, _c(i)))
     return finish(fig, title, label, xaxis_title="batch (sequences per GPU)", yaxis_title="tokens / s (all GPUs)")
+
+
+@labelled
+def t_sweep(frame, *, label: str, title: str = "Sensitivity: Hecate's speedup over EP vs the overlap degree t (= m)"):
+    fig = go.Figure()
+    for i, ((cl, model), g) in enumerate(frame.groupby(["cluster", "model"], sort=False)):
+        fig.add_scatter(x=g.t, y=g.speedup_vs_ep, mode="lines+markers", name=f"{model} on {cl} (formula t={g.t_formula.iloc[0]})",
+                        marker_color=_c(i))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    return finish(fig, title, label, xaxis_title="t = m (experts replicated per layer)", yaxis_title="speedup over EP")
