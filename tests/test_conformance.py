@@ -58,9 +58,15 @@ def _layer_cases(rank, world, cases):
     from moelab.moe.layer import MoELayer
     from moelab.strategies import get
 
+    from moelab.config import ConfigError
+
     out = []
     for name, opts, _ in cases:
-        cfg = run_cfg(name, opts, world)
+        try:
+            cfg = run_cfg(name, opts, world)
+        except ConfigError as e:  # the strategy rejects this shape before launch (e.g. SmartMoE with E/N = 1)
+            out += [dict(skip=str(e).splitlines()[-1].strip(" -"))] * len(LOADS)
+            continue
         cls = get(name).layer_class(cfg) or MoELayer
         for load, (t2, t4, hot) in LOADS.items():
             xs, gys = make_inputs(t2 if world == 2 else t4, hot)
@@ -101,6 +107,8 @@ def test_layer_matches_reference_under_edge_loads(layer_runs, case):
         tokens = t2 if world == 2 else t4
         ref = _reference(tokens, hot)
         got = [r[case * len(LOADS) + j] for r in res]
+        if "skip" in got[0]:
+            pytest.skip(f"{IDS[case]} on {world} ranks: the strategy rejects the shape ({got[0]['skip']})")
         counts = got[0]["counts"]
         if load == "one_hot_expert":  # the edge really happened: every first choice is the hot expert
             assert int(counts[:, HOT].sum()) == sum(tokens), counts

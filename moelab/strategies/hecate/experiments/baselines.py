@@ -43,4 +43,4 @@ def smartmoe_plans(trace, cost, ranks_per_node: int):
         from moelab.strategies.smartmoe.sim_graph import smartmoe_replay
     except ImportError:
         return None
-    return smartmoe_replay(trace, K=25, window=5, cost=cost, N=trace.shape[2], G=ranks_per_node, decision="cost")
+    return smartmoe_replay(trace, K=25, window=5, cost=cost, N=trace.shape[2], decision="cost")

@@ -1,0 +1,63 @@
+"""SmartMoE's executor (spec ``papers/hecate.md`` §3): data parallelism of the dense parts, EP of the
+experts, and every ``interval`` iterations a re-placement round (:func:`moelab.placement.rebalance.smartmoe_round`,
+the pure function its paper-scale replay runs too) whose accepted permutations
+:func:`moelab.moe.migrate.migrate_owners` executes with params + Adam state, before the forward."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from moelab.moe.migrate import migrate_owners, owners_of
+from moelab.placement.rebalance import smartmoe_round
+from moelab.runtime.update import DataParallelUpdate
+
+from .options import SmartMoEOptions
+
+
+class SmartMoEUpdate(DataParallelUpdate):
+    def __init__(self, model, comm, cfg, options: Optional[SmartMoEOptions] = None):
+        super().__init__(model, comm, cfg)
+        self.options = options or SmartMoEOptions.from_dict(cfg.parallel.strategy_options)
+        self.layers = model.moe_layers()
+        self.iteration = 0
+        self._window: list = []
+        self._cost = None
+
+    @property
+    def cost(self):
+        if self._cost is None:
+            from moelab.placement.fssdp_cost import FSSDPCost
+            from moelab.sim.graphs import expert_param_count
+            from moelab.sim.profiles import get_profile
+
+            m = self.cfg.model
+            self._cost = FSSDPCost.from_profile(get_profile(self.options.cost_profile), m.d_model, m.d_ff,
+                                                ranks_per_node=self.comm.topo.ranks_per_node,
+                                                expert_numel=expert_param_count(m))
+        return self._cost
+
+    def before_forward(self) -> None:
+        o = self.options
+        for layer in self.layers:
+            layer.smart_record = {"owners": owners_of(layer), "moved": [], "decision": "none"}
+        if not (self.iteration > 0 and self.iteration % o.interval == 0 and self._window):
+            return
+        W = np.sum(self._window, axis=0, dtype=np.int64)
+        rnd = smartmoe_round([owners_of(layer) for layer in self.layers], W, o.interval, self.cost,
+                             self.comm.world_size, o.decision, len(self._window))
+        moved = migrate_owners(self.comm, self.layers, [r[0] for r in rnd], self.optimizer)
+        if moved:
+            self.refresh_params()
+        for li, (layer, (owners, status, _, _)) in enumerate(zip(self.layers, rnd)):
+            layer.smart_record = {"owners": owners, "moved": [[e, s, d] for l, e, s, d in moved if l == li],
+                                  "decision": status}
+
+    def sync(self) -> None:
+        super().sync()
+        self._window.append(np.stack([layer.last_global_counts.numpy().astype(np.int64) for layer in self.layers]))
+        del self._window[:-self.options.window]
+
+    def step(self) -> None:
+        super().step()
+        self.iteration += 1
