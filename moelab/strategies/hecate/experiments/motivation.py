@@ -82,3 +82,38 @@ def m2(scale="smoke", seed: int = 0, rs=(1, 2, 4, 6, 8)) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     df.attrs["label"] = frame_label("hecate_A", "16 GPUs, GPT-MoE-S, FlexMoE replayed with r reserved slots")
     return df
+
+
+def m3(scale="smoke", seed: int = 0, intervals=(10, 25, 50, 100)) -> pd.DataFrame:
+    """SmartMoE's interval K (GPT-MoE-S, cluster A, 16 GPUs, 2 layers): its policy replayed over the long trace;
+    per K the mean time of iterations without a re-placement (sampled) and the total time (those, plus every
+    re-placement iteration priced with its migration)."""
+    from moelab.strategies.smartmoe.sim_graph import smartmoe_replay
+
+    from .end_to_end import hecate_cost, simulate_system
+
+    sp = scale_spec(scale)
+    prof = paper_profile("hecate_A", 16)
+    loads = paper_loads(sp.name, "GPT-MoE-S", "hecate_A", 16, seed, iters=sp.interval_iters, layers=2)
+    n = len(loads)
+    cfg = paper_config("GPT-MoE-S", prof, layers=2).with_overrides({"parallel.strategy": "smartmoe"})
+    cost = hecate_cost(cfg, prof)
+    picks = sorted(set(np.linspace(1, n - 1, num=min(20, n - 1), dtype=int).tolist()))
+    rows = []
+    for K in intervals:
+        plans, note = smartmoe_replay(loads, K=K, window=5, cost=cost, N=16, decision="cost")
+        moving = [i for i, p in enumerate(plans) if p["moved"]]
+        steady = [i for i in picks if i not in moving]
+        t = simulate_system(cfg, prof, loads, plans, first=1).set_index("iter").iter_s
+        plain = float(t.reindex(steady).mean())
+        total = plain * (n - 1 - len(moving)) + float(t.reindex(moving).sum())
+        rows.append(dict(interval=K, iters=n, replacements=len(moving), steady_ms=1e3 * plain, total_s=total, note=note))
+    df = pd.DataFrame(rows)
+    base = df.set_index("interval")
+    if 25 in base.index and 10 in base.index:
+        df["iter_gain_10_vs_25"] = 1 - base.steady_ms[10] / base.steady_ms[25]
+        df["total_loss_10_vs_25"] = base.total_s[10] / base.total_s[25] - 1
+    # no re-placement applied anywhere: the intervals cannot be told apart, there is no best one
+    df["best_interval"] = float(base.total_s.idxmin()) if base.replacements.sum() else float("nan")
+    df.attrs["label"] = frame_label("hecate_A", f"16 GPUs, GPT-MoE-S (2 layers), SmartMoE replayed over {n} iterations")
+    return df

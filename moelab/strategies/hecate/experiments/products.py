@@ -435,3 +435,18 @@ def fig9t(ctx):
     fig = F.t_sweep(df, label=df.attrs["label"])
     return Made(df, tables={"table_fig09t_t_sweep": (df, "Hecate speedup over EP vs the overlap degree t")},
                 figures={"fig09t_t_sweep": fig})
+
+
+@product(P, "m3", quantities={
+    "best_interval": Quantity("best SmartMoE re-arrangement interval", "iterations"),
+    "iter_gain_10_vs_25": Quantity("per-iteration time saved by SmartMoE at interval 10 over 25 (non-rearranging iterations)", "fraction"),
+    "total_loss_10_vs_25": Quantity("total time added by SmartMoE at interval 10 over 25", "fraction")})
+def m3(ctx):
+    from . import motivation as M
+
+    df = M.m3(ctx.scale.name, ctx.seed)
+    return Made(df, tables={"table_m3_smartmoe": (df, "M3: SmartMoE interval")},
+                figures={"m3_smartmoe": F.interval_bars(df.assign(speedup=df.total_s.min() / df.total_s), label=df.attrs["label"],
+                                                        title="M3: SmartMoE total time relative to the best interval")},
+                notes=[f"K={r.interval}: {r.note}" for r in df.itertuples()]
+                + ([] if df.replacements.sum() else ["no re-placement was applied at any K: SmartMoE's policy did not fire"]))
