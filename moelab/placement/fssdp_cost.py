@@ -136,3 +136,15 @@ class FSSDPCost:
         share (NIC / G) with flat ones (spec §2.3 [choice])."""
         bw = self.nic_Bps if self.hier else self.nic_Bps / self.ranks_per_node
         return _overlap_degree(t_nonmoe_s, bw, self.expert_bytes, E)
+
+
+def cost_for_run(cfg, profile, ranks_per_node: Optional[int] = None) -> FSSDPCost:
+    """The cost model of a run's experts (``cfg.model``: d, d_ff, biases) on ``profile`` (a profile or its
+    name): what the rearranging baselines' decisions and the paper-scale replays price plans with."""
+    from moelab.sim.graphs import expert_param_count
+    from moelab.sim.profiles import get_profile
+
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    m = cfg.model
+    return FSSDPCost.from_profile(prof, m.d_model, m.d_ff, ranks_per_node=ranks_per_node,
+                                  expert_numel=expert_param_count(m))

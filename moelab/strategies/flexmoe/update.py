@@ -43,15 +43,11 @@ class FlexMoEUpdate(DataParallelUpdate):
     # ---- the cost model ---------------------------------------------------------------------------
     @property
     def cost(self):
+        """The §2.9 model on ``cost_profile`` with this run's experts (built once)."""
         if self._cost is None:
-            from moelab.placement.fssdp_cost import FSSDPCost
-            from moelab.sim.graphs import expert_param_count
-            from moelab.sim.profiles import get_profile
+            from moelab.placement.fssdp_cost import cost_for_run
 
-            m = self.cfg.model
-            self._cost = FSSDPCost.from_profile(get_profile(self.options.cost_profile), m.d_model, m.d_ff,
-                                                ranks_per_node=self.comm.topo.ranks_per_node,
-                                                expert_numel=expert_param_count(m))
+            self._cost = cost_for_run(self.cfg, self.options.cost_profile, self.comm.topo.ranks_per_node)
         return self._cost
 
     @property

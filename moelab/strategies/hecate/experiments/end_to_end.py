@@ -24,12 +24,9 @@ SYSTEMS = ("EP", "FasterMoE", "SmartMoE", "FlexMoE", "Hecate", "Hecate (t formul
 
 
 def hecate_cost(cfg, profile):
-    from moelab.placement.fssdp_cost import FSSDPCost
-    from moelab.sim.graphs import expert_param_count
+    from moelab.placement.fssdp_cost import cost_for_run
 
-    m = cfg.model
-    return FSSDPCost.from_profile(profile, m.d_model, m.d_ff, ranks_per_node=profile.gpus_per_node,
-                                  expert_numel=expert_param_count(m))
+    return cost_for_run(cfg, profile, profile.gpus_per_node)
 
 
 def overlap_degree(cfg, profile) -> int:
