@@ -166,7 +166,7 @@ def new_graph(profile, topo: Topology, meta: Optional[dict] = None) -> OpGraph:
 def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_forward, moe_backward, *,
                                 elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False,
                                 meta: Optional[dict] = None, beside_attention: Optional[Callable] = None,
-                                stream_priority: Optional[dict] = None):
+                                stream_priority: Optional[dict] = None, count_bytes: Optional[int] = None):
     """The skeleton every data/expert-parallel strategy shares: per layer attention, then for an MoE
     layer gate + count exchange + ``moe_forward(ctx, i, j, deps) -> per-rank ops`` (else the dense
     FFN), the tied head, the mirror backward with ``moe_backward(ctx, i, j, deps)``, and one
@@ -177,7 +177,9 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     layer i's attention does (forward and backward), issued when the attention is (same ``deps``),
     on a stream of the strategy's choosing (Hecate prefetches expert parameters there); whatever
     follows the attention waits for them too. ``stream_priority`` (stream -> int) decides which
-    stream wins a link both use (:class:`moelab.sim.engine.OpGraph`)."""
+    stream wins a link both use (:class:`moelab.sim.engine.OpGraph`). ``count_bytes``: bytes each rank
+    all-gathers in the count exchange (default the core dispatchers': int64 per expert, + the dense
+    capacity; LSH-MoE sends token and centroid counts, 2E)."""
     m, moe = cfg.model, cfg.model.moe
     topo = topology_of(cfg)
     N, E, k = topo.world_size, moe.num_experts, moe.top_k
@@ -198,7 +200,8 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     act_attn = T * (6 * d + m.n_heads * s) * eb  # [estimate] LN, QKV, probs, context, output
     act_ffn = T * (d + 2 * f) * eb  # [estimate] input, pre- and post-activation hidden
     act_gate = T * (E + k * d) * eb
-    count_bytes = 8 * (E + 1) if moe.dispatcher == "dense" else 8 * E  # int64 counts (+ the dense capacity)
+    if count_bytes is None:
+        count_bytes = 8 * (E + 1) if moe.dispatcher == "dense" else 8 * E  # int64 counts (+ the dense capacity)
 
     n_dense = dense_param_count(m)
     n_local = [len(placement.local_experts(r)) * expert_param_count(m) for r in ranks]
@@ -249,23 +252,38 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     return g, ctx, prev
 
 
-def token_stages(routes, before_experts_bwd=None):
+def token_stages(routes, before_experts_bwd=None, expert_rows=None, local_work=None):
     """The token path of an MoE layer as the two hooks of :func:`transformer_iteration_graph`: dispatch
     all-to-all, experts on the received rows, combine all-to-all (backward: the mirror, 2x compute).
-    ``routes[j]``: tokens ``[src, dst]`` of MoE layer j; ``before_experts_bwd(i) -> op ids``: extra ops the
-    expert backward of layer i waits for (Hecate's re-materialization)."""
+    ``routes[j]``: rows ``[src, dst]`` the all-to-alls of MoE layer j move; ``expert_rows[j]``: rows each
+    rank's experts compute (default: the rows received); ``before_experts_bwd(i) -> op ids``: extra ops the
+    expert backward of layer i waits for (Hecate's re-materialization). ``local_work(ctx, i, j, phase,
+    where, deps) -> one op id per rank`` (``where``: ``"before"`` the phase's first all-to-all or
+    ``"after"`` its last; ``deps[r]``: the tuple of ops rank r's work waits for): per-rank work around
+    the token path (LSH-MoE's hashing, centroids and decompression)."""
+    def around(ctx, i, j, phase, where, per_rank):
+        if local_work is None:
+            return per_rank
+        return local_work(ctx, i, j, phase, where, [tuple(d) if isinstance(d, (tuple, list)) else (d,)
+                                                    for d in per_rank])
+
+    def rows(j):
+        return routes[j].sum(0) if expert_rows is None else np.asarray(expert_rows[j])
+
     def moe_forward(ctx, i, j, deps):
-        recv = routes[j].sum(0)
-        disp = ctx.a2a(f"L{i}.dispatch", routes[j], deps, i, "fwd")
-        exps = [ctx.experts(r, f"L{i}.experts.fwd", recv[r], (disp,), i, "fwd") for r in ctx.ranks]
-        return [ctx.a2a(f"L{i}.combine", routes[j].T, exps, i, "fwd")] * len(ctx.ranks)
+        pre = tuple(deps) if local_work is None else tuple(around(ctx, i, j, "fwd", "before", [deps] * len(ctx.ranks)))
+        disp = ctx.a2a(f"L{i}.dispatch", routes[j], pre, i, "fwd")
+        exps = [ctx.experts(r, f"L{i}.experts.fwd", rows(j)[r], (disp,), i, "fwd") for r in ctx.ranks]
+        comb = ctx.a2a(f"L{i}.combine", routes[j].T, exps, i, "fwd")
+        return around(ctx, i, j, "fwd", "after", [comb] * len(ctx.ranks))
 
     def moe_backward(ctx, i, j, deps):
-        recv = routes[j].sum(0)
-        comb_b = ctx.a2a(f"L{i}.combine.bwd", routes[j], deps, i, "bwd")
+        pre = around(ctx, i, j, "bwd", "before", deps)
+        comb_b = ctx.a2a(f"L{i}.combine.bwd", routes[j], pre, i, "bwd")
         wait = (comb_b,) + tuple(before_experts_bwd(i) if before_experts_bwd is not None else ())
-        exps = [ctx.experts(r, f"L{i}.experts.bwd", recv[r], wait, i, "bwd") for r in ctx.ranks]
-        return [ctx.a2a(f"L{i}.dispatch.bwd", routes[j].T, exps, i, "bwd")] * len(ctx.ranks)
+        exps = [ctx.experts(r, f"L{i}.experts.bwd", rows(j)[r], wait, i, "bwd") for r in ctx.ranks]
+        disp_b = ctx.a2a(f"L{i}.dispatch.bwd", routes[j].T, exps, i, "bwd")
+        return around(ctx, i, j, "bwd", "after", [disp_b] * len(ctx.ranks))
 
     return moe_forward, moe_backward
 

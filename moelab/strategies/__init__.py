@@ -20,8 +20,10 @@ A strategy is everything a system changes, as data the core reads:
   core's (Parm's MP/ESP, Lina's expert-DP); None: none;
 - ``conformance``: option sets the conformance suite (``tests/test_conformance.py``) runs on every
   registered strategy automatically: fp64 reference with edge loads, training equivalence with the
-  1-rank run, simulated bytes == measured bytes. ``changes_model=True`` where a strategy trains a
-  different model on purpose (FasterMoE's topology gate) and is exempt from the equivalences.
+  1-rank run, simulated bytes == measured bytes. ``changes_model``: the option names that make a
+  strategy train a different model on purpose when true (FasterMoE's topology gate), or a predicate
+  on the option dict (LSH-MoE: every hash family but identity); such option sets are exempt from the
+  equivalences (:meth:`Strategy.changes_model_with`).
 
 ``ep`` (the baseline itself) is registered here. Built-in strategies live in subpackages imported
 on first use, so the validator and the launcher can ask :func:`known_strategies` before any process
@@ -42,6 +44,7 @@ _BUILTIN = {  # name -> module that registers it
     "smartmoe": "moelab.strategies.smartmoe",
     "fsdp_expert": "moelab.strategies.fsdp_expert",
     "flexmoe": "moelab.strategies.flexmoe",
+    "lsh_moe": "moelab.strategies.lsh_moe",
 }
 
 
@@ -55,9 +58,15 @@ class Strategy:
     sim_plan: Union[Callable, str, None] = None
     groups: Optional[Callable] = None
     conformance: tuple = ({},)  # option dicts for the conformance suite
-    changes_model: tuple = ()  # option names that change the trained model (exempt from equivalences)
+    changes_model: Union[tuple, Callable] = ()  # option names (or a predicate) that change the trained model
     doc: str = ""
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def changes_model_with(self, opts: dict) -> bool:
+        """Whether option dict ``opts`` trains a different model than EP on purpose."""
+        if callable(self.changes_model):
+            return bool(self.changes_model(dict(opts)))
+        return any(opts.get(k) for k in self.changes_model)
 
     def bind(self, run_cfg):
         """The run's options, parsed and checked against the run (a ConfigError naming the option)."""
