@@ -103,6 +103,12 @@ class RunResult:
             return pd.DataFrame()
         return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
 
+    @cached_property
+    def layer_metrics(self):
+        """Every rank's per-(iteration, MoE layer) metrics (``layer.last_metrics``), with a ``rank``
+        column; empty when the run's layers report none."""
+        return _concat_ranks(self.path, "layer_metrics_rank*.csv", _read_csv)
+
     def checkpoint(self):
         """The run's latest checkpoint folder (``train.checkpoint_every``), or None."""
         from moelab.runtime.checkpoint import latest_checkpoint

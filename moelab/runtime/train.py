@@ -16,6 +16,8 @@ held-out batches (global over ranks, no grad, no traffic recorded, the MoE layer
 state restored so evaluating does not change training). Every ``train.checkpoint_every``
 iterations: a checkpoint (:mod:`moelab.runtime.checkpoint`); ``train.resume_from`` continues one.
 ``plans.jsonl``: each MoE layer's plan of each iteration (counts, placement, shadow set).
+``layer_metrics_rank{r}.csv``: what a layer reports of each call in ``layer.last_metrics`` (a strategy's
+own measurements, e.g. LSH-MoE's compression rate), one file per rank, absent when no layer reports.
 """
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ class Trainer:
     metrics: list = field(default_factory=list)
     loads: list = field(default_factory=list)
     plans: list = field(default_factory=list)
+    layer_metrics: list = field(default_factory=list)  # this rank's per-(iteration, MoE layer) metrics
     out_dir: Optional[str] = None  # where checkpoints go (the run folder); None: no checkpoints
     start_iter: int = 0  # > 0 after resuming from a checkpoint
 
@@ -162,6 +165,9 @@ class Trainer:
             for e, n in enumerate(layer.last_global_counts.sum(0).tolist()):
                 self.loads.append(dict(iter=it, layer=li, expert=e, tokens=int(n)))
             self.plans.append({"iter": it, "layer": li, **_jsonable(layer.plan_record())})
+            lm = getattr(layer, "last_metrics", None)  # the per-layer metrics hook (LSH-MoE's rho, ...)
+            if lm:
+                self.layer_metrics.append({"iter": it, "layer": li, **_jsonable(lm)})
         t = cfg.train
         if t.eval_every:
             done = (it + 1) % t.eval_every == 0
@@ -226,3 +232,5 @@ class Trainer:
         if self.cfg.train.trace:
             self.comm.rec.write_chrome_trace(os.path.join(out_dir, f"trace_rank{self.rank}.json"))
         write_csv(f"comm_rank{self.rank}.csv", self.comm.rec.comm_rows())
+        if self.layer_metrics:
+            write_csv(f"layer_metrics_rank{self.rank}.csv", self.layer_metrics)

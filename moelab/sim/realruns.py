@@ -40,6 +40,7 @@ class RealRun:
     wall_s: float = 0.0
     plans: list = field(default_factory=list)
     metrics: list = field(default_factory=list)  # rank 0's per-iteration metrics rows (memory peaks, bytes)
+    layer_metrics: object = None  # every rank's per-(iteration, layer) ``layer.last_metrics`` rows (DataFrame)
 
     @property
     def nproc(self) -> int:
@@ -114,7 +115,8 @@ def _real_worker(rank, world, cfg_dicts):
         for rec in tr.plans:
             plans[rec["iter"]].append(rec)
         out.append(dict(step_times=[m["step_time_s"] for m in tr.metrics], loads=np.stack(loads),
-                        comm=comm, spans=spans, wall=time.time() - t0, plans=plans, metrics=list(tr.metrics)))
+                        comm=comm, spans=spans, wall=time.time() - t0, plans=plans, metrics=list(tr.metrics),
+                        layer_metrics=list(tr.layer_metrics)))
         del tr
     return out
 
@@ -152,7 +154,9 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
                 raise AssertionError(f"rank {r} recorded other loads than rank 0: the count exchange is broken")
         runs.append(RealRun(RunConfig.from_dict(d), np.array([x["step_times"] for x in res]).T,
                             res[0]["loads"], comm, spans, wall_s=max(x["wall"] for x in res),
-                            plans=res[0]["plans"], metrics=res[0]["metrics"]))
+                            plans=res[0]["plans"], metrics=res[0]["metrics"],
+                            layer_metrics=pd.DataFrame([{"rank": r, **row} for r, x in enumerate(res)
+                                                        for row in x["layer_metrics"]])))
     return runs
 
 
