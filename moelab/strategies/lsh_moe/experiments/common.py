@@ -1,0 +1,54 @@
+"""LSH-MoE reproduction, shared pieces: the scale spec (sizes in ``experiments/lsh_moe/scales.yaml``) and the
+tiny models every substitute experiment trains (spec §4: RoBERTa-like masked LM on shipped text)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCALES = ("smoke", "default", "full")
+
+
+@dataclass(frozen=True)
+class ScaleSpec:
+    """Sizes of every LSH-MoE experiment at one scale (smoke: CI on 2 cores; default: a laptop; full:
+    the largest this machine class does). Paper-scale parts are SIMULATED at every scale."""
+
+    name: str
+    # the tiny masked-LM MoE whose dispatched rows stand in for the paper's tokens (Figs. 4, 7 middle, EC error)
+    d: int
+    layers: int
+    experts: int
+    heads: int
+    seq: int
+    batch: int
+    capture_iters: int  # training iterations before capturing (REAL, 1 rank)
+    capture_batches: int  # batches captured, each one source rank's rows (groups = (batch, expert), as in a run)
+    # rate sweeps (Fig. 7 middle)
+    Ls: tuple
+    rs: tuple
+    # quality runs (Fig. 6 left): REAL/EMULATED gloo ranks
+    q_nproc: int
+    q_nodes: int
+    q_iters: int
+    q_eval_every: int
+    q_eval_batches: int
+    q_seeds: int
+    q_lr: float
+    intra_GBps: float  # emulated per-rank links of the quality runs
+    inter_GBps: float
+    latency_us: float
+
+
+def scale_spec(scale) -> ScaleSpec:
+    """The :class:`ScaleSpec` of ``scale`` (a name in ``experiments/lsh_moe/scales.yaml``, or a spec)."""
+    from moelab.repro.scales import load_scale
+
+    return load_scale("lsh_moe", ScaleSpec, scale)
+
+
+def tiny_overrides(s: ScaleSpec, *, iters: int, seed: int = 0) -> dict:
+    """The RoBERTa-like substitute (bert arch, masked LM on the stdlib's text, every other layer MoE,
+    top-2, d_ff = 4d) at scale ``s``."""
+    return {"model.arch": "bert", "model.d_model": s.d, "model.d_ff": 4 * s.d, "model.n_layers": s.layers,
+            "model.n_heads": s.heads, "model.seq_len": s.seq, "model.moe_every": 2, "model.moe.num_experts": s.experts,
+            "model.moe.top_k": 2, "train.batch_size": s.batch, "train.iters": iters, "train.seed": seed,
+            "train.trace": False}

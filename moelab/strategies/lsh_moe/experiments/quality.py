@@ -1,0 +1,114 @@
+"""Model quality under compression, from real training (Fig. 6 left, SUBSTITUTE): a RoBERTa-like masked-LM
+MoE on the stdlib's text, trained on gloo ranks declared as 2 nodes with EMULATED links, three variants
+(Origin = the uncompressed layer, LSH-MoE = CP L=6 r=2 with residual compensation, LSH-MoE without it)
+plus the L calibrated on the substitute to reach rho <= 0.25 when L=6 does not, over several seeds.
+
+Every run logs its measured rho per iteration (Σ M / Σ A over ranks and MoE layers, from the layers'
+own metrics), its held-out perplexity every ``q_eval_every`` iterations and its step times (EMULATED
+links: the all-to-all bytes each variant really sends, priced by the door's emulation). Time to the
+Origin's final perplexity is read off these curves; a run that never reaches it says so.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from moelab.repro.cache import cached
+
+from . import rates
+from .common import scale_spec, tiny_overrides
+
+VARIANTS = {"Origin": {"hash_family": "none"}, "LSH-MoE": {}, "LSH-MoE w/o EC": {"error_compensation": False}}
+
+
+def variants(scale) -> dict:
+    """Fig. 6's variants, plus ``LSH-MoE (L=n)`` at the calibrated L when L=6 is above rho 0.25."""
+    out = dict(VARIANTS)
+    sweep = rates.rate_sweep(scale)
+    at6 = sweep[(sweep.source == "trained") & (sweep.family == "cross_polytope") & (sweep.r == 2) & (sweep.L == 6)]
+    if len(at6) and float(at6.rho.iloc[0]) > 0.25:
+        out[f"LSH-MoE (L={rates.calibrated_L(scale)})"] = {"num_hashes": rates.calibrated_L(scale)}
+    return out
+
+
+def run_config(scale, opts: dict, seed: int):
+    from moelab.config import RunConfig
+
+    s = scale_spec(scale)
+    return RunConfig().with_overrides({
+        **tiny_overrides(s, iters=s.q_iters, seed=seed), "paper": "lsh_moe", "name": "quality",
+        "parallel.nproc": s.q_nproc, "parallel.topology.nodes": s.q_nodes, "parallel.strategy": "lsh_moe",
+        "parallel.strategy_options": {"error_sample": 0, **opts}, "train.lr": s.q_lr, "train.eval_every": s.q_eval_every,
+        "train.eval_batches": s.q_eval_batches, "emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps,
+        "emulation.inter_bw_GBps": s.inter_GBps, "emulation.intra_latency_us": s.latency_us,
+        "emulation.inter_latency_us": s.latency_us}).validate()
+
+
+@cached
+def convergence(scale) -> pd.DataFrame:
+    """One row per (variant, seed, iteration): loss, eval_ppl (NaN between evaluations), step_s (slowest
+    rank), time_s (cumulative), rho (measured; 1 for Origin)."""
+    from moelab.sim.realruns import run_real_many
+
+    s = scale_spec(scale)
+    vs = variants(scale)
+    keys = [(v, seed) for seed in range(s.q_seeds) for v in vs]
+    runs = run_real_many([run_config(scale, vs[v], seed) for v, seed in keys], s.q_nproc, timeout=300 + 60 * len(keys))
+    rows = []
+    for (v, seed), run in zip(keys, runs):
+        lm = run.layer_metrics
+        rho = (lm.groupby("iter").M.sum() / lm.groupby("iter").A.sum()) if lm is not None and len(lm) else None
+        t = 0.0
+        for it, m in enumerate(run.metrics):
+            step = float(np.max(run.step_times[it]))
+            t += step
+            rows.append(dict(variant=v, seed=seed, iter=it, loss=m["loss"], eval_ppl=m.get("eval_ppl"), step_s=step,
+                             time_s=t, rho=float(rho.loc[it]) if rho is not None else 1.0))
+    df = pd.DataFrame(rows)
+    df["eval_ppl"] = pd.to_numeric(df.eval_ppl, errors="coerce")
+    df.attrs["label"] = (f"SUBSTITUTE (Fig. 6 left: RoBERTa-MoE on BooksCorpus+Wikipedia): tiny bert-MoE masked LM "
+                         f"(d={s.d}, {s.layers} layers, {s.experts} experts, top-2) on the stdlib's text; REAL training on "
+                         f"{s.q_nproc} gloo ranks as {s.q_nodes} nodes, EMULATED links {s.intra_GBps}/{s.inter_GBps} GB/s "
+                         f"intra/inter, {s.q_seeds} seed(s), {s.q_iters} iterations")
+    return df
+
+
+def smooth(y, sigma: float = 0.5) -> np.ndarray:
+    """The paper's Gaussian smoothing (sigma in points) of a perplexity curve."""
+    y = np.asarray(y, dtype=float)
+    if sigma <= 0 or len(y) < 2:
+        return y
+    x = np.arange(len(y))
+    w = np.exp(-0.5 * ((x[:, None] - x[None, :]) / sigma) ** 2)
+    return (w @ y) / w.sum(1)
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per variant (mean over seeds): final eval perplexity, measured rho, mean step time, and the steps and
+    time to reach Origin's final (smoothed) perplexity, with their ratios to Origin's (``reached`` says
+    whether the variant got there)."""
+    ev = df.dropna(subset=["eval_ppl"])
+    curves = ev.groupby(["variant", "iter"]).agg(ppl=("eval_ppl", "mean"), time_s=("time_s", "mean")).reset_index()
+    target = float(smooth(curves[curves.variant == "Origin"].ppl)[-1])
+    rows = []
+    for v, c in curves.groupby("variant", sort=False):
+        sm = smooth(c.ppl.to_numpy())
+        hit = np.nonzero(sm <= target * (1 + 1e-9))[0]
+        sub = df[(df.variant == v) & (df.iter > 0)]  # iteration 0 pays the warm-up
+        rows.append(dict(variant=v, final_ppl=float(sm[-1]), rho=float(sub.rho.mean()), step_s=float(sub.step_s.mean()),
+                         reached=bool(len(hit)), iters_to_target=int(c.iter.iloc[hit[0]]) + 1 if len(hit) else None,
+                         time_to_target_s=float(c.time_s.iloc[hit[0]]) if len(hit) else None))
+    out = pd.DataFrame(rows)
+    out["ppl_gap_noec_equal_time"] = float("nan")
+    if {"LSH-MoE", "LSH-MoE w/o EC"} <= set(curves.variant):  # the paper's "+0.3 ppl without EC at equal time"
+        a, b = (curves[curves.variant == v] for v in ("LSH-MoE", "LSH-MoE w/o EC"))
+        t = min(a.time_s.max(), b.time_s.max())
+        at = lambda c: float(np.interp(t, c.time_s, smooth(c.ppl.to_numpy())))  # noqa: E731
+        out.loc[out.variant == "LSH-MoE w/o EC", "ppl_gap_noec_equal_time"] = at(b) - at(a)
+    o = out[out.variant == "Origin"].iloc[0]
+    out["ppl_vs_origin"] = out.final_ppl - o.final_ppl
+    out["time_speedup_to_target"] = [o.time_to_target_s / t if t else None for t in out.time_to_target_s]
+    out["step_speedup"] = o.step_s / out.step_s
+    out.attrs["target_ppl"] = target
+    out.attrs["label"] = df.attrs.get("label", "")
+    return out
