@@ -22,6 +22,7 @@ SOURCES = ("trained", "untrained", "random")
 @cached
 def capture(scale, seed: int = 0, trained: bool = True) -> dict:
     """``{"x": [layer][batch] -> [T, d], "idx": [layer][batch] -> [T, k], "experts": [layer] -> (w1, b1, w2, b2),
+    "gates": [layer] -> the gate's weight [E, d],
     "act": activation name, "cfg": the run config (dict), "loss": last training loss}`` (numpy / torch CPU)."""
     from moelab.config import RunConfig
     from moelab.models.data import make_eval_batch
@@ -48,7 +49,8 @@ def capture(scale, seed: int = 0, trained: bool = True) -> dict:
         for h in hooks:
             h.remove()
     experts = [tuple(None if p is None else p.detach().clone() for p in layer.experts.stacked()) for layer in layers]
-    return dict(x=xs, idx=idx, experts=experts, act=cfg.model.moe.activation, cfg=cfg.to_dict(),
+    gates = [layer.gate.wg.weight.detach().clone() for layer in layers]
+    return dict(x=xs, idx=idx, experts=experts, gates=gates, act=cfg.model.moe.activation, cfg=cfg.to_dict(),
                 loss=rows[-1]["loss"] if rows else None, iters=len(rows))
 
 
