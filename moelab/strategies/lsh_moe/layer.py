@@ -45,7 +45,23 @@ class _Call:
 
     pos: torch.Tensor  # [A] flat slot (t*k + j) of each row, expert-major, slot order inside
     buckets: bk.Buckets
-    hash_s: float
+    times: dict  # stage -> (wall s, this thread's CPU s)
+
+
+class _Stage:
+    """``with _Stage(rec, times, "hash"):`` a recorder span plus the stage's wall and thread-CPU seconds
+    (CPU time excludes waiting: for the hashing overhead on oversubscribed cores)."""
+
+    def __init__(self, rec, times: dict, name: str):
+        self.span, self.times, self.name = rec.span(f"lsh.{name}", "lsh"), times, name
+
+    def __enter__(self):
+        self.span.__enter__()
+        self.t0, self.c0 = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *exc):
+        self.times[self.name] = (time.perf_counter() - self.t0, time.thread_time() - self.c0)
+        return self.span.__exit__(*exc)
 
 
 class LSHMoELayer(MoELayer):
@@ -91,8 +107,11 @@ class LSHMoELayer(MoELayer):
         valid = (dest >= 0).nonzero().squeeze(1)
         pos = valid[torch.argsort(dest[valid], stable=True)]
         expert = dest[pos]
-        t0 = time.perf_counter()
-        with self.comm.rec.span("lsh.hash", "lsh"), torch.no_grad():
+        times: dict = {}
+        with _Stage(self.comm.rec, times, "hash"), torch.no_grad():
+            if codes is None and o.hash_family == "identity":  # every row alone: the partition is known
+                A = int(pos.numel())
+                return _Call(pos, bk.Buckets(torch.arange(A), expert, torch.ones(A, dtype=torch.int64)), times)
             xa = x.detach().index_select(0, (pos // k).to(x.device)).cpu()
             finite = torch.isfinite(xa).all(1)
             if codes is None:
@@ -102,7 +121,7 @@ class LSHMoELayer(MoELayer):
                                   R=self.rotations(), L=o.num_hashes, gen=gen, refine_iters=o.sp_refine_iters,
                                   center=o.center_before_hash)
             b = bk.make_buckets(expert, codes, self.cfg.num_experts, finite=finite)
-        return _Call(pos, b, time.perf_counter() - t0)
+        return _Call(pos, b, times)
 
     def exchange_counts(self, routing: Routing) -> CountExchange:
         """One all-gather of ``[tokens per expert, centroids per expert]`` (int64, ``2E``)."""
@@ -129,26 +148,24 @@ class LSHMoELayer(MoELayer):
         b, (T, k), d, rec = call.buckets, routing.idx.shape, x.shape[1], self.comm.rec
         pos = call.pos.to(x.device)
         xa = x.index_select(0, torch.div(pos, k, rounding_mode="floor"))
-        t0 = time.perf_counter()
-        with rec.span("lsh.centroid", "lsh"):
-            C = bk.centroids(xa, b)
-        t_cen = time.perf_counter() - t0
+        alone = b.M == b.A  # every bucket a single row: centroids are the rows, outputs come back as they are
+        in_order = plan.placement is None or plan.placement.is_expert_parallel  # send_pos = arange: centroids are expert-major
+        with _Stage(rec, call.times, "centroid"):
+            C = xa if alone else bk.centroids(xa, b)
         send_pos = plan.send_pos.to(x.device)
-        xe = self.dispatch_postprocess(self.token_dispatch(C.index_select(0, send_pos), plan), plan)
+        xe = self.dispatch_postprocess(self.token_dispatch(C if in_order else C.index_select(0, send_pos), plan), plan)
         with rec.span("experts", "expert"):
             ye = self.compute_experts(xe, plan)
         back = self.token_combine(self.combine_preprocess(ye, plan), plan)
-        ec_out = back.new_zeros(b.M, d).index_copy(0, send_pos, back)
-        t0 = time.perf_counter()
-        with rec.span("lsh.decompress", "lsh"):
-            ya = bk.decompress(ec_out, xa, C, b, self.options.ec)
+        with _Stage(rec, call.times, "decompress"):
+            ec_out = back if in_order else back.new_zeros(b.M, d).index_copy(0, send_pos, back)
+            ya = ec_out if alone else bk.decompress(ec_out, xa, C, b, self.options.ec)
             out_flat = ya.new_zeros(T * k, d).index_copy(0, pos, ya)
-        t_dec = time.perf_counter() - t0
-        self.last_metrics = self._metrics(call, plan, xa, C, ec_out, t_cen, t_dec)
+        self.last_metrics = self._metrics(call, plan, xa, C, ec_out)
         return combine_slots(out_flat, routing.weights)
 
     # ---- what the call did -----------------------------------------------------------------------
-    def _metrics(self, call: _Call, plan: DispatchPlan, xa, C, ec_out, t_cen: float, t_dec: float) -> dict:
+    def _metrics(self, call: _Call, plan: DispatchPlan, xa, C, ec_out) -> dict:
         b, rank = call.buckets, self.comm.rank
         owners = torch.from_numpy(plan.placement.owners if plan.placement is not None else self.placement.owners)
         remote_rows = owners[b.expert[b.inv]] != rank if b.A else torch.zeros(0, dtype=torch.bool)
@@ -156,8 +173,10 @@ class LSHMoELayer(MoELayer):
         A_rem, M_rem = int(remote_rows.sum()), int(remote_cen.sum())
         m = dict(A=b.A, M=b.M, rho=b.M / b.A if b.A else None, A_remote=A_rem, M_remote=M_rem,
                  rho_remote=M_rem / A_rem if A_rem else None, groups=b.groups,
-                 singleton_share=b.singletons / b.M if b.M else None, nonfinite=b.nonfinite,
-                 hash_s=call.hash_s, centroid_s=t_cen, decompress_s=t_dec)
+                 singleton_share=b.singletons / b.M if b.M else None, nonfinite=b.nonfinite)
+        for stage in ("hash", "centroid", "decompress"):
+            wall, cpu = call.times.get(stage, (0.0, 0.0))
+            m[f"{stage}_s"], m[f"{stage}_cpu_s"] = wall, cpu
         m.update(self._compression_error(b, xa, C, ec_out, ~remote_rows))
         return m
 
