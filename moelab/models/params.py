@@ -97,6 +97,15 @@ def _fastermoe(arch: str, layers: int, seq: int) -> ModelConfig:
         moe=MoEConfig(num_experts=16, top_k=2, gate="topk", expert_bias=True))
 
 
+def _lsh(arch: str, layers: int, d: int, f: int, experts: int, moe_every: int, bias: bool, seq: int, heads: int) -> ModelConfig:
+    """LSH-MoE Table 1 model (papers/lsh-moe.md §4): top-2 (renormalized), vocab 50257 (the paper's); the MoE
+    placement and expert biases are the ones that reproduce the paper's MoE-parameter column; seq and heads
+    are [choice] (the paper gives neither)."""
+    return ModelConfig(
+        arch=arch, vocab_size=50257, d_model=d, d_ff=f, n_layers=layers, n_heads=heads, seq_len=seq,
+        moe_every=moe_every, moe=MoEConfig(num_experts=experts, top_k=2, gate="topk", expert_bias=bias))
+
+
 PAPER_MODELS: dict = {
     # papers/hecate.md §4 Table 1 (heads/vocab are [choice] there: 12/16/16/16, 50257/30522)
     "GPT-MoE-S": _hecate("gpt", 768, 2048, 12, 12),
@@ -106,7 +115,18 @@ PAPER_MODELS: dict = {
     # papers/fastermoe.md §4 "Models (Table 2)", johnny / 16 GPUs
     "MoE-GPT": _fastermoe("gpt", 12, 1024),
     "MoE-BERT-Deep": _fastermoe("bert", 24, 512),
+    # papers/lsh-moe.md §4 Table 1: GPT 15B = 6 alternate MoE layers with biases, 52B = 12 alternate without,
+    # T5 = all 16 layers MoE (an encoder-only stand-in for the encoder-decoder), RoBERTa = 6 alternate
+    # (453M MoE params against the paper's 302M: a known mismatch, never forced)
+    "RoBERTa-MoE": _lsh("bert", 12, 768, 3072, 16, 2, True, 512, 12),
+    "T5-MoE": _lsh("bert", 16, 1024, 16384, 16, 1, True, 512, 16),
+    "GPT-MoE-15B": _lsh("gpt", 12, 768, 3072, 512, 2, True, 1024, 12),
+    "GPT-MoE-52B": _lsh("gpt", 24, 1024, 4096, 512, 2, False, 1024, 16),
 }
+
+# LSH-MoE Table 1, millions of parameters: (MoE, total) (papers/lsh-moe.md §4)
+LSH_TABLE1_PARAMS_M = {"RoBERTa-MoE": (302, 394), "T5-MoE": (8594, 9288), "GPT-MoE-15B": (14507, 14629),
+                       "GPT-MoE-52B": (51539, 51740), "Swin-MoE-L": (None, 946)}
 
 # Hecate Table 1 "params" column, in billions (papers/hecate.md §4, invariant 14)
 HECATE_TABLE1_PARAMS_B = {"GPT-MoE-S": 1.84, "GPT-MoE-L": 7.36, "BERT-MoE": 3.27, "BERT-MoE-Deep": 6.54}
