@@ -84,3 +84,37 @@ def convergence(frame, *, label: str, x: str = "time_s", x_title: str = "trainin
     fig.update_xaxes(title_text=x_title)
     fig.update_yaxes(title_text="validation perplexity")
     return finish(fig, title, label, height=440, width=820)
+
+
+@labelled
+def a2a_share_bars(frame, *, label: str, title: str = "Fig. 3: share of the step in all-to-all"):
+    """Bars per model, one panel per setup; the paper's (a) bars as markers, Eq. 9's share as a dash."""
+    names = {"a": "(a) 16 GPUs", "b": "(b) 32 GPUs", "c": "(c) 16 GPUs, 2x experts"}
+    setups = list(dict.fromkeys(frame.setup))
+    fig = make_subplots(rows=1, cols=len(setups), subplot_titles=[names.get(s, s) for s in setups], shared_yaxes=True)
+    for c, s in enumerate(setups, 1):
+        sub = frame[frame.setup == s]
+        fig.add_trace(go.Bar(x=sub.model, y=sub.share, name="moelab (SIMULATED)", marker_color="#4c78a8",
+                             showlegend=c == 1), 1, c)
+        fig.add_trace(go.Scatter(x=sub.model, y=sub.eq9_share, mode="markers", marker={"symbol": "line-ew-open", "size": 28},
+                                 name="Eq. 9 closed form", line={"color": "#54a24b"}, showlegend=c == 1), 1, c)
+        if sub.paper_share.notna().any():
+            fig.add_trace(go.Scatter(x=sub.model, y=sub.paper_share, mode="markers", marker={"symbol": "diamond", "size": 12},
+                                     name="paper (Fig. 3 a, reference)", line={"color": "#e45756"}, showlegend=True), 1, c)
+    fig.update_yaxes(title_text="all-to-all share of the step", range=[0, 1], row=1, col=1)
+    return finish(fig, title, label, height=420, width=1100)
+
+
+@labelled
+def ratio_curves(frame, *, label: str, title: str = "Table 4 / Eq. 6-9: all-to-all to compute ratio"):
+    """Ratio vs servers w (left) and vs hidden size h (right); one line per (k, rho)."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["vs servers w", "vs hidden size h"])
+    for i, ((k, rho), sub) in enumerate(frame.groupby(["k", "rho"])):
+        for c, axis in enumerate(("w", "h"), 1):
+            s = sub[sub.axis == axis]
+            fig.add_trace(go.Scatter(x=s.x, y=s.ratio, mode="lines", name=f"k={k}, rho={rho:g}", line={"color": _c(i)},
+                                     legendgroup=f"{k}-{rho}", showlegend=c == 1), 1, c)
+    fig.update_xaxes(title_text="servers w", row=1, col=1)
+    fig.update_xaxes(title_text="hidden size h", type="log", row=1, col=2)
+    fig.update_yaxes(title_text="T_a2a / T_compute", row=1, col=1)
+    return finish(fig, title, label, height=420, width=1000)

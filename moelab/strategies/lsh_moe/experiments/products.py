@@ -5,7 +5,8 @@ from __future__ import annotations
 from moelab.repro.registry import Made, Quantity, product
 
 from . import figures as F
-from . import quality, rates
+from . import quality, rates, share
+from .. import analysis
 from .common import scale_spec  # noqa: F401 - the Session's scale lookup
 
 P = "lsh_moe"
@@ -72,3 +73,46 @@ def fig6l(ctx):
                                                                 title="Fig. 6 (left): validation perplexity vs iteration")},
                 tables={"table_fig06l_summary": (s, "Fig. 6 (left): per variant, perplexity, rho, step time, time to target"),
                         "table_fig06l_curves": (df, "Fig. 6 (left): every run's iterations")}, notes=notes)
+
+
+@product(P, "table1")
+def table1(ctx):
+    t = analysis.table1()
+    bad = t[t.moe_matches == False]  # noqa: E712 - a pandas column
+    notes = [f"{r.model}: {r.note}" for r in t.itertuples() if r.note]
+    notes.insert(0, f"MoE parameters equal to the paper's for {int((t.moe_matches == True).sum())} of {t.moe_matches.notna().sum()} "  # noqa: E712
+                    f"counted models; differs for {list(bad.model)}")
+    return Made(t, tables={"table1_models": (t, "Table 1: models and parameters (millions)")}, notes=notes)
+
+
+@product(P, "table4")
+def table4(ctx):
+    df = analysis.ratio_curves()
+    at = df[(df.axis == "w") & (df.k == 2) & (df.rho == 1.0)].set_index("x").ratio
+    notes = [f"Eq. 9, k=2, h=768, A100 peak, 200 Gb/s: ratio {at[2]:.2f} at w=2, {at[4]:.2f} at w=4, {at[64]:.2f} at w=64 "
+             f"((w-1)/w: +50% from 2 to 4 servers, which the paper calls nearly constant, spec §6.12)"]
+    return Made(df, figures={"table4_ratio_curves": F.ratio_curves(df, label=df.attrs["label"])},
+                tables={"table4_ratio_curves": (df, "Table 4 / Eq. 6-9: all-to-all to compute ratio vs w and h")}, notes=notes)
+
+
+SHARE = Quantity("share of the training step spent in all-to-all", "fraction")
+
+
+@product(P, "fig3", quantities={"share": SHARE})
+def fig3(ctx):
+    df = share.fig3(ctx.scale.name)
+    f = df.attrs["fit"]
+    a, b, c = (df[df.setup == s].set_index("model").share for s in ("a", "b", "c"))
+    notes = [f"fit: MFU {f['mfu']:.2f} (assumed), eta_n {f['eta']:.3f}, rms error over the three (a) bars {f['rmse']:.3f}"
+             + (" (at the grid's edge)" if f["at_edge"] else ""),
+             "prediction (b) 32 GPUs vs (a): " + ", ".join(f"{m} {a[m]:.2f} -> {b[m]:.2f}" for m in a.index),
+             "prediction (c) 2x experts vs (a): " + ", ".join(f"{m} {a[m]:.2f} -> {c[m]:.2f}" for m in a.index)]
+    return Made(df, figures={"fig03_a2a_share": F.a2a_share_bars(df, label=df.attrs["label"])},
+                tables={"table_fig03_share": (df, "Fig. 3: all-to-all share per setup and model")}, notes=notes)
+
+
+@product(P, "fig3r", needs_real=True)
+def fig3r(ctx):
+    df = share.measured(ctx.scale.name)
+    return Made(df, tables={"table_fig03_measured": (df, "Fig. 3 (here): measured all-to-all share of tiny models")},
+                notes=[f"{r.ranks} ranks, {r.links}: share {r.share:.2f}, step {r.step_ms:.0f} ms" for r in df.itertuples()])
