@@ -5,7 +5,7 @@ from __future__ import annotations
 from moelab.repro.registry import Made, Quantity, product
 
 from . import figures as F
-from . import quality, rates, share
+from . import quality, rates, share, speed
 from .. import analysis
 from .common import scale_spec  # noqa: F401 - the Session's scale lookup
 
@@ -116,3 +116,26 @@ def fig3r(ctx):
     df = share.measured(ctx.scale.name)
     return Made(df, tables={"table_fig03_measured": (df, "Fig. 3 (here): measured all-to-all share of tiny models")},
                 notes=[f"{r.ranks} ranks, {r.links}: share {r.share:.2f}, step {r.step_ms:.0f} ms" for r in df.itertuples()])
+
+
+SPEEDUP = Quantity("fine-tuning throughput speedup of LSH-MoE over the uncompressed model", "x")
+TRAIN_SPEEDUP = Quantity("end-to-end training speedup of LSH-MoE over the uncompressed model", "x")
+
+
+@product(P, "table2s", quantities={"speedup": SPEEDUP})
+def table2s(ctx):
+    df = speed.table2_speed(ctx.scale.name)
+    notes = [f"{r.model} at rho {r.rho:.3f} ({r.rho_source}; {r.rho_effective:.3f} after each group's bounds): "
+             f"{r.speedup:.2f}x with experts on centroids, {r.speedup_experts_on_tokens:.2f}x counting the all-to-alls only"
+             for r in df.itertuples()]
+    return Made(df, tables={"table2_speed": (df, "Table 2, Speed column: GPT-MoE fine-tuning step speedup on lsh_v100")},
+                notes=notes)
+
+
+@product(P, "table3s", quantities={"speedup": TRAIN_SPEEDUP})
+def table3s(ctx):
+    df = speed.table3_speed(ctx.scale.name)
+    notes = [f"rho {r.rho:.3f} ({r.rho_source}): {r.speedup:.2f}x ({r.speedup_experts_on_tokens:.2f}x with experts on every "
+             f"token); the stand-in's absolute samples/s ({r.samples_per_s_origin:.0f}) is not Swin-MoE-L's: compare ratios"
+             for r in df.itertuples()]
+    return Made(df, tables={"table3_speed": (df, "Table 3, samples/s: the Swin-MoE-L stand-in on lsh_a100")}, notes=notes)
