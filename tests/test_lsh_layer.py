@@ -224,3 +224,24 @@ def test_bad_options_fail_before_launch():
         with pytest.raises(ConfigError, match=word):
             RunConfig().with_overrides({**base, **over}).validate()
     RunConfig().with_overrides(base).validate()
+
+
+def test_evaluation_is_exact_unless_asked_compressed():
+    from moelab.config import MoEConfig
+    from moelab.moe.layer import MoELayer
+    from moelab.strategies.lsh_moe.layer import LSHMoELayer
+    from moelab.strategies.lsh_moe.options import LSHMoEOptions
+
+    x = torch.randn(12, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ep = MoELayer(8, 16, MoEConfig(num_experts=2, top_k=2), seed=3, dtype=torch.float64)(x)
+    outs = {}
+    for mode in ("exact", "compressed"):
+        layer = LSHMoELayer(8, 16, MoEConfig(num_experts=2, top_k=2), seed=3, dtype=torch.float64,
+                            options=LSHMoEOptions(hash_family="constant", eval_mode=mode))
+        layer.eval()
+        with torch.no_grad():
+            outs[mode] = layer(x)
+        layer.train()
+        outs[mode + "_train"] = layer(x).detach()
+    assert torch.equal(outs["exact"], ep) and not torch.allclose(outs["compressed"], ep)
+    assert torch.equal(outs["compressed"], outs["compressed_train"]) and torch.equal(outs["exact_train"], outs["compressed_train"])

@@ -86,12 +86,13 @@ class Trainer:
     layer_metrics: list = field(default_factory=list)  # this rank's per-(iteration, MoE layer) metrics
     out_dir: Optional[str] = None  # where checkpoints go (the run folder); None: no checkpoints
     start_iter: int = 0  # > 0 after resuming from a checkpoint
+    eval_accuracy: Optional[tuple] = None  # classification tasks: (top-1, top-2) of the last evaluation
 
     @classmethod
     def build(cls, cfg: RunConfig, device: Optional[torch.device] = None) -> "Trainer":
         import torch.distributed as dist
 
-        from moelab.models.transformer import MoETransformer
+        from moelab.models.tasks import build_model, init_from_checkpoint
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -101,10 +102,12 @@ class Trainer:
         from moelab.strategies import get_strategy
 
         factory = get_strategy(cfg.parallel.strategy)
-        model = MoETransformer(cfg.model, seed=cfg.train.seed, comm=comm, placement=placement_for(cfg, world),
-                               dtype=dtype, moe_layer_cls=factory(cfg) if factory else None)
+        model = build_model(cfg, seed=cfg.train.seed, comm=comm, placement=placement_for(cfg, world),
+                            dtype=dtype, moe_layer_cls=factory(cfg) if factory else None)
         device = device or torch.device("cpu")
         model.to(device)
+        if cfg.train.init_from is not None:  # fine-tune: parameters only, before any update shards them
+            init_from_checkpoint(model, cfg.train.init_from)
         from moelab.runtime.update import GRAD_SYNCS
         from moelab.strategies import get_update
 
@@ -122,6 +125,7 @@ class Trainer:
 
     def step(self, it: int) -> dict:
         from moelab.models.data import make_batch
+        from moelab.models.tasks import CLASSIFICATION
         from moelab.models.transformer import lm_loss
 
         cfg, comm, model = self.cfg, self.comm, self.model
@@ -172,6 +176,8 @@ class Trainer:
         if t.eval_every:
             done = (it + 1) % t.eval_every == 0
             row["eval_loss"], row["eval_ppl"] = self.evaluate() if done else (None, None)
+            if t.task in CLASSIFICATION:  # every row has the columns (the CSV header is the first row's)
+                row["eval_acc"], row["eval_top2_acc"] = self.eval_accuracy if done else (None, None)
         self.metrics.append(row)
         if t.checkpoint_every and self.out_dir is not None and (it + 1) % t.checkpoint_every == 0:
             from moelab.runtime.checkpoint import save
@@ -181,16 +187,20 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> tuple:
-        """(loss, perplexity) on ``train.eval_batches`` held-out batches, token-weighted over ranks."""
+        """(loss, perplexity) on ``train.eval_batches`` held-out batches, token-weighted over ranks;
+        classification tasks also set ``eval_accuracy`` (top-1, top-2 over the held-out samples)."""
         import torch.nn.functional as F
 
         from moelab.models.data import IGNORE_INDEX, make_eval_batch
+        from moelab.models.tasks import CLASSIFICATION
 
         cfg, comm = self.cfg, self.comm
         layers = self.model.moe_layers()
         saved = [_layer_state(layer) for layer in layers]
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed token loss, tokens
+        classify = cfg.train.task in CLASSIFICATION
+        total = torch.zeros(4, dtype=torch.float64, device=self.device)  # token loss, tokens, top-1, top-2 hits
         with comm.rec.paused(), self.update.resident_params() as model:
+            model.eval()  # layers that compute differently in evaluation see it (LSH-MoE's exact forward)
             for i in range(cfg.train.eval_batches):
                 b = make_eval_batch(cfg, self.rank, comm.world_size, i)
                 logits = model(b["inputs"].to(self.device))
@@ -198,10 +208,17 @@ class Trainer:
                 total[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), targets,
                                             ignore_index=IGNORE_INDEX, reduction="sum")
                 total[1] += (targets != IGNORE_INDEX).sum()
+                if classify:  # logits [B, 1, C], one label per sample
+                    top = logits[:, 0].topk(min(2, logits.shape[-1]), dim=-1).indices
+                    total[2] += (top[:, 0] == targets).sum()
+                    total[3] += (top == targets[:, None]).any(1).sum()
             comm.all_reduce_(total)
+            model.train()
         for layer, state in zip(layers, saved):
             layer.__dict__.update(state)
         loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
+        if classify:
+            self.eval_accuracy = (float(total[2] / total[1]), float(total[3] / total[1]))
         return loss, math.exp(loss) if loss == loss else float("nan")
 
     def run(self, on_iter: Optional[Callable[[dict], None]] = None) -> list:

@@ -79,7 +79,10 @@ class LSHMoELayer(MoELayer):
 
     @property
     def compresses(self) -> bool:
-        return self.options.hash_family != "none"
+        """False for ``hash_family: none``, and in evaluation (``model.eval()``) unless ``eval_mode: compressed``."""
+        if self.options.hash_family == "none":
+            return False
+        return self.training or self.options.eval_mode == "compressed"
 
     def rotations(self) -> Optional[torch.Tensor]:
         """``[L, d, r]`` of this call (fixed per layer unless ``resample_each_step``)."""

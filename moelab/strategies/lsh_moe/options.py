@@ -10,6 +10,7 @@
 | ``resample_each_step`` | false | draw new rotations every forward call (else fixed per layer) |
 | ``center_before_hash`` | false | subtract each group's mean before hashing [choice, off for fidelity] |
 | ``sp_refine_iters`` | 0 | spherical hashing: Heo et al.'s pivot refinement iterations |
+| ``eval_mode`` | exact | the forward in evaluation (``model.eval()``): ``exact`` (uncompressed, the headline) or ``compressed`` |
 | ``error_sample`` | 64 | rows per layer call (routed to this rank's own experts) on which the compression error is measured; 0: off |
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ class LSHMoEOptions(StrategyOptions):
     resample_each_step: bool = False
     center_before_hash: bool = False
     sp_refine_iters: int = 0
+    eval_mode: str = field(default="exact", metadata={"choices": ("exact", "compressed")})
     error_sample: int = 64
 
     @property
