@@ -245,3 +245,25 @@ def test_evaluation_is_exact_unless_asked_compressed():
         outs[mode + "_train"] = layer(x).detach()
     assert torch.equal(outs["exact"], ep) and not torch.allclose(outs["compressed"], ep)
     assert torch.equal(outs["compressed"], outs["compressed_train"]) and torch.equal(outs["exact_train"], outs["compressed_train"])
+
+
+def _adjoint(rank, world):
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+
+    comm = Communicator(Topology(world, world))
+    g = torch.Generator().manual_seed(rank)
+    in_rows = [(rank + 2 * q) % 3 for q in range(world)]  # uneven, zeros included
+    out_rows = [(q + 2 * rank) % 3 for q in range(world)]
+    x = torch.randn(sum(in_rows), 5, dtype=torch.float64, generator=g).requires_grad_()
+    y = torch.randn(sum(out_rows), 5, dtype=torch.float64, generator=g)
+    z = comm.all_to_all(x, out_rows, in_rows)
+    (z * y).sum().backward()
+    return float((z.detach() * y).sum()), float((x.detach() * x.grad).sum())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_all_to_all_backward_is_its_adjoint(world):
+    res = run_ranks(_adjoint, world, timeout=60)
+    lhs, rhs = sum(r[0] for r in res), sum(r[1] for r in res)  # <A2A(x), y> = <x, A2A^T(y)> over all ranks
+    assert lhs == pytest.approx(rhs, rel=1e-12, abs=1e-12) and lhs != 0
