@@ -100,6 +100,13 @@ class TrainConfig:
     eval_batches: int = 2  # held-out batches (of batch_size per rank) per evaluation
     checkpoint_every: int = 0  # write a checkpoint into the run folder every n iterations (0: never)
     resume_from: Optional[str] = None  # a checkpoint folder (or a run folder: its latest) to continue from
+    # objective (moelab.models.tasks): lm (the arch's own: next byte / masked LM) | span (bert: T5-like
+    # span corruption) | acceptability | topic | paraphrase (bert: text classification) | digits (bert
+    # blocks on image patches); classification runs report eval_acc (and eval_top2_acc)
+    task: str = "lm"
+    task_classes: int = 4  # topic / paraphrase: the number of (largest) pydoc topics used as classes
+    patch_size: int = 2  # digits: square patch side in pixels (1, 2, 4 or 8) of the 8x8 images
+    init_from: Optional[str] = None  # fine-tune: a checkpoint (or run folder) to copy parameters from; task heads it lacks start fresh
 
 
 @dataclass
@@ -231,6 +238,9 @@ class RunConfig:
                                 f"updates; strategy {p.strategy!r} brings its own update")
         if t.dataset not in ("pydocs", "random"):
             errs.append(f"train.dataset must be pydocs or random, got {t.dataset!r}")
+        from moelab.models.tasks import task_errors
+
+        errs += task_errors(self)
         if moe.activation not in ("gelu", "relu"):
             errs.append(f"model.moe.activation must be gelu or relu, got {moe.activation!r}")
         if t.resume_from is not None and not errs:
@@ -271,6 +281,8 @@ class RunConfig:
             ("train.eval_every", t.eval_every, True, 0, True),
             ("train.eval_batches", t.eval_batches, True, 1, True),
             ("train.checkpoint_every", t.checkpoint_every, True, 0, True),
+            ("train.task_classes", t.task_classes, True, 2, True),
+            ("train.patch_size", t.patch_size, True, 1, True),
             ("emulation.intra_bw_GBps", e.intra_bw_GBps, False, 0, False),
             ("emulation.inter_bw_GBps", e.inter_bw_GBps, False, 0, False),
             ("emulation.intra_latency_us", e.intra_latency_us, False, 0, True),

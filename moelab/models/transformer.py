@@ -150,9 +150,14 @@ class MoETransformer(nn.Module):
             raise ValueError(f"sequence length {S} exceeds the model's seq_len={self.cfg.seq_len}")
         pos = torch.arange(S, device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(pos)
+        return self.features(x) @ self.tok_emb.weight.t()  # LM head tied to the embedding
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Embedded input [B, S, d] -> final hidden states [B, S, d] (blocks, then ``ln_f``); task
+        heads (:mod:`moelab.models.tasks`) read these instead of the tied LM head."""
         for block in self.blocks:
             x = block(x)
-        return self.ln_f(x) @ self.tok_emb.weight.t()  # LM head tied to the embedding
+        return self.ln_f(x)
 
     def moe_layers(self) -> list:
         """The MoE layers in block order."""
