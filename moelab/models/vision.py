@@ -49,7 +49,7 @@ def sklearn_missing() -> str | None:
     try:
         import sklearn.datasets  # noqa: F401
     except ImportError:
-        return "task 'digits' needs scikit-learn (pip install 'moelab[test]' or scikit-learn)"
+        return "task 'digits' needs scikit-learn (a moelab dependency: pip install scikit-learn)"
     return None
 
 

@@ -33,6 +33,11 @@ class ScaleSpec:
     q_eval_batches: int
     q_seeds: int
     q_lr: float
+    # fine-tuning from the pretrained capture model (Table 2, Fig. 7 left/right) and digits (Table 3)
+    ft_iters: int
+    ft_eval_every: int
+    v_iters: int
+    v_patch: int  # digits patch side (pixels)
     intra_GBps: float  # emulated per-rank links of the quality runs
     inter_GBps: float
     latency_us: float

@@ -118,3 +118,28 @@ def ratio_curves(frame, *, label: str, title: str = "Table 4 / Eq. 6-9: all-to-a
     fig.update_xaxes(title_text="hidden size h", type="log", row=1, col=2)
     fig.update_yaxes(title_text="T_a2a / T_compute", row=1, col=1)
     return finish(fig, title, label, height=420, width=1000)
+
+
+@labelled
+def acc_vs_L(frame, *, label: str, title: str = "Fig. 7 (left): accuracy vs number of hash functions"):
+    """Accuracy (bars) and measured rho (line, right axis) per variant (Origin, CP L=...)."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Bar(x=frame.variant, y=frame.acc, name="accuracy", marker_color="#4c78a8"), secondary_y=False)
+    fig.add_trace(go.Scatter(x=frame.variant, y=frame.rho, mode="lines+markers", name="measured rho",
+                             line={"color": "#e45756"}), secondary_y=True)
+    fig.update_yaxes(title_text="held-out accuracy", range=[0, 1], secondary_y=False)
+    fig.update_yaxes(title_text="rho", range=[0, 1.02], secondary_y=True)
+    return finish(fig, title, label, height=420, width=820)
+
+
+@labelled
+def cp_vs_sp(frame, *, label: str, title: str = "Fig. 7 (right): cross-polytope vs spherical hashing at equal rate"):
+    x = [f"{t:.0%}" for t in frame.target]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=x, y=frame.cp_acc, name="cross-polytope", marker_color="#e45756",
+                         text=[f"rho {r:.2f}" for r in frame.cp_rho], textposition="outside"))
+    fig.add_trace(go.Bar(x=x, y=frame.sp_acc, name="spherical", marker_color="#4c78a8",
+                         text=[f"rho {r:.2f}" for r in frame.sp_rho], textposition="outside"))
+    fig.update_xaxes(title_text="target compression rate (achieved rate on each bar)")
+    fig.update_yaxes(title_text="held-out accuracy", range=[0, 1.1])
+    return finish(fig, title, label, height=420, width=760)

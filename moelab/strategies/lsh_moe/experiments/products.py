@@ -5,7 +5,7 @@ from __future__ import annotations
 from moelab.repro.registry import Made, Quantity, product
 
 from . import figures as F
-from . import quality, rates, share, speed
+from . import finetune, quality, rates, share, speed
 from .. import analysis
 from .common import scale_spec  # noqa: F401 - the Session's scale lookup
 
@@ -57,10 +57,8 @@ PPL_GAP = Quantity("validation perplexity of LSH-MoE without error compensation 
 TIME_TO_PPL = Quantity("time-to-target-perplexity speedup of LSH-MoE over the uncompressed model", "x")
 
 
-@product(P, "fig6l", needs_real=True, quantities={"time_speedup_to_target": ("variant", {"LSH-MoE": TIME_TO_PPL}),
-                                                 "ppl_gap_noec_equal_time": ("variant", {"LSH-MoE w/o EC": PPL_GAP})})
-def fig6l(ctx):
-    df = quality.convergence(ctx.scale.name)
+def _convergence(ctx, task: str, stem: str, panel: str):
+    df = quality.convergence(ctx.scale.name, task)
     s = quality.summary(df)
     label = df.attrs["label"]
     notes = [f"target = Origin's final smoothed perplexity {s.attrs['target_ppl']:.2f}"]
@@ -68,11 +66,22 @@ def fig6l(ctx):
         notes.append(f"{r.variant}: final ppl {r.final_ppl:.2f} ({r.ppl_vs_origin:+.2f} vs Origin), measured rho {r.rho:.3f}, "
                      f"step {r.step_s * 1e3:.0f} ms ({r.step_speedup:.2f}x Origin's), "
                      + (f"target reached after {r.iters_to_target} iterations" if r.reached else "target NOT reached"))
-    return Made(s, figures={"fig06l_ppl_vs_time": F.convergence(df, label=label),
-                            "fig06l_ppl_vs_iter": F.convergence(df, label=label, x="iter", x_title="iteration",
-                                                                title="Fig. 6 (left): validation perplexity vs iteration")},
-                tables={"table_fig06l_summary": (s, "Fig. 6 (left): per variant, perplexity, rho, step time, time to target"),
-                        "table_fig06l_curves": (df, "Fig. 6 (left): every run's iterations")}, notes=notes)
+    return Made(s, figures={f"{stem}_ppl_vs_time": F.convergence(df, label=label, title=f"{panel}: validation perplexity vs training time"),
+                            f"{stem}_ppl_vs_iter": F.convergence(df, label=label, x="iter", x_title="iteration",
+                                                                 title=f"{panel}: validation perplexity vs iteration")},
+                tables={f"table_{stem}_summary": (s, f"{panel}: per variant, perplexity, rho, step time, time to target"),
+                        f"table_{stem}_curves": (df, f"{panel}: every run's iterations")}, notes=notes)
+
+
+@product(P, "fig6l", needs_real=True, quantities={"time_speedup_to_target": ("variant", {"LSH-MoE": TIME_TO_PPL}),
+                                                 "ppl_gap_noec_equal_time": ("variant", {"LSH-MoE w/o EC": PPL_GAP})})
+def fig6l(ctx):
+    return _convergence(ctx, "lm", "fig06l", "Fig. 6 (left)")
+
+
+@product(P, "fig6r", needs_real=True, quantities={"time_speedup_to_target": ("variant", {"LSH-MoE": TIME_TO_PPL})})
+def fig6r(ctx):
+    return _convergence(ctx, "span", "fig06r", "Fig. 6 (right)")
 
 
 @product(P, "table1")
@@ -139,3 +148,51 @@ def table3s(ctx):
              f"token); the stand-in's absolute samples/s ({r.samples_per_s_origin:.0f}) is not Swin-MoE-L's: compare ratios"
              for r in df.itertuples()]
     return Made(df, tables={"table3_speed": (df, "Table 3, samples/s: the Swin-MoE-L stand-in on lsh_a100")}, notes=notes)
+
+
+ACC_DELTA = Quantity("absolute accuracy difference between LSH-MoE and the uncompressed model on a fine-tuning task", "points")
+TOP1_DELTA = Quantity("Top-1 accuracy of LSH-MoE minus the uncompressed model's", "points")
+IMG_RATE = Quantity("compression rate (centroid rows / token rows) in image-classification fine-tuning", "fraction")
+CP_VS_SP = Quantity("cross-polytope accuracy at least spherical hashing's at equal compression rate (1 = yes)", "flag")
+
+
+@product(P, "table2", needs_real=True, quantities={"abs_acc_delta_points": ACC_DELTA})
+def table2(ctx):
+    df = finetune.table2(ctx.scale.name)
+    t = finetune.table2_summary(df)
+    t["abs_acc_delta_points"] = t.abs_acc_delta * 100
+    notes = []
+    for r in t.itertuples():
+        at_chance = r.chance is not None and max(r.origin_acc, r.lsh_acc) <= r.chance + 0.05
+        notes.append(f"{r.task}: Origin {r.origin_acc:.3f}±{r.origin_std:.3f}, LSH-MoE {r.lsh_acc:.3f}±{r.lsh_std:.3f} "
+                     f"(compressed eval {r.lsh_acc_compressed_eval:.3f}), rho {r.lsh_rho:.3f}"
+                     + (" — both at chance: this task tells nothing here" if at_chance else ""))
+    return Made(t, tables={"table2_accuracy": (t, "Table 2 (substitute): fine-tuning accuracy per task, Origin vs LSH-MoE"),
+                           "table2_runs": (df, "Table 2 (substitute): every fine-tuning run")}, notes=notes)
+
+
+@product(P, "table3", needs_real=True, quantities={"top1_delta": ("variant", {"LSH-MoE": TOP1_DELTA}),
+                                                   "rho": ("variant", {"LSH-MoE": IMG_RATE})})
+def table3(ctx):
+    df = finetune.table3(ctx.scale.name)
+    t = finetune.table3_summary(df)
+    notes = [f"{r.variant}: Top-1 {r.top1:.3f}, Top-2 {r.top2:.3f}, rho {r.rho:.3f}, {r.samples_per_s:.0f} samples/s "
+             f"({r.throughput_speedup:.2f}x Origin's, EMULATED links)" for r in t.itertuples()]
+    return Made(t, tables={"table3_digits": (t, "Table 3 (substitute): digits Top-1/Top-2, rate, EMULATED samples/s"),
+                           "table3_runs": (df, "Table 3 (substitute): every run")}, notes=notes)
+
+
+@product(P, "fig7lr", needs_real=True, quantities={"cp_at_least_sp": CP_VS_SP})
+def fig7lr(ctx):
+    df = finetune.fig7(ctx.scale.name)
+    right = finetune.fig7_right_summary(df)
+    left = df[df.panel == "left"].groupby(["variant", "L"], sort=False).agg(acc=("acc", "mean"), rho=("rho", "mean")).reset_index()
+    left.attrs["label"] = df.attrs["label"]
+    notes = ["left: " + ", ".join(f"{r.variant}: acc {r.acc:.3f} at rho {r.rho:.3f}" for r in left.itertuples())]
+    notes += [f"right, target {r.target:.0%}: CP L={r.cp_L} reached rho {r.cp_rho:.3f}, acc {r.cp_acc:.3f}; SP L={r.sp_L} "
+              f"reached rho {r.sp_rho:.3f}, acc {r.sp_acc:.3f}" for r in right.itertuples()]
+    return Made(right, figures={"fig07l_acc_vs_L": F.acc_vs_L(left, label=df.attrs["label"]),
+                                "fig07r_cp_vs_sp": F.cp_vs_sp(right, label=df.attrs["label"])},
+                tables={"table_fig07l": (left, "Fig. 7 (left): topic accuracy and measured rho vs L"),
+                        "table_fig07r": (right, "Fig. 7 (right): CP vs SP at target rates (achieved rates beside)"),
+                        "table_fig07_runs": (df, "Fig. 7: every fine-tuning run")}, notes=notes)

@@ -33,12 +33,16 @@ def variants(scale) -> dict:
     return out
 
 
-def run_config(scale, opts: dict, seed: int):
+PANELS = {"lm": "Fig. 6 left: RoBERTa-MoE masked LM on BooksCorpus+Wikipedia",
+          "span": "Fig. 6 right: T5-MoE span-masked LM on an industry dataset"}
+
+
+def run_config(scale, opts: dict, seed: int, task: str = "lm"):
     from moelab.config import RunConfig
 
     s = scale_spec(scale)
     return RunConfig().with_overrides({
-        **tiny_overrides(s, iters=s.q_iters, seed=seed), "paper": "lsh_moe", "name": "quality",
+        **tiny_overrides(s, iters=s.q_iters, seed=seed), "paper": "lsh_moe", "name": f"quality-{task}", "train.task": task,
         "parallel.nproc": s.q_nproc, "parallel.topology.nodes": s.q_nodes, "parallel.strategy": "lsh_moe",
         "parallel.strategy_options": {"error_sample": 0, **opts}, "train.lr": s.q_lr, "train.eval_every": s.q_eval_every,
         "train.eval_batches": s.q_eval_batches, "emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps,
@@ -47,9 +51,10 @@ def run_config(scale, opts: dict, seed: int):
 
 
 @cached
-def convergence(scale) -> pd.DataFrame:
+def convergence(scale, task: str = "lm") -> pd.DataFrame:
     """One row per (variant, seed, iteration): loss, eval_ppl (NaN between evaluations), step_s (slowest
-    rank), time_s (cumulative), rho (measured; 1 for Origin)."""
+    rank), time_s (cumulative), rho (measured; 1 for Origin). ``task``: ``lm`` (masked LM, Fig. 6 left) or
+    ``span`` (T5-like span corruption on the same encoder, Fig. 6 right)."""
     from moelab.sim.realruns import run_real_many
 
     s = scale_spec(scale)
@@ -57,7 +62,7 @@ def convergence(scale) -> pd.DataFrame:
     keys = [(v, seed) for seed in range(s.q_seeds) for v in vs]
     vs[COMPRESSED_EVAL] = {**vs["LSH-MoE"], "eval_mode": "compressed"}  # the same training, evaluated compressed
     keys.append((COMPRESSED_EVAL, 0))
-    runs = run_real_many([run_config(scale, vs[v], seed) for v, seed in keys], s.q_nproc, timeout=300 + 60 * len(keys))
+    runs = run_real_many([run_config(scale, vs[v], seed, task) for v, seed in keys], s.q_nproc, timeout=300 + 60 * len(keys))
     rows = []
     for (v, seed), run in zip(keys, runs):
         lm = run.layer_metrics
@@ -70,7 +75,7 @@ def convergence(scale) -> pd.DataFrame:
                              time_s=t, rho=float(rho.loc[it]) if rho is not None else 1.0))
     df = pd.DataFrame(rows)
     df["eval_ppl"] = pd.to_numeric(df.eval_ppl, errors="coerce")
-    df.attrs["label"] = (f"SUBSTITUTE (Fig. 6 left: RoBERTa-MoE on BooksCorpus+Wikipedia): tiny bert-MoE masked LM "
+    df.attrs["label"] = (f"SUBSTITUTE ({PANELS[task]}): tiny bert-MoE {'masked LM' if task == 'lm' else 'span corruption (encoder-only)'} "
                          f"(d={s.d}, {s.layers} layers, {s.experts} experts, top-2) on the stdlib's text; REAL training on "
                          f"{s.q_nproc} gloo ranks as {s.q_nodes} nodes, EMULATED links {s.intra_GBps}/{s.inter_GBps} GB/s "
                          f"intra/inter, {s.q_seeds} seed(s), {s.q_iters} iterations")

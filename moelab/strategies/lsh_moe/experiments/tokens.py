@@ -22,7 +22,7 @@ SOURCES = ("trained", "untrained", "random")
 @cached
 def capture(scale, seed: int = 0, trained: bool = True) -> dict:
     """``{"x": [layer][batch] -> [T, d], "idx": [layer][batch] -> [T, k], "experts": [layer] -> (w1, b1, w2, b2),
-    "gates": [layer] -> the gate's weight [E, d],
+    "gates": [layer] -> the gate's weight [E, d], "ckpt": a checkpoint of the trained model (None untrained),
     "act": activation name, "cfg": the run config (dict), "loss": last training loss}`` (numpy / torch CPU)."""
     from moelab.config import RunConfig
     from moelab.models.data import make_eval_batch
@@ -50,8 +50,20 @@ def capture(scale, seed: int = 0, trained: bool = True) -> dict:
             h.remove()
     experts = [tuple(None if p is None else p.detach().clone() for p in layer.experts.stacked()) for layer in layers]
     gates = [layer.gate.wg.weight.detach().clone() for layer in layers]
-    return dict(x=xs, idx=idx, experts=experts, gates=gates, act=cfg.model.moe.activation, cfg=cfg.to_dict(),
+    ckpt = None
+    if trained:  # the pretrained model the fine-tuning substitutes start from (train.init_from)
+        import tempfile
+
+        from moelab.runtime.checkpoint import save
+
+        ckpt = str(save(tr, tempfile.mkdtemp(prefix=f"moelab-lsh-pretrained-{s.name}-"), len(rows)))
+    return dict(x=xs, idx=idx, experts=experts, gates=gates, act=cfg.model.moe.activation, cfg=cfg.to_dict(), ckpt=ckpt,
                 loss=rows[-1]["loss"] if rows else None, iters=len(rows))
+
+
+def pretrained(scale, seed: int = 0) -> str:
+    """The checkpoint folder of the trained capture model (uncompressed masked-LM pretraining)."""
+    return capture(scale, seed)["ckpt"]
 
 
 def dispatched(cap: dict, layer: int, batch: int, source: str = "trained", seed: int = 0):
