@@ -36,6 +36,7 @@ class ScaleSpec:
     # fine-tuning from the pretrained capture model (Table 2, Fig. 7 left/right) and digits (Table 3)
     ft_iters: int
     ft_eval_every: int
+    f7_seeds: int  # Fig. 7's sweeps (12 fine-tunings per seed)
     v_iters: int
     v_patch: int  # digits patch side (pixels)
     intra_GBps: float  # emulated per-rank links of the quality runs

@@ -147,7 +147,7 @@ def fig7(scale) -> pd.DataFrame:
     s = scale_spec(scale)
     ckpt = tokens.pretrained(scale)
     specs = []
-    for seed in range(s.q_seeds):
+    for seed in range(s.f7_seeds):
         specs.append((dict(panel="left", variant="Origin", family="none", L=0, target=None, seed=seed), "topic", ORIGIN,
                       seed, s.ft_iters, ckpt))
         for L in (2, 4, 6, 8, 10):
@@ -159,7 +159,7 @@ def fig7(scale) -> pd.DataFrame:
                 specs.append((dict(panel="right", variant=f"{fam} @ {target:.0%}", family=fam, L=L, target=target, seed=seed),
                               "topic", {"hash_family": fam, "num_hashes": L}, seed, s.ft_iters, ckpt))
     df = _run(scale, specs)
-    df.attrs["label"] = _label(scale, "Fig. 7: GPT-MoE 15B on MNLI/SST-2")
+    df.attrs["label"] = _label(scale, "Fig. 7: GPT-MoE 15B on MNLI/SST-2").replace(f"{s.q_seeds} seed(s)", f"{s.f7_seeds} seed(s)")
     return df
 
 
