@@ -1,32 +1,5 @@
-"""The Hecate notebook, executed headless with papermill at smoke scale through ``moelab reproduce``: every
-product the manifest promises is made and exported with a label of its declared class, and its tables exist.
-(What the manifest promises grows with issue #10; the manifest/registry/notebook agreement is checked in
-tests/test_repro_kit.py.)"""
+"""Hecate's Table 1 counted by the paper's rule (the notebook's smoke execution is in tests/test_paper_notebooks.py)."""
 from __future__ import annotations
-
-import json
-from pathlib import Path
-
-import pytest
-import yaml
-
-pm = pytest.importorskip("papermill")
-
-REPO = Path(__file__).resolve().parent.parent
-NOTEBOOK = REPO / "notebooks" / "hecate.ipynb"
-KINDS = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE", "PAPER")
-
-
-def test_parameters_cell_and_scale_files_match():
-    declared = pm.inspect_notebook(str(NOTEBOOK))
-    for name in ("scale", "out_dir", "png", "seed", "run_real"):
-        assert name in declared and declared[name]["help"], name
-    for scale in ("smoke", "default", "full"):
-        params = yaml.safe_load((REPO / "experiments" / "hecate" / f"{scale}.yaml").read_text())
-        assert params["scale"] == scale and set(params) <= set(declared), scale
-        from moelab.strategies.hecate.experiments import scale_spec
-
-        assert scale_spec(scale).name == scale
 
 
 def test_table1_counts_the_papers_params():
@@ -35,26 +8,3 @@ def test_table1_counts_the_papers_params():
     t = table1()
     assert t.matches_paper.all(), t[["model", "params_B", "paper_params_B"]]
     assert (t.params == t.layers * (4 * t.experts + 4) * t.d_model ** 2).all()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(480)
-def test_notebook_smoke_exports_every_product_with_its_class(tmp_path):
-    from moelab.repro.manifest import load_manifest
-    from moelab.reproduce import reproduce
-
-    out = tmp_path / "rep"
-    batch = reproduce(["hecate"], "smoke", out, log=lambda s: None)
-    assert not batch.failed, batch.outcomes[0].error
-    figs = out / "figures" / "hecate"
-    sides = [json.loads(p.read_text()) for p in figs.glob("*.json")]
-    labels = [s["label"] for s in sides if s.get("kind") == "figure"]
-    assert labels and all(l.startswith(KINDS) for l in labels), labels
-    assert (figs / "table1_models.csv").is_file() and (figs / "table_manifest.csv").is_file()
-    import pandas as pd
-
-    promised = load_manifest("hecate").product_classes()
-    table = pd.read_csv(figs / "table_manifest.csv", dtype=str).fillna("")
-    made = table[table["product"] != ""].set_index("product")
-    assert sorted(made.index) == sorted(promised)
-    assert (made.status == "made").all(), made[made.status != "made"]

@@ -53,36 +53,40 @@ def model_config(name: str):
                        moe_every=2, moe=MoEConfig(num_experts=32, top_k=2, gate="topk", expert_bias=True))
 
 
-def run_config(name: str, servers: int, expert_mult: int):
-    from moelab.config import RunConfig
+TOKENS = {"RoBERTa-MoE": "tokens_per_gpu_roberta", "GPT-MoE-15B": "tokens_per_gpu_gpt", "Swin-MoE-L": "tokens_per_gpu_swin"}
 
-    A = assumptions()
+
+def paper_step(name: str, servers: int, mfu: float, eta: float, *, expert_mult: int = 1, tokens_per_gpu=None,
+               profile: str = "lsh_a100"):
+    """``(cfg, profile, loads)`` of one uncompressed step of ``name`` on ``servers`` nodes of ``profile`` at
+    (MFU, eta_n): balanced loads (the share at its floor); ``tokens_per_gpu`` defaults to the model's
+    assumption. Fewer experts than GPUs: EP over groups of E GPUs, data parallel across them."""
+    from moelab.config import RunConfig
+    from moelab.sim.graphs import moe_layer_ids
+    from moelab.sim.profiles import get_profile
+
     m = model_config(name)
     m.moe.num_experts *= expert_mult
-    tokens = int(A.value({"RoBERTa-MoE": "tokens_per_gpu_roberta", "GPT-MoE-15B": "tokens_per_gpu_gpt",
-                          "Swin-MoE-L": "tokens_per_gpu_swin"}[name]))
-    gpus = min(8 * servers, m.moe.num_experts)  # fewer experts than GPUs: EP groups of E GPUs, data parallel over them
+    tokens = int(tokens_per_gpu if tokens_per_gpu is not None else assumptions().value(TOKENS[name]))
+    gpus = min(8 * servers, m.moe.num_experts)
     cfg = RunConfig()
     cfg.model = m
-    return cfg.with_overrides({"parallel.nproc": gpus, "parallel.topology.nodes": max(1, gpus // 8),
-                               "train.batch_size": max(1, tokens // m.seq_len)})
+    cfg = cfg.with_overrides({"parallel.nproc": gpus, "parallel.topology.nodes": max(1, gpus // 8),
+                              "train.batch_size": max(1, tokens // m.seq_len)})
+    base = get_profile(profile)
+    prof = dataclasses.replace(base, nodes=cfg.parallel.topology.nodes, achieved_flops=mfu * base.peak_flops,
+                               inter_bw_GBps=eta * base.inter_bw_GBps)  # the node's NICs, shared by its GPUs (§6.12)
+    E, k = m.moe.num_experts, m.moe.top_k
+    T = cfg.train.batch_size * m.seq_len
+    return cfg, prof, np.full((len(moe_layer_ids(m)), gpus, E), T * k // E, dtype=np.int64)
 
 
 def a2a_share(name: str, servers: int, expert_mult: int, mfu: float, eta: float) -> float:
     """All-to-all time / step time of one uncompressed EP iteration on lsh_a100 at (MFU, eta_n)."""
     from moelab.sim import simulate
-    from moelab.sim.graphs import ep_iteration_graph, moe_layer_ids
-    from moelab.sim.profiles import get_profile
+    from moelab.sim.graphs import ep_iteration_graph
 
-    cfg = run_config(name, servers, expert_mult)
-    base = get_profile("lsh_a100")
-    prof = dataclasses.replace(base, nodes=cfg.parallel.topology.nodes, achieved_flops=mfu * base.peak_flops,  # the node's NICs,
-                               inter_bw_GBps=eta * base.inter_bw_GBps)  # shared by its 8 GPUs (spec §6.12)
-    m = cfg.model
-    N, E, k = cfg.parallel.nproc, m.moe.num_experts, m.moe.top_k
-    T = cfg.train.batch_size * m.seq_len
-    loads = np.full((len(moe_layer_ids(m)), N, E), T * k // E, dtype=np.int64)  # balanced: the share at its floor
-    r = simulate(ep_iteration_graph(cfg, prof, loads))
+    r = simulate(ep_iteration_graph(*paper_step(name, servers, mfu, eta, expert_mult=expert_mult)))
     ops = r.ops_frame()
     return float(ops[ops.category == "a2a"].duration.sum() / r.makespan)
 
@@ -119,7 +123,7 @@ def fig3(scale) -> pd.DataFrame:
         for name in PAPER_A:
             m = model_config(name)
             share = a2a_share(name, servers, mult, f["mfu"], f["eta"])
-            ep = run_config(name, servers, mult).parallel.nproc
+            ep = paper_step(name, servers, f["mfu"], f["eta"], expert_mult=mult)[0].parallel.nproc
             B = f["eta"] * prof.inter_bw_GBps * 1e9 / prof.gpus_per_node / prof.elem_bytes  # elements/s per GPU
             r = a2a_compute_ratio(m.moe.top_k, m.d_model, max(1, ep // 8), f["mfu"] * prof.peak_flops, B)
             rows.append(dict(setup=setup, gpus=8 * servers, ep_gpus=ep, experts=m.moe.num_experts * mult, model=name, share=share,

@@ -10,8 +10,6 @@ NIC efficiency as fitted in Fig. 3 (on the A100 cluster; reused for the V100 one
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pandas as pd
 
@@ -20,31 +18,15 @@ from moelab.repro.cache import cached
 from . import rates, share
 
 
-def _profile(name: str, servers: int, mfu: float, eta: float):
-    from moelab.sim.profiles import get_profile
-
-    base = get_profile(name)
-    return dataclasses.replace(base, nodes=servers, achieved_flops=mfu * base.peak_flops, inter_bw_GBps=eta * base.inter_bw_GBps)
-
-
 def step_times(model: str, profile: str, servers: int, tokens_per_gpu: int, rho: float, mfu: float, eta: float) -> dict:
     """Seconds of one EP step and of LSH-MoE steps at ``rho`` (experts on centroids / on tokens)."""
-    from moelab.config import RunConfig
     from moelab.sim import simulate
-    from moelab.sim.graphs import ep_iteration_graph, moe_layer_ids
+    from moelab.sim.graphs import ep_iteration_graph
     from moelab.strategies.lsh_moe.hashing import max_buckets
     from moelab.strategies.lsh_moe.sim_graph import centroid_counts, lsh_moe_iteration_graph
 
-    m = share.model_config(model)
-    gpus = min(8 * servers, m.moe.num_experts)
-    cfg = RunConfig()
-    cfg.model = m
-    cfg = cfg.with_overrides({"parallel.nproc": gpus, "parallel.topology.nodes": max(1, gpus // 8),
-                              "train.batch_size": max(1, tokens_per_gpu // m.seq_len)})
-    prof = _profile(profile, cfg.parallel.topology.nodes, mfu, eta)
-    E, k = m.moe.num_experts, m.moe.top_k
-    T = cfg.train.batch_size * m.seq_len
-    loads = np.full((len(moe_layer_ids(m)), gpus, E), T * k // E, dtype=np.int64)
+    cfg, prof, loads = share.paper_step(model, servers, mfu, eta, tokens_per_gpu=tokens_per_gpu, profile=profile)
+    gpus = cfg.parallel.nproc
     cen = centroid_counts(loads, rho, max_buckets("cross_polytope", 2, 6))
     ep = simulate(ep_iteration_graph(cfg, prof, loads)).makespan
     on_c = simulate(lsh_moe_iteration_graph(cfg, prof, loads, centroids=cen)).makespan
