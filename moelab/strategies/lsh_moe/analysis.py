@@ -7,7 +7,7 @@ training servers, ``B_intra`` / ``B_inter`` bandwidths, ``flops`` GPU throughput
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import pandas as pd
 
@@ -125,10 +125,3 @@ def table1() -> pd.DataFrame:
     t.attrs["label"] = ("REAL: moelab's parameter count of its Table 1 configs (no training); paper_* columns are the "
                         "paper's (reference)")
     return t
-
-
-def paper_scale_configs(names: Optional[Sequence[str]] = None) -> dict:
-    """The Table 1 configs the simulator prices (RoBERTa with the paper's stated layout, mismatch and all)."""
-    from moelab.models.params import paper_model
-
-    return {n: paper_model(n) for n in (names or ("RoBERTa-MoE", "T5-MoE", "GPT-MoE-15B", "GPT-MoE-52B"))}

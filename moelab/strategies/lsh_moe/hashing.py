@@ -145,10 +145,3 @@ def _group_means(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     sums = x.new_zeros(len(ids), x.shape[1]).index_add(0, inv, x)
     cnt = torch.bincount(inv, minlength=len(ids)).to(x.dtype).unsqueeze(1)
     return (sums / cnt)[inv]
-
-
-def describe(family: str, L: int, r: int) -> str:
-    return {"cross_polytope": f"cross-polytope L={L} r={r}", "hyperplane": f"hyperplane L={L}",
-            "spherical": f"spherical L={L}", "identity": "identity (no compression)",
-            "constant": "constant (group mean)", "none": "none (plain EP)"}[family]
-

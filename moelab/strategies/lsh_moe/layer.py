@@ -215,7 +215,3 @@ class LSHMoELayer(MoELayer):
                           "rho": int(cen.sum()) / total if total else None}
         return rec
 
-    def layer_metrics(self) -> dict:
-        """This rank's metrics of the latest call (the per-layer metrics hook of the trainer)."""
-        return dict(self.last_metrics)
-
