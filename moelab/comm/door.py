@@ -387,9 +387,15 @@ class Communicator:
                           lambda: dist.reduce(x, dst=root, group=pg, async_op=True) if self._remote(ranks) else None,
                           self._rule("reduce", ranks, nb, root), lambda: x, async_op, ranks)
 
-    def exchange(self, sends: dict, recvs: dict, tag: int = 0, async_op: bool = False):
-        """Point-to-point: ``sends[peer] = tensor`` and ``recvs[peer] = buffer``, posted together so no
-        ordering can deadlock. Self-exchange is a local copy (gloo cannot send to itself)."""
+    def exchange(self, sends: dict, recvs: dict, tag: int = 0, async_op: bool = False, group: str = "world"):
+        """Point-to-point: ``sends[peer] = tensor`` and ``recvs[peer] = buffer`` (global ranks, members of
+        ``group``), posted together as one batch on the group's process group so no ordering can
+        deadlock and two threads may exchange on two groups at once. Self-exchange is a local copy
+        (gloo cannot send to itself)."""
+        pg, ranks = self._groups[group]
+        if any(p not in ranks for p in (*sends, *recvs)):
+            raise ValueError(f"exchange on group {group!r}: peers {sorted({*sends, *recvs} - set(ranks))} "
+                             f"are not members {ranks}")
 
         def issue():
             ops = []
@@ -397,16 +403,16 @@ class Communicator:
                 if peer == self.rank:
                     buf.copy_(sends[peer])
                 else:
-                    ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
+                    ops.append(dist.P2POp(dist.irecv, buf, peer, group=pg, tag=tag))
             for peer, t in sends.items():
                 if peer != self.rank:
-                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, tag=tag))
+                    ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group=pg, tag=tag))
             return list(dist.batch_isend_irecv(ops)) if ops else None
 
-        return self._call("p2p", "world", issue,
+        return self._call("p2p", group, issue,
                           ({p: t.numel() * t.element_size() for p, t in sends.items()},  # now: no tensor
                            {p: t.numel() * t.element_size() for p, t in recvs.items()}),  # stays referenced
-                          None, async_op, list(range(self.world_size)))
+                          None, async_op, ranks)
 
     # ---- autograd-aware ------------------------------------------------------------------------
     def all_to_all(self, x: torch.Tensor, out_rows: Sequence[int], in_rows: Sequence[int], group: str = "ep") -> torch.Tensor:
