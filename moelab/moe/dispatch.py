@@ -86,6 +86,30 @@ def combine_slots(out_flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return torch.bmm(weights.unsqueeze(1), out_flat.view(T, k, out_flat.shape[-1])).squeeze(1)
 
 
+def capacity_index(routing: Routing, cap: int) -> tuple:
+    """(kept slot ids into ``idx.reshape(-1)``, their rows ``e * cap + loc`` in an ``[E * cap]`` buffer)."""
+    flat_idx = routing.idx.reshape(-1)
+    valid = (flat_idx >= 0).nonzero().squeeze(1)
+    return valid, flat_idx[valid] * cap + routing.loc.reshape(-1)[valid]
+
+
+def to_capacity_buffer(x: torch.Tensor, routing: Routing, num_experts: int, cap: int) -> torch.Tensor:
+    """The ``[E, cap, d]`` capacity buffer of tokens ``x`` (zero where a slot is empty): DeepSpeed's
+    dispatch, by index. Pure: the dense dispatcher sends it, Parm's schedules split and dump it."""
+    k = routing.idx.shape[1]
+    valid, rows = capacity_index(routing, cap)
+    return x.new_zeros(num_experts * cap, x.shape[1]).index_copy(0, rows, x[valid // k]).view(num_experts, cap, -1)
+
+
+def from_capacity_buffer(buf: torch.Tensor, routing: Routing, cap: int) -> torch.Tensor:
+    """Tokens' outputs ``[T, d]`` from an expert-output capacity buffer (``[E, cap, d]`` or its rows),
+    weighted by the routing: the inverse of :func:`to_capacity_buffer`, the combine."""
+    T, k = routing.idx.shape
+    buf = buf.reshape(-1, buf.shape[-1])
+    valid, rows = capacity_index(routing, cap)
+    return combine_slots(buf.new_zeros(T * k, buf.shape[1]).index_copy(0, valid, buf[rows]), routing.weights)
+
+
 def local_counts(dest: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[E]`` rows of this rank per destination expert (``dest < 0``: dropped, not counted)."""
     dest = dest.reshape(-1).cpu()
@@ -244,17 +268,10 @@ class DenseDispatcher:
     def plan(self, routing: Routing) -> DispatchPlan:
         return self.plan_from_counts(self.exchange_counts(routing), routing)
 
-    def _buffer_index(self, routing: Routing, cap: int):
-        flat_idx = routing.idx.reshape(-1)
-        valid = (flat_idx >= 0).nonzero().squeeze(1)
-        return valid, flat_idx[valid] * cap + routing.loc.reshape(-1)[valid]
-
     # ---- dispatch ------------------------------------------------------------------------------
     def dispatch_preprocess(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
         """The ``[E, C, d]`` capacity buffer (zero padding where a slot is empty)."""
-        Cap, d, k = plan.capacity, x.shape[1], routing.idx.shape[1]
-        valid, buf_idx = self._buffer_index(routing, Cap)
-        return x.new_zeros(self.E * Cap, d).index_copy(0, buf_idx, x[valid // k])
+        return to_capacity_buffer(x, routing, self.E, plan.capacity).reshape(-1, x.shape[1])
 
     def token_dispatch(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         return self.comm.all_to_all(rows, plan.out_rows, plan.in_rows)  # [(src, e_local, c), d]
@@ -278,10 +295,7 @@ class DenseDispatcher:
                             shadow_out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if shadow_out is not None:
             raise ValueError("the dense dispatcher has no shadowed experts")
-        T, k = routing.idx.shape
-        valid, buf_idx = self._buffer_index(routing, plan.capacity)
-        out_flat = back.new_zeros(T * k, back.shape[1]).index_copy(0, valid, back[buf_idx])
-        return combine_slots(out_flat, routing.weights)
+        return from_capacity_buffer(back, routing, plan.capacity)
 
     def combine(self, y: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
         return self.combine_postprocess(self.token_combine(self.combine_preprocess(y, plan), plan), plan, routing)
