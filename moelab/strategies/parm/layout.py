@@ -37,7 +37,7 @@ class ParmLayout:
             if P % n:
                 errs.append(f"strategy_options.{name}={n} does not divide parallel.nproc={P}")
             elif n > 1 and g % n and not self.allow_cross_node:
-                errs.append(f"strategy_options.{name}={n}: a {name.upper()} group would cross a node of {g} ranks "
+                errs.append(f"strategy_options.{name}={n}: {name.upper()} groups would cross nodes of {g} ranks "
                             f"({name} must divide the ranks per node, or set allow_cross_node: true)")
         if P % g:
             errs.append(f"parallel.nproc={P} does not split into nodes of {g} ranks")
