@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moelab.strategies.parm.layout import ParmLayout
+from moelab.strategies.parm.layout import ESP, MP, ParmLayout
 from moelab.testing import run_ranks
 
 S, M, D_FF = 8, 8, 16
@@ -150,3 +150,89 @@ def test_paper_cells_p8():
     cells = [(2, 2), (2, 4), (4, 2), (4, 4)]
     res = run_ranks(_layer_results, 8, cells, "switch", ("einsum",), 1, timeout=300)
     _check(res, 8, cells, "switch", 1, ("einsum",))
+
+
+# ---- I3: with drops (f = 1.2) each schedule equals its own partition's reference ------------------
+def _pool_reference(xs, pools, E, f, cap, wg, experts):
+    """Per pool (a list of (micro-batch, row slice) pieces): gate the concatenated rows with capacity
+    ``cap`` (the core's rule), run every kept slot through the full expert, combine; return each
+    piece's output rows and the pool's aux loss."""
+    from moelab.strategies.parm import gating
+
+    outs, aux = {}, {}
+    for key, pieces in pools.items():
+        x = torch.cat([xs[d][sl] for d, sl in pieces])
+        r = gating.route(wg, x, "switch", f, cap)
+        y = torch.zeros_like(x)
+        for s in range(x.shape[0]):
+            e = int(r.idx[s, 0])
+            if e >= 0:
+                w1, _, w2, _ = experts[e]
+                y[s] = r.weights[s, 0] * (F.gelu(x[s] @ w1) @ w2)
+        outs[key], aux[key] = y, float(r.aux_loss)
+    return outs, aux
+
+
+def _drop_results(rank, world, cells, f):
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+    from moelab.strategies.parm.layer import ParmMoE
+
+    out = {}
+    for n_mp, n_esp in cells:
+        lay = ParmLayout(world, n_mp, n_esp, world // n_esp, 4)
+        comm = Communicator(Topology(world, 4), groups=lay.groups())
+        xs, _ = _inputs(world, n_mp, "switch")
+        for sched in ("baseline", "s1", "s2", "s2_aas"):
+            layer = ParmMoE(comm, lay, M, D_FF, schedule=sched, capacity_factor=f, dtype=torch.float64)
+            with torch.no_grad():
+                y = layer(xs[lay.coords(rank)["dp"]])
+            out[(n_mp, n_esp, sched)] = (y, float(layer.aux), layer.last["capacity"])
+    return out
+
+
+def test_with_drops_each_schedule_matches_its_own_partition():
+    from moelab.moe.experts import init_expert, seeded_generator
+    from moelab.strategies.parm import gating
+
+    world, f, cells = 4, 1.2, [(2, 2), (2, 1), (1, 2), (4, 4)]
+    res = run_ranks(_drop_results, world, cells, f, timeout=180)
+    dropped_somewhere = False
+    for n_mp, n_esp in cells:
+        lay = ParmLayout(world, n_mp, n_esp, world // n_esp, 4)
+        E = lay.num_experts
+        xs, _ = _inputs(world, n_mp, "switch")
+        g = seeded_generator("parm_gate", 0, 0)
+        wg = (torch.rand(E, M, generator=g, dtype=torch.float64) * 2 - 1) / M ** 0.5
+        experts = [init_expert(M, D_FF, 0, 0, e, dtype=torch.float64) for e in range(E)]
+        every = slice(None)
+        sl = S // n_mp
+        pools = {  # the gating pools of §5 I3, each piece (micro-batch, rows)
+            "baseline": {tuple(inst): [(lay.coords(r)["dp"], every) for r in inst] for inst in lay.groups()[ESP]},
+            "s1": {(r,): [(lay.coords(r)["dp"], slice(lay.coords(r)["mp"] * sl, (lay.coords(r)["mp"] + 1) * sl))]
+                   for r in range(world)},
+            "s2": {tuple(inst): [(lay.coords(inst[0])["dp"], every)] for inst in lay.groups()[MP]},
+        }
+        caps = {"baseline": gating.capacity(n_esp * S, E, 1, f), "s1": gating.capacity(sl, E, 1, f),
+                "s2": gating.capacity(S, E, 1, f, multiple=n_mp)}
+        for sched in ("baseline", "s1", "s2", "s2_aas"):
+            kind = "s2" if sched == "s2_aas" else sched
+            outs, aux = _pool_reference(xs, pools[kind], E, f, caps[kind], wg, experts)
+            for r in range(world):
+                y, a, cap = res[r][(n_mp, n_esp, sched)]
+                assert cap == caps[kind]
+                key = next(k for k in pools[kind] if r in k)
+                if kind == "baseline":  # own block of the ESP pool
+                    want = outs[key][key.index(r) * S:(key.index(r) + 1) * S]
+                elif kind == "s1":  # the MP group's slices, gathered in MP order
+                    want = torch.cat([outs[(q,)] for q in lay.groups()[MP][lay.coords(r)["dp"]]])
+                else:
+                    want = outs[key]
+                torch.testing.assert_close(y, want, rtol=1e-9, atol=1e-10, msg=lambda m: f"{sched} rank {r}: {m}")
+                if kind != "s1":
+                    assert abs(a - aux[key]) < 1e-12
+                else:
+                    assert abs(a - aux[(r,)]) < 1e-12
+                dropped_somewhere |= bool((want.abs().sum(1) == 0).any())
+    assert dropped_somewhere  # capacity bound: some token was dropped, so the pools mattered
+
