@@ -1,0 +1,130 @@
+"""Parm's collectives on real gloo ranks: SAA is all-gather(all-to-all) bitwise, forward and backward
+(spec §5 I4); every schedule's recorded calls and bytes per rank, group and pass equal the §2.5-2.7
+formulas with capacity ceilings and padding (I6); two runs are bitwise equal (I12)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moelab.comm.bytes import peer_bytes
+from moelab.strategies.parm.layout import EP, EPESP, ESP, MP, SAA, ParmLayout
+from moelab.testing import run_ranks
+
+S, M, K, F_CAP = 8, 8, 1, 1.2
+
+
+def _saa_rank(rank, world):
+    from moelab.comm import autograd as ag
+    from moelab.comm.door import Communicator
+    from moelab.comm.saa import saa
+    from moelab.comm.topology import Topology
+    from moelab.strategies.parm.layer import _SAAGather
+
+    out = {}
+    for n_mp in (1, 2, 4):
+        lay = ParmLayout(world, n_mp, 1, world, 4)
+        comm = Communicator(Topology(world, 4), groups=lay.groups())
+        g = torch.Generator().manual_seed(100 + rank)
+        D = torch.randn(world, 3, 2, generator=g, dtype=torch.float64)
+        n0, s0 = len(comm.rec.comm), len(comm.rec.spans)
+        A = saa(comm, D.reshape(world, -1), SAA, MP)
+        rec = comm.rec.comm[n0]
+        phases = [s for s in comm.rec.spans[s0:] if s[0].startswith("saa phase")]
+        B = comm.all_gather(comm.all_to_all_raw(D.reshape(world, -1), [1] * world, [1] * world, EPESP), group=MP)
+        # backward: SAA's autograd against the sequential pair, with MP-replicated upstream grads
+        W = torch.randn(n_mp, world, 3, 2, generator=torch.Generator().manual_seed(lay.coords(rank)["dp"]),
+                        dtype=torch.float64)
+        x1 = D.clone().requires_grad_()
+        (_SAAGather.apply(x1, torch.empty(0, requires_grad=True), comm) * W).sum().backward()
+        x2 = D.clone().requires_grad_()
+        y2 = ag.gather_rows(comm, ag.all_to_all(comm, x2, EPESP), MP) if n_mp > 1 else ag.all_to_all(comm, x2, EPESP)
+        (y2 * W.reshape(y2.shape)).sum().backward()
+        out[n_mp] = dict(equal=torch.equal(A, B), grad_equal=torch.equal(x1.grad, x2.grad), op=rec.op,
+                         group=rec.group, sent=rec.sent_to, phases=len(phases), mp=comm.group_ranks(MP))
+    return out
+
+
+def test_saa_is_allgather_of_alltoall_bitwise():
+    for world in (4, 8):
+        res = run_ranks(_saa_rank, world, timeout=180)
+        for r, per in enumerate(res):
+            for n_mp, o in per.items():
+                assert o["equal"] and o["grad_equal"], (world, n_mp, r)
+                assert (o["op"], o["group"], o["phases"]) == ("saa", SAA, world)
+                c = 3 * 2 * 8
+                want = {q: c + (world * c if q in o["mp"] and q != r else 0) for q in range(world)}
+                assert o["sent"] == want, (world, n_mp, r)
+
+
+# ---- I6: calls and bytes per schedule ----------------------------------------------------------------
+def _bytes_rank(rank, world, n_mp, n_esp):
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+    from moelab.strategies.parm.layer import ParmMoE
+
+    lay = ParmLayout(world, n_mp, n_esp, world // n_esp, 4)
+    comm = Communicator(Topology(world, 4), groups=lay.groups())
+    out = {}
+    for sched in ("baseline", "s1", "s2", "s2_aas"):
+        ys = []
+        for _ in range(2):  # twice: I12, bitwise equal
+            layer = ParmMoE(comm, lay, M, 16, schedule=sched, capacity_factor=F_CAP, dtype=torch.float64)
+            x = torch.randn(S, M, generator=torch.Generator().manual_seed(lay.coords(rank)["dp"]),
+                            dtype=torch.float64, requires_grad=True)
+            n0 = len(comm.rec.comm)
+            y = layer(x)
+            (y * y).sum().backward()
+            ys.append((y.detach(), x.grad, layer.wg.grad, layer.w1.grad))
+        out[sched] = dict(calls=[(r.op, r.group, r.tags.get("phase", "fwd"), r.sent_to) for r in comm.rec.comm[n0:]],
+                          same=all(torch.equal(a, b) for a, b in zip(*ys)))
+    return out
+
+
+def _expected(lay: ParmLayout, rank: int, sched: str) -> list:
+    """The §2.5-2.7 calls of one pass pair, sizes from the formulas (8-byte elements)."""
+    E, E_l, b = lay.num_experts, lay.e_local, 8
+    g = lay.groups()
+    mine = lambda name: next(i for i in g[name] if rank in i)  # noqa: E731
+    T_b = math.ceil(K * F_CAP * lay.n_esp * S / E - 1e-9)
+    T_1 = math.ceil(K * F_CAP * (S // lay.n_mp) / E - 1e-9)
+    T_2 = lay.n_mp * math.ceil(math.ceil(K * F_CAP * S / E - 1e-9) / lay.n_mp)
+    t_2 = T_2 // lay.n_mp
+
+    def call(op, group, phase, **kw):
+        return (op, group, phase, peer_bytes(op, mine(group), rank, **kw))
+
+    def a2a(group, rows, T, phase):
+        n = len(mine(group))
+        return call("all_to_all", group, phase, splits=[rows * T * M * b] * n)
+
+    saa = lambda phase: ("saa", SAA, phase, {q: E_l * t_2 * M * b + (lay.world * E_l * t_2 * M * b if q in mine(MP) and q != rank else 0)  # noqa: E501
+                                             for q in range(lay.world)})
+    if sched == "baseline":
+        ag = call("all_gather", ESP, "fwd", nbytes=S * M * b)
+        ar = lambda ph: call("all_reduce", ESP, ph, nbytes=E * T_b * M * b)  # noqa: E731
+        return [ag, a2a(EP, E_l, T_b, "fwd"), ar("fwd"), a2a(EP, E_l, T_b, "fwd"),
+                call("all_gather", ESP, "bwd", nbytes=S * M * b), a2a(EP, E_l, T_b, "bwd"), ar("bwd"),
+                a2a(EP, E_l, T_b, "bwd")]
+    if sched == "s1":
+        agm = lambda ph: call("all_gather", MP, ph, nbytes=(S // lay.n_mp) * M * b)  # noqa: E731
+        return [a2a(EPESP, E_l, T_1, "fwd"), a2a(EPESP, E_l, T_1, "fwd"), agm("fwd"),
+                a2a(EPESP, E_l, T_1, "bwd"), a2a(EPESP, E_l, T_1, "bwd"), agm("bwd")]
+    if sched == "s2":
+        return [a2a(EPESP, E_l, t_2, "fwd"), saa("fwd"), a2a(SAA, E_l, t_2, "bwd"), saa("bwd")]
+    agm = lambda ph: call("all_gather", MP, ph, nbytes=E * t_2 * M * b)  # noqa: E731
+    return [a2a(EPESP, E_l, t_2, "fwd"), a2a(EPESP, E_l, t_2, "fwd"), agm("fwd"),
+            a2a(EPESP, E_l, t_2, "bwd"), a2a(EPESP, E_l, t_2, "bwd"), agm("bwd")]
+
+
+def test_recorded_calls_and_bytes_follow_the_formulas():
+    world, n_mp, n_esp = 4, 2, 2
+    lay = ParmLayout(world, n_mp, n_esp, world // n_esp, 4)
+    res = run_ranks(_bytes_rank, world, n_mp, n_esp, timeout=180)
+    for r, per in enumerate(res):
+        for sched, o in per.items():
+            assert o["same"], (sched, r)
+            want = _expected(lay, r, sched)
+            assert o["calls"] == want, (sched, r, o["calls"], want)
+    # the capacities the formulas gave really differ (ceil and padding matter here): T_b, T_1, T_2
+    assert (math.ceil(1.2 * 16 / 2), math.ceil(1.2 * 4 / 2), 2 * math.ceil(math.ceil(1.2 * 8 / 2) / 2)) == (10, 3, 6)
