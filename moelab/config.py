@@ -182,7 +182,7 @@ class RunConfig:
             errs.append(f"model.moe.gate must be one of {gates}, got {moe.gate!r}")
         if moe.dispatcher not in dispatchers:
             errs.append(f"model.moe.dispatcher must be one of {dispatchers}, got {moe.dispatcher!r}")
-        if p.placement is None and moe.num_experts % p.nproc != 0:
+        if p.placement is None and moe.num_experts % p.nproc != 0 and not _own_expert_layout(p.strategy):
             errs.append(
                 f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.nproc={p.nproc}: "
                 "expert parallelism needs the same number of experts on every rank")
@@ -302,6 +302,13 @@ class RunConfig:
                 extra = " (or null for dropless)" if name == "model.moe.capacity_factor" else ""
                 errs.append(f"{name} must be {'>=' if closed else '>'} {lo}{extra}, got {v!r}")
         return errs
+
+
+def _own_expert_layout(strategy: str) -> bool:
+    """Whether ``strategy`` validates the expert count against its own layout (Parm: N_EP | E)."""
+    from moelab.strategies import get, known_strategies
+
+    return strategy in known_strategies() and get(strategy).own_expert_layout
 
 
 def registered_gates() -> tuple:

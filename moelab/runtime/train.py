@@ -87,6 +87,7 @@ class Trainer:
     out_dir: Optional[str] = None  # where checkpoints go (the run folder); None: no checkpoints
     start_iter: int = 0  # > 0 after resuming from a checkpoint
     eval_accuracy: Optional[tuple] = None  # classification tasks: (top-1, top-2) of the last evaluation
+    shard: tuple = (0, 1)  # (data shard this rank reads, distinct shards): the strategy's, (rank, world) for most
 
     @classmethod
     def build(cls, cfg: RunConfig, device: Optional[torch.device] = None) -> "Trainer":
@@ -99,10 +100,12 @@ class Trainer:
         from moelab.strategies import get_groups
         comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank), groups=get_groups(cfg))
         dtype = DTYPES[cfg.train.dtype]
-        from moelab.strategies import get_strategy
+        from moelab.strategies import get, get_strategy
 
         factory = get_strategy(cfg.parallel.strategy)
-        model = build_model(cfg, seed=cfg.train.seed, comm=comm, placement=placement_for(cfg, world),
+        strategy = get(cfg.parallel.strategy)
+        placement = None if strategy.own_expert_layout else placement_for(cfg, world)  # Parm places by its layout
+        model = build_model(cfg, seed=cfg.train.seed, comm=comm, placement=placement,
                             dtype=dtype, moe_layer_cls=factory(cfg) if factory else None)
         device = device or torch.device("cpu")
         model.to(device)
@@ -111,8 +114,11 @@ class Trainer:
         from moelab.runtime.update import GRAD_SYNCS
         from moelab.strategies import get_update
 
+        if strategy.prepare_model is not None:  # e.g. Parm's tensor-parallel dense parts
+            strategy.prepare_model(cfg, model, comm)
         update_cls = get_update(cfg.parallel.strategy) or GRAD_SYNCS[cfg.parallel.grad_sync]
         trainer = cls(cfg, model, comm, update_cls(model, comm, cfg), device)
+        trainer.shard = strategy.shard_of(cfg, rank, world)
         if cfg.train.resume_from is not None:
             from moelab.runtime.checkpoint import load
 
@@ -132,7 +138,8 @@ class Trainer:
         world = comm.world_size
         if cfg.train.fault_rank == self.rank and it == cfg.train.fault_iter:
             raise RuntimeError(f"injected fault on rank {self.rank} at iteration {it} (train.fault_rank)")
-        batch = {k: v.to(self.device) for k, v in make_batch(cfg, self.rank, world, it).items() if torch.is_tensor(v)}
+        index, shards = self.shard
+        batch = {k: v.to(self.device) for k, v in make_batch(cfg, index, shards, it).items() if torch.is_tensor(v)}
         n_rec = len(comm.rec.comm)
         update, mem = self.update, self.update.memory
         mem.reset()
@@ -145,7 +152,7 @@ class Trainer:
             mem_acts = mem.sample()["activations"]
             update.before_backward()
             with comm.rec.span("backward", "backward"):
-                (loss / world).backward()
+                (loss / shards).backward()
             with comm.rec.span("grad_sync", "comm"):
                 update.sync()
             mem_grads = mem.sample()["grads"]
@@ -202,7 +209,7 @@ class Trainer:
         with comm.rec.paused(), self.update.resident_params() as model:
             model.eval()  # layers that compute differently in evaluation see it (LSH-MoE's exact forward)
             for i in range(cfg.train.eval_batches):
-                b = make_eval_batch(cfg, self.rank, comm.world_size, i)
+                b = make_eval_batch(cfg, *self.shard, i)
                 logits = model(b["inputs"].to(self.device))
                 targets = b["targets"].to(self.device).reshape(-1)
                 total[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), targets,

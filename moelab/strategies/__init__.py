@@ -18,6 +18,13 @@ A strategy is everything a system changes, as data the core reads:
   a calibration); None: no per-iteration arguments;
 - ``groups``: ``run_cfg -> {name: [[ranks], ...]}``, process groups the strategy needs beyond the
   core's (Parm's MP/ESP, Lina's expert-DP); None: none;
+- ``data_shard``: ``(run_cfg, rank, world) -> (index, count)``: which of ``count`` distinct data
+  shards a rank reads (the loss is averaged over them); None: ``(rank, world)``. Parm: one
+  micro-batch per MP group, replicated on its ranks;
+- ``prepare_model``: ``(run_cfg, model, comm) -> None``: reshape the built model in place before the
+  update sees it (Parm: tensor-parallel dense parts); ``own_expert_layout``: the strategy checks the
+  expert count against its own layout (Parm: N_EP divides E), so the core's "experts divisible by
+  ranks" does not apply;
 - ``conformance``: option sets the conformance suite (``tests/test_conformance.py``) runs on every
   registered strategy automatically: fp64 reference with edge loads, training equivalence with the
   1-rank run, simulated bytes == measured bytes. ``changes_model``: the option names that make a
@@ -45,6 +52,7 @@ _BUILTIN = {  # name -> module that registers it
     "fsdp_expert": "moelab.strategies.fsdp_expert",
     "flexmoe": "moelab.strategies.flexmoe",
     "lsh_moe": "moelab.strategies.lsh_moe",
+    "parm": "moelab.strategies.parm",
 }
 
 
@@ -57,6 +65,9 @@ class Strategy:
     sim_graph: Union[Callable, str, None] = None
     sim_plan: Union[Callable, str, None] = None
     groups: Optional[Callable] = None
+    data_shard: Optional[Callable] = None
+    prepare_model: Optional[Callable] = None
+    own_expert_layout: bool = False
     conformance: tuple = ({},)  # option dicts for the conformance suite
     changes_model: Union[tuple, Callable] = ()  # option names (or a predicate) that change the trained model
     doc: str = ""
@@ -104,6 +115,10 @@ class Strategy:
 
     def declared_groups(self, run_cfg) -> dict:
         return dict(self.groups(run_cfg)) if self.groups is not None else {}
+
+    def shard_of(self, run_cfg, rank: int, world: int) -> tuple:
+        """(data shard index, distinct shards) of ``rank``."""
+        return tuple(self.data_shard(run_cfg, rank, world)) if self.data_shard is not None else (rank, world)
 
 
 def register_strategy(strategy: Strategy) -> Strategy:

@@ -8,7 +8,56 @@
 - :mod:`.perf_model`: the alpha-beta model, Alg. 1 and its closed form (§2.10a, §2.11, §2.13);
 - :mod:`.grid`: the Table III grid, the memory filter, per-schedule token counts and FLOPs.
 
-Not registered as a ``parallel.strategy`` yet: the trainer path (tensor-parallel dense parts, data
-drawn per MP group, the §2.9 update) comes next; until then the layer runs on real ranks through
-its own tests.
+- :mod:`.fits`: alpha-beta fits taken through the door on the live groups; :mod:`.select`: ``auto``;
+- :mod:`.model`, :mod:`.update`: the trainer's view (layer adapter, tensor-parallel dense parts, one
+  micro-batch per MP group, the §2.9 gradient semantics).
+
+Registered as ``parallel.strategy: parm`` with ``strategy_options`` such as ``{mp: 2, esp: 2,
+schedule: s2}``; needs ``model.moe.dispatcher: dense``, a capacity factor and a switch or gshard
+gate. Exempt from the generic conformance suite (its gating pools and MP-replicated inputs are not
+the core layer's contract); its own fp64 references are ``tests/test_parm_*.py``.
 """
+from __future__ import annotations
+
+import functools
+
+from moelab.strategies import Strategy, register_strategy
+from moelab.strategies.parm.options import ParmOptionError, ParmOptions
+
+
+def layer_factory(run_cfg, opts: ParmOptions):
+    from moelab.strategies.parm.model import ParmMoELayer
+
+    return functools.partial(ParmMoELayer, options=opts, run_cfg=run_cfg)
+
+
+def declared_groups(run_cfg) -> dict:
+    from moelab.strategies.parm.model import layout_of
+
+    return layout_of(run_cfg, ParmOptions.from_dict(run_cfg.parallel.strategy_options)).groups()
+
+
+def _update():
+    from moelab.strategies.parm.update import ParmUpdate
+
+    return ParmUpdate
+
+
+def _shard(run_cfg, rank, world):
+    from moelab.strategies.parm.model import data_shard
+
+    return data_shard(run_cfg, rank, world)
+
+
+def _prepare(run_cfg, model, comm):
+    from moelab.strategies.parm.model import prepare_model
+
+    prepare_model(run_cfg, model, comm)
+
+
+STRATEGY = register_strategy(Strategy(
+    "parm", options=ParmOptions, layer=layer_factory, update=_update(), groups=declared_groups,
+    data_shard=_shard, prepare_model=_prepare, own_expert_layout=True, conformance=(),
+    doc="Parm: MP x EP x ESP with MP paused in the MoE layer (baseline, S1, S2 with SAA, S2-AAS, auto)"))
+
+__all__ = ["STRATEGY", "ParmOptions", "ParmOptionError"]

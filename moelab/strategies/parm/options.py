@@ -42,3 +42,32 @@ class ParmOptions(StrategyOptions):
 
     def value_errors(self) -> list:
         return [f"{k} must be >= 1, got {v}" for k, v in (("mp", self.mp), ("esp", self.esp)) if v < 1]
+
+    def run_errors(self, run_cfg) -> list:
+        """Everything about the run that Parm cannot execute, each naming the option and its values."""
+        from moelab.strategies.parm.model import layout_of
+
+        m, moe, p, t = run_cfg.model, run_cfg.model.moe, run_cfg.parallel, run_cfg.train
+        errs = list(layout_of(run_cfg, self).errors())
+        if m.d_ff % self.esp:
+            errs.append(f"model.d_ff={m.d_ff} (the expert hidden size) is not divisible by esp={self.esp}")
+        for name, v in (("model.n_heads", m.n_heads), ("model.d_model", m.d_model), ("model.d_ff", m.d_ff)):
+            if v % self.mp:
+                errs.append(f"{name}={v} is not divisible by mp={self.mp} (tensor-parallel dense parts)")
+        tokens = t.batch_size * m.seq_len
+        if self.schedule in ("s1", "auto") and tokens % self.mp:
+            errs.append(f"schedule {self.schedule!r} splits the tokens of an MP group over mp={self.mp}: "
+                        f"train.batch_size * model.seq_len = {tokens} is not divisible by it")
+        if moe.capacity_factor is None:
+            errs.append("parm needs model.moe.capacity_factor (its buffers are capacity-padded, DeepSpeed-style)")
+        if moe.dispatcher != "dense":
+            errs.append(f"parm dispatches capacity buffers: set model.moe.dispatcher='dense' (got {moe.dispatcher!r}); "
+                        "strategy_options.dispatcher picks einsum or index")
+        if p.placement is not None:
+            errs.append("parm places experts by its layout (ESP blocks, strided EP): parallel.placement must be unset")
+        if moe.gate == "topk" and moe.top_k == 1:
+            errs.append("model.moe.gate='topk' with top_k=1 has a constant weight of 1: use gate='switch'")
+        elif moe.gate not in ("switch", "gshard"):
+            errs.append(f"parm gates like DeepSpeed: model.moe.gate must be 'switch' (k=1) or 'gshard' (k=2), "
+                        f"got {moe.gate!r}")
+        return errs
