@@ -128,3 +128,40 @@ def test_recorded_calls_and_bytes_follow_the_formulas():
             assert o["calls"] == want, (sched, r, o["calls"], want)
     # the capacities the formulas gave really differ (ceil and padding matter here): T_b, T_1, T_2
     assert (math.ceil(1.2 * 16 / 2), math.ceil(1.2 * 4 / 2), 2 * math.ceil(math.ceil(1.2 * 8 / 2) / 2)) == (10, 3, 6)
+
+
+# ---- the plan the simulator prices is the door's record, call by call -----------------------------
+def _records_rank(rank, world, cells, f):
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+    from moelab.strategies.parm.layer import ParmMoE
+
+    out = {}
+    for n_mp, n_esp in cells:
+        lay = ParmLayout(world, n_mp, n_esp, 2 * world // n_esp, 4)
+        comm = Communicator(Topology(world, 4), groups=lay.groups())
+        for sched, variant, saa_bwd in (("baseline", "fig3a", True), ("baseline", "ds081", True), ("s1", "fig3a", True),
+                                        ("s2", "fig3a", True), ("s2", "fig3a", False), ("s2_aas", "fig3a", True)):
+            layer = ParmMoE(comm, lay, M, 16, schedule=sched, capacity_factor=f, baseline_variant=variant,
+                            saa_backward=saa_bwd, gate="gshard")
+            x = torch.randn(S, M, generator=torch.Generator().manual_seed(lay.coords(rank)["dp"]), requires_grad=True)
+            n0 = len(comm.rec.comm)
+            layer(x).sum().backward()
+            out[(n_mp, n_esp, sched, variant, saa_bwd)] = [(r.op, r.group, r.tags.get("phase", "fwd"), r.sent_to)
+                                                           for r in comm.rec.comm[n0:]]
+    return out
+
+
+def test_plan_calls_equal_the_door_records():
+    from moelab.strategies.parm.plan import Shape, rank_calls, sizes, steps
+
+    for world, cells in ((4, [(1, 2), (2, 1), (4, 2)]), (8, [(2, 2), (2, 4), (4, 2), (4, 4)])):
+        res = run_ranks(_records_rank, world, cells, 1.7, timeout=240)
+        for (n_mp, n_esp, sched, variant, saa_bwd), got in res[0].items():
+            lay = ParmLayout(world, n_mp, n_esp, 2 * world // n_esp, 4)
+            plan = steps(lay, Shape(S, M, 16, k=2, f=1.7), sched, variant, saa_bwd)
+            for r in range(world):
+                rec = res[r][(n_mp, n_esp, sched, variant, saa_bwd)]
+                assert rec == rank_calls(lay, r, plan), (world, n_mp, n_esp, sched, variant, saa_bwd, r)
+            z = sizes(lay, Shape(S, M, 16, k=2, f=1.7), sched, variant)
+            assert z["rows"] >= 1 and z["T"] >= z["slots"]
