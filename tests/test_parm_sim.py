@@ -1,0 +1,62 @@
+"""Parm in the simulator: the layer graph is the plan the runtime executes (bytes per rank = the
+door's, which tests/test_parm_comm.py ties to real records), SAA is priced as its P phases, and the
+link model decides what overlaps."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moelab.comm.bytes import peer_bytes
+from moelab.comm.saa import _sent
+from moelab.sim.profiles import get_profile
+from moelab.strategies.parm.layout import ParmLayout
+from moelab.strategies.parm.plan import Shape, rank_calls, steps
+from moelab.strategies.parm.sim_graph import layer_time, parm_layer_graph
+
+SHAPE = Shape(S=64, M=32, H=64, k=1, f=1.2)
+
+
+def _graph_calls(g, rank):
+    out = []
+    for op in g.ops:
+        c = op.comm
+        if c is None or rank not in c["group"]:
+            continue
+        if c["op"] == "saa":
+            sent = _sent(c["group"], rank, nbytes=c["nbytes"], sub=c["sub"])
+        else:
+            args = {k: v for k, v in c.items() if k not in ("op", "group")}
+            if "splits" in args:
+                args["splits"] = [int(v) for v in args["splits"][c["group"].index(rank)]]
+            sent = peer_bytes(c["op"], c["group"], rank, **args)
+        out.append((c["op"], op.meta.get("phase"), sent))
+    return out
+
+
+@pytest.mark.parametrize("P, g, cells", [(4, 2, [(2, 2), (1, 2), (2, 1)]), (8, 4, [(2, 2), (2, 4), (4, 2), (4, 4)])])
+def test_simulated_bytes_are_the_plans(P, g, cells):
+    prof = dataclasses.replace(get_profile("parm_B"), nodes=P // g, gpus_per_node=g)
+    for n_mp, n_esp in cells:
+        lay = ParmLayout(P, n_mp, n_esp, P // n_esp, g)
+        for sched, variant in (("baseline", "fig3a"), ("baseline", "ds081"), ("s1", "fig3a"), ("s2", "fig3a"),
+                               ("s2_aas", "fig3a")):
+            graph = parm_layer_graph(prof, lay, SHAPE, sched, variant)
+            plan = steps(lay, SHAPE, sched, variant)
+            for r in range(P):
+                want = [(op, ph, sent) for op, _, ph, sent in rank_calls(lay, r, plan)]
+                assert _graph_calls(graph, r) == want, (n_mp, n_esp, sched, variant, r)
+
+
+def test_saa_is_priced_as_phases_and_overlap_is_earned():
+    prof = get_profile("parm_B").with_nodes(2)
+    lay = ParmLayout(8, 2, 2, 4, 4)
+    g = parm_layer_graph(prof, lay, SHAPE, "s2")
+    phases = [op for op in g.ops if op.category == "saa"]
+    assert len(phases) == 2 * 8  # forward and backward SAA, P phases each
+    # a slower intra-node link slows the intra-node parts (SAA's gather half, intra all-to-all traffic)
+    slow = dataclasses.replace(prof, intra_bw_GBps=prof.intra_bw_GBps / 50)
+    big = Shape(S=2048, M=256, H=512, k=1, f=1.2)
+    assert layer_time(slow, lay, big, "s2")["time_s"] > 1.5 * layer_time(prof, lay, big, "s2")["time_s"]
+    r = layer_time(prof, lay, big, "baseline")
+    assert 0 < r["comm_share"] < 1 and r["time_s"] > 0
