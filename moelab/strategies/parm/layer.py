@@ -163,15 +163,25 @@ class ParmMoE(nn.Module):
         return x if self._size(group) == 1 else fn(self.comm, x, group, **kw)
 
     def _gate(self, pool: torch.Tensor, cap: int):
-        r = gating.route(self.wg, pool, self.gate_name, self.f, cap)
+        with self.comm.rec.span("gate", "compute"):
+            r = gating.route(self.wg, pool, self.gate_name, self.f, cap)
         self.aux = r.aux_loss
         return r
+
+    def _dispatch(self, X, r, cap):
+        with self.comm.rec.span("dispatch", "compute"):
+            return gating.dispatch(X, r, self.layout.num_experts, cap, self.mode)
+
+    def _combine(self, Z, r, cap):
+        with self.comm.rec.span("combine", "compute"):
+            return gating.combine(Z, r, cap, self.mode)
 
     def _experts(self, R: torch.Tensor) -> torch.Tensor:
         L = self.layout
         n_src = R.shape[0] // L.e_local
-        return gating.expert_partials(R.view(n_src, L.e_local, *R.shape[1:]), self.w1, self.w2, self.b2,
-                                      self.activation).reshape(R.shape)
+        with self.comm.rec.span("experts", "compute"):
+            return gating.expert_partials(R.view(n_src, L.e_local, *R.shape[1:]), self.w1, self.w2, self.b2,
+                                          self.activation).reshape(R.shape)
 
     def _note(self, schedule, pool, cap, expert_rows):
         self.last = {"schedule": schedule, "gate_tokens": int(pool), "capacity": int(cap),
@@ -194,12 +204,12 @@ class ParmMoE(nn.Module):
         X = self._op(ag.gather_rows, x, ESP) if esp_gather else x
         cap = gating.capacity(X.shape[0], E, self.k, self.f)
         r = self._gate(X, cap)
-        G = gating.dispatch(X, r, E, cap, self.mode)  # (E, T_b, M) = (N_EP, E_l, T_b, M)
+        G = self._dispatch(X, r, cap)  # (E, T_b, M) = (N_EP, E_l, T_b, M)
         R = self._op(ag.all_to_all, G, EP)
         R = self._op(ag.reduce_bwd, R, ESP)  # f: the replicated expert input feeds sharded work
         Y = self._op(ag.reduce_fwd, self._experts(R), ESP)
         Z = self._op(ag.all_to_all, Y, EP)
-        O = gating.combine(Z, r, cap, self.mode)
+        O = self._combine(Z, r, cap)
         self._note("baseline" if esp_gather else "baseline(ds081 esp=mp)", X.shape[0], cap, R.shape[0] * cap)
         return self._op(ag.split_rows, O, ESP) if esp_gather else O
 
@@ -208,10 +218,10 @@ class ParmMoE(nn.Module):
         xm = self._op(ag.split_rows, x, MP)
         cap = gating.capacity(xm.shape[0], E, self.k, self.f)
         r = self._gate(xm, cap)
-        G = gating.dispatch(xm, r, E, cap, self.mode)
+        G = self._dispatch(xm, r, cap)
         R = self._op(ag.all_to_all, dump(G, L), EPESP)
         B = self._op(ag.all_to_all, self._experts(R), EPESP)
-        Om = gating.combine(local_combine(B, L), r, cap, self.mode)
+        Om = self._combine(local_combine(B, L), r, cap)
         self._note("s1", xm.shape[0], cap, R.shape[0] * cap)
         return self._op(ag.gather_rows, Om, MP)
 
@@ -219,7 +229,7 @@ class ParmMoE(nn.Module):
         L, E, n_mp = self.layout, self.layout.num_experts, self.layout.n_mp
         cap = gating.capacity(x.shape[0], E, self.k, self.f, multiple=n_mp)  # T_2
         r = self._gate(x, cap)
-        G = gating.dispatch(x, r, E, cap, self.mode)
+        G = self._dispatch(x, r, cap)
         t2 = cap // n_mp
         if n_mp > 1 and self.saa_backward and not aas:
             R = _SlotSplitDumpA2A.apply(G, torch.empty(0, requires_grad=torch.is_grad_enabled()), self.comm, L)
@@ -233,4 +243,4 @@ class ParmMoE(nn.Module):
             C = ob.view(n_mp, L.n_ep, L.n_esp, L.e_local, t2, -1).sum(2)  # [N_MP, N_EP, E_l, t2, M]
             C = C.reshape(n_mp, E, t2, -1).transpose(0, 1).reshape(E, cap, -1)
         self._note(label or ("s2_aas" if aas else "s2"), x.shape[0], cap, R.shape[0] * t2)
-        return gating.combine(C, r, cap, self.mode)
+        return self._combine(C, r, cap)
