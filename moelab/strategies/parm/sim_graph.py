@@ -24,7 +24,7 @@ from moelab.sim import costs
 from moelab.sim.engine import simulate
 from moelab.sim.graphs import new_graph
 from moelab.strategies.parm.layout import MP, ParmLayout
-from moelab.strategies.parm.plan import Shape, steps
+from moelab.strategies.parm.plan import Shape, Step, steps
 
 
 def _saa_phases(g, inst, topo, profile, nbytes, mp_groups, deps, name, phase):
@@ -45,15 +45,12 @@ def _saa_phases(g, inst, topo, profile, nbytes, mp_groups, deps, name, phase):
     return last
 
 
-def parm_layer_graph(profile, layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a",
-                     saa_backward: bool = True, meta: Optional[dict] = None):
-    """The op graph of one MoE layer call (forward + backward) of ``schedule`` on ``profile``'s links."""
-    topo = Topology(layout.world, layout.ranks_per_node)
-    g = new_graph(profile, topo, {"strategy": "parm", "schedule": schedule, "variant": variant, **(meta or {})})
+def _build(g, layout: ParmLayout, topo: Topology, profile, plan) -> None:
+    """Append ``plan`` (a list of :class:`~.plan.Step`) to ``g``: each rank's steps in order."""
     groups = layout.groups()
     last = {r: None for r in range(layout.world)}
     dep = lambda ranks: tuple(last[r] for r in ranks if last[r] is not None)  # noqa: E731
-    for s in steps(layout, shape, schedule, variant, saa_backward):
+    for s in plan:
         if not s.is_comm:
             t = costs.compute_time(s.flops, profile)
             for r in range(layout.world):
@@ -71,6 +68,59 @@ def parm_layer_graph(profile, layout: ParmLayout, shape: Shape, schedule: str, v
                                 phase=s.phase)
             for r in inst:
                 last[r] = op
+
+
+def parm_layer_graph(profile, layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a",
+                     saa_backward: bool = True, meta: Optional[dict] = None):
+    """The op graph of one MoE layer call (forward + backward) of ``schedule`` on ``profile``'s links."""
+    topo = Topology(layout.world, layout.ranks_per_node)
+    g = new_graph(profile, topo, {"strategy": "parm", "schedule": schedule, "variant": variant, **(meta or {})})
+    _build(g, layout, topo, profile, steps(layout, shape, schedule, variant, saa_backward))
+    return g
+
+
+def model_steps(layout: ParmLayout, shape: Shape, *, n_layers: int, seq_len: int, vocab: int, d_ff: int,
+                moe_every: int = 2, schedule: str = "s1", variant: str = "fig3a", saa_backward: bool = True,
+                grad_sync: bool = True) -> list:
+    """One training iteration of a Transformer with Megatron tensor parallelism over MP: per block
+    attention (its FLOPs / N_MP) and an MP all-reduce of the S x M activations in each pass (g forward,
+    f backward), then a dense FFN (the same) or Parm's MoE layer (:func:`~.plan.steps`); the tied LM
+    head replicated; with ``grad_sync`` the dense gradients summed over the dense-DP group."""
+    from moelab.strategies.parm.layout import DENSE_DP
+
+    L, S, M, b = layout, shape.S, shape.M, shape.elem_bytes
+    attn_f = costs.attention_flops(S, M, seq_len) / L.n_mp
+    ffn_f = costs.ffn_flops(S, M, d_ff) / L.n_mp
+    ar = [Step(p, "tp_allreduce", "all_reduce", MP, {"nbytes": S * M * b}) for p in ("fwd", "bwd")] if L.n_mp > 1 \
+        else [None, None]
+    moe = steps(layout, shape, schedule, variant, saa_backward)
+    fwd, bwd = [], []
+    for i in range(n_layers):
+        is_moe = moe_every == 1 or i % 2 == 1
+        blk_f = [Step("fwd", "attention", flops=attn_f), ar[0]]
+        blk_b = [Step("bwd", "attention", flops=2 * attn_f), ar[1]]
+        if is_moe:
+            blk_f += [s for s in moe if s.phase == "fwd"]
+            blk_b = [s for s in moe if s.phase == "bwd"] + blk_b
+        else:
+            blk_f += [Step("fwd", "ffn", flops=ffn_f), ar[0]]
+            blk_b = [Step("bwd", "ffn", flops=2 * ffn_f), ar[1]] + blk_b
+        fwd += blk_f
+        bwd = blk_b + bwd
+    head = costs.head_flops(S, M, vocab)
+    plan = [s for s in fwd + [Step("fwd", "head", flops=head), Step("bwd", "head", flops=2 * head)] + bwd if s]
+    if grad_sync and L.n_dp > 1:
+        dense = vocab * M + seq_len * M + n_layers * (4 * M * M / L.n_mp + 4 * M) \
+            + (n_layers - (n_layers // 2 if moe_every == 2 else n_layers)) * 2 * M * d_ff / L.n_mp
+        plan.append(Step("sync", "dense_grad_allreduce", "all_reduce", DENSE_DP, {"nbytes": int(dense) * b}))
+    return plan
+
+
+def parm_model_graph(profile, layout: ParmLayout, shape: Shape, meta: Optional[dict] = None, **kw):
+    """The op graph of one training iteration (:func:`model_steps`)."""
+    topo = Topology(layout.world, layout.ranks_per_node)
+    g = new_graph(profile, topo, {"strategy": "parm", "model": True, **(meta or {})})
+    _build(g, layout, topo, profile, model_steps(layout, shape, **kw))
     return g
 
 
