@@ -60,3 +60,27 @@ def test_saa_is_priced_as_phases_and_overlap_is_earned():
     assert layer_time(slow, lay, big, "s2")["time_s"] > 1.5 * layer_time(prof, lay, big, "s2")["time_s"]
     r = layer_time(prof, lay, big, "baseline")
     assert 0 < r["comm_share"] < 1 and r["time_s"] > 0
+
+
+def test_tp_iteration_has_two_mp_allreduces_per_block_per_pass():
+    from moelab.strategies.parm.sim_graph import model_steps, parm_model_graph
+
+    for n_mp in (1, 2, 4):
+        lay = ParmLayout(8, n_mp, 2, 4, 4)
+        plan = model_steps(lay, SHAPE, n_layers=4, seq_len=16, vocab=100, d_ff=64, schedule="s1")
+        tp = [s for s in plan if s.name == "tp_allreduce"]
+        # g forward after attention and after each dense FFN (2 per block), f backward (the same): 4 blocks
+        want = 0 if n_mp == 1 else 2 * (4 + 2)  # attention in all 4 blocks, dense FFN in 2 (MoE every other)
+        assert len(tp) == want and all(s.group == "mp" for s in tp)
+        assert sum(1 for s in plan if s.name == "dense_grad_allreduce") == 1
+        attn = [s.flops for s in plan if s.name == "attention" and s.phase == "fwd"]
+        assert len(attn) == 4 and len(set(attn)) == 1
+    t1 = simulate_makespan(parm_model_graph(get_profile("parm_A"), ParmLayout(8, 2, 2, 4, 8), SHAPE, n_layers=2,
+                                            seq_len=16, vocab=100, d_ff=64, schedule="s1"))
+    assert t1 > 0
+
+
+def simulate_makespan(graph):
+    from moelab.sim import simulate
+
+    return simulate(graph).makespan
