@@ -36,6 +36,8 @@ class AlphaBeta:
     beta: float  # s per byte
     r2: float
     n: int = 0  # points fitted
+    alpha_se: float = 0.0  # OLS standard errors (0 with 2 points or an exact fit)
+    beta_se: float = 0.0
 
     @property
     def bandwidth(self) -> float:
@@ -46,18 +48,24 @@ class AlphaBeta:
         return self.alpha + self.beta * np.asarray(x, dtype=float)
 
     def as_dict(self) -> dict:
-        return {"alpha": self.alpha, "beta": self.beta, "r2": self.r2, "n": self.n}
+        return {"alpha": self.alpha, "beta": self.beta, "r2": self.r2, "n": self.n, "alpha_se": self.alpha_se,
+                "beta_se": self.beta_se}
 
 
 def fit_alpha_beta(x, t) -> AlphaBeta:
-    """Ordinary least squares ``t = alpha + beta * x``; R^2 of the fit."""
+    """Ordinary least squares ``t = alpha + beta * x``; R^2 and the standard errors of the fit."""
     x, t = np.asarray(x, dtype=float), np.asarray(t, dtype=float)
     A = np.stack([np.ones_like(x), x], axis=1)
     (alpha, beta), *_ = np.linalg.lstsq(A, t, rcond=None)
     resid = t - (alpha + beta * x)
+    ss_res = float((resid ** 2).sum())
     ss_tot = float(((t - t.mean()) ** 2).sum())
-    r2 = 1.0 - float((resid ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
-    return AlphaBeta(float(alpha), float(beta), r2, len(x))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    se = (0.0, 0.0)
+    if len(x) > 2:
+        cov = ss_res / (len(x) - 2) * np.linalg.pinv(A.T @ A)
+        se = (float(np.sqrt(max(cov[0, 0], 0.0))), float(np.sqrt(max(cov[1, 1], 0.0))))
+    return AlphaBeta(float(alpha), float(beta), r2, len(x), *se)
 
 
 def fit_collectives(df) -> dict:
