@@ -41,3 +41,35 @@ def test_emulated_fit_recovers_the_declared_link():
     want = (4 / 2) / 0.02e9
     assert abs(ag["beta"] - want) / want < 0.25, (ag["beta"], want)
     assert ag["alpha"] > 1e-3  # one ring step of 2 ms latency
+
+
+def _auto_rank(rank, world):
+    import time as _t
+
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+    from moelab.strategies.parm import fits as F
+    from moelab.strategies.parm.layer import ParmMoE
+    from moelab.strategies.parm.layout import ParmLayout
+    from moelab.strategies.parm.select import choose
+
+    lay = ParmLayout(world, 2, 2, 2, 4)
+    comm = Communicator(Topology(world, 4), groups=lay.groups())
+    real_issue = F._issue
+
+    def skewed(c, name, x, dtype):  # rank 3 is slower at every call: the max over ranks must absorb it
+        if c.rank == 3:
+            _t.sleep(0.002)
+        return real_issue(c, name, x, dtype)
+
+    F._issue = skewed
+    layer = ParmMoE(comm, lay, 16, 32, schedule="s1")
+    return choose(layer, 64, sizes=(2 ** 10, 2 ** 14), reps=2, warmup=1)
+
+
+def test_auto_makes_one_choice_on_every_rank_under_skewed_timings():
+    res = run_ranks(_auto_rank, 4, timeout=120)
+    assert all(r == res[0] for r in res)  # the same fits and the same schedule everywhere
+    assert res[0]["schedule"] in ("s1", "s2") and res[0]["tD1_s"] > 0 and res[0]["tD2_s"] > 0
+    assert set(res[0]["fits"]) == {"AG_MP", "A2A_EPESP", "SAA"}
+    assert res[0]["fits"]["AG_MP"]["alpha"] > 0.0015  # rank 3's 2 ms per call is in every rank's numbers
