@@ -62,3 +62,38 @@ def test_cross_node_groups_only_when_allowed():
     assert ParmLayout(8, 2, 8, 1, 4, allow_cross_node=True).errors() == []
     # E = 2 on 8 ranks is valid (Table V on testbed A): N_EP = 2 divides it
     assert ParmLayout(8, 4, 4, 2, 8).errors() == []
+
+
+# ---- bad input through the run config: a ConfigError naming option and values, before any process ----
+GOOD = {"parallel.nproc": 8, "parallel.strategy": "parm", "model.moe.dispatcher": "dense",
+        "model.moe.capacity_factor": 1.2, "model.moe.gate": "switch", "model.moe.top_k": 1, "model.moe.num_experts": 2,
+        "model.d_model": 64, "model.d_ff": 128, "model.n_heads": 4, "parallel.topology.nodes": 2}
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"parallel.strategy_options": {"mp": 3}}, "mp=3 does not divide parallel.nproc=8"),
+    ({"parallel.strategy_options": {"esp": 8}}, "esp=8: ESP groups would cross nodes of 4 ranks"),
+    ({"parallel.strategy_options": {"esp": 2}, "model.moe.num_experts": 3}, "does not divide model.moe.num_experts=3"),
+    ({"parallel.strategy_options": {"esp": 4}, "model.d_ff": 130}, "model.d_ff=130 (the expert hidden size) is not divisible by esp=4"),
+    ({"parallel.strategy_options": {"mp": 4}, "model.n_heads": 2}, "model.n_heads=2 is not divisible by mp=4"),
+    ({"parallel.strategy_options": {"mp": 4, "schedule": "s1"}, "train.batch_size": 1, "model.seq_len": 6},
+     "train.batch_size * model.seq_len = 6 is not divisible by it"),
+    ({"model.moe.capacity_factor": None}, "parm needs model.moe.capacity_factor"),
+    ({"model.moe.dispatcher": "sparse"}, "set model.moe.dispatcher='dense'"),
+    ({"parallel.placement": {0: [0], 1: [1]}}, "parallel.placement must be unset"),
+    ({"model.moe.gate": "topk"}, "gate='topk' with top_k=1 has a constant weight of 1: use gate='switch'"),
+    ({"parallel.strategy_options": {"schedule": "s3"}}, "schedule must be one of"),
+    ({"parallel.strategy_options": {"baseline_variant": "ds090"}}, "baseline_variant must be one of"),
+])
+def test_bad_parm_configs_fail_before_launch(over, message):
+    from moelab.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError) as e:
+        RunConfig().with_overrides({**GOOD, **over}).validate()
+    assert message in str(e.value)
+
+
+def test_a_good_parm_config_validates_with_two_experts_on_eight_ranks():
+    from moelab.config import RunConfig
+
+    RunConfig().with_overrides({**GOOD, "parallel.strategy_options": {"mp": 4, "esp": 4}}).validate()
