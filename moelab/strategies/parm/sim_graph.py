@@ -130,3 +130,29 @@ def layer_time(profile, layout: ParmLayout, shape: Shape, schedule: str, **kw) -
     kinds = res.breakdown("kind")
     t = float(res.makespan)
     return {"time_s": t, "comm_share": kinds.get("comm", 0.0) / t if t > 0 else 0.0, "breakdown": res.breakdown()}
+
+
+def parm_iteration_graph(cfg, profile, loads=None, placement=None, *, schedule: Optional[str] = None, **kw):
+    """The strategy's simulator graph (``Strategy.sim_graph``): one training iteration of ``cfg`` on
+    ``profile`` (:func:`parm_model_graph`; loads do not matter: the buffers are capacity-padded).
+    ``auto`` resolves with Alg. 1 on alpha-beta lines fitted to the profile's own collective curves.
+    The dense gradient all-reduce is priced from the model's dense parameter count (sharded ones / N_MP);
+    the per-layer gate all-reduce is left out (E x M elements)."""
+    from moelab.strategies.parm.model import layout_of
+    from moelab.strategies.parm.options import ParmOptions
+
+    opts = ParmOptions.from_dict(cfg.parallel.strategy_options)
+    lay = layout_of(cfg, opts)
+    m, moe = cfg.model, cfg.model.moe
+    shape = Shape(S=cfg.train.batch_size * m.seq_len, M=m.d_model, H=m.d_ff, k=moe.top_k, f=moe.capacity_factor,
+                  elem_bytes=8 if cfg.train.dtype == "float64" else 4, dispatcher=opts.dispatcher)
+    sched = schedule or opts.schedule
+    if sched == "auto":
+        from moelab.strategies.parm.experiments.paper_scale import model_fits
+        from moelab.strategies.parm.perf_model import ParmShape, select
+
+        sched = select(ParmShape(cfg.train.batch_size, m.seq_len, m.d_model, moe.num_experts, moe.top_k,
+                                 moe.capacity_factor, lay.n_mp, lay.n_esp), model_fits(profile, lay))[0]
+    return parm_model_graph(profile, lay, shape, meta={"schedule": sched}, n_layers=m.n_layers, seq_len=m.seq_len,
+                            vocab=m.vocab_size, d_ff=m.d_ff, moe_every=m.moe_every, schedule=sched,
+                            variant=opts.baseline_variant, saa_backward=opts.saa_backward, **kw)

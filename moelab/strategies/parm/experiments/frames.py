@@ -30,10 +30,10 @@ def layout_frame(P: int = 4, n_mp: int = 2, n_esp: int = 2, rpn: int = 2) -> pd.
     return df
 
 
-def timeline(world: int, scale, cell: tuple) -> pd.DataFrame:
+def timeline(world: int, scale, cell: tuple, seed: int = 0) -> pd.DataFrame:
     """Fig. 3: every rank's ops of one traced forward + backward per schedule (comm calls and compute
     spans), times relative to the call's start."""
-    suite = real.layer_suite(world, scale)
+    suite = real.layer_suite(world, scale, seed)
     rows = []
     for rank, traces in enumerate(suite["rank_traces"]):
         for m in SCHEDULES:
@@ -55,9 +55,9 @@ def timeline(world: int, scale, cell: tuple) -> pd.DataFrame:
     return df
 
 
-def byte_matrices(world: int, scale, cell: tuple, schedules=("baseline", "s1")) -> pd.DataFrame:
+def byte_matrices(world: int, scale, cell: tuple, schedules=("baseline", "s1"), seed: int = 0) -> pd.DataFrame:
     """Fig. 4: bytes each rank sent each rank, per schedule, call (op, group) and pass, from the door's records."""
-    suite = real.layer_suite(world, scale)
+    suite = real.layer_suite(world, scale, seed)
     rows = []
     for src, traces in enumerate(suite["rank_traces"]):
         for m in schedules:
@@ -84,20 +84,20 @@ def saa_phase_table(P: int = 4, n_mp: int = 2) -> pd.DataFrame:
     return df
 
 
-def saa_trace(scale) -> pd.DataFrame:
+def saa_trace(scale, seed: int = 0) -> pd.DataFrame:
     """Fig. 5 measured: the SAA phase spans of S2's forward and backward on 4 ranks, cell (2, 2)."""
-    df = timeline(4, scale, (2, 2))
+    df = timeline(4, scale, (2, 2), seed)
     df = df[(df.schedule == "s2") & ((df.kind == "saa phase") | df.op.str.startswith("saa"))].reset_index(drop=True)
     df.attrs["label"] = "REAL: SAA of S2 on 4 gloo ranks (loopback), N_MP=2, N_ESP=2"
     return df
 
 
-def table4_emulated(scale) -> pd.DataFrame:
+def table4_emulated(scale, seed: int = 0) -> pd.DataFrame:
     """Table IV analog: per cell, median layer time per schedule, speedups over the baseline, ``auto``'s pick."""
     s = scale_spec(scale)
     rows = []
     for world in (4, 8):
-        suite = real.layer_suite(world, scale)
+        suite = real.layer_suite(world, scale, seed)
         for cell, t in suite["times"].items():
             if 1 in cell:
                 continue
@@ -115,10 +115,10 @@ def table4_emulated(scale) -> pd.DataFrame:
     return df
 
 
-def fig1_real_share(scale) -> pd.DataFrame:
+def fig1_real_share(scale, seed: int = 0) -> pd.DataFrame:
     """Fig. 1 analog: the baseline's communication share of the layer time on 8 ranks (from the traced
     calls: the union of comm intervals on the slowest rank / the call's span)."""
-    suite = real.layer_suite(8, scale)
+    suite = real.layer_suite(8, scale, seed)
     rows = []
     for cell in real.CELLS[8]:
         shares = []
@@ -137,9 +137,9 @@ def fig1_real_share(scale) -> pd.DataFrame:
     return df
 
 
-def fig7_emulated(scale) -> pd.DataFrame:
+def fig7_emulated(scale, seed: int = 0) -> pd.DataFrame:
     s = scale_spec(scale)
-    df = pd.DataFrame(real.layer_suite(8, scale)["f7"])
+    df = pd.DataFrame(real.layer_suite(8, scale, seed)["f7"])
     df["parm_speedup"] = df.baseline_s / np.where(df.pick == "s1", df.s1_s, df.s2_s)
     df["oracle_speedup"] = df.baseline_s / np.minimum(df.s1_s, df.s2_s)
     df.attrs["label"] = f"EMULATED: 8 gloo ranks, N_MP=N_ESP=4, {links_label(s)}; Parm = Alg. 1 on live fits"

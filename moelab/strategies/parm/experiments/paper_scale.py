@@ -230,13 +230,13 @@ def model_fits(profile, layout, names=("AG_MP", "A2A_EPESP", "SAA"), exps=range(
 
 
 @cached
-def fig6_frame(scale) -> tuple:
+def fig6_frame(scale, seed: int = 0) -> tuple:
     """(points and curves, fits): REAL and EMULATED measurements at P=4 (2,2), the paper's AG_MP lines (A, B),
     the simulator's curves on parm_A / parm_B (4 ranks of one node, (2,2))."""
     from moelab.strategies.parm.layout import ParmLayout
     from moelab.strategies.parm.perf_model import paper_fits
 
-    suite = real.layer_suite(4, scale)
+    suite = real.layer_suite(4, scale, seed)
     rows, fits = [], []
     for src, fs in suite["fits"].items():
         for name, f in fs.items():
@@ -303,8 +303,8 @@ def table5_sim(scale) -> pd.DataFrame:
     return df
 
 
-def table5_real_frame(scale) -> pd.DataFrame:
-    rows = real.table5_real(scale)
+def table5_real_frame(scale, seed: int = 0) -> pd.DataFrame:
+    rows = real.table5_real(scale, seed)
     df = pd.DataFrame(rows)
     out = []
     for model, g in df.groupby("model", sort=False):

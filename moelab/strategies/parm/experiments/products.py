@@ -49,7 +49,7 @@ def fig1(ctx):
 
 @product(P, "fig1r", needs_real=True)
 def fig1r(ctx):
-    df = frames.fig1_real_share(ctx.scale.name)
+    df = frames.fig1_real_share(ctx.scale.name, ctx.seed)
     return Made(df, figures={"fig01r_share_real": F.sorted_share(df, label=df.attrs["label"],
                                                                  title="Fig. 1 analog: baseline comm share, 8 gloo ranks")},
                 tables={"table_fig01r": (df, "Fig. 1 analog: baseline comm share per cell")})
@@ -63,7 +63,7 @@ def fig2(ctx):
 
 
 def _timelines(ctx, world, cell, stem, what):
-    df = frames.timeline(world, ctx.scale.name, cell)
+    df = frames.timeline(world, ctx.scale.name, cell, ctx.seed)
     calls = df[df.kind == "comm"].groupby("schedule").size().to_dict()
     notes = [f"{what}: collective calls per rank per schedule (fwd+bwd): "
              + ", ".join(f"{k} {v // world}" for k, v in calls.items())]
@@ -85,7 +85,7 @@ def fig3p8(ctx):
 def fig4(ctx):
     figs, frames_ = {}, []
     for cell in ((1, 2), (2, 2)):
-        df = frames.byte_matrices(4, ctx.scale.name, cell)
+        df = frames.byte_matrices(4, ctx.scale.name, cell, seed=ctx.seed)
         df.insert(0, "cell", str(cell))
         frames_.append(df)
         figs[f"fig04_bytes_mp{cell[0]}"] = F.byte_matrices(df, label=df.attrs["label"],
@@ -97,7 +97,7 @@ def fig4(ctx):
 
 @product(P, "fig5", needs_real=True)
 def fig5(ctx):
-    tr = frames.saa_trace(ctx.scale.name)
+    tr = frames.saa_trace(ctx.scale.name, ctx.seed)
     ph = frames.saa_phase_table()
     n = int((tr.kind == "saa phase").sum())
     return Made(ph, figures={"fig05_saa_trace": F.saa_phases(tr, label=tr.attrs["label"])},
@@ -108,7 +108,7 @@ def fig5(ctx):
 
 @product(P, "fig6", needs_real=True)
 def fig6(ctx):
-    df, fits = paper_scale.fig6_frame(ctx.scale.name)
+    df, fits = paper_scale.fig6_frame(ctx.scale.name, ctx.seed)
     return Made(fits, figures={"fig06_fits": F.fits(df, label=df.attrs["label"])},
                 tables={"table_fig06_fits": (fits, "Fig. 6: alpha-beta fits (alpha s, beta s per element, R^2) per source"),
                         "table_fig06_points": (df, "Fig. 6: measured points and fitted / paper / simulated curves")})
@@ -129,7 +129,7 @@ def table4(ctx):
 
 @product(P, "table4e", needs_real=True, quantities={"parm_speedup": Q["parm"]})
 def table4e(ctx):
-    df = frames.table4_emulated(ctx.scale.name)
+    df = frames.table4_emulated(ctx.scale.name, ctx.seed)
     right = int(df.auto_right.sum())
     notes = [f"auto picked the measured better of S1/S2 in {right} of {len(df)} cells"]
     return Made(df, figures={"table4e_speedups": F.speedup_bars(df, label=df.attrs["label"])},
@@ -164,7 +164,7 @@ def fig7(ctx):
 
 @product(P, "fig7e", needs_real=True)
 def fig7e(ctx):
-    df = frames.fig7_emulated(ctx.scale.name)
+    df = frames.fig7_emulated(ctx.scale.name, ctx.seed)
     return Made(df, figures={"fig07e_distribution": F.speedup_distribution(df, label=df.attrs["label"],
                                                                            title="Fig. 7 analog: Parm's speedup, 8 ranks (4,4)")},
                 tables={"table_fig07e": (df, "Fig. 7 analog: per configuration")})
@@ -172,7 +172,7 @@ def fig7e(ctx):
 
 @product(P, "table5", needs_real=True, quantities={"speedup": ITER_SPEEDUP})
 def table5(ctx):
-    df = paper_scale.table5_real_frame(ctx.scale.name)
+    df = paper_scale.table5_real_frame(ctx.scale.name, ctx.seed)
     return Made(df, figures={"table5_real": F.iteration_bars(df[df.system != "speedup"], label=df.attrs["label"])},
                 tables={"table5_real": (df, "Table V analog: tiny models on 8 gloo ranks")})
 

@@ -49,7 +49,7 @@ def _time_round_robin(comm, layers: dict, x, iters: int, warmup: int) -> dict:
     return times
 
 
-def _rank(rank, world, scale):
+def _rank(rank, world, scale, seed=0):
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
     from moelab.strategies.parm import fits as F
@@ -65,10 +65,10 @@ def _rank(rank, world, scale):
     for cell in CELLS[world]:
         n_mp, n_esp = cell
         lay = ParmLayout(world, n_mp, n_esp, world // n_esp, rpn)
-        x = torch.randn(s.S, s.M, generator=torch.Generator().manual_seed(lay.coords(rank)["dp"]))
+        x = torch.randn(s.S, s.M, generator=torch.Generator().manual_seed(1000 * seed + lay.coords(rank)["dp"]))
         comm = Communicator(topo, groups=lay.groups())
         for m in SCHEDULES:  # REAL traces
-            layer = ParmMoE(comm, lay, s.M, s.h * n_esp, schedule=m, capacity_factor=s.f)
+            layer = ParmMoE(comm, lay, s.M, s.h * n_esp, schedule=m, capacity_factor=s.f, seed=seed)
             layer(x.clone().requires_grad_()).sum().backward()  # warm-up
             n0, s0 = len(comm.rec.comm), len(comm.rec.spans)
             t0 = time.time()
@@ -79,7 +79,7 @@ def _rank(rank, world, scale):
             out["fits"]["REAL"] = F.measure_fits(comm, lay, sizes=tuple(2 ** e for e in s.fit_exps),
                                                  reps=s.fit_reps, warmup=1)
         emu = Communicator(topo, emulation=emulation(s), groups=lay.groups())
-        layers = {m: ParmMoE(emu, lay, s.M, s.h * n_esp, schedule=m, capacity_factor=s.f) for m in SCHEDULES}
+        layers = {m: ParmMoE(emu, lay, s.M, s.h * n_esp, schedule=m, capacity_factor=s.f, seed=seed) for m in SCHEDULES}
         times = _time_round_robin(emu, layers, x, s.iters, s.warmup)
         out["times"][cell] = {m: statistics.median(v) for m, v in times.items()}
         fits = live_fits(emu, lay, sizes=tuple(2 ** e for e in s.fit_exps), reps=s.fit_reps, warmup=1)
@@ -91,8 +91,8 @@ def _rank(rank, world, scale):
                                                      reps=s.fit_reps, warmup=1)
         if world == 8 and cell == (4, 4):  # Fig. 7 analog: a sweep of shapes, Parm = Alg. 1's pick per shape
             for S_, M_, f_ in ((a, b, c) for a in s.f7_S for b in s.f7_M for c in s.f7_f):
-                xs = torch.randn(S_, M_, generator=torch.Generator().manual_seed(lay.coords(rank)["dp"]))
-                ls = {m: ParmMoE(emu, lay, M_, 2 * M_ * n_esp, schedule=m, capacity_factor=f_)
+                xs = torch.randn(S_, M_, generator=torch.Generator().manual_seed(1000 * seed + lay.coords(rank)["dp"]))
+                ls = {m: ParmMoE(emu, lay, M_, 2 * M_ * n_esp, schedule=m, capacity_factor=f_, seed=seed)
                       for m in ("baseline", "s1", "s2")}
                 t = _time_round_robin(emu, ls, xs, max(2, s.iters // 2), 1)
                 med = {m: statistics.median(v) for m, v in t.items()}
@@ -102,11 +102,11 @@ def _rank(rank, world, scale):
 
 
 @cached
-def layer_suite(world: int, scale) -> dict:
+def layer_suite(world: int, scale, seed: int = 0) -> dict:
     """Rank 0's view of the suite on ``world`` ranks, plus every rank's traces (for the timelines)."""
     from moelab.testing import run_ranks
 
-    res = run_ranks(_rank, world, scale_spec(scale).name, timeout=1500)
+    res = run_ranks(_rank, world, scale_spec(scale).name, seed, timeout=1500)
     out = dict(res[0])
     out["rank_traces"] = [r["traces"] for r in res]
     return out
@@ -115,21 +115,21 @@ def layer_suite(world: int, scale) -> dict:
 TV_SYSTEMS = {"DeepSpeed-MoE (baseline, Fig. 3a)": {"schedule": "baseline"}, "Parm (auto)": {"schedule": "auto"}}
 
 
-def tv_overrides(s, arch: str, schedule_opts: dict) -> dict:
+def tv_overrides(s, arch: str, schedule_opts: dict, seed: int = 0) -> dict:
     """Table V's tiny stand-ins: MoE every other layer, E=2, top-1 switch, f=1.2, P=8 with N_MP=N_ESP=4
     (testbed A's degrees), 2 nodes x 4 with EMULATED links."""
     return {"model.arch": arch, "model.d_model": s.tv_d, "model.d_ff": 4 * s.tv_d, "model.n_layers": s.tv_layers,
             "model.n_heads": s.tv_heads, "model.seq_len": s.tv_seq, "model.moe_every": 2,
             "model.moe.num_experts": 2, "model.moe.top_k": 1, "model.moe.gate": "switch",
             "model.moe.capacity_factor": 1.2, "model.moe.dispatcher": "dense", "model.moe.expert_bias": False,
-            "train.batch_size": s.tv_batch, "train.iters": s.tv_iters + 1, "train.trace": False,
+            "train.batch_size": s.tv_batch, "train.iters": s.tv_iters + 1, "train.seed": seed, "train.trace": False,
             "parallel.nproc": 8, "parallel.topology.nodes": 2, "parallel.strategy": "parm",
             "parallel.strategy_options": {"mp": 4, "esp": 4, **schedule_opts},
             "emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps, "emulation.inter_bw_GBps": s.inter_GBps,
             "emulation.intra_latency_us": s.intra_lat_us, "emulation.inter_latency_us": s.inter_lat_us}
 
 
-def _tv_rank(rank, world, scale):
+def _tv_rank(rank, world, scale, seed=0):
     from moelab.config import RunConfig
     from moelab.runtime.train import Trainer
 
@@ -137,7 +137,7 @@ def _tv_rank(rank, world, scale):
     out = []
     for arch in ("bert", "gpt"):
         for system, opts in TV_SYSTEMS.items():
-            tr = Trainer.build(RunConfig().with_overrides(tv_overrides(s, arch, opts)).validate())
+            tr = Trainer.build(RunConfig().with_overrides(tv_overrides(s, arch, opts, seed)).validate())
             rows = tr.run()
             steps = torch.tensor([r["step_time_s"] for r in rows[1:]], dtype=torch.float64)
             worst = tr.comm.all_gather(steps, group="world").max(0).values  # the slowest rank per iteration
@@ -149,7 +149,7 @@ def _tv_rank(rank, world, scale):
 
 
 @cached
-def table5_real(scale) -> list:
+def table5_real(scale, seed: int = 0) -> list:
     from moelab.testing import run_ranks
 
-    return run_ranks(_tv_rank, 8, scale_spec(scale).name, timeout=1500)[0]
+    return run_ranks(_tv_rank, 8, scale_spec(scale).name, seed, timeout=1500)[0]
