@@ -9,6 +9,7 @@
 | ``baseline_dedup_grad`` | true | divide the baseline's expert grads by N_MP (it processes every token N_MP times, §2.9) |
 | ``dispatcher`` | einsum | ``einsum`` (DeepSpeed's dense mask) or ``index`` (§2.2, P18) |
 | ``saa_backward`` | true | S2's backward gathers through SAA too (the paper describes only the forward) |
+| ``saa_mode`` | raw | SAA forwards the raw partial slices (the paper's kernel; ``combined`` is not built yet) |
 | ``allow_cross_node`` | false | let MP/ESP groups span declared nodes (the paper keeps them intra-node) |
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ class ParmOptions(StrategyOptions):
     baseline_dedup_grad: bool = True
     dispatcher: str = field(default="einsum", metadata={"choices": DISPATCHERS})
     saa_backward: bool = True
+    saa_mode: str = field(default="raw", metadata={"choices": ("raw",),
+                                                   "why": "'combined' (sum the ESP partials before forwarding) is not built yet"})
     allow_cross_node: bool = False
 
     def value_errors(self) -> list:
