@@ -119,16 +119,18 @@ class OpGraph:
                         category=category, **kw)
 
     def transfer(self, name: str, ranks, demands, deps=(), category: str = "comm", stream: str = "comm",
-                 comm: Optional[dict] = None, **kw) -> int:
+                 comm: Optional[dict] = None, call_overhead: bool = True, **kw) -> int:
         """A collective as one op per demand phase, chained; returns the last op's id. The first
-        phase pays the graph's ``call_overhead_s`` (the per-call cost of a software stack, fitted).
+        phase pays the graph's ``call_overhead_s`` (the per-call cost of a software stack, fitted),
+        unless ``call_overhead`` is False (a later step of one call priced as several transfers).
 
         ``comm`` (the accounting record) goes on the first phase only, so bytes are counted once.
         """
         last = None
         for i, d in enumerate(demands):
             last = self.add(name if len(demands) == 1 else f"{name}#{i}", ranks, stream=stream,
-                            duration=d.alpha + (self.call_overhead_s if i == 0 else 0.0), links=d.links,
+                            duration=d.alpha + (self.call_overhead_s if i == 0 and call_overhead else 0.0),
+                            links=d.links,
                             deps=tuple(deps) if last is None else (last,), category=category,
                             comm=comm if i == 0 else None, kind="comm", **kw)
         return last

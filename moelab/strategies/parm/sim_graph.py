@@ -41,7 +41,8 @@ def _saa_phases(g, inst, topo, profile, nbytes, mp_groups, deps, name, phase):
                 m[a, inst.index(p)] += nbytes
         comm = {"op": "saa", "group": list(inst), "nbytes": nbytes, "sub": mp_groups} if i == 1 else None
         last = g.transfer(f"{name}.phase{i}", inst, costs.alltoall_demands(m, inst, topo, profile, False),
-                          deps=deps if last is None else (last,), category="saa", comm=comm, phase=phase)
+                          deps=deps if last is None else (last,), category="saa", comm=comm, phase=phase,
+                          call_overhead=i == 1)  # one door call: its fixed cost once
     return last
 
 
