@@ -275,9 +275,10 @@ def test_real_fig3_routing_and_idle():
     assert tot[0] == 3 * tot[2]  # expert 0 gets 3x expert 2
     w = workers.set_index("worker")
     assert list(w.tokens) == [6 * 128, 4 * 128, 2 * 128]  # worker e owns expert e
-    assert w.idle_ms["worker 0"] == 0.0  # the worker with 3x the tokens is the slowest one
-    assert w.idle_ms["worker 2"] > 0.0  # expert 2's owner waits for it
-    assert w.idle_ms["worker 2"] == pytest.approx(w.compute_fw_ms.max() - w.compute_fw_ms["worker 2"])
+    # idle = the slowest worker's compute minus one's own (measured CPU times decide who is slowest: on a loaded
+    # machine the 3x worker is usually, not always, the slowest, so the test asserts the rule, not the timing)
+    assert w.idle_ms[w.compute_fw_ms.idxmax()] == 0.0 and (w.idle_ms >= 0).all()
+    assert w.idle_ms.to_numpy() == pytest.approx((w.compute_fw_ms.max() - w.compute_fw_ms).to_numpy())
 
 
 @pytest.mark.slow
