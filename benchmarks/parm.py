@@ -31,6 +31,7 @@ def _rank(rank, world, a):
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
     from moelab.config import EmulationConfig
+    from moelab.strategies.parm.experiments.real import time_round_robin
     from moelab.strategies.parm.layer import ParmMoE
     from moelab.strategies.parm.layout import ParmLayout
     from moelab.strategies.parm.select import choose
@@ -44,18 +45,7 @@ def _rank(rank, world, a):
         layers = {m: ParmMoE(comm, lay, a.M, a.h * n_esp, schedule=m, capacity_factor=a.f, dispatcher=a.dispatcher)
                   for m in METHODS}
         x = torch.randn(a.S, a.M, generator=torch.Generator().manual_seed(lay.coords(rank)["dp"]))
-        times = {m: [] for m in METHODS}
-        for it in range(a.warmup + a.iters):
-            for m in METHODS:
-                comm.all_reduce_(torch.zeros(1), group="world")  # barrier
-                t0 = time.perf_counter()
-                xi = x.clone().requires_grad_()
-                layers[m](xi).sum().backward()
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                worst = comm.all_gather(dt, group="world").max()
-                if it >= a.warmup:
-                    times[m].append(float(worst))
-            comm.rec.comm.clear()
+        times = time_round_robin(comm, layers, x, a.iters, a.warmup)
         choice = choose(layers["s1"], a.S, sizes=tuple(2 ** p for p in range(10, 17, 2)), reps=3, warmup=1)
         out[(n_mp, n_esp)] = {"median": {m: statistics.median(v) for m, v in times.items()},
                               "auto": {k: v for k, v in choice.items() if k != "fits"}, "fits": choice.get("fits")}
@@ -70,18 +60,12 @@ def _overheads(comm, world, a) -> dict:
     backward on 8 tokens, divided by its 8 compute steps of the plan. Slowest rank, median of 25."""
     import torch
 
+    from moelab.repro.timing import timed
     from moelab.strategies.parm import gating
     from moelab.strategies.parm.layout import EPESP
 
     def worst_median(fn):
-        ts = []
-        for _ in range(25):
-            comm.all_reduce_(torch.zeros(1), group="world")
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        w = comm.all_gather(torch.tensor(ts, dtype=torch.float64), group="world").max(0).values
-        return statistics.median(w.tolist())
+        return statistics.median(timed(comm, fn)[1].slowest_s for _ in range(25))
 
     one = [1] * world
     call = worst_median(lambda: comm.all_to_all_raw(torch.zeros(world, 1), one, one, EPESP)) - a.lat_inter * 1e-6

@@ -19,6 +19,7 @@ import time
 import torch
 
 from moelab.comm.saa import saa
+from moelab.repro.timing import barrier
 from moelab.sim.calibrate import fit_alpha_beta
 from moelab.strategies.parm.layout import EP, EPESP, ESP, MP, SAA, ParmLayout
 
@@ -63,10 +64,6 @@ def paper_x(comm, name: str, x: int) -> int:
     return x
 
 
-def _barrier(comm):
-    comm.all_reduce_(torch.zeros(1), group="world")
-
-
 def measure(comm, layout: ParmLayout, names=tuple(COLLECTIVES), sizes=CPU_SIZES, reps: int = 5, warmup: int = 2,
             dtype=torch.float32) -> list:
     """Rows ``{name, group_size, x, time_s}`` (time = median over reps of the max over ranks). A
@@ -78,7 +75,7 @@ def measure(comm, layout: ParmLayout, names=tuple(COLLECTIVES), sizes=CPU_SIZES,
         for x in sizes:
             times = []
             for i in range(warmup + reps):
-                _barrier(comm)
+                barrier(comm)
                 t0 = time.perf_counter()
                 _issue(comm, name, x, dtype)
                 if i >= warmup:

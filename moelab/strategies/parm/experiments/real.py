@@ -32,18 +32,17 @@ def _records(comm, n0, s0):
     return recs, spans
 
 
-def _time_round_robin(comm, layers: dict, x, iters: int, warmup: int) -> dict:
+def time_round_robin(comm, layers: dict, x, iters: int, warmup: int) -> dict:
+    """``{method: [slowest rank's seconds per call]}``: one forward + backward of each layer in turn, a
+    barrier before each (:func:`moelab.repro.timing.timed`), ``warmup`` rounds dropped."""
+    from moelab.repro.timing import timed
+
     times = {m: [] for m in layers}
     for it in range(warmup + iters):
         for m, layer in layers.items():
-            comm.all_reduce_(torch.zeros(1), group="world")  # barrier
-            t0 = time.perf_counter()
-            xi = x.clone().requires_grad_()
-            layer(xi).sum().backward()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            worst = float(comm.all_gather(dt, group="world").max())
+            _, t = timed(comm, lambda: layer(x.clone().requires_grad_()).sum().backward())
             if it >= warmup:
-                times[m].append(worst)
+                times[m].append(t.slowest_s)
         comm.rec.comm.clear()
         comm.rec.spans.clear()
     return times
@@ -80,7 +79,7 @@ def _rank(rank, world, scale, seed=0):
                                                  reps=s.fit_reps, warmup=1)
         emu = Communicator(topo, emulation=emulation(s), groups=lay.groups())
         layers = {m: ParmMoE(emu, lay, s.M, s.h * n_esp, schedule=m, capacity_factor=s.f, seed=seed) for m in SCHEDULES}
-        times = _time_round_robin(emu, layers, x, s.iters, s.warmup)
+        times = time_round_robin(emu, layers, x, s.iters, s.warmup)
         out["times"][cell] = {m: statistics.median(v) for m, v in times.items()}
         fits = live_fits(emu, lay, sizes=tuple(2 ** e for e in s.fit_exps), reps=s.fit_reps, warmup=1)
         ab = from_dicts(fits)
@@ -94,7 +93,7 @@ def _rank(rank, world, scale, seed=0):
                 xs = torch.randn(S_, M_, generator=torch.Generator().manual_seed(1000 * seed + lay.coords(rank)["dp"]))
                 ls = {m: ParmMoE(emu, lay, M_, 2 * M_ * n_esp, schedule=m, capacity_factor=f_, seed=seed)
                       for m in ("baseline", "s1", "s2")}
-                t = _time_round_robin(emu, ls, xs, max(2, s.iters // 2), 1)
+                t = time_round_robin(emu, ls, xs, max(2, s.iters // 2), 1)
                 med = {m: statistics.median(v) for m, v in t.items()}
                 pick, _, _ = select(ParmShape(B=1, L=S_, M=M_, E=lay.num_experts, k=1, f=f_, n_mp=4, n_esp=4), ab)
                 out["f7"].append(dict(S=S_, M=M_, f=f_, **{f"{m}_s": v for m, v in med.items()}, pick=pick))
