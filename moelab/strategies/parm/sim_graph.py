@@ -21,6 +21,7 @@ import numpy as np
 
 from moelab.comm.topology import Topology
 from moelab.sim import costs
+from moelab.sim.calibrate import fit_alpha_beta
 from moelab.sim.engine import simulate
 from moelab.sim.graphs import new_graph
 from moelab.strategies.parm.layout import MP, ParmLayout
@@ -133,6 +134,47 @@ def layer_time(profile, layout: ParmLayout, shape: Shape, schedule: str, **kw) -
     return {"time_s": t, "comm_share": kinds.get("comm", 0.0) / t if t > 0 else 0.0, "breakdown": res.breakdown()}
 
 
+# ---- alpha-beta lines of the simulator's own collectives (what Alg. 1 gets at paper scale) -------------
+def sim_curve(profile, layout, name: str, xs) -> list:
+    """Seconds the simulator gives one collective of ``name`` alone at paper-``x`` elements on ``layout``."""
+    from moelab.strategies.parm.fits import COLLECTIVES
+
+    topo = Topology(layout.world, layout.ranks_per_node)
+    op, group = COLLECTIVES[name]
+    groups = layout.groups()
+    b = profile.elem_bytes
+    out = []
+    for x in xs:
+        if op == "saa":
+            g = new_graph(profile, topo)
+            chunk = max(1, int(x) // (layout.n_mp * layout.world)) * b
+            _saa_phases(g, list(range(layout.world)), topo, profile, chunk, groups[MP], (), "saa", "fwd")
+            out.append(simulate(g).makespan)
+            continue
+        inst = groups[group][0]
+        n = len(inst)
+        if op == "all_gather":
+            d = costs.demands(op, inst, topo, profile, nbytes=max(1, int(x) // n) * b)
+        elif op == "all_to_all":
+            d = costs.demands(op, inst, topo, profile, splits=np.full((n, n), max(1, int(x) // n) * b, dtype=float))
+        else:
+            d = costs.demands(op, inst, topo, profile, nbytes=int(x) * b)
+        caps = costs.link_capacities(profile, topo)
+        out.append(sum(dd.time(caps) for dd in d))
+    return out
+
+
+def model_fits(profile, layout, names=("AG_MP", "A2A_EPESP", "SAA"), exps=range(8, 25, 2)) -> dict:
+    """alpha-beta lines fitted to the simulator's own curves on ``layout`` (what Alg. 1 gets at paper scale)."""
+    xs = [2 ** e for e in exps]
+    out = {}
+    for name in names:
+        if name == "AG_MP" and layout.n_mp == 1 or name == "SAA" and layout.n_mp == 1:
+            continue
+        out[name] = fit_alpha_beta(xs, sim_curve(profile, layout, name, xs))
+    return out
+
+
 def parm_iteration_graph(cfg, profile, loads=None, placement=None, *, schedule: Optional[str] = None, **kw):
     """The strategy's simulator graph (``Strategy.sim_graph``): one training iteration of ``cfg`` on
     ``profile`` (:func:`parm_model_graph`; loads do not matter: the buffers are capacity-padded).
@@ -149,7 +191,6 @@ def parm_iteration_graph(cfg, profile, loads=None, placement=None, *, schedule: 
                   elem_bytes=8 if cfg.train.dtype == "float64" else 4, dispatcher=opts.dispatcher)
     sched = schedule or opts.schedule
     if sched == "auto":
-        from moelab.strategies.parm.experiments.paper_scale import model_fits
         from moelab.strategies.parm.perf_model import ParmShape, select
 
         sched = select(ParmShape(cfg.train.batch_size, m.seq_len, m.d_model, moe.num_experts, moe.top_k,

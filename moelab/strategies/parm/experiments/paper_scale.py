@@ -16,12 +16,13 @@ import numpy as np
 import pandas as pd
 
 from moelab.repro.cache import cached
-from moelab.sim.calibrate import AlphaBeta, fit_alpha_beta
+from moelab.sim.calibrate import fit_alpha_beta
+from moelab.strategies.parm.grid import SETTINGS as GRID, filtered
+from moelab.strategies.parm.sim_graph import model_fits, sim_curve
 
 from . import real
 from .common import scale_spec
 
-SETTINGS = (("A-8", "parm_A", 1), ("B-8", "parm_B", 2), ("B-16", "parm_B", 4), ("B-32", "parm_B", 8))
 NOTATION = [  # (paper symbol, meaning, where moelab keeps it)
     ("P", "world size (GPUs / processes)", "parallel.nproc"),
     ("N_MP", "tensor-parallel degree of the dense parts", "strategy_options.mp"),
@@ -75,7 +76,6 @@ def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
     """Every kept configuration (every ``grid_stride``-th at small scales; the ``index`` dispatcher 4x
     sparser) with its simulated layer times."""
     from moelab.repro.assumptions import load_assumptions
-    from moelab.strategies.parm.grid import SETTINGS as GRID, filtered
     from moelab.strategies.parm.perf_model import ParmShape, select
     from moelab.strategies.parm.sim_graph import layer_time
 
@@ -109,7 +109,6 @@ def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
 
 def grid_counts(scale) -> pd.DataFrame:
     from moelab.repro.assumptions import load_assumptions
-    from moelab.strategies.parm.grid import SETTINGS as GRID, filtered
 
     reserve = load_assumptions("parm").value("memory_reserve_GiB")
     g = sim_grid(scale)
@@ -182,53 +181,6 @@ def fig7(scale) -> pd.DataFrame:
 
 
 # ---- Fig. 6 --------------------------------------------------------------------------------------
-def sim_curve(profile, layout, name: str, xs) -> list:
-    """Seconds the simulator gives one collective of ``name`` alone at paper-``x`` elements on ``layout``."""
-    from moelab.comm.topology import Topology
-    from moelab.sim import costs
-    from moelab.strategies.parm.fits import COLLECTIVES
-    from moelab.strategies.parm.layout import MP
-
-    topo = Topology(layout.world, layout.ranks_per_node)
-    op, group = COLLECTIVES[name]
-    groups = layout.groups()
-    b = profile.elem_bytes
-    out = []
-    for x in xs:
-        if op == "saa":
-            from moelab.sim.engine import simulate
-            from moelab.sim.graphs import new_graph
-            from moelab.strategies.parm.sim_graph import _saa_phases
-
-            g = new_graph(profile, topo)
-            chunk = max(1, int(x) // (layout.n_mp * layout.world)) * b
-            _saa_phases(g, list(range(layout.world)), topo, profile, chunk, groups[MP], (), "saa", "fwd")
-            out.append(simulate(g).makespan)
-            continue
-        inst = groups[group][0]
-        n = len(inst)
-        if op == "all_gather":
-            d = costs.demands(op, inst, topo, profile, nbytes=max(1, int(x) // n) * b)
-        elif op == "all_to_all":
-            d = costs.demands(op, inst, topo, profile, splits=np.full((n, n), max(1, int(x) // n) * b, dtype=float))
-        else:
-            d = costs.demands(op, inst, topo, profile, nbytes=int(x) * b)
-        caps = costs.link_capacities(profile, topo)
-        out.append(sum(dd.time(caps) for dd in d))
-    return out
-
-
-def model_fits(profile, layout, names=("AG_MP", "A2A_EPESP", "SAA"), exps=range(8, 25, 2)) -> dict:
-    """alpha-beta lines fitted to the simulator's own curves on ``layout`` (what Alg. 1 gets at paper scale)."""
-    xs = [2 ** e for e in exps]
-    out = {}
-    for name in names:
-        if name == "AG_MP" and layout.n_mp == 1 or name == "SAA" and layout.n_mp == 1:
-            continue
-        out[name] = fit_alpha_beta(xs, sim_curve(profile, layout, name, xs))
-    return out
-
-
 @cached
 def fig6_frame(scale, seed: int = 0) -> tuple:
     """(points and curves, fits): REAL and EMULATED measurements at P=4 (2,2), the paper's AG_MP lines (A, B),
@@ -320,5 +272,3 @@ def table5_real_frame(scale, seed: int = 0) -> pd.DataFrame:
                          f"{s.inter_GBps:g} GB/s; mean of {s.tv_iters} iterations after the first, slowest rank")
     return df
 
-
-__all__ = ["AlphaBeta", "SETTINGS"]
