@@ -33,6 +33,24 @@ def test_higher_priority_stream_wins_the_link():
     assert r.end[a] == pytest.approx(2.0) and r.end[b] == pytest.approx(3.0)
 
 
+def test_a_started_nonpreemptive_flow_keeps_its_share():
+    """A whole bucket (or one micro-op) in flight is not stopped by an arriving all-to-all; one that
+    has not started yet waits for it."""
+    def run(b_delay, a_delay=0.0):
+        g = OpGraph(2, {LINK: GB}, stream_priority={"a2a": 1})
+        g.nonpreemptive.add("grad")
+        wa = g.compute(0, "wait", a_delay)
+        a = g.add("allreduce", 0, stream="grad", links={LINK: 2 * GB}, deps=(wa,))
+        w = g.compute(1, "wait", b_delay)
+        b = g.add("a2a", 1, stream="a2a", links={LINK: GB}, deps=(w,))
+        return simulate(g), a, b
+
+    r, a, b = run(b_delay=0.5)  # a moved 0.5 GB alone, then both share: b needs 2 s at half rate
+    assert r.end[b] == pytest.approx(2.5) and r.end[a] == pytest.approx(3.0)
+    r, a, b = run(b_delay=0.0, a_delay=0.5)  # b first: a waits until b is gone
+    assert r.end[b] == pytest.approx(1.0) and r.end[a] == pytest.approx(3.0)
+
+
 def test_priority_only_acts_on_shared_links():
     g = OpGraph(2, {LINK: GB, ("nic_out", 1): GB}, stream_priority={"a2a": 1})
     a = g.add("allreduce", 0, stream="grad", links={LINK: GB})

@@ -21,6 +21,9 @@ Two refinements of the sharing rule, both off unless a graph asks for them:
   waits there (rate 0) until they are gone (strict priority, as Lina's all-to-all preempting the
   gradient all-reduce). A waiting flow may leave capacity unused when the preempting flow is
   bottlenecked elsewhere: chunked real schedules behave the same way at chunk granularity.
+  A stream in ``OpGraph.nonpreemptive`` is held back the same way until it starts, but a flow of
+  it that has started moving is never preempted: it keeps an equal share beside the higher
+  priority (a whole bucket or one micro-op in flight when an all-to-all arrives).
 - **Per-flow limits** (``OpGraph.flow_limits``: link -> the most capacity one flow may take). A
   pool of C CPU cores shared by single-threaded ranks is a link of capacity C with limit 1: k ranks
   computing at once each run at ``min(1, C/k)`` of their own speed (the local profile's
@@ -78,6 +81,7 @@ class OpGraph:
         self.meta = dict(meta or {})
         self.stream_priority = dict(stream_priority or {})  # stream -> int; higher wins a shared link
         self.flow_limits = dict(flow_limits or {})  # link -> most capacity one flow may take
+        self.nonpreemptive: set = set()  # streams whose started flows a higher priority cannot stop
         self.ops: list = []
         self.cpu_pool = None  # set by share_cores(): compute ops then draw on this shared link
         self.op_overhead_s = 0.0  # fixed seconds added to every compute op (launch / interpreter cost)
@@ -315,15 +319,18 @@ def simulate(graph: OpGraph) -> SimResult:
                    for l, b in o.links.items() if b > 0] if o.links else [] for o in ops]
     prio = [graph.stream_priority.get(o.stream, 0) for o in ops]
     prioritised = len(set(prio)) > 1
+    holds = [o.stream in graph.nonpreemptive for o in ops]
+    pinned = [False] * n  # a started flow of a non-preemptive stream
 
     def share(i, users, cb, lim):
-        """Flow i's rate on one link: an equal share among the flows of the highest priority present."""
+        """Flow i's rate on one link: an equal share among the flows of the highest priority present
+        and the started non-preemptive ones."""
         if not prioritised:
             return min(cb / len(users), lim)
-        p = prio[i]
-        if any(prio[u] > p for u in users):
+        top = max(prio[u] for u in users)
+        if prio[i] < top and not pinned[i]:
             return 0.0  # preempted on this link until the higher-priority flows leave it
-        return min(cb / sum(1 for u in users if prio[u] == p), lim)
+        return min(cb / sum(1 for u in users if prio[u] == top or pinned[u]), lim)
 
     def rerate(flows, t):
         """Bring each flow's progress to t at its old rate, then give it its new fair-share rate."""
@@ -336,6 +343,8 @@ def simulate(graph: OpGraph) -> SimResult:
                 continue  # its bottleneck did not change: the pending end event stays right
             rem = rem0 - rate0 * (t - t0)
             active[i] = (rem, rate, t)
+            if rate > 0 and holds[i]:
+                pinned[i] = True
             version[i] += 1
             if rate > 0:  # a preempted flow gets no end event until it is re-rated
                 seq += 1

@@ -166,7 +166,8 @@ def new_graph(profile, topo: Topology, meta: Optional[dict] = None) -> OpGraph:
 def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_forward, moe_backward, *,
                                 elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False,
                                 meta: Optional[dict] = None, beside_attention: Optional[Callable] = None,
-                                stream_priority: Optional[dict] = None, count_bytes: Optional[int] = None):
+                                stream_priority: Optional[dict] = None, count_bytes: Optional[int] = None,
+                                dense_sync: Optional[Callable] = None):
     """The skeleton every data/expert-parallel strategy shares: per layer attention, then for an MoE
     layer gate + count exchange + ``moe_forward(ctx, i, j, deps) -> per-rank ops`` (else the dense
     FFN), the tied head, the mirror backward with ``moe_backward(ctx, i, j, deps)``, and one
@@ -179,7 +180,13 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     follows the attention waits for them too. ``stream_priority`` (stream -> int) decides which
     stream wins a link both use (:class:`moelab.sim.engine.OpGraph`). ``count_bytes``: bytes each rank
     all-gathers in the count exchange (default the core dispatchers': int64 per expert, + the dense
-    capacity; LSH-MoE sends token and centroid counts, 2E)."""
+    capacity; LSH-MoE sends token and centroid counts, 2E).
+
+    ``dense_sync(ctx, ready) -> op ids``: the strategy synchronises the dense gradients itself
+    (Lina's buckets and micro-ops) instead of the one all-reduce after backward. ``ready``: the
+    gradient-ready points in backward order, ``[(label, per-rank op ids, [parameter sizes])]`` in
+    reverse parameter order (the order the runtime's hooks see them), covering
+    :func:`dense_param_count` exactly."""
     m, moe = cfg.model, cfg.model.moe
     topo = topology_of(cfg)
     N, E, k = topo.world_size, moe.num_experts, moe.top_k
@@ -234,17 +241,24 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
                       alloc={"activations": T * V * eb}) for r in ranks]
     last = [g.compute(r, "head.bwd", 2 * t_head, deps=(last[r],), category="head", phase="bwd",
                       free={"activations": T * V * eb}) for r in ranks]
+    ready = [("ln_f", list(last), [d, d])]  # gradient-ready points (dense_sync)
     for i in reversed(range(m.n_layers)):  # backward
         if i in moe_ids:
             done = moe_backward(ctx, i, moe_ids.index(i), last)
             last = [g.compute(r, f"L{i}.gate.bwd", 2 * t_gate, deps=(done[r],), category="gate", layer=i,
                               phase="bwd", free={"activations": act_gate}) for r in ranks]
+            ready.append((f"L{i}.gate", list(last), [E * d]))
         else:
             last = [g.compute(r, f"L{i}.ffn.bwd", 2 * t_ffn, deps=(last[r],), category="ffn", layer=i,
                               phase="bwd", free={"activations": act_ffn}) for r in ranks]
+            ready.append((f"L{i}.ffn", list(last), [d, d * f, f, f * d]))
         after = attention(i, "bwd", last, free={"activations": act_attn})
         last = [g.add(f"L{i}.attn.bwd.done", r, kind="compute", category="other", deps=a, layer=i, phase="bwd")
                 if len(a) > 1 else a[0] for r, a in enumerate(after)]
+        ready.append((f"L{i}.attn", list(last), [d, d, d, d * d, 3 * d, 3 * d * d, d, d]))
+    ready.append(("embeddings", list(last), [s * d, V * d]))
+    if dense_sync is not None:
+        return g, ctx, tuple(dense_sync(ctx, ready))
     grad_bytes = n_dense * eb
     prev = (g.transfer("dense_grads.allreduce", ranks, [costs.ring_demand("all_reduce", ranks, topo, profile, grad_bytes)],
                        deps=last, category="allreduce", phase="sync",

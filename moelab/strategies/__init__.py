@@ -53,6 +53,7 @@ _BUILTIN = {  # name -> module that registers it
     "flexmoe": "moelab.strategies.flexmoe",
     "lsh_moe": "moelab.strategies.lsh_moe",
     "parm": "moelab.strategies.parm",
+    "lina": "moelab.strategies.lina",
 }
 
 

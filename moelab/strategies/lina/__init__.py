@@ -1,0 +1,37 @@
+"""Lina (ATC'23) in moelab: all-to-all before all-reduce in training. Spec: ``shared/papers/lina.md``.
+
+Training (§2.2): :mod:`moelab.comm.priority` (the per-rank priority scheduler, a core seam every
+collective passes), :mod:`.update` (DDP buckets or partitioned micro-ops as low-priority ops),
+:mod:`.layer` (the combine marker). Policies: ``after_backward``, ``ddp_overlap`` (the baseline),
+``fixed``, ``priority``, ``lina`` (:mod:`.options`).
+
+Registered as strategy ``lina``: ``parallel.strategy: lina`` with ``parallel.strategy_options`` such
+as ``{policy: lina, partition_bytes: 30e6}``. Scheduling only: every policy trains the EP model.
+"""
+from __future__ import annotations
+
+import functools
+
+from moelab.strategies import Strategy, register_strategy
+from moelab.strategies.lina.options import POLICIES, LinaOptionError, LinaOptions
+
+
+def layer_factory(run_cfg, opts: LinaOptions):
+    from moelab.strategies.lina.layer import LinaMoELayer
+
+    return functools.partial(LinaMoELayer, options=opts)
+
+
+def _update(model, comm, cfg):
+    from moelab.strategies.lina.update import lina_update
+
+    return lina_update(model, comm, cfg)
+
+
+STRATEGY = register_strategy(Strategy(
+    "lina", options=LinaOptions, layer=layer_factory, update=_update,
+    sim_graph="moelab.strategies.lina.sim_graph:lina_iteration_graph",
+    conformance=tuple({"policy": p} for p in ("ddp_overlap", "priority", "lina")),
+    doc="Lina: all-to-all before all-reduce (priority scheduler, partitioned gradient micro-ops)"))
+
+__all__ = ["STRATEGY", "layer_factory", "LinaOptions", "LinaOptionError", "POLICIES"]

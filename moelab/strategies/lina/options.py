@@ -1,0 +1,98 @@
+"""Options of Lina's training side (``parallel.strategy_options``), checked before any process starts.
+
+| option | default | meaning (spec ``papers/lina.md`` §2.2, §2.5, §3) |
+|---|---|---|
+| ``policy`` | lina | ``after_backward`` (one all-reduce after backward), ``ddp_overlap`` (DDP buckets during backward, free overlap: THE baseline), ``fixed`` (DDP buckets released only between MoE layers), ``priority`` (whole buckets, strict priority), ``lina`` (+ partitioned micro-ops), ``lina_pipe`` (+ chunked all-to-all pipelined with the FFN), ``lina_full`` (+ expert packing) |
+| ``partition_bytes`` | 30e6 | S, the all-reduce micro-op size in bytes (one gradient per micro-op) |
+| ``a2a_chunks`` | 4 | m, all-to-all micro-ops per all-to-all (``lina_pipe``, ``lina_full``) |
+| ``max_inflight`` | 1 | low-priority micro-ops in flight at once |
+| ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.comm.priority`) |
+| ``block_on_combine_backward`` | true | stop launching micro-ops once a MoE layer's combine backward starts |
+| ``stall_ms`` | 0 | the bound of that wait in ms (0: three times the mean micro-op time, at least 5 ms) |
+| ``launch_jitter_ms`` | 0 | a random per-rank delay before each micro-op launch (robustness runs, spec §5 I7) |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moelab.config import ConfigError
+from moelab.strategies.options import StrategyOptions
+
+POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
+SCHEDULED = ("fixed", "priority", "lina", "lina_pipe", "lina_full")  # policies that run the priority scheduler
+PARTITIONED = ("lina", "lina_pipe", "lina_full")  # micro-ops per gradient instead of DDP buckets
+PIPELINED = ("lina_pipe", "lina_full")
+
+
+class LinaOptionError(ConfigError):
+    """A ``ConfigError`` naming the bad lina option."""
+
+
+@dataclass(frozen=True)
+class LinaOptions(StrategyOptions):
+    strategy = "lina"
+    error = LinaOptionError
+
+    policy: str = field(default="lina", metadata={"choices": POLICIES})
+    partition_bytes: float = 30e6
+    a2a_chunks: int = 4
+    max_inflight: int = 1
+    a2a_waits_for_inflight: bool = True
+    block_on_combine_backward: bool = True
+    stall_ms: float = 0.0
+    launch_jitter_ms: float = 0.0
+
+    def value_errors(self) -> list:
+        errs = []
+        if self.max_inflight < 1:
+            errs.append(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.a2a_chunks < 1:
+            errs.append(f"a2a_chunks must be >= 1, got {self.a2a_chunks}")
+        if self.launch_jitter_ms < 0:
+            errs.append(f"launch_jitter_ms must be >= 0, got {self.launch_jitter_ms}")
+        if self.stall_ms < 0:
+            errs.append(f"stall_ms must be >= 0, got {self.stall_ms}")
+        if self.partition_bytes <= 0:
+            errs.append(f"partition_bytes must be > 0, got {self.partition_bytes}")
+        return errs
+
+    @property
+    def scheduled(self) -> bool:
+        return self.policy in SCHEDULED
+
+    @property
+    def partitioned(self) -> bool:
+        return self.policy in PARTITIONED
+
+    @property
+    def pipelined(self) -> bool:
+        return self.policy in PIPELINED
+
+    def run_errors(self, run_cfg) -> list:
+        m, moe, p = run_cfg.model, run_cfg.model.moe, run_cfg.parallel
+        errs = []
+        if p.nproc < 2:
+            errs.append(f"lina schedules communication between ranks: parallel.nproc must be >= 2, got {p.nproc}")
+        elsize = {"float32": 4, "float64": 8}.get(run_cfg.train.dtype, 2)
+        if self.partitioned and self.partition_bytes < elsize:
+            errs.append(f"partition_bytes={self.partition_bytes:g} is below one {run_cfg.train.dtype} element "
+                        f"({elsize} bytes)")
+        if self.pipelined:
+            if moe.dispatcher != "dense":
+                errs.append(f"policy {self.policy!r} pipelines the dense [P, E_loc, C, h] buffer: set "
+                            f"model.moe.dispatcher='dense' (got {moe.dispatcher!r})")
+            cap = _capacity(run_cfg)
+            if cap is not None and not 1 <= self.a2a_chunks <= cap:
+                errs.append(f"a2a_chunks={self.a2a_chunks} must lie in 1..C={cap} (the capacity, the dim it cuts)")
+        if p.placement is not None:
+            errs.append("lina places experts one block per rank (or by packing): parallel.placement must be unset")
+        return errs
+
+
+def _capacity(run_cfg):
+    """C of the dense dispatcher for this run (tokens per rank), or None without a capacity factor."""
+    from moelab.moe.routing import capacity_for
+
+    m, moe, t = run_cfg.model, run_cfg.model.moe, run_cfg.train
+    return capacity_for(t.batch_size * m.seq_len, moe.num_experts, moe.top_k, moe.capacity_factor,
+                        getattr(moe, "min_capacity", 0))

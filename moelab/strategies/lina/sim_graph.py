@@ -1,0 +1,120 @@
+"""Lina's training iteration for the simulator: the EP graph with the policy's dense-gradient sync.
+
+The skeleton (:func:`moelab.sim.graphs.transformer_iteration_graph`) hands over its gradient-ready
+points; this module turns them into the all-reduces each policy issues, on stream ``allreduce``:
+
+- ``after_backward``: one all-reduce after backward (the skeleton's default);
+- ``ddp_overlap``: DDP buckets (:func:`moelab.runtime.update.make_buckets`'s rule) as soon as full,
+  sharing links fairly with the all-to-alls (free overlap);
+- ``fixed``: the same buckets, each released at the next point between two MoE layers (after a
+  layer's backward dispatch all-to-all);
+- ``priority``: buckets at readiness, the all-to-all stream strictly first, a started bucket
+  non-preemptive (:attr:`moelab.sim.engine.OpGraph.nonpreemptive`);
+- ``lina`` (and ``lina_pipe``/``lina_full`` until their pipelines are modelled): the runtime's
+  micro-ops (:func:`moelab.strategies.lina.update.partition`), each a call paying the profile's
+  per-call overhead, under the same priority rule.
+
+Not modelled: the combine-backward block (the DES knows the all-to-all's time, so nothing is
+launched "just before" it by accident), the bounded wait's releases, and the paper's NCCL
+interference factor gamma (links are shared fairly, no worse).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from moelab.sim import costs
+from moelab.sim.graphs import capacity, elem_bytes_of, moe_layer_ids, token_stages, topology_of, \
+    transformer_iteration_graph
+from moelab.placement import Placement
+
+import numpy as np
+
+A2A, AR = "comm", "allreduce"
+
+
+def _units(ready, policy: str, cap_bytes: float, part_bytes: float, eb: int):
+    """``[(bytes, ready point index)]`` in issue order: DDP buckets or per-parameter micro-ops."""
+    from moelab.strategies.lina.update import partition
+
+    params = [(k, n) for k, (_, _, sizes) in enumerate(ready) for n in sizes]
+    if policy in ("lina", "lina_pipe", "lina_full"):
+        return [((b - a) * eb, k) for k, n in params for a, b in partition(n, eb, part_bytes)]
+    units, size, last = [], 0, None
+    for k, n in params:  # make_buckets: reverse parameter order, closed once >= the cap
+        size += n * eb
+        last = k
+        if size >= cap_bytes:
+            units.append((size, k))
+            size = 0
+    if size:
+        units.append((size, last))
+    return units
+
+
+def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *,
+                         elem_bytes: Optional[int] = None, policy: Optional[str] = None,
+                         partition_bytes: Optional[float] = None, bucket_mb: Optional[float] = None):
+    """One training iteration under Lina's ``policy`` (default: the run's strategy options)."""
+    from moelab.strategies import get
+
+    opts = get("lina").options.from_dict(cfg.parallel.strategy_options) if cfg.parallel.strategy == "lina" else None
+    policy = policy or (opts.policy if opts else "lina")
+    S = partition_bytes or (opts.partition_bytes if opts else 30e6)
+    cap_bytes = (bucket_mb or cfg.parallel.bucket_mb) * 2**20
+    m, moe = cfg.model, cfg.model.moe
+    topo = topology_of(cfg)
+    N, E = topo.world_size, moe.num_experts
+    placement = placement or Placement.expert_parallel(E, N)
+    eb = elem_bytes or elem_bytes_of(cfg)
+    loads = np.asarray(loads, dtype=np.int64)
+    cap = capacity(cfg)
+    if moe.dispatcher == "dense":
+        per_dst = np.array([len(placement.local_experts(r)) * cap for r in range(N)], dtype=np.int64)
+        routes = [np.tile(per_dst, (N, 1)) for _ in range(loads.shape[0])]
+    else:
+        from moelab.sim.graphs import route_matrix
+
+        routes = [route_matrix(placement, np.minimum(L, cap) if cap is not None else L) for L in loads]
+    fwd, bwd = token_stages(routes)
+    between: list = []  # op ids of each MoE layer's backward dispatch all-to-all (between two MoE layers)
+
+    def moe_backward(ctx, i, j, deps):
+        out = bwd(ctx, i, j, deps)
+        between.append(max(out))
+        return out
+
+    def dense_sync(ctx, ready):
+        g, ranks = ctx.g, ctx.ranks
+        if policy == "after_backward":
+            units = [(sum(ready_sizes(ready)) * eb, len(ready) - 1)]
+        else:
+            units = _units(ready, policy, cap_bytes, S, eb)
+        if policy in ("priority", "lina", "lina_pipe", "lina_full"):
+            g.stream_priority[A2A] = 1
+            g.nonpreemptive.add(AR)
+        last = None
+        for n, (nbytes, k) in enumerate(units):
+            deps = list(ready[k][1])
+            if policy == "fixed":
+                later = [b for b in between if b > max(ready[k][1])]
+                if later:
+                    deps.append(min(later))
+            if last is not None:
+                deps.append(last)
+            last = g.transfer(f"grad.{policy}.{n}", ranks, [costs.ring_demand("all_reduce", ranks, ctx.topo, profile,
+                                                                               nbytes)],
+                              deps=deps, category="allreduce", stream=AR, phase="sync",
+                              comm={"op": "all_reduce", "group": ranks, "nbytes": nbytes})
+        return (last,) if last is not None else tuple(ready[-1][1])
+
+    g, ctx, prev = transformer_iteration_graph(
+        cfg, profile, loads, placement, fwd, moe_backward, elem_bytes=elem_bytes,
+        meta={"strategy": "lina", "policy": policy}, dense_sync=dense_sync)
+    return g
+
+
+def ready_sizes(ready) -> list:
+    return [n for _, _, sizes in ready for n in sizes]
+
+
+__all__ = ["lina_iteration_graph", "moe_layer_ids"]

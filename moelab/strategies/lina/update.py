@@ -1,0 +1,124 @@
+"""Lina's gradient synchronisation: DDP buckets or per-gradient micro-ops through the priority scheduler.
+
+``policy`` (:mod:`.options`) picks the update:
+
+- ``after_backward``, ``ddp_overlap``: the core's updates (:mod:`moelab.runtime.update`), unchanged;
+- ``fixed``, ``priority``: DDP's buckets (``parallel.bucket_mb``, reverse parameter order), each a
+  low-priority op of a :class:`moelab.comm.priority.PriorityScheduler` (``fixed``: released between
+  MoE layers; ``priority``: strict priority, whole buckets);
+- ``lina``, ``lina_pipe``, ``lina_full``: every dense gradient cut into views of at most
+  ``partition_bytes`` (:func:`partition`), all-reduced in place, one gradient per micro-op.
+
+Micro-ops are queued in one fixed order on every rank - reverse parameter order, a gradient's
+micro-ops once it and every gradient before it in that order are ready - so all ranks issue the same
+sequence on ``dp`` even if their autograd finished gradients in another order (spec §6.16). The
+loss is already scaled by 1/N: the all-reduce is a SUM, nothing is divided afterwards.
+"""
+from __future__ import annotations
+
+from moelab.comm.priority import LowOp, PriorityScheduler
+from moelab.runtime.update import GRAD_SYNCS, OverlappedDataParallelUpdate
+
+
+def partition(numel: int, element_size: int, max_bytes: float) -> list:
+    """``[(start, stop), ...]``: consecutive element ranges of one flat gradient, each at most
+    ``max_bytes`` (at least one element), covering ``0..numel`` exactly."""
+    n = max(1, int(max_bytes) // element_size)
+    return [(a, min(a + n, numel)) for a in range(0, numel, n)]
+
+
+class LinaUpdate(OverlappedDataParallelUpdate):
+    """The scheduled policies (``fixed``, ``priority``, ``lina*``)."""
+
+    def __init__(self, model, comm, cfg):
+        from moelab.strategies import get
+
+        self.opts = get("lina").bind(cfg)
+        super().__init__(model, comm, cfg)
+        o = self.opts
+        self.sched = PriorityScheduler(
+            comm, mode="fixed" if o.policy == "fixed" else "priority", max_inflight=o.max_inflight,
+            waits_for_inflight=o.a2a_waits_for_inflight, block_on_imminent=o.block_on_combine_backward,
+            stall_s=o.stall_ms / 1e3 if o.stall_ms else None, jitter_s=o.launch_jitter_ms / 1e3,
+            seed=cfg.train.seed * 1009 + comm.rank)
+        comm.scheduler = self.sched
+        self.order = list(reversed([p for p in model.dense_parameters() if p.requires_grad]))
+        self._pos = {id(p): i for i, p in enumerate(self.order)}
+        self.micro_ops: list = []  # this step's (param index, start, stop), in submission order
+        self.last_micro_ops: list = []  # the last synchronised step's
+        self.before_backward()
+
+    def before_backward(self) -> None:
+        super().before_backward()
+        sched = getattr(self, "sched", None)
+        if sched is not None:
+            sched.new_step()
+        self._ready_params: set = set()
+        self._next_param = 0
+
+    def on_grad_ready(self, p) -> None:
+        if not self.opts.partitioned:
+            return super().on_grad_ready(p)
+        i = self._pos.get(id(p))
+        if i is None:
+            return
+        self._ready_params.add(i)
+        while self._next_param in self._ready_params:
+            self._submit_param(self._next_param)
+
+    def _submit_param(self, i: int) -> None:
+        import torch
+
+        p = self.order[i]
+        if p.grad is None:  # backward never reached it (same on every rank: same graph)
+            p.grad = torch.zeros_like(p)
+        flat = p.grad.view(-1)
+        es = flat.element_size()
+        comm = self.comm
+        for a, b in partition(flat.numel(), es, self.opts.partition_bytes):
+            view = flat[a:b]
+            self.micro_ops.append((i, a, b))
+            self.sched.submit(LowOp(lambda v=view: comm.all_reduce_(v, group=self.group, async_op=True),
+                                    (b - a) * es, self.group, f"p{i}[{a}:{b}]"))
+        self._next_param = i + 1
+
+    def _launch(self, i: int) -> None:
+        """A full DDP bucket becomes one low-priority op (``fixed``, ``priority``)."""
+        import torch
+
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.buckets[i]])
+        self._pending.append((i, flat, None))
+        comm = self.comm
+        self.sched.submit(LowOp(lambda: comm.all_reduce_(flat, group=self.group, async_op=True),
+                                flat.numel() * flat.element_size(), self.group, f"bucket{i}"))
+        self._next = i + 1
+        self.memory.sample()
+
+    def sync(self) -> None:
+        if self.opts.partitioned:
+            while self._next_param < len(self.order):
+                self._submit_param(self._next_param)
+        else:
+            while self._next < len(self.buckets):
+                self._launch(self._next)
+        self.sched.drain()
+        self.last_micro_ops, self.micro_ops = self.micro_ops, []
+        for i, flat, _ in self._pending:
+            off = 0
+            for p in self.buckets[i]:
+                n = p.numel()
+                p.grad = flat[off:off + n].view_as(p).clone()
+                off += n
+        self._sync_experts()
+        self.before_backward()
+
+
+def lina_update(model, comm, cfg):
+    """The update of the run's ``policy``: the core's for the unscheduled ones, :class:`LinaUpdate` else."""
+    from moelab.strategies import get
+
+    opts = get("lina").bind(cfg)
+    if not opts.scheduled:
+        return GRAD_SYNCS[opts.policy](model, comm, cfg)
+    return LinaUpdate(model, comm, cfg)

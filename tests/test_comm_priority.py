@@ -1,0 +1,161 @@
+"""The priority scheduler alone (threads, no processes): the launch rules, the bounded wait, fixed
+mode's release points, work conservation (spec §5 I5, I6) and error surfacing."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+
+from moelab.comm.priority import LowOp, PriorityScheduler
+from moelab.comm.scheduler import Call
+
+
+class FakeRec:
+    tags: dict = {}
+
+    @contextlib.contextmanager
+    def tagged(self, **tags):
+        yield
+
+
+class FakeComm:
+    rec = FakeRec()
+
+
+class Sleep:
+    """A handle whose wait takes ``s`` seconds from the issue (an all-reduce in flight)."""
+
+    def __init__(self, s):
+        self.until = time.perf_counter() + s
+
+    def wait(self):
+        time.sleep(max(0.0, self.until - time.perf_counter()))
+
+
+def high(sched, seconds, phase="fwd"):
+    call = Call("all_to_all", "ep", (0, 1), {}, {}, {"phase": phase})
+    sched.admit(call)
+    time.sleep(seconds)
+    sched.done(call)
+    return call.priority_record
+
+
+def low(seconds, name=""):
+    return LowOp(lambda: Sleep(seconds), 8, "dp", name)
+
+
+def test_high_call_overtakes_queued_low_ops_and_waits_for_the_one_in_flight():
+    s = PriorityScheduler(FakeComm(), stall_s=5.0)
+    for i in range(4):
+        s.submit(low(0.03, f"op{i}"))
+    time.sleep(0.005)  # op0 is in flight
+    h = high(s, 0.02)
+    s.drain()
+    lows = [r for r in s.records if r["kind"] == "low"]
+    assert not h["released"] and h["start"] >= lows[0]["end"] - 1e-4  # waited for op0 only
+    assert all(lo["start"] >= h["end"] for lo in lows[1:])  # op1..3 held behind the call
+    s.close()
+
+
+def test_without_waiting_the_call_starts_at_once():
+    s = PriorityScheduler(FakeComm(), waits_for_inflight=False)
+    s.submit(low(0.05))
+    time.sleep(0.005)
+    h = high(s, 0.0)
+    assert h["start"] - h["wait"] < 0.02
+    s.drain()
+    s.close()
+
+
+def test_wait_is_bounded_and_the_release_counted():
+    s = PriorityScheduler(FakeComm(), stall_s=0.01)
+    s.submit(low(0.2))  # stalled on a peer, say
+    time.sleep(0.005)
+    h = high(s, 0.0)
+    assert h["released"] and s.stalls == 1 and h["start"] - h["wait"] < 0.1
+    s.drain()
+    s.close()
+
+
+def test_imminent_blocks_launches_until_the_next_high_call_ends():
+    s = PriorityScheduler(FakeComm())
+    s.imminent()
+    s.submit(low(0.0))
+    time.sleep(0.05)
+    assert not [r for r in s.records if r["kind"] == "low"]  # held
+    h = high(s, 0.01)
+    s.drain()
+    lo = [r for r in s.records if r["kind"] == "low"][0]
+    assert lo["start"] >= h["end"]
+    s.close()
+
+
+def test_max_inflight_bounds_concurrent_low_ops():
+    s = PriorityScheduler(FakeComm(), max_inflight=2)
+    for _ in range(6):
+        s.submit(low(0.02))
+    s.drain()
+    lows = [r for r in s.records if r["kind"] == "low"]
+    events = sorted([(r["start"], 1) for r in lows] + [(r["end"], -1) for r in lows], key=lambda e: (e[0], e[1]))
+    level = peak = 0
+    for _, d in events:
+        level += d
+        peak = max(peak, level)
+    assert peak == 2
+    s.close()
+
+
+def test_work_conservation_within_a_wakeup_tolerance():
+    """Whenever the queue is non-empty and the gate open, a low op is in flight (I6)."""
+    s = PriorityScheduler(FakeComm(), stall_s=5.0)
+    t = threading.Thread(target=lambda: [s.submit(low(0.004, str(i))) or time.sleep(0.001) for i in range(20)])
+    t.start()
+    for _ in range(4):
+        time.sleep(0.01)
+        high(s, 0.01)
+    t.join()
+    s.drain()
+    highs = [r for r in s.records if r["kind"] == "high"]
+    lows = [r for r in s.records if r["kind"] == "low"]
+    prev_end = 0.0
+    for lo in lows:
+        ready = max(lo["enqueue"], prev_end)
+        for h in highs:  # the gate is closed while a high call waits or runs
+            if h["wait"] <= ready < h["end"]:
+                ready = h["end"]
+        assert lo["start"] - ready < 0.05, lo
+        prev_end = lo["end"]
+    s.close()
+
+
+def test_fixed_mode_releases_between_moe_layers_only():
+    s = PriorityScheduler(FakeComm(), mode="fixed")
+    s.new_step()
+    s.submit(low(0.0, "a"))
+    high(s, 0.0, phase="bwd")  # first backward all-to-all of a layer: nothing released
+    time.sleep(0.03)
+    assert not [r for r in s.records if r["kind"] == "low"]
+    high(s, 0.0, phase="bwd")  # second: between two MoE layers
+    time.sleep(0.03)
+    assert [r["name"] for r in s.records if r["kind"] == "low"] == ["a"]
+    s.drain()
+    s.close()
+
+
+def test_a_failing_low_op_surfaces_at_drain():
+    def boom():
+        raise OSError("link down")
+
+    s = PriorityScheduler(FakeComm())
+    s.submit(LowOp(boom, 8, "dp"))
+    with pytest.raises(RuntimeError, match="link down"):
+        s.drain(timeout=5)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="max_inflight"):
+        PriorityScheduler(FakeComm(), max_inflight=0)
+    with pytest.raises(ValueError, match="mode"):
+        PriorityScheduler(FakeComm(), mode="oracle")
