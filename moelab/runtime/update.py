@@ -198,13 +198,17 @@ class OverlappedDataParallelUpdate(DataParallelUpdate):
                 self._launch(self._next)
             for i, flat, handle in self._pending:  # in bucket order on every rank
                 handle.wait()
-                off = 0
-                for p in self.buckets[i]:
-                    n = p.numel()
-                    p.grad = flat[off:off + n].view_as(p).clone()
-                    off += n
+                self._unpack(i, flat)
         self._sync_experts()
         self.before_backward()
+
+    def _unpack(self, i: int, flat) -> None:
+        """Bucket ``i``'s reduced flat buffer back into its parameters' gradients."""
+        off = 0
+        for p in self.buckets[i]:
+            n = p.numel()
+            p.grad = flat[off:off + n].view_as(p).clone()
+            off += n
 
 
 GRAD_SYNCS = {"after_backward": DataParallelUpdate, "ddp_overlap": OverlappedDataParallelUpdate}

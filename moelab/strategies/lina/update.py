@@ -105,11 +105,7 @@ class LinaUpdate(OverlappedDataParallelUpdate):
         self.sched.drain()
         self.last_micro_ops, self.micro_ops = self.micro_ops, []
         for i, flat, _ in self._pending:
-            off = 0
-            for p in self.buckets[i]:
-                n = p.numel()
-                p.grad = flat[off:off + n].view_as(p).clone()
-                off += n
+            self._unpack(i, flat)
         self._sync_experts()
         self.before_backward()
 
