@@ -81,3 +81,20 @@ def test_infinite_bandwidth_makes_the_policies_equal():
                                intra_latency_us=0.0, inter_latency_us=0.0)
     times = {p: run(cfg, prof, p)[1].makespan for p in POLICIES}
     assert max(times.values()) <= min(times.values()) * (1 + 1e-6), times
+
+
+def test_pipelined_graph_conserves_bytes_and_is_the_plain_one_at_one_chunk():
+    prof = get_profile("lina")
+    cfg = paper_cfg(layers=2)
+
+    def a2a_bytes(g):
+        return sum(int(o.comm["splits"].sum()) for o in g.ops if o.category == "a2a")
+
+    plain_g, plain = run(cfg, prof, "lina")
+    one = cfg.with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "a2a_chunks": 1}})
+    four = cfg.with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "a2a_chunks": 4}})
+    g1, r1 = run(one, prof, "lina_pipe")
+    g4, r4 = run(four, prof, "lina_pipe")
+    assert r1.makespan == pytest.approx(plain.makespan, rel=1e-12)
+    assert a2a_bytes(g4) == a2a_bytes(g1) == a2a_bytes(plain_g)
+    assert sum(o.category == "a2a" for o in g4.ops) == 4 * sum(o.category == "a2a" for o in g1.ops)

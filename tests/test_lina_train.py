@@ -133,3 +133,19 @@ def test_bad_input_is_a_config_error_before_launch(opts, over, msg):
     with pytest.raises(ConfigError, match=msg):
         RunConfig().with_overrides({**TINY_TRAIN, **BASE, "parallel.nproc": 2, "parallel.strategy_options": opts,
                                     **over}).validate()
+
+
+def test_pipelined_all_to_all_chunks_m1_bitwise_m3_allclose():
+    """``lina_pipe``: a2a_chunks=1 is the unchunked path bit for bit, 3 chunks allclose (I3), and the
+    scheduler saw every chunk's all-to-all (3 per direction per layer)."""
+    res1 = run_ranks(_train, 2, ("ddp_overlap", "lina_pipe"), {"a2a_chunks": 1}, timeout=300)
+    res3 = run_ranks(_train, 2, ("lina_pipe",), {"a2a_chunks": 3}, timeout=300)
+    for r in range(2):
+        ref, one, three = res1[r]["ddp_overlap"], res1[r]["lina_pipe"], res3[r]["lina_pipe"]
+        assert one["losses"] == ref["losses"]
+        for n, p in ref["params"].items():
+            assert torch.equal(one["params"][n], p), n
+            assert torch.allclose(three["params"][n], p, rtol=1e-10, atol=1e-12), n
+        a2a = [h for h in three["records"] if h["kind"] == "high" and h["op"] == "all_to_all"]
+        a2a1 = [h for h in one["records"] if h["kind"] == "high" and h["op"] == "all_to_all"]
+        assert len(a2a) == 3 * len(a2a1)

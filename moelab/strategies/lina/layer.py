@@ -1,4 +1,5 @@
-"""Lina's MoE layer: the core layer plus the combine marker (and, for ``lina_pipe``, the pipeline).
+"""Lina's MoE layer: the core layer plus the combine marker (and, for ``lina_pipe``, the pipeline
+of :mod:`.pipeline`).
 
 :class:`CombineMarker` is an identity on the layer's output whose backward tells the rank's
 scheduler that this layer's combine all-to-all is imminent (spec §2.2: "stop launching all-reduce
@@ -31,5 +32,20 @@ class LinaMoELayer(MoELayer):
         self.options = options
 
     def dispatch_compute_combine(self, x, plan, routing):
-        y = super().dispatch_compute_combine(x, plan, routing)
+        if self.options is not None and self.options.pipelined:
+            y = self._pipelined(x, plan, routing)
+        else:
+            y = super().dispatch_compute_combine(x, plan, routing)
         return CombineMarker.apply(y, self.comm) if torch.is_grad_enabled() else y
+
+    def _pipelined(self, x, plan, routing):
+        """``lina_pipe``: the capacity buffer through :class:`~.pipeline.PipelinedExperts` in
+        ``a2a_chunks`` micro-ops (the dense dispatcher's layout, so ``a2a_chunks=1`` is the plain path)."""
+        from moelab.moe.dispatch import from_capacity_buffer, to_capacity_buffer
+        from moelab.strategies.lina.pipeline import PipelinedExperts
+
+        E, C = self.cfg.num_experts, plan.capacity
+        buf = to_capacity_buffer(x, routing, E, C)
+        out = PipelinedExperts.apply(buf, self.experts, self.comm, min(self.options.a2a_chunks, C),
+                                     dict(self.comm.rec.tags))
+        return from_capacity_buffer(out, routing, C)

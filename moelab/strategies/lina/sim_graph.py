@@ -10,9 +10,11 @@ points; this module turns them into the all-reduces each policy issues, on strea
   layer's backward dispatch all-to-all);
 - ``priority``: buckets at readiness, the all-to-all stream strictly first, a started bucket
   non-preemptive (:attr:`moelab.sim.engine.OpGraph.nonpreemptive`);
-- ``lina`` (and ``lina_pipe``/``lina_full`` until their pipelines are modelled): the runtime's
-  micro-ops (:func:`moelab.strategies.lina.update.partition`), each a call paying the profile's
-  per-call overhead, under the same priority rule.
+- ``lina``, ``lina_pipe``: the runtime's micro-ops (:func:`moelab.strategies.lina.update.partition`),
+  each a call paying the profile's per-call overhead, under the same priority rule; ``lina_pipe``
+  also cuts each MoE layer's all-to-alls into ``a2a_chunks`` along the capacity, chunk j's experts
+  running while chunk j+1 moves (:func:`pipelined_stages`, the runtime's
+  :mod:`moelab.strategies.lina.pipeline`). ``lina_full`` (packing) is not modelled yet: rejected.
 
 Not modelled: the combine-backward block (the DES knows the all-to-all's time, so nothing is
 launched "just before" it by accident), the bounded wait's releases, and the paper's NCCL
@@ -75,7 +77,17 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         from moelab.sim.graphs import route_matrix
 
         routes = [route_matrix(placement, np.minimum(L, cap) if cap is not None else L) for L in loads]
-    fwd, bwd = token_stages(routes)
+    if policy == "lina_full":
+        raise NotImplementedError("lina_full (expert packing) has no simulator graph yet")
+    if policy == "lina_pipe":
+        if moe.dispatcher != "dense":
+            raise ValueError("lina_pipe pipelines the dense dispatcher's capacity buffer")
+        from moelab.strategies.lina.pipeline import chunk_bounds
+
+        m_chunks = opts.a2a_chunks if opts else 4
+        fwd, bwd = pipelined_stages(routes, [b - a for a, b in chunk_bounds(cap, min(m_chunks, cap))], cap)
+    else:
+        fwd, bwd = token_stages(routes)
     between: list = []  # op ids of each MoE layer's backward dispatch all-to-all (between two MoE layers)
 
     def moe_backward(ctx, i, j, deps):
@@ -111,6 +123,32 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         cfg, profile, loads, placement, fwd, moe_backward, elem_bytes=elem_bytes,
         meta={"strategy": "lina", "policy": policy}, dense_sync=dense_sync)
     return g
+
+
+def pipelined_stages(routes, chunks, cap):
+    """The token path of :func:`moelab.sim.graphs.token_stages` cut into all-to-all micro-ops of
+    ``chunks[j]`` capacity rows each: dispatch j+1 in flight while experts compute chunk j, combine j
+    issued when it is done; backward mirrors it (combine gradient first, 2x expert compute)."""
+    def stage(ctx, i, j, deps, phase):
+        first, second = ("dispatch", "combine") if phase == "fwd" else ("combine.bwd", "dispatch.bwd")
+        parts = [routes[j] * c // cap for c in chunks]
+        moves = [ctx.a2a(f"L{i}.{first}.c0", parts[0], tuple(deps), i, phase)]
+        outs = []
+        for n, part in enumerate(parts):  # issue order as the runtime: d0, d1, c0, d2, c1, ...
+            if n + 1 < len(parts):
+                moves.append(ctx.a2a(f"L{i}.{first}.c{n + 1}", parts[n + 1], (moves[-1],), i, phase))
+            rows = part.sum(0)
+            exps = [ctx.experts(r, f"L{i}.experts.{phase}.c{n}", rows[r], (moves[n],), i, phase) for r in ctx.ranks]
+            outs.append(ctx.a2a(f"L{i}.{second}.c{n}", part.T, exps, i, phase))
+        return [outs[-1]] * len(ctx.ranks)  # one comm stream: the last combine ends last
+
+    def moe_forward(ctx, i, j, deps):
+        return stage(ctx, i, j, deps, "fwd")
+
+    def moe_backward(ctx, i, j, deps):
+        return stage(ctx, i, j, deps, "bwd")
+
+    return moe_forward, moe_backward
 
 
 def ready_sizes(ready) -> list:
