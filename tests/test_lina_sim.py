@@ -98,3 +98,20 @@ def test_pipelined_graph_conserves_bytes_and_is_the_plain_one_at_one_chunk():
     assert r1.makespan == pytest.approx(plain.makespan, rel=1e-12)
     assert a2a_bytes(g4) == a2a_bytes(g1) == a2a_bytes(plain_g)
     assert sum(o.category == "a2a" for o in g4.ops) == 4 * sum(o.category == "a2a" for o in g1.ops)
+
+
+def test_packing_keeps_all_to_alls_inside_blocks_and_adds_the_expert_gradient_sync():
+    """q = 2 on 16 ranks, E = 16: blocks of 8 ranks (two nodes), no all-to-all byte crosses a block;
+    the copies' expert gradients are all-reduced over groups of 2 (one rank per block)."""
+    cfg = paper_cfg(layers=2).with_overrides({"parallel.strategy_options": {"policy": "lina_full",
+                                                                            "experts_per_device": 2,
+                                                                            "partition_bytes": 4e6}})
+    g = lina_iteration_graph(cfg, get_profile("lina"), synthetic_loads(cfg), elem_bytes=2)
+    simulate(g)
+    for o in g.ops:
+        if o.category == "a2a":
+            M = o.comm["splits"]
+            assert M[:8, 8:].sum() == 0 and M[8:, :8].sum() == 0
+    edp = [o for o in g.ops if o.category == "allreduce" and len(o.comm["group"]) == 2]
+    m = cfg.model
+    assert sum(o.comm["nbytes"] for o in edp) == 2 * 8 * 2 * (2 * m.d_model * m.d_ff + m.d_ff + m.d_model) * 2

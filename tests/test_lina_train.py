@@ -149,3 +149,50 @@ def test_pipelined_all_to_all_chunks_m1_bitwise_m3_allclose():
         a2a = [h for h in three["records"] if h["kind"] == "high" and h["op"] == "all_to_all"]
         a2a1 = [h for h in one["records"] if h["kind"] == "high" and h["op"] == "all_to_all"]
         assert len(a2a) == 3 * len(a2a1)
+
+
+def _packed(rank, world, runs):
+    """Train each (policy, q) and return the losses and every expert's parameters by global id."""
+    from moelab.config import RunConfig
+    from moelab.runtime.train import Trainer
+
+    out = {}
+    for key, opts in runs.items():
+        cfg = RunConfig().with_overrides({**TINY_TRAIN, **BASE, "parallel.nproc": world,
+                                          "parallel.strategy_options": {"partition_bytes": S, **opts}}).validate()
+        tr = Trainer.build(cfg)
+        losses = [row["loss"] for row in tr.run()]
+        experts = {}
+        for li, layer in enumerate(tr.model.moe_layers()):
+            ex = layer.experts
+            for s, e in enumerate(ex.experts):
+                experts[(li, e)] = torch.cat([p[s].detach().reshape(-1) for p in (ex.w1, ex.b1, ex.w2, ex.b2)]).clone()
+        dense = torch.cat([p.detach().reshape(-1) for p in tr.model.dense_parameters()]).clone()
+        out[key] = dict(losses=losses, experts=experts, dense=dense)
+        sched = getattr(tr.update, "sched", None)
+        if sched:
+            sched.close()
+    return out
+
+
+def test_packing_trains_the_unpacked_model_and_keeps_replicas_identical():
+    """q in {1, 2, 4} on 4 ranks, E = 4 (q = 4: every rank holds every expert, pure data parallelism)
+    train the q = 1 model (I2); the copies of an expert are identical after every run; the EP
+    baseline at Lina's EP degree (``ddp_overlap`` with q = 2) too."""
+    runs = {"q1": {"policy": "ddp_overlap"}, "q2": {"policy": "lina", "experts_per_device": 2},
+            "q4": {"policy": "lina", "experts_per_device": 4}, "full": {"policy": "lina_full", "a2a_chunks": 2},
+            "base_q2": {"policy": "ddp_overlap", "experts_per_device": 2}}
+    res = run_ranks(_packed, 4, runs, timeout=300)
+    ref = res[0]["q1"]
+    ref_experts = {k: v for r in range(4) for k, v in res[r]["q1"]["experts"].items()}
+    for key in runs:
+        for r in range(4):
+            got = res[r][key]
+            assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-10), key
+            assert torch.allclose(got["dense"], ref["dense"], rtol=1e-9, atol=1e-12), key
+            for k, v in got["experts"].items():
+                assert torch.allclose(v, ref_experts[k], rtol=1e-9, atol=1e-12), (key, k)
+                for r2 in range(4):  # every other copy of this expert is the same tensor, bit for bit
+                    other = res[r2][key]["experts"].get(k)
+                    assert other is None or torch.equal(other, v), (key, k, r, r2)
+    assert len(res[0]["q4"]["experts"]) == 2 * 4 and len(res[0]["q2"]["experts"]) == 2 * 2

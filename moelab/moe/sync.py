@@ -6,6 +6,9 @@
 - Expert parameters are not all-reduced: the owner already holds the sum over all tokens routed to
   it. With replicas, each holder has a partial sum; the replicas send theirs to the owner, the
   owner adds them and sends the total back, so every copy takes the same optimizer step.
+- Packed experts (a layer whose EP runs over a sub-group, ``layer.expert_dp_group`` naming the
+  group of ranks holding the same experts, Lina's packing): each copy holds its block's partial sum;
+  one all-reduce (SUM) over that group makes every copy the full sum (:func:`sync_packed_grads`).
 """
 from __future__ import annotations
 
@@ -66,3 +69,20 @@ def sync_replica_grads(layer, comm: Communicator) -> None:
                 off += n
     for p, grad in full:
         p.grad = grad
+
+
+def packed_expert_params(layer) -> list:
+    """The expert parameters of a packed layer (empty when its experts are not replicated by blocks)."""
+    if getattr(layer, "expert_dp_group", None) is None:
+        return []
+    ex = layer.experts
+    return [p for p in (ex.w1, ex.b1, ex.w2, ex.b2) if p is not None and p.requires_grad]
+
+
+def sync_packed_grads(layer, comm: Communicator) -> None:
+    """All-reduce a packed layer's expert grads over ``layer.expert_dp_group`` (one flat SUM)."""
+    params = packed_expert_params(layer)
+    if not params or len(comm.group_ranks(layer.expert_dp_group)) < 2:
+        return
+    with comm.rec.tagged(layer=layer.layer_id):
+        sync_dense_grads(params, comm, group=layer.expert_dp_group)

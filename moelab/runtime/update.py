@@ -36,7 +36,7 @@ import contextlib
 
 import torch
 
-from moelab.moe.sync import sync_dense_grads, sync_replica_grads
+from moelab.moe.sync import sync_dense_grads, sync_packed_grads, sync_replica_grads
 from moelab.runtime.memory import MemoryMeter, storage_bytes
 
 class Update:
@@ -132,6 +132,7 @@ class DataParallelUpdate(Update):
         fill_missing_grads(self.model.expert_parameters())
         for layer in self.model.moe_layers():
             sync_replica_grads(layer, self.comm)
+            sync_packed_grads(layer, self.comm)
 
     def step(self) -> None:
         self.optimizer.step()

@@ -28,8 +28,13 @@ def _update(model, comm, cfg):
     return lina_update(model, comm, cfg)
 
 
+def _groups(run_cfg) -> dict:
+    opts = LinaOptions.from_dict(run_cfg.parallel.strategy_options)
+    return opts.groups(run_cfg.parallel.nproc, run_cfg.model.moe.num_experts)
+
+
 STRATEGY = register_strategy(Strategy(
-    "lina", options=LinaOptions, layer=layer_factory, update=_update,
+    "lina", options=LinaOptions, layer=layer_factory, update=_update, groups=_groups, own_expert_layout=True,
     sim_graph="moelab.strategies.lina.sim_graph:lina_iteration_graph",
     conformance=tuple({"policy": p} for p in ("ddp_overlap", "priority", "lina")),
     doc="Lina: all-to-all before all-reduce (priority scheduler, partitioned gradient micro-ops)"))

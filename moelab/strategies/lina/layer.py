@@ -27,9 +27,24 @@ class CombineMarker(torch.autograd.Function):
 
 
 class LinaMoELayer(MoELayer):
-    def __init__(self, *args, options=None, **kw):
-        super().__init__(*args, **kw)
+    """``options.q > 1`` (packing): the core layer over the ``lina_ep`` block (a
+    :class:`moelab.comm.view.GroupView`), all E experts spread over its E/q ranks, q per rank; the
+    copies of a block's experts sum their gradients over ``lina_edp`` (``expert_dp_group``)."""
+
+    def __init__(self, d_model, d_ff, moe_cfg, layer_id=0, seed=0, comm=None, placement=None, dtype=None,
+                 options=None):
+        import torch as _t
+
+        if options is not None and options.q > 1:
+            from moelab.comm.view import GroupView
+            from moelab.placement import Placement
+
+            comm = GroupView(comm, {"ep": "lina_ep"})
+            placement = Placement.expert_parallel(moe_cfg.num_experts, comm.world_size)
+        super().__init__(d_model, d_ff, moe_cfg, layer_id=layer_id, seed=seed, comm=comm, placement=placement,
+                         dtype=dtype or _t.float32)
         self.options = options
+        self.expert_dp_group = "lina_edp" if options is not None and options.q > 1 else None
 
     def dispatch_compute_combine(self, x, plan, routing):
         if self.options is not None and self.options.pipelined:

@@ -9,6 +9,7 @@
 | ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.comm.priority`) |
 | ``block_on_combine_backward`` | true | stop launching micro-ops once a MoE layer's combine backward starts |
 | ``stall_ms`` | 0 | the bound of that wait in ms (0: three times the mean micro-op time, at least 5 ms) |
+| ``experts_per_device`` | 0 | q, experts packed per rank: EP over blocks of E/q contiguous ranks, each block a full copy, ``expert_dp`` over the copies (0: 2 for ``lina_full``, else 1) |
 | ``launch_jitter_ms`` | 0 | a random per-rank delay before each micro-op launch (robustness runs, spec §5 I7) |
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ class LinaOptions(StrategyOptions):
     block_on_combine_backward: bool = True
     stall_ms: float = 0.0
     launch_jitter_ms: float = 0.0
+    experts_per_device: int = 0
 
     def value_errors(self) -> list:
         errs = []
@@ -48,6 +50,8 @@ class LinaOptions(StrategyOptions):
             errs.append(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.a2a_chunks < 1:
             errs.append(f"a2a_chunks must be >= 1, got {self.a2a_chunks}")
+        if self.experts_per_device < 0:
+            errs.append(f"experts_per_device must be >= 0 (0: the policy's default), got {self.experts_per_device}")
         if self.launch_jitter_ms < 0:
             errs.append(f"launch_jitter_ms must be >= 0, got {self.launch_jitter_ms}")
         if self.stall_ms < 0:
@@ -55,6 +59,11 @@ class LinaOptions(StrategyOptions):
         if self.partition_bytes <= 0:
             errs.append(f"partition_bytes must be > 0, got {self.partition_bytes}")
         return errs
+
+    @property
+    def q(self) -> int:
+        """Experts packed per rank (``experts_per_device``; 0 means 2 under ``lina_full``, else 1)."""
+        return self.experts_per_device or (2 if self.policy == "lina_full" else 1)
 
     @property
     def scheduled(self) -> bool:
@@ -86,7 +95,37 @@ class LinaOptions(StrategyOptions):
                 errs.append(f"a2a_chunks={self.a2a_chunks} must lie in 1..C={cap} (the capacity, the dim it cuts)")
         if p.placement is not None:
             errs.append("lina places experts one block per rank (or by packing): parallel.placement must be unset")
+        E, N, q = moe.num_experts, p.nproc, self.q
+        if q & (q - 1) or E % q:
+            errs.append(f"experts_per_device={q} must be a power of two dividing model.moe.num_experts={E}")
+        elif N % (E // q):
+            errs.append(f"experts_per_device={q}: E/q = {E // q} ranks per expert block must divide parallel.nproc={N}")
+        elif q == 1 and E % N:
+            errs.append(f"model.moe.num_experts={E} is not divisible by parallel.nproc={N}: expert parallelism "
+                        "needs the same number of experts on every rank")
+        if q > 1 and moe.dispatcher != "dense":
+            errs.append(f"expert packing runs the dense dispatcher inside each block: set model.moe.dispatcher='dense' "
+                        f"(got {moe.dispatcher!r})")
         return errs
+
+    def placement(self, nproc: int, num_experts: int):
+        """Every expert's holders, global ranks: with packing, expert e on position e // q of every block."""
+        from moelab.placement import Placement
+
+        if self.q == 1:
+            return Placement.expert_parallel(num_experts, nproc)
+        P = num_experts // self.q
+        return Placement(num_experts, nproc, tuple(tuple(b + e // self.q for b in range(0, nproc, P))
+                                                   for e in range(num_experts)))
+
+    def groups(self, nproc: int, num_experts: int) -> dict:
+        """The packing's process groups: ``lina_ep`` (blocks of E/q contiguous ranks) and
+        ``lina_edp`` (the ranks at one position of every block: the copies of the same experts)."""
+        if self.q == 1:
+            return {}
+        P = num_experts // self.q
+        return {"lina_ep": [list(range(b, b + P)) for b in range(0, nproc, P)],
+                "lina_edp": [list(range(i, nproc, P)) for i in range(P)]}
 
 
 def _capacity(run_cfg):

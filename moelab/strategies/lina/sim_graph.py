@@ -59,32 +59,37 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     """One training iteration under Lina's ``policy`` (default: the run's strategy options)."""
     from moelab.strategies import get
 
-    opts = get("lina").options.from_dict(cfg.parallel.strategy_options) if cfg.parallel.strategy == "lina" else None
-    policy = policy or (opts.policy if opts else "lina")
-    S = partition_bytes or (opts.partition_bytes if opts else 30e6)
+    import dataclasses
+
+    cls = get("lina").options
+    opts = cls.from_dict(cfg.parallel.strategy_options) if cfg.parallel.strategy == "lina" else cls()
+    opts = dataclasses.replace(opts, policy=policy or opts.policy)
+    policy = opts.policy
+    S = partition_bytes or opts.partition_bytes
     cap_bytes = (bucket_mb or cfg.parallel.bucket_mb) * 2**20
     m, moe = cfg.model, cfg.model.moe
     topo = topology_of(cfg)
     N, E = topo.world_size, moe.num_experts
-    placement = placement or Placement.expert_parallel(E, N)
+    q = opts.q
+    placement = opts.placement(N, E) if q > 1 else (placement or Placement.expert_parallel(E, N))
     eb = elem_bytes or elem_bytes_of(cfg)
     loads = np.asarray(loads, dtype=np.int64)
     cap = capacity(cfg)
+    P = E // q  # ranks per expert block (N when nothing is packed)
     if moe.dispatcher == "dense":
-        per_dst = np.array([len(placement.local_experts(r)) * cap for r in range(N)], dtype=np.int64)
-        routes = [np.tile(per_dst, (N, 1)) for _ in range(loads.shape[0])]
+        block = np.arange(N) // P
+        per = np.where(block[:, None] == block[None, :], (E // P) * cap, 0).astype(np.int64)
+        routes = [per.copy() for _ in range(loads.shape[0])]
     else:
         from moelab.sim.graphs import route_matrix
 
         routes = [route_matrix(placement, np.minimum(L, cap) if cap is not None else L) for L in loads]
-    if policy == "lina_full":
-        raise NotImplementedError("lina_full (expert packing) has no simulator graph yet")
-    if policy == "lina_pipe":
+    if policy in ("lina_pipe", "lina_full"):
         if moe.dispatcher != "dense":
             raise ValueError("lina_pipe pipelines the dense dispatcher's capacity buffer")
         from moelab.strategies.lina.pipeline import chunk_bounds
 
-        m_chunks = opts.a2a_chunks if opts else 4
+        m_chunks = opts.a2a_chunks
         fwd, bwd = pipelined_stages(routes, [b - a for a, b in chunk_bounds(cap, min(m_chunks, cap))], cap)
     else:
         fwd, bwd = token_stages(routes)
@@ -117,7 +122,34 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
                                                                                nbytes)],
                               deps=deps, category="allreduce", stream=AR, phase="sync",
                               comm={"op": "all_reduce", "group": ranks, "nbytes": nbytes})
-        return (last,) if last is not None else tuple(ready[-1][1])
+        last = (last,) if last is not None else tuple(ready[-1][1])
+        return packed_expert_sync(ctx, last) if q > 1 else last
+
+    def packed_expert_sync(ctx, deps):
+        """Packed experts: each copy's gradients all-reduced over the ranks holding the same experts,
+        after backward, on the same low-priority stream (the runtime's order: layer by layer)."""
+        from moelab.strategies.lina.update import partition
+
+        g = ctx.g
+        sizes = [m.d_model * m.d_ff, m.d_ff, m.d_ff * m.d_model, m.d_model] if moe.expert_bias else \
+            [m.d_model * m.d_ff, m.d_ff * m.d_model]
+        sizes = [q * n for n in sizes]
+        ends = list(deps)
+        for i in moe_layer_ids(m):
+            if policy in ("lina", "lina_pipe", "lina_full"):
+                units = [(b - a) * eb for n in sizes for a, b in partition(n, eb, S)]
+            elif policy in ("fixed", "priority"):
+                units = [n * eb for n in sizes]
+            else:
+                units = [sum(sizes) * eb]  # the core updates: one flat all-reduce per layer
+            for n, nbytes in enumerate(units):  # a rank's stream keeps them in order
+                for pos in range(P):  # one expert-dp group per block position, side by side
+                    grp = list(range(pos, N, P))
+                    ends.append(g.transfer(f"L{i}.experts.grad.{n}.g{pos}", grp,
+                                           [costs.ring_demand("all_reduce", grp, ctx.topo, profile, nbytes)],
+                                           deps=tuple(deps), category="allreduce", stream=AR, phase="sync", layer=i,
+                                           comm={"op": "all_reduce", "group": grp, "nbytes": nbytes}))
+        return tuple(ends)
 
     g, ctx, prev = transformer_iteration_graph(
         cfg, profile, loads, placement, fwd, moe_backward, elem_bytes=elem_bytes,

@@ -9,6 +9,9 @@
 - ``lina``, ``lina_pipe``, ``lina_full``: every dense gradient cut into views of at most
   ``partition_bytes`` (:func:`partition`), all-reduced in place, one gradient per micro-op.
 
+Packed experts (``experts_per_device`` > 1) are replicated over ``expert_dp``: their gradients go to
+the same low-priority queue after backward (every copy's partial sum, reduced over the copies).
+
 Micro-ops are queued in one fixed order on every rank - reverse parameter order, a gradient's
 micro-ops once it and every gradient before it in that order are ready - so all ranks issue the same
 sequence on ``dp`` even if their autograd finished gradients in another order (spec §6.16). The
@@ -17,7 +20,8 @@ loss is already scaled by 1/N: the all-reduce is a SUM, nothing is divided after
 from __future__ import annotations
 
 from moelab.comm.priority import LowOp, PriorityScheduler
-from moelab.runtime.update import GRAD_SYNCS, OverlappedDataParallelUpdate
+from moelab.moe.sync import packed_expert_params, sync_replica_grads
+from moelab.runtime.update import GRAD_SYNCS, OverlappedDataParallelUpdate, fill_missing_grads
 
 
 def partition(numel: int, element_size: int, max_bytes: float) -> list:
@@ -72,15 +76,21 @@ class LinaUpdate(OverlappedDataParallelUpdate):
         p = self.order[i]
         if p.grad is None:  # backward never reached it (same on every rank: same graph)
             p.grad = torch.zeros_like(p)
-        flat = p.grad.view(-1)
+        self._submit_tensor(p.grad, self.group, f"p{i}", i)
+        self._next_param = i + 1
+
+    def _submit_tensor(self, grad, group: str, name: str, index=None) -> None:
+        """``grad`` (contiguous) all-reduced in place over ``group``: one op, or its micro-ops."""
+        flat = grad.view(-1)
         es = flat.element_size()
         comm = self.comm
-        for a, b in partition(flat.numel(), es, self.opts.partition_bytes):
+        spans = partition(flat.numel(), es, self.opts.partition_bytes) if self.opts.partitioned else [(0, flat.numel())]
+        for a, b in spans:
             view = flat[a:b]
-            self.micro_ops.append((i, a, b))
-            self.sched.submit(LowOp(lambda v=view: comm.all_reduce_(v, group=self.group, async_op=True),
-                                    (b - a) * es, self.group, f"p{i}[{a}:{b}]"))
-        self._next_param = i + 1
+            if index is not None:
+                self.micro_ops.append((index, a, b))
+            self.sched.submit(LowOp(lambda v=view: comm.all_reduce_(v, group=group, async_op=True),
+                                    (b - a) * es, group, f"{name}[{a}:{b}]"))
 
     def _launch(self, i: int) -> None:
         """A full DDP bucket becomes one low-priority op (``fixed``, ``priority``)."""
@@ -102,11 +112,16 @@ class LinaUpdate(OverlappedDataParallelUpdate):
         else:
             while self._next < len(self.buckets):
                 self._launch(self._next)
+        fill_missing_grads(self.model.expert_parameters())
+        for layer in self.model.moe_layers():  # packed experts: their copies' partial sums, after backward
+            for k, p in enumerate(packed_expert_params(layer)):
+                self._submit_tensor(p.grad, layer.expert_dp_group, f"L{layer.layer_id}.experts{k}")
         self.sched.drain()
         self.last_micro_ops, self.micro_ops = self.micro_ops, []
         for i, flat, _ in self._pending:
             self._unpack(i, flat)
-        self._sync_experts()
+        for layer in self.model.moe_layers():
+            sync_replica_grads(layer, self.comm)
         self.before_backward()
 
 
