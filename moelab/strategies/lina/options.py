@@ -98,7 +98,7 @@ class LinaOptions(StrategyOptions):
         E, N, q = moe.num_experts, p.nproc, self.q
         if q & (q - 1) or E % q:
             errs.append(f"experts_per_device={q} must be a power of two dividing model.moe.num_experts={E}")
-        elif N % (E // q):
+        elif q > 1 and N % (E // q):
             errs.append(f"experts_per_device={q}: E/q = {E // q} ranks per expert block must divide parallel.nproc={N}")
         elif q == 1 and E % N:
             errs.append(f"model.moe.num_experts={E} is not divisible by parallel.nproc={N}: expert parallelism "
