@@ -1,0 +1,97 @@
+"""The MoE layer's token path at inference with a placement per call (Lina §2.3, spec §2.3).
+
+Every rank holds the full expert bank (the host copy, :class:`moelab.moe.experts.Experts` over all
+E experts, seeded as in training); a call's *placement* (device -> experts, replicas allowed, several
+experts packed per device) says which rank computes which expert's tokens. No capacity, no drops:
+every token is computed exactly once by one holder of its expert and comes back to its position.
+
+Dispatch (:func:`serve_forward`): the per-rank counts ``[N, E]`` are all-gathered (the count
+exchange, also phase 2's input); a source sends its tokens of expert e in near-equal contiguous
+parts to e's holders (:func:`moelab.placement.lina.replica_split`: rotation by source rank), rows
+ordered by (destination, expert, position); each receiver knows every split from the counts, runs
+its experts one after another on their rows (a packed device computes its experts in turn) and
+returns the outputs by the reverse uneven all-to-all. Both all-to-alls go through the door.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from moelab.placement.lina import replica_split
+
+
+def holders_of(devs: Sequence[Sequence[int]], num_experts: int) -> list:
+    """``holders[e]``: the devices computing expert e, in device order."""
+    h = [[] for _ in range(num_experts)]
+    for d, es in enumerate(devs):
+        for e in es:
+            h[e].append(d)
+    missing = [e for e, x in enumerate(h) if not x]
+    if missing:
+        raise ValueError(f"the placement computes experts {missing} nowhere")
+    return h
+
+
+def parts(count: int, holders: Sequence[int], src: int) -> list:
+    """``[(device, rows)]`` in chunk order: a source's ``count`` tokens of one expert over its holders."""
+    sizes = replica_split(count, len(holders), src)
+    R = len(holders)
+    return [(holders[(j + src) % R], sizes[(j + src) % R]) for j in range(R)]
+
+
+def route_table(counts, devs) -> torch.Tensor:
+    """``rows[src, expert, dst]``: the tokens of expert e that source src sends to device dst."""
+    C = torch.as_tensor(counts, dtype=torch.int64)
+    N, E = C.shape
+    H = holders_of(devs, E)
+    t = torch.zeros(N, E, len(devs), dtype=torch.int64)
+    for s in range(N):
+        for e in range(E):
+            for d, n in parts(int(C[s, e]), H[e], s):
+                t[s, e, d] += n
+    return t
+
+
+def serve_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, devs, bank, comm,
+                  counts=None, group: str = "ep") -> torch.Tensor:
+    """``y[t] = weight[t] * FFN_{idx[t]}(x[t])`` computed where ``devs`` (device -> experts) puts each
+    expert. ``idx [T]`` top-1 expert ids, ``bank``: the full :class:`Experts` (every expert, every
+    rank). ``counts``: the all-gathered ``[N, E]`` counts if already exchanged."""
+    N, me, E = comm.world_size, comm.rank, len(bank.experts)
+    if len(devs) != N:
+        raise ValueError(f"the placement describes {len(devs)} devices, the group has {N} ranks")
+    if counts is None:
+        counts = comm.all_gather(torch.bincount(idx, minlength=E).to(torch.int64), group=group)
+    table = route_table(counts, devs)  # [src, e, dst]
+    # my send order: by destination, then expert, then position (parts of one expert are contiguous)
+    order_e = torch.argsort(idx, stable=True)
+    start = torch.zeros(E + 1, dtype=torch.int64)
+    start[1:] = torch.cumsum(torch.bincount(idx, minlength=E), 0)
+    H = holders_of(devs, E)
+    chunks = [[] for _ in range(N)]
+    for e in range(E):
+        off = int(start[e])
+        for d, n in parts(int(counts[me, e]), H[e], me):
+            chunks[d].append(order_e[off:off + n])
+            off += n
+    perm = torch.cat([c for d in range(N) for c in chunks[d]]) if len(idx) else idx.new_zeros(0)
+    send = [int(table[me, :, d].sum()) for d in range(N)]
+    recv = [int(table[s, :, me].sum()) for s in range(N)]
+    got = comm.all_to_all_raw(x[perm], recv, send, group=group)
+    # received rows: by source, then expert; run each of my experts on its rows from every source
+    out = torch.empty_like(got)
+    pos, owner = 0, torch.empty(len(got), dtype=torch.int64)
+    for s in range(N):
+        for e in range(E):
+            n = int(table[s, e, me])
+            owner[pos:pos + n] = e
+            pos += n
+    for e in devs[me]:
+        rows = (owner == e).nonzero().reshape(-1)
+        if len(rows):
+            out[rows] = bank(got[rows], [len(rows)], experts=[e])
+    back = comm.all_to_all_raw(out, send, recv, group=group)
+    y = torch.empty_like(x)
+    y[perm] = back
+    return y * weight.reshape(-1, 1).to(y.dtype)
