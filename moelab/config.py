@@ -109,6 +109,28 @@ class TrainConfig:
     init_from: Optional[str] = None  # fine-tune: a checkpoint (or run folder) to copy parameters from; task heads it lacks start fresh
 
 
+SERVE_VARIANTS = ("baseline", "ideal", "lina", "lina_no_estimation", "lina_no_finetune")
+
+
+@dataclass
+class ServeConfig:
+    """Inference serving (``moelab serve``, :mod:`moelab.runtime.serve`): requests, batching, the
+    placement variant of the MoE layers (Lina §2.3). Checked by :func:`serve_errors` at launch."""
+
+    variant: str = "baseline"  # baseline (static EP) | ideal (balanced gate, timing only) | lina | lina_no_estimation | lina_no_finetune
+    requests: int = 32  # requests drawn (held-out windows of model.seq_len tokens)
+    arrival: str = "poisson"  # poisson (rate_per_s) | closed (batch_size clients, each sends again once served)
+    rate_per_s: float = 100.0
+    batch_size: int = 8  # B: sequences per batch over all ranks
+    max_wait_ms: float = 10.0  # a batch leaves when full or when its first request waited this long
+    requests_file: Optional[str] = None  # CSV id,arrival_s,text instead of drawn requests; malformed rows rejected
+    path_len: int = 3  # Lp: preceding MoE layers in a path; scheduling starts at MoE layer Lp
+    k_est: int = 2  # per-token experts kept from the path distribution
+    k_cmp: int = 2  # top experts compared by phase 2
+    max_pack: int = 4  # experts per device at most
+    profile_batches: int = 4  # training-split batches per rank traced to fit the path table
+
+
 @dataclass
 class RunConfig:
     paper: str = "core"  # paper or experiment this run belongs to
@@ -117,6 +139,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     # ---- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -143,7 +166,10 @@ class RunConfig:
         return RunConfig.from_dict(d)
 
     def short_hash(self) -> str:
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        d = self.to_dict()
+        if d["serve"] == dataclasses.asdict(ServeConfig()):  # training runs keep the ids they had before serving
+            del d["serve"]
+        blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha1(blob).hexdigest()[:8]
 
     def run_id(self) -> str:
@@ -360,6 +386,7 @@ _NESTED = {
     (RunConfig, "parallel"): ParallelConfig,
     (RunConfig, "train"): TrainConfig,
     (RunConfig, "emulation"): EmulationConfig,
+    (RunConfig, "serve"): ServeConfig,
     (ModelConfig, "moe"): MoEConfig,
     (ParallelConfig, "topology"): TopologyConfig,
 }
@@ -390,3 +417,37 @@ def parse_value(value: Any) -> Any:
         return yaml.safe_load(value)
     except yaml.YAMLError:
         return value
+
+
+def serve_errors(cfg: "RunConfig") -> list:
+    """Everything that makes ``cfg`` unservable, each naming the option (before any process starts)."""
+    sv, m, moe, p = cfg.serve, cfg.model, cfg.model.moe, cfg.parallel
+    errs = []
+    if sv.variant not in SERVE_VARIANTS:
+        errs.append(f"serve.variant must be one of {list(SERVE_VARIANTS)}, got {sv.variant!r}")
+    if sv.arrival not in ("poisson", "closed"):
+        errs.append(f"serve.arrival must be 'poisson' or 'closed', got {sv.arrival!r}")
+    for name, v, lo in (("requests", sv.requests, 1), ("batch_size", sv.batch_size, 1), ("max_pack", sv.max_pack, 1),
+                        ("profile_batches", sv.profile_batches, 1), ("path_len", sv.path_len, 1)):
+        if not isinstance(v, int) or v < lo:
+            errs.append(f"serve.{name} must be an integer >= {lo}, got {v!r}")
+    for name, v in (("rate_per_s", sv.rate_per_s), ("max_wait_ms", sv.max_wait_ms)):
+        if not v > 0:
+            errs.append(f"serve.{name} must be > 0, got {v!r}")
+    E = moe.num_experts
+    n_moe = m.n_layers if m.moe_every == 1 else m.n_layers // 2
+    if isinstance(sv.path_len, int) and sv.path_len >= n_moe:
+        errs.append(f"serve.path_len={sv.path_len} must be below the number of MoE layers ({n_moe})")
+    for name, v in (("k_est", sv.k_est), ("k_cmp", sv.k_cmp)):
+        if not isinstance(v, int) or not 1 <= v <= E:
+            errs.append(f"serve.{name} must lie in 1..num_experts={E}, got {v!r}")
+    if isinstance(sv.max_pack, int) and sv.max_pack * p.nproc < E:
+        errs.append(f"serve.max_pack={sv.max_pack} x parallel.nproc={p.nproc} devices cannot hold {E} experts")
+    if E % p.nproc:
+        errs.append(f"serving places experts statically one block per rank: num_experts={E} must be divisible "
+                    f"by parallel.nproc={p.nproc}")
+    if moe.capacity_factor is not None:
+        errs.append("serving computes every token (no drops): set model.moe.capacity_factor to null")
+    if moe.top_k != 1:
+        errs.append(f"serving routes top-1 (Lina's inference gate): set model.moe.top_k=1, got {moe.top_k}")
+    return errs

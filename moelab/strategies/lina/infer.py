@@ -1,0 +1,147 @@
+"""Lina at inference: popularity-scheduled experts in the serving path (spec §2.3).
+
+:class:`LinaServeLayer` replaces a model's MoE layer when serving. It holds the gate (seeded as in
+training, top-1, no capacity) and the full expert bank (every expert on every rank: the host copy).
+Per call it picks this batch's placement by the variant, then runs :func:`moelab.moe.serve.serve_forward`:
+
+- ``baseline``: the static placement (expert block of rank r on rank r);
+- ``ideal``: the gate's choice replaced by a perfectly balanced one (timing only: other outputs);
+- ``lina``: phase 1 - right after layer l's gate, every rank sums ``pop_hat`` for layer l+1 over its
+  tokens' paths (:class:`moelab.placement.popularity.PathTable`) and all-gathers it asynchronously
+  while layer l dispatches and computes; at layer l+1 every rank plans ``allocate(N * pop_hat)``
+  from the same numbers (no scheduler rank: the same plan everywhere without a broadcast). Phase 2 -
+  after layer l+1's gate the count exchange gives the actual popularity; if its top-``k_cmp`` set
+  differs from the estimate's, every rank re-plans from it (blocking);
+- ``lina_no_estimation``: no phase 1; every scheduled layer plans from the actual counts (blocking);
+- ``lina_no_finetune``: phase 1 only.
+
+Layers before MoE layer ``path_len`` (no full path yet) use the static placement. Experts a plan puts
+on a rank are copied from the bank into its working slots before the dispatch (the swap, timed).
+:class:`ServeContext` is shared by one model's serve layers: the batch's paths, the pending phase-1
+estimates, and one record per (batch, layer).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from moelab.moe.experts import Experts
+from moelab.moe.gates import Gate
+from moelab.moe.layer import init_gate_
+from moelab.moe.serve import serve_forward
+from moelab.placement.lina import allocate, needs_replan
+
+SCHEDULED = ("lina", "lina_no_estimation", "lina_no_finetune")
+
+
+class ServeContext:
+    def __init__(self, sv, num_experts: int, num_layers: int, comm, table=None, seed: int = 0):
+        self.sv, self.E, self.L, self.comm, self.table, self.seed = sv, num_experts, num_layers, comm, table, seed
+        self.capture = False  # profiling: record routing only, static placement
+        self.new_batch(-1)
+
+    def new_batch(self, batch: int) -> None:
+        self.batch, self.paths, self.pending, self.records = batch, [], {}, []
+
+    def static(self) -> list:
+        N, per = self.comm.world_size, self.E // self.comm.world_size
+        return [list(range(d * per, (d + 1) * per)) for d in range(N)]
+
+    def scheduled(self, j: int) -> bool:
+        return (not self.capture and self.sv.variant in SCHEDULED and j >= self.sv.path_len
+                and self.table is not None)
+
+    def plan_seed(self, j: int) -> int:
+        return hash((self.seed, self.batch, j)) & 0x7FFFFFFF
+
+
+class LinaServeLayer(nn.Module):
+    def __init__(self, d_model, d_ff, moe_cfg, layer_id=0, seed=0, comm=None, placement=None, dtype=torch.float32,
+                 context: ServeContext = None):
+        super().__init__()
+        self.cfg, self.layer_id, self.comm, self.ctx = moe_cfg, layer_id, comm, context
+        self.gate = Gate(d_model, moe_cfg, dtype=dtype)
+        init_gate_(self.gate, seed, layer_id)
+        E = moe_cfg.num_experts
+        self.experts = Experts(d_model, d_ff, tuple(range(E)), seed=seed, layer_id=layer_id,
+                               activation=moe_cfg.activation, bias=moe_cfg.expert_bias, dtype=dtype)
+        self.aux_loss = torch.zeros(())
+        self._loaded: set = set()  # experts in this rank's working slots (the last plan's)
+
+    @torch.no_grad()
+    def forward(self, x):
+        ctx, comm, E, j = self.ctx, self.comm, self.cfg.num_experts, self.layer_id
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        t0 = time.perf_counter()
+        probs = torch.softmax(self.gate.wg(x).double(), dim=-1)
+        idx = probs.argmax(-1)
+        w = probs.gather(1, idx[:, None]).reshape(-1).to(x.dtype)
+        if ctx.sv.variant == "ideal" and not ctx.capture:  # balanced: token i of rank r -> expert (i + r*T) mod E
+            idx = (torch.arange(len(idx)) + comm.rank * len(idx)) % E
+        ctx.paths.append(idx.clone())
+        counts = comm.all_gather(torch.bincount(idx, minlength=E).to(torch.int64), group="world")
+        t_gate = time.perf_counter()
+        pop = counts.sum(0).double() / max(1, int(counts.sum()))
+        rec = {"batch": ctx.batch, "layer": j, "variant": ctx.sv.variant, "tokens": int(counts.sum()),
+               "pop": pop.tolist(), "replanned": False, "planned_from": "static"}
+        devs = ctx.static()
+        t_p2 = 0.0
+        if ctx.scheduled(j):
+            t = time.perf_counter()
+            if ctx.sv.variant == "lina_no_estimation":
+                devs = allocate(comm.world_size * pop.numpy(), comm.world_size, ctx.sv.max_pack, ctx.plan_seed(j))
+                rec["planned_from"] = "actual"
+            else:
+                pop_hat = self._phase1_result(j)
+                rec["pop_hat"] = pop_hat.tolist()
+                devs = allocate(comm.world_size * pop_hat, comm.world_size, ctx.sv.max_pack, ctx.plan_seed(j))
+                rec["planned_from"] = "estimate"
+                if ctx.sv.variant == "lina" and needs_replan(pop_hat, pop.numpy(), ctx.sv.k_cmp):
+                    devs = allocate(comm.world_size * pop.numpy(), comm.world_size, ctx.sv.max_pack,
+                                    ctx.plan_seed(j) + 1)
+                    rec["replanned"] = True
+            t_p2 = time.perf_counter() - t
+        self._phase1_issue(j + 1)
+        t = time.perf_counter()
+        swapped = self._swap(devs[comm.rank])
+        t_swap = time.perf_counter() - t
+        t = time.perf_counter()
+        y = serve_forward(x, idx, w, devs, self.experts, comm, counts=counts, group="world")
+        t_moe = time.perf_counter() - t
+        rec.update(devs=devs, swapped=swapped, gate_s=t_gate - t0, plan_s=t_p2, swap_s=t_swap, dispatch_ffn_s=t_moe,
+                   layer_s=time.perf_counter() - t0)
+        ctx.records.append(rec)
+        return y.reshape(shape)
+
+    def _swap(self, mine) -> int:
+        """Copy the experts this plan newly puts here from the bank into working slots (the host-to-device
+        load of the paper; on CPU a memory copy). Returns how many were loaded."""
+        new = [e for e in mine if e not in self._loaded]
+        ex = self.experts
+        for e in new:
+            s = ex.experts.index(e)
+            for p in (ex.w1, ex.b1, ex.w2, ex.b2):
+                if p is not None:
+                    p[s].detach().clone()
+        self._loaded = set(mine)
+        return len(new)
+
+    def _phase1_issue(self, nxt: int) -> None:
+        """Estimate layer ``nxt``'s popularity from this rank's tokens' paths; all-gather it async."""
+        ctx = self.ctx
+        if nxt >= ctx.L or not ctx.scheduled(nxt) or ctx.sv.variant == "lina_no_estimation":
+            return
+        Lp = ctx.sv.path_len
+        paths = torch.stack(ctx.paths[nxt - Lp:nxt], dim=1).numpy()
+        est = ctx.table.estimate(paths, nxt, ctx.sv.k_est) * len(paths) if len(paths) else np.zeros(ctx.E)
+        msg = torch.tensor(list(est) + [len(paths)], dtype=torch.float64)
+        ctx.pending[nxt] = self.comm.all_gather(msg, group="world", async_op=True)
+
+    def _phase1_result(self, j: int) -> np.ndarray:
+        got = self.ctx.pending.pop(j).wait()
+        total = float(got[:, -1].sum())
+        return (got[:, :-1].sum(0) / max(total, 1.0)).numpy()
