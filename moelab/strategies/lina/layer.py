@@ -46,6 +46,14 @@ class LinaMoELayer(MoELayer):
         self.options = options
         self.expert_dp_group = "lina_edp" if options is not None and options.q > 1 else None
 
+    def forward(self, x):
+        y = super().forward(x)
+        if self.expert_dp_group is not None:  # packed: the counts cover the block; the run's loads cover the world
+            world = self.comm._comm
+            with world.rec.paused():
+                self.last_global_counts = world.all_gather(self.last_counts, group="world")
+        return y
+
     def dispatch_compute_combine(self, x, plan, routing):
         if self.options is not None and self.options.pipelined:
             y = self._pipelined(x, plan, routing)
