@@ -1,4 +1,4 @@
-"""``moelab`` command line: run a config on local ranks, list stored runs, reproduce notebooks.
+"""``moelab`` command line: run a config on local ranks, serve requests, list stored runs, reproduce notebooks.
 
 Exit codes: 0 success (``run`` prints the run folder), 1 a rank failed or the run timed out
 (the rank and its traceback tail go to stderr), 2 an invalid config or command line.
@@ -28,6 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--worker", default=None, help="worker module (default: moelab.runtime.worker)")
     run.add_argument("--resume", metavar="RUN", help="continue RUN (a run folder or id) from its latest checkpoint")
 
+    srv = sub.add_parser("serve", help="serve requests with a (trained) model on local ranks and store the records")
+    srv.add_argument("config", help="YAML config with a serve section, e.g. experiments/lina/serve.yaml")
+    srv.add_argument("--nproc", type=int, help="ranks (default: parallel.nproc of the config)")
+    srv.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                     help="dotted override, repeatable: --set serve.variant=lina")
+    srv.add_argument("--timeout", type=float, help="seconds (default: train.timeout_s)")
+    srv.add_argument("--out-root", default="runs", help="results root (default: runs)")
+    srv.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     runs = sub.add_parser("runs", help="list completed runs")
     runs.add_argument("--root", default="runs", help="results root (default: runs)")
 
@@ -39,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "reproduce":
         return reproduce.main(args)
+    if args.cmd == "serve":
+        from moelab.runtime.launch import SERVE_WORKER
+
+        args.worker, args.reuse, args.resume = SERVE_WORKER, False, None
+        return _run(ap, args)
     return _run(ap, args) if args.cmd == "run" else _runs(args)
 
 

@@ -92,3 +92,15 @@ def test_malformed_requests_are_rejected_not_fatal(tmp_path):
 def test_bad_serve_config_is_reported_before_launch(over, msg):
     cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 4, **over})
     assert any(msg in e for e in serve_errors(cfg)), serve_errors(cfg)
+
+
+def test_moelab_serve_stores_a_run_with_requests_and_batches(tmp_path):
+    from moelab.runtime.launch import SERVE_WORKER, launch
+
+    res = launch("experiments/lina/serve.yaml", 2, overrides={"serve.requests": 6, "serve.batch_size": 4,
+                                                               "model.n_layers": 4, "serve.path_len": 2,
+                                                               "serve.profile_batches": 1},
+                 out_root=str(tmp_path), progress=False, worker=SERVE_WORKER)
+    assert sorted(res.requests["id"]) == list(range(6)) and (res.requests["status"] == "served").all()
+    assert res.batches["requests"].sum() == 6 and res.summary["iters"] == len(res.batches)
+    assert len(res.plans) == len(res.batches) * 4  # one record per (batch, MoE layer)

@@ -52,6 +52,7 @@ from moelab.runtime.progress import Progress, parse_progress
 from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text, summarize
 
 DEFAULT_WORKER = "moelab.runtime.worker"
+SERVE_WORKER = "moelab.runtime.serve"  # ``moelab serve``: the serving path instead of training
 TAIL_LINES = 25  # lines of a traceback shown in a RunFailed message
 _ENTRY = "moelab.runtime.launch"
 _SIDE_ENV = "MOELAB_LAUNCH_SIDE"  # the per-rank entry writes pids and failure records here
@@ -125,6 +126,13 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
     elif config is None:
         raise TypeError("launch needs a config (or resume=RUN)")
     cfg = resolve_config(config, nproc, overrides, **kw_overrides)
+    if worker == SERVE_WORKER:
+        from moelab.config import ConfigError, serve_errors
+
+        errs = serve_errors(cfg)
+        if errs:
+            raise ConfigError("invalid serve config:\n  - " + "\n  - ".join(errs))
+        cfg = cfg.with_overrides({"name": cfg.name if cfg.name.startswith("serve") else f"serve-{cfg.name}"})
     run_id = cfg.run_id()
     final = Path(out_root) / run_id
     if reuse and (final / "summary.json").is_file():

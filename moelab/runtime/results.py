@@ -104,6 +104,17 @@ class RunResult:
         return pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
 
     @cached_property
+    def requests(self):
+        """A served run's ``requests.csv``: one row per request (``status`` served or rejected, arrival,
+        start, end, latency, batch, answer); empty for training runs."""
+        return _read_csv(self.path / "requests.csv")
+
+    @cached_property
+    def batches(self):
+        """A served run's ``batches.csv``: one row per batch (requests, tokens, start, end, batch time)."""
+        return _read_csv(self.path / "batches.csv")
+
+    @cached_property
     def layer_metrics(self):
         """Every rank's per-(iteration, MoE layer) metrics (``layer.last_metrics``), with a ``rank``
         column; empty when the run's layers report none."""
