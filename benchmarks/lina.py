@@ -58,7 +58,8 @@ def predicted(cfg, run):
     from moelab.sim.local import machine_profile
     from moelab.sim.validate import simulate_real
 
-    sim = simulate_real(cfg, run.loads[-1:], machine_profile(cfg, None, compute="model"))
+    ep = cfg.with_overrides({"parallel.strategy": "ep", "parallel.strategy_options": {}})  # compute rate: the same model
+    sim = simulate_real(cfg, run.loads[-1:], machine_profile(ep, None, compute="model"))
     return float(sim.makespan[0])
 
 
@@ -79,20 +80,31 @@ def main(argv=None) -> int:
     cfgs = [config(a, pol) for pol in POLICIES] + [config(a, "ddp_overlap", 4), config(a, "lina", 4)]
     runs = run_real_many(cfgs, timeout=1800)
     res = {pol: measured(r, a.warmup) for pol, r in zip(POLICIES, runs)}
-    sims = {pol: predicted(c, r) for pol, c, r in zip(POLICIES, cfgs, runs)}
     base_step, base_bwd = res["ddp_overlap"][0], res["ddp_overlap"][1]
     print("REAL: 4 gloo ranks (2 nodes x 2), EMULATED links "
           f"{a.intra}/{a.inter} GB/s; S={a.S:g} B, bucket {a.bucket_mb} MiB; SIMULATED: the same links, measured compute")
-    print(f"{'policy':15s} {'step ms':>8s} {'speedup':>8s} {'sim':>6s} {'bwd a2a ms':>10s} {'a2a x':>6s} {'a2a share':>9s}")
-    for pol in POLICIES:
+    print(f"{'policy':15s} {'step ms':>8s} {'speedup':>8s} {'bwd a2a ms':>10s} {'a2a x':>6s} {'a2a share':>9s} {'releases':>8s}")
+    for pol, r in zip(POLICIES, runs):
         step, bwd, share, _ = res[pol]
-        print(f"{pol:15s} {1e3 * step:8.1f} {base_step / step:8.2f} {sims['ddp_overlap'] / sims[pol]:6.2f} "
-              f"{1e3 * bwd:10.1f} {base_bwd / bwd if bwd else float('nan'):6.2f} {100 * share:8.1f}%")
+        print(f"{pol:15s} {1e3 * step:8.1f} {base_step / step:8.2f} {1e3 * bwd:10.1f} "
+              f"{base_bwd / bwd if bwd else float('nan'):6.2f} {100 * share:8.1f}%")
     ctrl = [measured(r, a.warmup)[0] for r in runs[-2:]]
     print(f"control (q = E = 4: every rank holds every expert, no all-to-all leaves a rank): "
-          f"lina/ddp_overlap step = {ctrl[1] / ctrl[0]:.3f} (target within 5 %)")
-    err = max(abs((sims['ddp_overlap'] / sims[p]) / (base_step / res[p][0]) - 1) for p in POLICIES)
-    print(f"largest simulator error on a speedup: {100 * err:.0f}% (target 25 %)")
+          f"lina/ddp_overlap step = {ctrl[1] / ctrl[0]:.3f} (target within 5 %)", flush=True)
+    sims = {}
+    for pol, c, r in zip(POLICIES, cfgs, runs):
+        try:
+            sims[pol] = predicted(c, r)
+        except Exception as e:  # noqa: BLE001 - a policy the simulator cannot price is said, not hidden
+            print(f"simulator: {pol}: {e}")
+    if "ddp_overlap" in sims:
+        print(f"{'policy':15s} {'real speedup':>12s} {'sim speedup':>11s} {'error':>6s}")
+        errs = []
+        for pol in sims:
+            real, sim = base_step / res[pol][0], sims["ddp_overlap"] / sims[pol]
+            errs.append(abs(sim / real - 1))
+            print(f"{pol:15s} {real:12.2f} {sim:11.2f} {100 * errs[-1]:5.0f}%")
+        print(f"largest simulator error on a speedup: {100 * max(errs):.0f}% (target 25 %)")
     return 0
 
 

@@ -37,6 +37,20 @@ from moelab.placement.lina import allocate, needs_replan
 SCHEDULED = ("lina", "lina_no_estimation", "lina_no_finetune")
 
 
+def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int) -> tuple:
+    """This (batch, layer)'s placement by the variant: ``(devs, planned_from, replanned)``. ``pop``: the
+    actual popularity (after the gate), ``pop_hat``: phase 1's estimate (None where there is none).
+    Pure: the runtime's serve layer and the simulator (:mod:`.sim_infer`) both call it."""
+    if not scheduled:
+        return static, "static", False
+    if sv.variant == "lina_no_estimation":
+        return allocate(N * np.asarray(pop), N, sv.max_pack, seed), "actual", False
+    devs = allocate(N * np.asarray(pop_hat), N, sv.max_pack, seed)
+    if sv.variant == "lina" and needs_replan(pop_hat, pop, sv.k_cmp):
+        return allocate(N * np.asarray(pop), N, sv.max_pack, seed + 1), "estimate", True
+    return devs, "estimate", False
+
+
 class ServeContext:
     def __init__(self, sv, num_experts: int, num_layers: int, comm, table=None, seed: int = 0):
         self.sv, self.E, self.L, self.comm, self.table, self.seed = sv, num_experts, num_layers, comm, table, seed
@@ -88,23 +102,14 @@ class LinaServeLayer(nn.Module):
         pop = counts.sum(0).double() / max(1, int(counts.sum()))
         rec = {"batch": ctx.batch, "layer": j, "variant": ctx.sv.variant, "tokens": int(counts.sum()),
                "pop": pop.tolist(), "replanned": False, "planned_from": "static"}
-        devs = ctx.static()
-        t_p2 = 0.0
-        if ctx.scheduled(j):
-            t = time.perf_counter()
-            if ctx.sv.variant == "lina_no_estimation":
-                devs = allocate(comm.world_size * pop.numpy(), comm.world_size, ctx.sv.max_pack, ctx.plan_seed(j))
-                rec["planned_from"] = "actual"
-            else:
-                pop_hat = self._phase1_result(j)
-                rec["pop_hat"] = pop_hat.tolist()
-                devs = allocate(comm.world_size * pop_hat, comm.world_size, ctx.sv.max_pack, ctx.plan_seed(j))
-                rec["planned_from"] = "estimate"
-                if ctx.sv.variant == "lina" and needs_replan(pop_hat, pop.numpy(), ctx.sv.k_cmp):
-                    devs = allocate(comm.world_size * pop.numpy(), comm.world_size, ctx.sv.max_pack,
-                                    ctx.plan_seed(j) + 1)
-                    rec["replanned"] = True
-            t_p2 = time.perf_counter() - t
+        t = time.perf_counter()
+        pop_hat = self._phase1_result(j) if ctx.scheduled(j) and ctx.sv.variant != "lina_no_estimation" else None
+        devs, how, replanned = choose_plan(ctx.sv, ctx.scheduled(j), pop.numpy(), pop_hat, comm.world_size,
+                                           ctx.static(), ctx.plan_seed(j))
+        t_p2 = time.perf_counter() - t
+        rec.update(planned_from=how, replanned=replanned)
+        if pop_hat is not None:
+            rec["pop_hat"] = pop_hat.tolist()
         self._phase1_issue(j + 1)
         t = time.perf_counter()
         swapped = self._swap(devs[comm.rank])
