@@ -24,9 +24,10 @@ import argparse
 import statistics
 
 POLICIES = ("ddp_overlap", "after_backward", "fixed", "priority", "lina", "lina_pipe", "lina_full")
+EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4})}  # the same policy, four micro-ops in flight
 
 
-def config(a, policy, q=1):
+def config(a, policy, q=0, **opts):
     from moelab.config import RunConfig
 
     return RunConfig().with_overrides({
@@ -38,20 +39,19 @@ def config(a, policy, q=1):
         "parallel.nproc": 4, "parallel.topology.nodes": 2, "parallel.strategy": "lina",
         "parallel.bucket_mb": a.bucket_mb,
         "parallel.strategy_options": {"policy": policy, "partition_bytes": a.S, "a2a_chunks": 4,
-                                       "experts_per_device": q},
+                                       "experts_per_device": q, **opts},
         "emulation.enabled": True, "emulation.intra_bw_GBps": a.intra, "emulation.inter_bw_GBps": a.inter,
         "emulation.intra_latency_us": 20.0, "emulation.inter_latency_us": 50.0}).validate()
 
 
 def measured(run, warmup):
-    step = [max(row) for row in run.step_times[warmup:]]
-    c = run.comm
-    c = c[(c.iter >= warmup) & (c.op == "all_to_all")]
-    bwd = c[c.phase == "bwd"]
-    per_rank = (bwd.t_end - bwd.t_start).groupby(bwd["rank"]).sum() / max(1, len(run.step_times) - warmup)
-    fwd = c[c.phase == "fwd"]
-    a2a_all = ((c.t_end - c.t_start).groupby(c["rank"]).sum() / max(1, len(run.step_times) - warmup)).mean()
-    return statistics.median(step), float(per_rank.mean()), float(a2a_all) / statistics.median(step), len(fwd)
+    """(median step of the slowest rank, backward all-to-all busy time, all-to-all share of the step):
+    busy time = the union of the calls' intervals per rank and iteration (pipelined chunks overlap)."""
+    from moelab.strategies.lina.experiments.runs import a2a_times
+
+    step = statistics.median(max(row) for row in run.step_times[warmup:])
+    c = run.comm[run.comm.iter >= warmup]
+    return step, a2a_times(c, "bwd"), a2a_times(c) / step
 
 
 def predicted(cfg, run):
@@ -77,22 +77,24 @@ def main(argv=None) -> int:
 
     from moelab.sim.realruns import run_real_many
 
-    cfgs = [config(a, pol) for pol in POLICIES] + [config(a, "ddp_overlap", 4), config(a, "lina", 4)]
+    names = POLICIES + tuple(EXTRA)
+    cfgs = [config(a, pol) for pol in POLICIES] + [config(a, p, **o) for p, o in EXTRA.values()]
+    cfgs += [config(a, "ddp_overlap", 4), config(a, "lina", 4)]
     runs = run_real_many(cfgs, timeout=1800)
-    res = {pol: measured(r, a.warmup) for pol, r in zip(POLICIES, runs)}
+    res = {pol: measured(r, a.warmup) for pol, r in zip(names, runs)}
     base_step, base_bwd = res["ddp_overlap"][0], res["ddp_overlap"][1]
     print("REAL: 4 gloo ranks (2 nodes x 2), EMULATED links "
           f"{a.intra}/{a.inter} GB/s; S={a.S:g} B, bucket {a.bucket_mb} MiB; SIMULATED: the same links, measured compute")
-    print(f"{'policy':15s} {'step ms':>8s} {'speedup':>8s} {'bwd a2a ms':>10s} {'a2a x':>6s} {'a2a share':>9s} {'releases':>8s}")
-    for pol, r in zip(POLICIES, runs):
-        step, bwd, share, _ = res[pol]
+    print(f"{'policy':15s} {'step ms':>8s} {'speedup':>8s} {'bwd a2a ms':>10s} {'a2a x':>6s} {'a2a share':>9s}")
+    for pol, r in zip(names, runs):
+        step, bwd, share = res[pol]
         print(f"{pol:15s} {1e3 * step:8.1f} {base_step / step:8.2f} {1e3 * bwd:10.1f} "
               f"{base_bwd / bwd if bwd else float('nan'):6.2f} {100 * share:8.1f}%")
     ctrl = [measured(r, a.warmup)[0] for r in runs[-2:]]
     print(f"control (q = E = 4: every rank holds every expert, no all-to-all leaves a rank): "
           f"lina/ddp_overlap step = {ctrl[1] / ctrl[0]:.3f} (target within 5 %)", flush=True)
     sims = {}
-    for pol, c, r in zip(POLICIES, cfgs, runs):
+    for pol, c, r in zip(names, cfgs, runs):
         try:
             sims[pol] = predicted(c, r)
         except Exception as e:  # noqa: BLE001 - a policy the simulator cannot price is said, not hidden

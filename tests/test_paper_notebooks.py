@@ -17,7 +17,7 @@ pm = pytest.importorskip("papermill")
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE", "PAPER")
-PAPERS = {"hecate": "table1_models", "lsh_moe": "table_fig06l_summary", "parm": "table4"}  # paper -> one table it must write
+PAPERS = {"hecate": "table1_models", "lsh_moe": "table_fig06l_summary", "parm": "table4", "lina": "table_fig14e"}  # paper -> one table it must write
 
 
 @pytest.mark.parametrize("paper", PAPERS)

@@ -20,7 +20,7 @@ from moelab.repro.registry import check_against_manifest, products
 from moelab.repro.session import ProductError
 
 REPO = Path(__file__).resolve().parent.parent
-PAPERS = ("fastermoe", "hecate", "lsh_moe", "parm")
+PAPERS = ("fastermoe", "hecate", "lsh_moe", "parm", "lina")
 
 
 def notebook_calls(paper: str) -> list:

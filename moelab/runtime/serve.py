@@ -253,12 +253,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
-    if args.config.endswith(".json"):
-        with open(args.config) as f:
-            cfg = RunConfig.from_dict(json.load(f))
-    else:
-        cfg = RunConfig.load(args.config)
-    cfg = cfg.with_overrides(dict(kv.split("=", 1) for kv in args.set)).validate()
+    from moelab.runtime.worker import load_config
+
+    cfg = load_config(args.config, args.set)
     errs = serve_errors(cfg)
     if errs:
         raise SystemExit("invalid serve config:\n  - " + "\n  - ".join(errs))

@@ -31,18 +31,23 @@ def choose_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def load_config(path: str, sets=()) -> RunConfig:
+    """A worker's config: the launcher's resolved JSON or an experiment YAML, ``--set`` overrides applied."""
+    if path.endswith(".json"):
+        with open(path) as f:
+            cfg = RunConfig.from_dict(json.load(f))
+    else:
+        cfg = RunConfig.load(path)
+    return cfg.with_overrides(dict(kv.split("=", 1) for kv in sets)).validate()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted config override")
     args = ap.parse_args(argv)
-    if args.config.endswith(".json"):
-        with open(args.config) as f:
-            cfg = RunConfig.from_dict(json.load(f))
-    else:
-        cfg = RunConfig.load(args.config)
-    cfg = cfg.with_overrides(dict(kv.split("=", 1) for kv in args.set)).validate()
+    cfg = load_config(args.config, args.set)
     torch.set_num_threads(cfg.train.threads_per_rank)
     backend = choose_backend(cfg.parallel.backend)
     device = torch.device("cpu")

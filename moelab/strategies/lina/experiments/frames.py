@@ -1,0 +1,169 @@
+"""Frames Lina's figures are drawn from, derived from the cached runs (:mod:`.runs`)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+
+from moelab.placement.lina import top_set
+from moelab.placement.popularity import pattern_share
+
+from .common import scale_spec
+from .runs import inference_suite, policy_runs
+
+
+def _labelled(df, label):
+    df.attrs["label"] = label
+    return df
+
+
+# ---- training (EMULATED) ------------------------------------------------------------------------------
+def bwd_a2a_slowdown(scale, seed=0) -> pd.DataFrame:
+    """Fig. 4: each backward all-to-all's time under a policy over the same call (rank, iteration,
+    order) under ``after_backward``, where nothing overlaps it."""
+    pr = policy_runs(scale, seed)
+    c = pr["comm"]
+    a = c[(c.op == "all_to_all") & (c.phase == "bwd")].copy()
+    a["dur"] = a.t_end - a.t_start
+    a["k"] = a.sort_values("t_start").groupby(["policy", "rank", "iter"]).cumcount()
+    iso = a[a.policy == "after_backward"].set_index(["rank", "iter", "k"]).dur
+    rows = []
+    for pol in ("ddp_overlap", "priority", "lina"):
+        g = a[a.policy == pol].set_index(["rank", "iter", "k"]).dur
+        common = g.index.intersection(iso.index)
+        rows += [{"policy": pol, "slowdown": float(g[i] / iso[i])} for i in common if iso[i] > 0]
+    return _labelled(pd.DataFrame(rows), pr["comm"].attrs["label"])
+
+
+def backward_timeline(scale, policy: str, seed=0, ranks=(0, 1)) -> pd.DataFrame:
+    """Fig. 5: the last iteration's backward on ``ranks``: all-to-alls and all-reduces as two lanes."""
+    pr = policy_runs(scale, seed)
+    c = pr["comm"]
+    c = c[(c.policy == policy) & c["rank"].isin(ranks)]
+    c = c[c.iter == c.iter.max()]
+    t0 = c.t_start.min()
+    c = c[c.op.isin(["all_to_all", "all_reduce"])]
+    df = pd.DataFrame({"rank": c["rank"], "lane": np.where(c.op == "all_to_all", "a2a", "all-reduce"),
+                       "name": c.op + " " + c.phase.astype(str), "start": c.t_start - t0, "end": c.t_end - t0})
+    return _labelled(df.reset_index(drop=True), pr["comm"].attrs["label"] + f"; policy {policy}, last iteration")
+
+
+# ---- inference (REAL) ---------------------------------------------------------------------------------
+def _suite(scale, seed):
+    return inference_suite(scale, seed)
+
+
+def serve_summary(scale, seed=0, keys=None) -> pd.DataFrame:
+    """Fig. 16 (REAL): per variant, request latency p50/p95/p99 and batch time median/p95, each also
+    over Ideal's."""
+    su = _suite(scale, seed)
+    keys = keys or [k for k in su["serve"] if not k.startswith("lina_Lp")]
+    rows = []
+    for k in keys:
+        r = su["serve"][k]
+        lat = np.array([q["latency_s"] for q in r["requests"]])
+        bt = np.array([b["batch_s"] for b in r["batches"]])
+        rows.append({"variant": k, "p50_latency_s": np.percentile(lat, 50), "p95_latency_s": np.percentile(lat, 95),
+                     "p99_latency_s": np.percentile(lat, 99), "median_batch_s": np.median(bt),
+                     "p95_batch_s": np.percentile(bt, 95), "requests": len(lat), "batches": len(bt)})
+    df = pd.DataFrame(rows)
+    ideal = df.set_index("variant").loc["ideal"] if "ideal" in set(df.variant) else None
+    for col in ("median_batch_s", "p95_batch_s", "p50_latency_s", "p95_latency_s"):
+        df[col.replace("_s", "_over_ideal")] = df[col] / ideal[col] if ideal is not None else np.nan
+    return _labelled(df, su["label"])
+
+
+def layer_records(scale, seed=0, key="lina") -> pd.DataFrame:
+    su = _suite(scale, seed)
+    df = pd.DataFrame(su["serve"][key]["layers"])
+    for col in ("pop", "pop_hat", "devs"):
+        if col in df:
+            df[col] = [json.loads(v) if isinstance(v, str) else v for v in df[col]]
+    return _labelled(df, su["label"])
+
+
+def layer_p95(scale, seed=0) -> pd.DataFrame:
+    """Fig. 17 (REAL): per variant and MoE layer, the p95 over batches of the layer's time (gate, plan,
+    swap, dispatch, experts, combine)."""
+    rows = []
+    su = _suite(scale, seed)
+    for k in [k for k in su["serve"] if not k.startswith("lina_Lp")]:
+        df = layer_records(scale, seed, k)
+        for layer, g in df.groupby("layer"):
+            rows.append({"variant": k, "layer": int(layer), "p95_layer_s": float(np.percentile(g.layer_s, 95)),
+                         "p95_dispatch_ffn_s": float(np.percentile(g.dispatch_ffn_s, 95))})
+    return _labelled(pd.DataFrame(rows), su["label"])
+
+
+def estimation_accuracy(scale, seed=0, key="lina", k=2) -> pd.DataFrame:
+    """Fig. 19 (REAL): per MoE layer, the fraction of batches whose estimated top-k set was right."""
+    df = layer_records(scale, seed, key)
+    df = df[df.planned_from == "estimate"]
+    rows = [{"layer": int(layer), "accuracy": float(np.mean([top_set(a, k) == top_set(b, k)
+                                                              for a, b in zip(g.pop_hat, g["pop"])])),
+             "replan_rate": float(g.replanned.mean()), "instances": len(g)} for layer, g in df.groupby("layer")]
+    return _labelled(pd.DataFrame(rows), df.attrs["label"])
+
+
+def path_length_table(scale, seed=0) -> pd.DataFrame:
+    """Table 5 (REAL): per path length, estimation accuracy, re-plan rate, median/p95 batch time over Ideal."""
+    s = scale_spec(scale)
+    su = _suite(scale, seed)
+    ideal = [b["batch_s"] for b in su["serve"]["ideal"]["batches"]]
+    rows = []
+    for n in s.path_lens:
+        key = f"lina_Lp{n}"
+        acc = estimation_accuracy(scale, seed, key)
+        bt = [b["batch_s"] for b in su["serve"][key]["batches"]]
+        w = acc.instances.sum()
+        rows.append({"path_len": int(n), "accuracy": float((acc.accuracy * acc.instances).sum() / w) if w else np.nan,
+                     "replan_rate": float((acc.replan_rate * acc.instances).sum() / w) if w else np.nan,
+                     "median_over_ideal": float(np.median(bt) / np.median(ideal)),
+                     "p95_over_ideal": float(np.percentile(bt, 95) / np.percentile(ideal, 95))})
+    return _labelled(pd.DataFrame(rows), su["label"])
+
+
+def pattern(scale, seed=0) -> pd.DataFrame:
+    """Fig. 9 (REAL traces): per layer n, the share of tokens following their group's k' most frequent
+    next experts (k' = 1, 2), and the i.i.d. uniform level k'/E."""
+    su = _suite(scale, seed)
+    t = np.asarray(su["traces"])
+    E = scale_spec(scale).i_experts
+    rows = [{"layer": n, "k": k, "share": pattern_share(t, n, k), "uniform": k / E}
+            for n in range(t.shape[1] - 1) for k in (1, 2)]
+    return _labelled(pd.DataFrame(rows), su["label"] + " (profiling-split traces)")
+
+
+def top_experts(scale, seed=0, k=4) -> pd.DataFrame:
+    """Table 2 (REAL traces): the k most popular experts per MoE layer."""
+    su = _suite(scale, seed)
+    t = np.asarray(su["traces"])
+    E = scale_spec(scale).i_experts
+    rows = []
+    for layer in range(t.shape[1]):
+        c = np.bincount(t[:, layer], minlength=E)
+        order = np.argsort(-c, kind="stable")[:k]
+        rows.append({"layer": layer, "top": ", ".join(str(int(e)) for e in order),
+                     "top_share": float(c[order].sum() / c.sum())})
+    return _labelled(pd.DataFrame(rows), su["label"] + " (profiling-split traces)")
+
+
+def popularity_skew(scale, seed=0) -> pd.DataFrame:
+    """Fig. 6 (REAL): per MoE layer, most/least popular expert's tokens in training (last quarter of the
+    iterations, with the balance loss) and at inference (per served batch, median; an expert without a
+    token counts as one, so the ratio stays finite)."""
+    su = _suite(scale, seed)
+    loads = pd.DataFrame(su["loads"])
+    last = loads[loads.iter >= loads.iter.max() * 3 // 4].groupby(["layer", "expert"]).tokens.sum().unstack()
+    inf = layer_records(scale, seed, "baseline")
+    rows = []
+    for layer in sorted(inf.layer.unique()):
+        tr = last.loc[layer].to_numpy(dtype=float)
+        g = inf[inf.layer == layer]
+        counts = np.array([p for p in g["pop"]]) * g.tokens.to_numpy()[:, None]  # tokens per expert per batch
+        med = np.median(counts.max(1) / np.maximum(counts.min(1), 1.0))  # an expert with no token counts as 1
+        rows.append({"layer": int(layer), "train_max_over_min": float(tr.max() / max(tr.min(), 1.0)),
+                     "infer_max_over_min_median": float(med),
+                     "infer_least_popular_share": float(np.median(counts.min(1) / counts.sum(1)))})
+    return _labelled(pd.DataFrame(rows), su["label"])

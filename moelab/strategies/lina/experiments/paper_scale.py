@@ -1,0 +1,128 @@
+"""Lina at paper scale, SIMULATED on the ``lina`` profile (4 nodes x 4 A100, 100 Gb/s per node).
+
+Training: :func:`moelab.strategies.lina.sim_graph.lina_iteration_graph` for every policy, the three
+models of Table 1 (12/24/36 layers, h = 512, d_ff = 2048: spec §2.4's back-calculation) and E = 2..16
+with one GPU per expert (the paper's N = E). Sequence length, batch and the capacity factor are not in
+the paper: :data:`ASSUMED` (also ``experiments/lina/assumptions.yaml``). Inference: the trace-driven
+model (:mod:`moelab.strategies.lina.sim_infer`) on real routing traces of the model trained here.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from moelab.config import RunConfig, ServeConfig
+from moelab.repro.cache import cached
+
+from .common import scale_spec
+
+ASSUMED = {"seq_len": 512, "batch_per_gpu": 8, "capacity_factor": 1.0, "top_k": 2, "d_model": 512, "d_ff": 2048,
+           "vocab": 32000, "partition_MB": 30.0, "bucket_MB": 25.0, "a2a_chunks": 4, "infer_tokens_per_batch": 65536}
+POLICIES = ("ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
+
+
+def paper_config(layers: int, E: int, policy: str = "lina", **opts) -> RunConfig:
+    a = ASSUMED
+    per_node = min(4, E)
+    return RunConfig().with_overrides({
+        "model.d_model": a["d_model"], "model.d_ff": a["d_ff"], "model.n_layers": layers, "model.n_heads": 8,
+        "model.seq_len": a["seq_len"], "model.vocab_size": a["vocab"], "model.moe.num_experts": E,
+        "model.moe.top_k": a["top_k"], "model.moe.dispatcher": "dense", "model.moe.capacity_factor": a["capacity_factor"],
+        "train.batch_size": a["batch_per_gpu"], "parallel.nproc": E, "parallel.topology.nodes": math.ceil(E / per_node),
+        "parallel.topology.ranks_per_node": per_node, "parallel.strategy": "lina", "parallel.bucket_mb": a["bucket_MB"],
+        "parallel.strategy_options": {"policy": policy, "partition_bytes": a["partition_MB"] * 1e6,
+                                      "a2a_chunks": a["a2a_chunks"], **opts}}).validate()
+
+
+def sim_label() -> str:
+    return ("SIMULATED: profile lina (4 nodes x 4 A100-40GB, 100 Gb/s per node; intra-node link assumed), "
+            "fp16, assumptions in experiments/lina/assumptions.yaml")
+
+
+@cached
+def training(scale: str) -> pd.DataFrame:
+    """Per (layers, E, policy): step time, backward all-to-all time, all-to-all time; speedups over
+    ``ddp_overlap``; the baseline's all-to-all share (Table 1, Fig. 3)."""
+    from moelab.sim import simulate
+    from moelab.sim.graphs import synthetic_loads
+    from moelab.sim.profiles import get_profile
+    from moelab.strategies.lina.sim_graph import lina_iteration_graph
+
+    s = scale_spec(scale)
+    prof = get_profile("lina")
+    rows = []
+    for layers in s.sim_layers:
+        for E in s.sim_experts:
+            for pol in POLICIES:
+                cfg = paper_config(layers, E, pol)
+                res = simulate(lina_iteration_graph(cfg, prof, synthetic_loads(cfg), elem_bytes=2))
+                df = res.ops_frame()
+                a2a = df[df.category == "a2a"]
+                bwd = a2a[a2a.phase == "bwd"]
+                rows.append({"layers": layers, "experts": E, "policy": pol, "step_s": res.makespan,
+                             "bwd_a2a_s": float(bwd.duration.sum()), "a2a_s": float(a2a.duration.sum()),
+                             "a2a_bytes_per_gpu": float(sum(o.comm["splits"].sum() for o in res.graph.ops
+                                                            if o.category == "a2a")) / E})
+    out = pd.DataFrame(rows)
+    base = out[out.policy == "ddp_overlap"].set_index(["layers", "experts"])
+    key = list(zip(out.layers, out.experts))
+    out["step_speedup"] = [base.step_s[k] for k in key] / out.step_s
+    out["bwd_a2a_speedup"] = [base.bwd_a2a_s[k] for k in key] / out.bwd_a2a_s
+    out["a2a_share_baseline"] = [base.a2a_s[k] / base.step_s[k] for k in key]
+    out.attrs["label"] = sim_label()
+    return out
+
+
+@cached
+def partition_sweep(scale: str, sizes_MB=(2, 5, 10, 30, 50, 100)) -> pd.DataFrame:
+    """Fig. 15: step time of the 16-expert models vs the micro-op size."""
+    from moelab.sim import simulate
+    from moelab.sim.graphs import synthetic_loads
+    from moelab.sim.profiles import get_profile
+    from moelab.strategies.lina.sim_graph import lina_iteration_graph
+
+    s = scale_spec(scale)
+    prof = get_profile("lina")
+    E = max(s.sim_experts)
+    rows = []
+    for layers in s.sim_layers:
+        for mb in sizes_MB:
+            cfg = paper_config(layers, E, "lina", partition_bytes=mb * 1e6)
+            res = simulate(lina_iteration_graph(cfg, prof, synthetic_loads(cfg), elem_bytes=2))
+            rows.append({"layers": layers, "partition_MB": mb, "step_s": res.makespan})
+    out = pd.DataFrame(rows)
+    out.attrs["label"] = sim_label()
+    return out
+
+
+@cached
+def inference(scale: str, seed: int = 0) -> pd.DataFrame:
+    """Fig. 16 at one device per expert: every variant's batch times from the REAL model's routing
+    traces (its first half fits the path table, the second half is served), priced at paper scale."""
+    from moelab.comm.topology import Topology
+    from moelab.placement.popularity import PathTable
+    from moelab.sim.profiles import get_profile
+    from moelab.strategies.lina.sim_infer import InferShape, simulate_serving
+
+    from .runs import VARIANTS, inference_suite
+
+    s = scale_spec(scale)
+    t = np.asarray(inference_suite(scale, seed)["traces"], dtype=np.int64)
+    E = s.i_experts
+    Lp = s.path_lens[min(1, len(s.path_lens) - 1)]
+    half = len(t) // 2
+    table = PathTable.fit(t[:half], E, Lp)
+    test = t[half:]
+    tokens = min(ASSUMED["infer_tokens_per_batch"], len(test))
+    n_batches = max(1, len(test) // tokens)
+    src = np.arange(len(test)) % E
+    batches = [np.arange(b * tokens, (b + 1) * tokens) for b in range(n_batches)]
+    sv = ServeConfig(path_len=Lp)
+    rows = simulate_serving(test, src, batches, VARIANTS, sv, table, get_profile("lina"),
+                            Topology(E, min(4, E)), InferShape())
+    out = pd.DataFrame(rows)
+    out.attrs["label"] = (f"SIMULATED: profile lina, {E} devices (one per expert), priced from the REAL routing "
+                          f"traces of the model trained here ({tokens} tokens per batch, {n_batches} batches)")
+    return out

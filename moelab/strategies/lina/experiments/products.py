@@ -1,0 +1,185 @@
+"""Lina's products: one registered function per figure or table moelab makes of the paper (ids as in
+``experiments/lina/manifest.yaml``); the notebook calls ``Session.show(id)`` once per product."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from moelab.repro.registry import Made, Quantity, product
+
+from . import figures as F
+from . import frames, paper_scale
+from .common import scale_spec  # noqa: F401 - the Session's scale lookup
+from .runs import policy_runs
+
+P = "lina"
+STEP = Quantity("training step speedup over DeepSpeed-MoE-style DDP overlap (ddp_overlap)", "x")
+BWD = Quantity("backward all-to-all time speedup over ddp_overlap", "x")
+SHARE = Quantity("all-to-all share of the training step (baseline)", "fraction")
+INFER = Quantity("inference batch time over Ideal", "x")
+ACC = Quantity("estimation accuracy (top-2 set of the batch's experts right)", "fraction")
+REPLAN = Quantity("share of scheduled (batch, layer) instances that re-planned in phase 2", "fraction")
+PATTERN = Quantity("share of tokens following their group's most frequent next expert(s)", "fraction")
+
+
+def _fired(df, col: str, what: str) -> list:
+    return [] if (df[col] != 0).any() else [f"{what} did not fire in this run"]
+
+
+# ---- training ---------------------------------------------------------------------------------------
+@product(P, "fig4e", needs_real=True, quantities={"slowdown": Quantity("backward all-to-all slowdown under overlap", "x")})
+def fig4e(ctx):
+    df = frames.bwd_a2a_slowdown(ctx.scale.name, ctx.seed)
+    med = df.groupby("policy").slowdown.median()
+    notes = ["median backward all-to-all slowdown vs the same call with nothing overlapping it (after_backward): "
+             + ", ".join(f"{k} {v:.2f}x" for k, v in med.items()) + " (paper: median > 1.83x, max 4.14x)"]
+    value = df.groupby("policy").slowdown.agg(["median", "max"]).reset_index()
+    value.attrs["label"] = df.attrs["label"]
+    return Made(value, figures={"fig04e_slowdown_cdf": F.cdf({k: g.slowdown for k, g in df.groupby("policy")},
+                                                             label=df.attrs["label"], xtitle="slowdown (x)",
+                                                             title="Fig. 4 analog: backward all-to-all slowdown")},
+                tables={"table_fig04e": (value, "Fig. 4 analog: backward all-to-all slowdown per policy")}, notes=notes)
+
+
+@product(P, "fig5e", needs_real=True)
+def fig5e(ctx):
+    out = {}
+    tables = {}
+    for pol in ("ddp_overlap", "lina"):
+        df = frames.backward_timeline(ctx.scale.name, pol, ctx.seed)
+        out[f"fig05e_timeline_{pol}"] = F.timeline(df, label=df.attrs["label"],
+                                                   title=f"Fig. 5 analog: all-to-all and all-reduce, {pol}")
+        tables[f"table_fig05e_{pol}"] = (df, f"Fig. 5 analog: call intervals, {pol}")
+    return Made(None, figures=out, tables=tables)
+
+
+@product(P, "fig14e", needs_real=True, quantities={"step_speedup": STEP, "bwd_a2a_speedup": BWD, "a2a_share": SHARE})
+def fig14e(ctx):
+    df = policy_runs(ctx.scale.name, ctx.seed)["summary"]
+    notes = [f"a2a share of the ddp_overlap step: {df.set_index('policy').a2a_share['ddp_overlap']:.1%} "
+             "(the paper's Table 1: 26-40 %)"]
+    return Made(df, figures={"fig14e_ablation": F.bars(df, "policy", "step_speedup", label=df.attrs["label"], line=1.0,
+                                                       title="Fig. 14 analog: step speedup over ddp_overlap"),
+                             "fig13e_bwd_a2a": F.bars(df, "policy", "bwd_a2a_speedup", label=df.attrs["label"],
+                                                      line=1.0, title="Fig. 13 analog: backward all-to-all speedup")},
+                tables={"table_fig14e": (df, "Figs. 13/14 analog: every policy on 4 ranks")}, notes=notes)
+
+
+@product(P, "fig14s", quantities={"step_speedup": STEP, "bwd_a2a_speedup": BWD, "a2a_share_baseline": SHARE})
+def fig14s(ctx):
+    df = paper_scale.training(ctx.scale.name)
+    df["model"] = [f"{n}L" for n in df.layers]
+    df["case"] = [f"{m} E={e}" for m, e in zip(df.model, df.experts)]
+    return Made(df, figures={"fig14s_ablation": F.bars(df, "case", "step_speedup", color="policy",
+                                                       label=df.attrs["label"], line=1.0,
+                                                       title="Figs. 10/14: step speedup over ddp_overlap"),
+                             "fig13s_bwd_a2a": F.bars(df, "case", "bwd_a2a_speedup", color="policy",
+                                                      label=df.attrs["label"], line=1.0,
+                                                      title="Fig. 13: backward all-to-all speedup")},
+                tables={"table_fig14s": (df, "Figs. 10, 13, 14 and Table 1 (share): every policy, model and E")},
+                notes=["per-parameter micro-ops pay the ring all-reduce's 2(n-1) step latencies each in this model; "
+                       "see the closing note of issue #13 on the small-message latency"])
+
+
+@product(P, "table1s", quantities={"a2a_share_baseline": SHARE})
+def table1s(ctx):
+    df = paper_scale.training(ctx.scale.name)
+    df = df[df.policy == "ddp_overlap"][["layers", "experts", "step_s", "a2a_s", "a2a_share_baseline",
+                                         "a2a_bytes_per_gpu"]].reset_index(drop=True)
+    df.attrs["label"] = paper_scale.sim_label()
+    return Made(df, tables={"table1s_a2a_share": (df, "Table 1 / Fig. 3: all-to-all time and share of the step")})
+
+
+@product(P, "fig15s")
+def fig15s(ctx):
+    df = paper_scale.partition_sweep(ctx.scale.name)
+    df["model"] = [f"{n}L" for n in df.layers]
+    return Made(df, figures={"fig15s_partition": F.lines(df, "partition_MB", "step_s", color="model",
+                                                         label=df.attrs["label"],
+                                                         title="Fig. 15: step time vs micro-op size (16 experts)")},
+                tables={"table_fig15s": (df, "Fig. 15: step time vs partition size")})
+
+
+# ---- inference --------------------------------------------------------------------------------------
+@product(P, "fig6r", needs_real=True)
+def fig6r(ctx):
+    df = frames.popularity_skew(ctx.scale.name, ctx.seed)
+    notes = [f"most/least popular expert: training {df.train_max_over_min.median():.2f}x, inference "
+             f"{df.infer_max_over_min_median.median():.2f}x (median over layers; paper 4.02x at 4 and 5.56x at 16 experts)"]
+    return Made(df, figures={"fig06r_skew": F.bars(df.melt(id_vars="layer", value_vars=["train_max_over_min",
+                                                                                        "infer_max_over_min_median"]),
+                                                   "layer", "value", color="variable", label=df.attrs["label"],
+                                                   title="Fig. 6 analog: expert popularity skew, training vs inference")},
+                tables={"table_fig06r": (df, "Fig. 6 analog: most/least popular expert per layer")}, notes=notes)
+
+
+@product(P, "fig9r", needs_real=True, quantities={"share": PATTERN})
+def fig9r(ctx):
+    df = frames.pattern(ctx.scale.name, ctx.seed)
+    df["k'"] = [f"k'={k}" for k in df.k]
+    notes = [f"mean share: k'=1 {df[df.k == 1].share.mean():.1%}, k'=2 {df[df.k == 2].share.mean():.1%} "
+             "(paper: 41.94 % and 54.59 %; uniform routing would give k'/E)"]
+    return Made(df, figures={"fig09r_pattern": F.lines(df, "layer", "share", color="k'", label=df.attrs["label"],
+                                                       title="Fig. 9 analog: layer-to-layer expert pattern")},
+                tables={"table_fig09r": (df, "Fig. 9 analog: pattern share per layer")}, notes=notes)
+
+
+@product(P, "table2r", needs_real=True)
+def table2r(ctx):
+    df = frames.top_experts(ctx.scale.name, ctx.seed)
+    return Made(df, tables={"table2r_top_experts": (df, "Table 2 analog: the 4 most popular experts per layer")})
+
+
+@product(P, "fig16r", needs_real=True, quantities={"median_batch_over_ideal": INFER, "p95_batch_over_ideal": INFER})
+def fig16r(ctx):
+    df = frames.serve_summary(ctx.scale.name, ctx.seed)
+    long = df.melt(id_vars="variant", value_vars=["median_batch_over_ideal", "p95_batch_over_ideal"])
+    return Made(df, figures={"fig16r_inference": F.bars(long, "variant", "value", color="variable", line=1.0,
+                                                        label=df.attrs["label"],
+                                                        title="Fig. 16 analog: batch time over Ideal")},
+                tables={"table_fig16r": (df, "Fig. 16 analog: latency and batch time per variant")})
+
+
+@product(P, "fig16s", needs_real=True, quantities={"median_batch_over_ideal": INFER, "p95_batch_over_ideal": INFER})
+def fig16s(ctx):
+    raw = paper_scale.inference(ctx.scale.name, ctx.seed)
+    g = raw.groupby("variant", sort=False).batch_s
+    df = pd.DataFrame({"variant": list(g.groups), "median_batch_s": g.median().values,
+                       "p95_batch_s": g.quantile(0.95).values, "replans": raw.groupby("variant", sort=False).replans.sum().values})
+    ideal = df.set_index("variant").loc["ideal"]
+    df["median_batch_over_ideal"] = df.median_batch_s / ideal.median_batch_s
+    df["p95_batch_over_ideal"] = df.p95_batch_s / ideal.p95_batch_s
+    df.attrs["label"] = raw.attrs["label"]
+    long = df.melt(id_vars="variant", value_vars=["median_batch_over_ideal", "p95_batch_over_ideal"])
+    return Made(df, figures={"fig16s_inference": F.bars(long, "variant", "value", color="variable", line=1.0,
+                                                        label=df.attrs["label"],
+                                                        title="Fig. 16: batch time over Ideal, one device per expert")},
+                tables={"table_fig16s": (df, "Fig. 16 (simulated): batch time per variant")},
+                notes=_fired(df[df.variant == "lina"], "replans", "Lina's phase-2 re-plan"))
+
+
+@product(P, "fig17r", needs_real=True)
+def fig17r(ctx):
+    df = frames.layer_p95(ctx.scale.name, ctx.seed)
+    return Made(df, figures={"fig17r_layer_p95": F.lines(df, "layer", "p95_layer_s", color="variant",
+                                                         label=df.attrs["label"],
+                                                         title="Fig. 17 analog: p95 MoE-layer time per layer")},
+                tables={"table_fig17r": (df, "Fig. 17 analog: p95 MoE-layer time per variant and layer")})
+
+
+@product(P, "fig19r", needs_real=True, quantities={"accuracy": ACC, "replan_rate": REPLAN})
+def fig19r(ctx):
+    df = frames.estimation_accuracy(ctx.scale.name, ctx.seed)
+    notes = [f"overall estimation accuracy {np.average(df.accuracy, weights=df.instances):.1%}, re-plan rate "
+             f"{np.average(df.replan_rate, weights=df.instances):.1%} (paper: 58.41 % TXL, 54.16 % BERT-L; 23 % re-plans)"] \
+        if len(df) else ["no scheduled layer: the path is as long as the model"]
+    return Made(df, figures={"fig19r_accuracy": F.bars(df, "layer", "accuracy", label=df.attrs["label"],
+                                                       title="Fig. 19 analog: estimation accuracy per layer")},
+                tables={"table_fig19r": (df, "Fig. 19 analog: top-2 estimation accuracy per layer")}, notes=notes)
+
+
+@product(P, "table5r", needs_real=True, quantities={"accuracy": ACC, "replan_rate": REPLAN,
+                                                   "median_over_ideal": INFER, "p95_over_ideal": INFER})
+def table5r(ctx):
+    df = frames.path_length_table(ctx.scale.name, ctx.seed)
+    return Made(df, tables={"table5r_path_length": (df, "Table 5 analog: path length vs accuracy, re-plans, batch time")})

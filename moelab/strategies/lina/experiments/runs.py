@@ -1,0 +1,162 @@
+"""Lina's real runs for the reproduction, cached per (scale, seed).
+
+- :func:`policy_runs` (EMULATED): the training policies on 4 gloo ranks (2 nodes x 2) with
+  contention-aware emulated links, one spawn (:func:`moelab.sim.realruns.run_real_many`).
+- :func:`inference_suite` (REAL): one spawn of 4 ranks trains the inference model (top-1, aux loss,
+  E = ``i_experts``), checkpoints it, then serves it under every variant and every path length of
+  Table 5 through :mod:`moelab.runtime.serve`; returns the training loads, the routing traces of the
+  profiling split and every serve run's records.
+"""
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+import pandas as pd
+
+from moelab.config import RunConfig
+from moelab.repro.cache import cached
+
+from .common import scale_spec
+
+POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
+VARIANTS = ("baseline", "ideal", "lina", "lina_no_estimation", "lina_no_finetune")
+WORLD, NODES = 4, 2
+
+
+def train_config(s, policy: str, seed: int = 0) -> RunConfig:
+    return RunConfig().with_overrides({
+        "paper": "lina", "name": f"policy-{policy}",
+        "model.d_model": s.t_d, "model.d_ff": 4 * s.t_d, "model.n_layers": s.t_layers, "model.n_heads": 4,
+        "model.seq_len": s.t_seq, "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.gate": "topk",
+        "model.moe.dispatcher": "dense", "model.moe.capacity_factor": 1.0,
+        "train.iters": s.t_iters, "train.batch_size": s.t_batch, "train.trace": False, "train.seed": seed,
+        "parallel.nproc": WORLD, "parallel.topology.nodes": NODES, "parallel.strategy": "lina",
+        "parallel.bucket_mb": s.t_bucket_mb,
+        "parallel.strategy_options": {"policy": policy, "partition_bytes": s.t_S, "a2a_chunks": 4},
+        "emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps, "emulation.inter_bw_GBps": s.inter_GBps,
+        "emulation.intra_latency_us": 20.0, "emulation.inter_latency_us": 50.0}).validate()
+
+
+def union_seconds(starts, ends) -> float:
+    """Length of the union of intervals: the time some call of the set was in flight (pipelined
+    all-to-alls overlap each other, so their durations must not be summed)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for a, b in sorted(zip(starts, ends)):
+        if cur_e is None or a > cur_e:
+            total += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    return total + (0.0 if cur_e is None else cur_e - cur_s)
+
+
+def a2a_times(comm, phase=None) -> float:
+    """Mean over ranks of the per-iteration all-to-all busy time (union of call intervals)."""
+    a = comm[comm.op == "all_to_all"]
+    if phase is not None:
+        a = a[a.phase == phase]
+    if not len(a):
+        return 0.0
+    per = a.groupby(["rank", "iter"]).apply(lambda g: union_seconds(g.t_start, g.t_end), include_groups=False)
+    return float(per.groupby(level=0).mean().mean())
+
+
+def links_label(s) -> str:
+    return (f"EMULATED links: 4 gloo ranks, 2 nodes x 2, intra {s.intra_GBps:g} GB/s, inter {s.inter_GBps:g} GB/s "
+            "per rank, shared by concurrent calls")
+
+
+@cached
+def policy_runs(scale: str, seed: int = 0) -> dict:
+    """``{"summary": frame per policy, "comm": every rank's call records with a policy column}``."""
+    from moelab.sim.realruns import run_real_many
+
+    s = scale_spec(scale)
+    runs = run_real_many([train_config(s, p, seed) for p in POLICIES], timeout=1800)
+    rows, comms = [], []
+    for pol, r in zip(POLICIES, runs):
+        keep = r.comm[r.comm.iter >= s.t_warmup].copy()
+        keep["policy"] = pol
+        comms.append(keep)
+        step = float(np.median([max(row) for row in r.step_times[s.t_warmup:]]))
+        rows.append({"policy": pol, "step_s": step, "bwd_a2a_s": a2a_times(keep, "bwd"), "a2a_s": a2a_times(keep),
+                     "allreduce_calls": int((keep.op == "all_reduce").sum() / WORLD / max(1, keep.iter.nunique()))})
+    df = pd.DataFrame(rows)
+    base = df.set_index("policy").loc["ddp_overlap"]
+    df["step_speedup"] = base.step_s / df.step_s
+    df["bwd_a2a_speedup"] = base.bwd_a2a_s / df.bwd_a2a_s
+    df["a2a_share"] = df.a2a_s / df.step_s
+    df.attrs["label"] = links_label(s)
+    comm = pd.concat(comms, ignore_index=True)
+    comm.attrs["label"] = links_label(s)
+    return {"summary": df, "comm": comm}
+
+
+def infer_config(s, seed: int = 0, **serve) -> RunConfig:
+    return RunConfig().with_overrides({
+        "paper": "lina", "name": "infer",
+        "model.d_model": s.i_d, "model.d_ff": 2 * s.i_d, "model.n_layers": s.i_layers, "model.n_heads": 4,
+        "model.seq_len": s.i_seq, "model.moe.num_experts": s.i_experts, "model.moe.top_k": 1,
+        "model.moe.gate": "switch", "model.moe.capacity_factor": None, "model.moe.balance_loss_coef": 0.01,
+        "train.iters": s.i_iters, "train.batch_size": s.i_batch, "train.trace": False, "train.seed": seed,
+        "train.lr": 3e-3, "parallel.nproc": WORLD,
+        "serve.requests": s.requests, "serve.batch_size": s.serve_batch, "serve.rate_per_s": s.rate_per_s,
+        "serve.profile_batches": s.profile_batches, "serve.path_len": s.path_lens[min(1, len(s.path_lens) - 1)],
+        **{f"serve.{k}": v for k, v in serve.items()}}).validate()
+
+
+def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir):
+    from moelab.runtime.checkpoint import save
+    from moelab.runtime.serve import run
+    from moelab.runtime.train import Trainer
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    tr = Trainer.build(cfg)
+    rows = tr.run()
+    save(tr, ckpt_dir, cfg.train.iters)
+    out = {"losses": [r["loss"] for r in rows], "loads": tr.loads, "serve": {}}
+    for key, over in runs.items():
+        sc = RunConfig.from_dict(cfg_dict).with_overrides({"train.init_from": ckpt_dir, **over}).validate()
+        res = run(sc)
+        out["serve"][key] = {"requests": res["requests"], "batches": res["batches"], "layers": res["layers"]}
+    return out
+
+
+@cached
+def inference_suite(scale: str, seed: int = 0) -> dict:
+    """Train, checkpoint and serve (see module doc). Returns rank 0's records per serve run (keys: the
+    variants, and ``lina_Lp{n}`` per Table 5 path length), ``loads`` (training, last iterations),
+    ``traces`` ([tokens, MoE layers] of the profiling split), ``losses``."""
+    from moelab.testing import run_ranks
+
+    s = scale_spec(scale)
+    cfg = infer_config(s, seed)
+    runs = {v: {"serve.variant": v} for v in VARIANTS}
+    runs.update({f"lina_Lp{n}": {"serve.variant": "lina", "serve.path_len": int(n)} for n in s.path_lens})
+    with tempfile.TemporaryDirectory(prefix="moelab-lina-") as d:
+        res = run_ranks(_suite_rank, WORLD, cfg.to_dict(), runs, d, timeout=3600)
+        out = res[0]
+        out["traces"] = _traces(cfg, d)
+    out["label"] = (f"REAL: {WORLD} gloo ranks, a {s.i_layers}-layer MoE LM (d={s.i_d}, E={s.i_experts}, top-1) "
+                    f"trained {s.i_iters} iterations here, served on held-out windows")
+    return out
+
+
+def _traces(cfg, ckpt_dir) -> np.ndarray:
+    """Routing traces of the trained model on the profiling split (one process: every expert on it)."""
+    from moelab.testing import run_ranks
+
+    return run_ranks(_trace_rank, 1, cfg.to_dict(), ckpt_dir, timeout=600)[0]
+
+
+def _trace_rank(rank, world, cfg_dict, ckpt_dir):
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+    from moelab.runtime.serve import build, profile
+
+    cfg = RunConfig.from_dict(cfg_dict).with_overrides({"parallel.nproc": 1, "train.init_from": ckpt_dir,
+                                                        "serve.profile_batches": 4 * cfg_dict["serve"]["profile_batches"]})
+    comm = Communicator(Topology(1, 1))
+    model, ctx = build(cfg, comm)
+    return profile(cfg, model, ctx, comm)
