@@ -24,7 +24,9 @@ import argparse
 import statistics
 
 POLICIES = ("ddp_overlap", "after_backward", "fixed", "priority", "lina", "lina_pipe", "lina_full")
-EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4})}  # the same policy, four micro-ops in flight
+EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4}),  # the same policy, four micro-ops in flight
+         "lina_nowait": ("lina", {"a2a_waits_for_inflight": False}),  # an all-to-all does not wait for the one in flight
+         "lina_pipe_nowait": ("lina_pipe", {"a2a_waits_for_inflight": False})}
 
 
 def config(a, policy, q=0, **opts):
@@ -85,11 +87,15 @@ def main(argv=None) -> int:
     base_step, base_bwd = res["ddp_overlap"][0], res["ddp_overlap"][1]
     print("REAL: 4 gloo ranks (2 nodes x 2), EMULATED links "
           f"{a.intra}/{a.inter} GB/s; S={a.S:g} B, bucket {a.bucket_mb} MiB; SIMULATED: the same links, measured compute")
-    print(f"{'policy':15s} {'step ms':>8s} {'speedup':>8s} {'bwd a2a ms':>10s} {'a2a x':>6s} {'a2a share':>9s}")
+    print(f"{'policy':17s} {'step ms':>8s} {'speedup':>8s} {'bwd a2a ms':>10s} {'a2a x':>6s} {'a2a share':>9s} "
+          f"{'waits released/step':>20s}")
     for pol, r in zip(names, runs):
         step, bwd, share = res[pol]
-        print(f"{pol:15s} {1e3 * step:8.1f} {base_step / step:8.2f} {1e3 * bwd:10.1f} "
-              f"{base_bwd / bwd if bwd else float('nan'):6.2f} {100 * share:8.1f}%")
+        lm = r.layer_metrics
+        stalls = (lm.groupby("rank").sched_stalls.max().mean() / len(r.step_times)) if (
+            lm is not None and len(lm) and "sched_stalls" in lm) else 0.0
+        print(f"{pol:17s} {1e3 * step:8.1f} {base_step / step:8.2f} {1e3 * bwd:10.1f} "
+              f"{base_bwd / bwd if bwd else float('nan'):6.2f} {100 * share:8.1f}% {stalls:20.1f}")
     ctrl = [measured(r, a.warmup)[0] for r in runs[-2:]]
     print(f"control (q = E = 4: every rank holds every expert, no all-to-all leaves a rank): "
           f"lina/ddp_overlap step = {ctrl[1] / ctrl[0]:.3f} (target within 5 %)", flush=True)

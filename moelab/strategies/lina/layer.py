@@ -48,6 +48,10 @@ class LinaMoELayer(MoELayer):
 
     def forward(self, x):
         y = super().forward(x)
+        sched = self.comm.scheduler
+        if torch.is_grad_enabled() and sched is not None and hasattr(sched, "stalls"):
+            # cumulative counters of the rank's scheduler (so a run says whether its bounded waits fired)
+            self.last_metrics = {"sched_stalls": sched.stalls, "sched_low_ops": sum(r["kind"] == "low" for r in sched.records)}
         if self.expert_dp_group is not None:  # packed: the counts cover the block; the run's loads cover the world
             world = self.comm._comm
             with world.rec.paused():
