@@ -79,10 +79,13 @@ class PriorityScheduler(Scheduler):
         self._handles: collections.deque = collections.deque()
         self._error: Optional[BaseException] = None
         self._closed = False
+        # one op in flight (the default): the launcher waits for it itself, no thread hand-off per op
+        self.inline_wait = mode == "priority" and max_inflight == 1
         self._launcher = threading.Thread(target=self._launch_loop, name="lina-comm", daemon=True)
-        self._waiter = threading.Thread(target=self._wait_loop, name="lina-comm-wait", daemon=True)
         self._launcher.start()
-        self._waiter.start()
+        if not self.inline_wait:
+            self._waiter = threading.Thread(target=self._wait_loop, name="lina-comm-wait", daemon=True)
+            self._waiter.start()
 
     # ---- classification --------------------------------------------------------------------------
     @staticmethod
@@ -209,6 +212,10 @@ class PriorityScheduler(Scheduler):
                     self._error = e
                     self.cv.notify_all()
                 return
+            if self.inline_wait:  # one op in flight: wait here, no hand-off to the waiter thread
+                if not self._finish(handle, rec):
+                    return
+                continue
             with self.cv:
                 self._handles.append((handle, rec))
                 self.cv.notify_all()
@@ -220,16 +227,23 @@ class PriorityScheduler(Scheduler):
                 if self._closed and not self._handles:
                     return
                 handle, rec = self._handles[0]
-            try:
-                handle.wait()
-            except BaseException as e:
-                with self.cv:
-                    self._error = e
-                    self.cv.notify_all()
+            if not self._finish(handle, rec, queued=True):
                 return
+
+    def _finish(self, handle, rec, queued: bool = False) -> bool:
+        """Wait for a launched low op and release its slot; False (error recorded) if it failed."""
+        try:
+            handle.wait()
+        except BaseException as e:
             with self.cv:
-                self._handles.popleft()
-                rec["end"] = time.perf_counter()
-                self._low_s.append(rec["end"] - rec["start"])
-                self.inflight -= 1
+                self._error = e
                 self.cv.notify_all()
+            return False
+        with self.cv:
+            if queued:
+                self._handles.popleft()
+            rec["end"] = time.perf_counter()
+            self._low_s.append(rec["end"] - rec["start"])
+            self.inflight -= 1
+            self.cv.notify_all()
+        return True
