@@ -17,6 +17,7 @@ paper's GPUs: the ratios check mechanisms.
 
 Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04]
                                  [--intra 0.2] [--inter 0.05] [--d 128] [--layers 4]
+       python benchmarks/lina.py --serve default     # the inference variants (REAL, 4 ranks)
 """
 from __future__ import annotations
 
@@ -104,7 +105,11 @@ def main(argv=None) -> int:
     p.add_argument("--inter", type=float, default=0.05)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--serve", metavar="SCALE", help="instead: the inference variants of the reproduction at SCALE "
+                   "(experiments/lina/scales.yaml), trained and served on 4 ranks")
     a = p.parse_args(argv)
+    if a.serve:
+        return serve_rows(a.serve)
 
     from moelab.sim.realruns import run_real_many
     from moelab.testing import run_ranks
@@ -147,6 +152,30 @@ def main(argv=None) -> int:
             errs.append(abs(s1 / real - 1))
             print(f"{pol:17s} {real:12.2f} {s0:6.2f} {100 * abs(s0 / real - 1):5.0f}% {s1:9.2f} {100 * errs[-1]:5.0f}%")
         print(f"largest simulator error on a speedup (with the held-out fixed cost): {100 * max(errs):.0f}% (target 25 %)")
+    return 0
+
+
+def serve_rows(scale: str) -> int:
+    """Inference: p50/p95/p99 request latency and p95 batch time of every variant over the baseline's, and
+    Lina's re-plan rate (REAL, 4 gloo ranks; no simulator prediction of this CPU serving run is made)."""
+    import numpy as np
+
+    from moelab.strategies.lina.experiments import frames
+
+    df = frames.serve_summary(scale).set_index("variant")
+    acc = frames.estimation_accuracy(scale)
+    base = df.loc["baseline"]
+    print(df.attrs["label"])
+    print(f"{'variant':20s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "
+          f"{'baseline/variant p50 p95 p99 p95batch':>40s}")
+    for v, r in df.iterrows():
+        ratios = [base[c] / r[c] for c in ("p50_latency_s", "p95_latency_s", "p99_latency_s", "p95_batch_s")]
+        print(f"{v:20s} {1e3 * r.p50_latency_s:8.1f} {1e3 * r.p95_latency_s:8.1f} {1e3 * r.p99_latency_s:8.1f} "
+              f"{1e3 * r.p95_batch_s:12.1f} " + " ".join(f"{x:9.2f}" for x in ratios))
+    w = acc.instances.sum()
+    print(f"lina: re-plan rate {np.average(acc.replan_rate, weights=acc.instances) if w else float('nan'):.1%}, "
+          f"estimation accuracy {np.average(acc.accuracy, weights=acc.instances) if w else float('nan'):.1%} "
+          f"over {int(w)} scheduled (batch, layer) instances. Target (issue #13): p95 >= 1.2x lower than baseline")
     return 0
 
 

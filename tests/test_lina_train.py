@@ -126,6 +126,10 @@ def test_four_ranks_match_the_baseline_with_random_launch_delays():
     ({"policy": "lina_pipe", "a2a_chunks": 1000}, {}, "a2a_chunks=1000 must lie in 1..C"),
     ({"policy": "lina_pipe"}, {"model.moe.dispatcher": "sparse"}, "set model.moe.dispatcher='dense'"),
     ({}, {"parallel.nproc": 1}, "parallel.nproc must be >= 2"),
+    ({"experts_per_device": 3}, {}, "must be a power of two dividing"),
+    ({"experts_per_device": 2}, {"model.moe.dispatcher": "sparse"}, "expert packing runs the dense dispatcher"),
+    ({"experts_per_device": 2}, {"model.moe.num_experts": 8, "parallel.nproc": 3}, "ranks per expert block must divide"),
+    ({"launch_jitter_ms": -1}, {}, "launch_jitter_ms must be >= 0"),
 ])
 def test_bad_input_is_a_config_error_before_launch(opts, over, msg):
     from moelab.config import ConfigError, RunConfig
