@@ -54,10 +54,14 @@ def route_table(counts, devs) -> torch.Tensor:
 
 
 def serve_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, devs, bank, comm,
-                  counts=None, group: str = "ep") -> torch.Tensor:
+                  counts=None, group: str = "ep", times: dict = None) -> torch.Tensor:
     """``y[t] = weight[t] * FFN_{idx[t]}(x[t])`` computed where ``devs`` (device -> experts) puts each
     expert. ``idx [T]`` top-1 expert ids, ``bank``: the full :class:`Experts` (every expert, every
-    rank). ``counts``: the all-gathered ``[N, E]`` counts if already exchanged."""
+    rank). ``counts``: the all-gathered ``[N, E]`` counts if already exchanged. ``times`` (a dict)
+    receives the seconds of the dispatch and combine all-to-alls and of the experts."""
+    import time
+
+    clock = time.perf_counter
     N, me, E = comm.world_size, comm.rank, len(bank.experts)
     if len(devs) != N:
         raise ValueError(f"the placement describes {len(devs)} devices, the group has {N} ranks")
@@ -78,7 +82,9 @@ def serve_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, devs
     perm = torch.cat([c for d in range(N) for c in chunks[d]]) if len(idx) else idx.new_zeros(0)
     send = [int(table[me, :, d].sum()) for d in range(N)]
     recv = [int(table[s, :, me].sum()) for s in range(N)]
+    t0 = clock()
     got = comm.all_to_all_raw(x[perm], recv, send, group=group)
+    t1 = clock()
     # received rows: by source, then expert; run each of my experts on its rows from every source
     out = torch.empty_like(got)
     pos, owner = 0, torch.empty(len(got), dtype=torch.int64)
@@ -91,7 +97,10 @@ def serve_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, devs
         rows = (owner == e).nonzero().reshape(-1)
         if len(rows):
             out[rows] = bank(got[rows], [len(rows)], experts=[e])
+    t2 = clock()
     back = comm.all_to_all_raw(out, send, recv, group=group)
+    if times is not None:
+        times.update(dispatch_s=t1 - t0, experts_s=t2 - t1, combine_s=clock() - t2)
     y = torch.empty_like(x)
     y[perm] = back
     return y * weight.reshape(-1, 1).to(y.dtype)

@@ -115,9 +115,11 @@ class LinaServeLayer(nn.Module):
         swapped = self._swap(devs[comm.rank])
         t_swap = time.perf_counter() - t
         t = time.perf_counter()
-        y = serve_forward(x, idx, w, devs, self.experts, comm, counts=counts, group="world")
+        parts: dict = {}
+        y = serve_forward(x, idx, w, devs, self.experts, comm, counts=counts, group="world", times=parts)
         t_moe = time.perf_counter() - t
         rec.update(devs=devs, swapped=swapped, gate_s=t_gate - t0, plan_s=t_p2, swap_s=t_swap, dispatch_ffn_s=t_moe,
+                   a2a_s=parts["dispatch_s"] + parts["combine_s"], experts_s=parts["experts_s"],
                    layer_s=time.perf_counter() - t0)
         ctx.records.append(rec)
         return y.reshape(shape)

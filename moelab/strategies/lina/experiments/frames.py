@@ -84,15 +84,16 @@ def layer_records(scale, seed=0, key="lina") -> pd.DataFrame:
 
 
 def layer_p95(scale, seed=0) -> pd.DataFrame:
-    """Fig. 17 (REAL): per variant and MoE layer, the p95 over batches of the layer's time (gate, plan,
-    swap, dispatch, experts, combine)."""
+    """Figs. 17, 18 (REAL): per variant and MoE layer, the p95 over batches (rank 0's view) of the layer's
+    time (gate, plan, swap, dispatch, experts, combine), of its two all-to-alls and of its experts."""
     rows = []
     su = _suite(scale, seed)
     for k in [k for k in su["serve"] if not k.startswith("lina_Lp")]:
         df = layer_records(scale, seed, k)
         for layer, g in df.groupby("layer"):
             rows.append({"variant": k, "layer": int(layer), "p95_layer_s": float(np.percentile(g.layer_s, 95)),
-                         "p95_dispatch_ffn_s": float(np.percentile(g.dispatch_ffn_s, 95))})
+                         "p95_a2a_s": float(np.percentile(g.a2a_s, 95)),
+                         "p95_experts_s": float(np.percentile(g.experts_s, 95))})
     return _labelled(pd.DataFrame(rows), su["label"])
 
 

@@ -167,6 +167,19 @@ def fig17r(ctx):
                 tables={"table_fig17r": (df, "Fig. 17 analog: p95 MoE-layer time per variant and layer")})
 
 
+@product(P, "fig18r", needs_real=True, quantities={"a2a_reduction": Quantity("tail (p95) all-to-all time, baseline over Lina", "x")})
+def fig18r(ctx):
+    df = frames.layer_p95(ctx.scale.name, ctx.seed)
+    piv = df.pivot(index="layer", columns="variant", values="p95_a2a_s")
+    out = pd.DataFrame({"layer": piv.index, "a2a_reduction": (piv["baseline"] / piv["lina"]).values})
+    out.attrs["label"] = df.attrs["label"]
+    notes = [f"tail all-to-all reduction baseline/lina: mean {out.a2a_reduction.mean():.2f}x, max "
+             f"{out.a2a_reduction.max():.2f}x over layers (paper: average 1.96x, max 2.50x)"]
+    return Made(out, figures={"fig18r_tail_a2a": F.bars(out, "layer", "a2a_reduction", line=1.0, label=out.attrs["label"],
+                                                        title="Fig. 18 analog: p95 all-to-all time, baseline over Lina")},
+                tables={"table_fig18r": (out, "Fig. 18 analog: tail all-to-all reduction per layer")}, notes=notes)
+
+
 @product(P, "fig19r", needs_real=True, quantities={"accuracy": ACC, "replan_rate": REPLAN})
 def fig19r(ctx):
     df = frames.estimation_accuracy(ctx.scale.name, ctx.seed)
