@@ -27,7 +27,9 @@ import statistics
 POLICIES = ("ddp_overlap", "after_backward", "fixed", "priority", "lina", "lina_pipe", "lina_full")
 EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4}),  # the same policy, four micro-ops in flight
          "lina_nowait": ("lina", {"a2a_waits_for_inflight": False}),  # an all-to-all does not wait for the one in flight
-         "lina_pipe_nowait": ("lina_pipe", {"a2a_waits_for_inflight": False})}
+         "lina_pipe_nowait": ("lina_pipe", {"a2a_waits_for_inflight": False}),
+         "lina_leader": ("lina", {"launch_agreement": "leader"}),  # the first rank decides every launch
+         "lina_pipe_leader": ("lina_pipe", {"launch_agreement": "leader"})}
 
 
 def config(a, policy, q=0, **opts):

@@ -200,3 +200,23 @@ def test_packing_trains_the_unpacked_model_and_keeps_replicas_identical():
                     other = res[r2][key]["experts"].get(k)
                     assert other is None or torch.equal(other, v), (key, k, r, r2)
     assert len(res[0]["q4"]["experts"]) == 2 * 4 and len(res[0]["q2"]["experts"]) == 2 * 2
+
+
+def test_leader_agreement_trains_the_same_model_and_keeps_the_leaders_rules():
+    """``launch_agreement: leader``: the first rank decides every micro-op's launch (followers are told by
+    a broadcast and launch at once): same parameters as the baseline, bit for bit on 2 ranks (pipelined
+    in 4 chunks: allclose); the leader's launches obey the priority rules; followers' are marked forced."""
+    res = run_ranks(_train, 2, ("ddp_overlap", "lina", "lina_pipe"), {"launch_agreement": "leader"}, timeout=300)
+    for r in range(2):
+        ref = res[r]["ddp_overlap"]
+        for pol in ("lina", "lina_pipe"):
+            got = res[r][pol]
+            for n, p in ref["params"].items():
+                same = torch.equal(got["params"][n], p) if pol == "lina" else \
+                    torch.allclose(got["params"][n], p, rtol=1e-10, atol=1e-12)
+                assert same, (pol, n)
+            low = _intervals(got["records"], "low")
+            assert low and all(lo.get("forced", False) == (r == 1) for lo in low)
+            if r == 0:
+                high = _intervals(got["records"], "high")
+                assert not any(h["wait"] < lo["start"] < h["end"] for lo in low for h in high)

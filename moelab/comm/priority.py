@@ -24,8 +24,11 @@ three times the mean duration of the low ops completed so far, at least 5 ms) - 
 in-flight op alone needs, so past it the op is stalled on a peer that is itself inside this
 all-to-all. The release is logged (``released``) and counted, never silent.
 
+``agreement`` (optional) replaces the bounded wait's escape by a leader per group deciding every
+launch (see ``__init__``); followers' launches are recorded with ``forced``.
+
 ``records``: one dict per call - high: ``wait`` (arrival), ``start``, ``end``, ``released``; low:
-``enqueue``, ``start``, ``end``, ``nbytes``, ``group``, ``name`` - and ``marks``: the times
+``enqueue``, ``start``, ``end``, ``nbytes``, ``group``, ``name`` (``forced``) - and ``marks``: the times
 :meth:`imminent` was called, so tests can check the rules from the log (spec §5 I5, I6).
 """
 from __future__ import annotations
@@ -36,6 +39,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+import torch
 
 from moelab.comm.scheduler import Call, Scheduler
 
@@ -56,7 +61,7 @@ class LowOp:
 class PriorityScheduler(Scheduler):
     def __init__(self, comm, mode: str = "priority", max_inflight: int = 1, waits_for_inflight: bool = True,
                  block_on_imminent: bool = True, stall_s: Optional[float] = None, high_groups=None,
-                 jitter_s: float = 0.0, seed: int = 0):
+                 jitter_s: float = 0.0, seed: int = 0, agreement: Optional[dict] = None):
         if mode not in ("priority", "fixed"):
             raise ValueError(f"PriorityScheduler mode must be 'priority' or 'fixed', got {mode!r}")
         if max_inflight < 1:
@@ -65,6 +70,14 @@ class PriorityScheduler(Scheduler):
         self.waits_for_inflight, self.block_on_imminent, self.stall_s = waits_for_inflight, block_on_imminent, stall_s
         self.high_groups = None if high_groups is None else set(high_groups)  # None: every non-low call
         self.jitter_s = jitter_s  # a random delay before each launch (robustness tests: order must not depend on timing)
+        # agreement: {op group: control group over the same ranks}. The op group's first rank (the leader)
+        # decides when each op launches, by the rules above, and says so with a 1-element broadcast on the
+        # control group; the other members launch it as soon as they hear (a "forced" launch, even during
+        # their own all-to-all). The cross-rank stall of the local design cannot happen: every rank reaches
+        # op k before its next all-to-all (same backward order), so the wait needs no bound in practice.
+        self.agreement = dict(agreement or {})
+        self._flag = None
+        self._popped = 0
         self._rng = random.Random(seed)
         self.cv = threading.Condition()
         self.queue: collections.deque = collections.deque()
@@ -159,8 +172,9 @@ class PriorityScheduler(Scheduler):
             self.released_at = len(self.queue)
             self.blocked = False
             self.cv.notify_all()
-            ok = self.cv.wait_for(lambda: self._error is not None or (not self.queue and self.inflight == 0
-                                                                       and not self._handles), timeout=timeout)
+            ok = self.cv.wait_for(lambda: self._error is not None or (not self.queue and self.inflight == 0 and
+                                                                       not self._popped and not self._handles),
+                                  timeout=timeout)
             self._raise()
             if not ok:
                 raise TimeoutError(f"priority scheduler: {len(self.queue)} queued and {self.inflight} in-flight low "
@@ -182,9 +196,14 @@ class PriorityScheduler(Scheduler):
         if self._error is not None:
             raise RuntimeError(f"priority scheduler's communication thread failed: {self._error!r}") from self._error
 
+    def _leader(self, group: str) -> bool:
+        return group not in self.agreement or self.comm.group_ranks(group)[0] == self.comm.rank
+
     def _may_launch(self) -> bool:
         if not self.queue:
             return False
+        if not self._leader(self.queue[0][0].group):
+            return True  # a follower is told when: it waits in the control broadcast
         if self.mode == "fixed":
             return self.released_at > 0
         return (self.waiting == 0 and self.running == 0 and not self.blocked
@@ -199,14 +218,28 @@ class PriorityScheduler(Scheduler):
                 op, rec = self.queue.popleft()
                 if self.mode == "fixed":
                     self.released_at -= 1
-                self.inflight += 1
-                rec["start"] = time.perf_counter()
-                self.records.append(rec)
+                leader = self._leader(op.group)
+                self._popped += 1  # taken from the queue, not yet in flight (a follower awaiting its go)
+                if leader:
+                    self.inflight += 1
+                    rec["start"] = time.perf_counter()
+                    self.records.append(rec)
             if self.jitter_s:
                 time.sleep(self._rng.uniform(0.0, self.jitter_s))
             try:
                 with self.comm.rec.tagged(**{**op.tags, "priority": LOW, "phase": "grad_sync", "name": op.name}):
+                    if op.group in self.agreement:  # the leader's go (followers block here until it comes)
+                        self._flag = torch.zeros(1) if self._flag is None else self._flag
+                        self.comm.broadcast_(self._flag, self.comm.group_ranks(op.group)[0],
+                                             group=self.agreement[op.group])
+                    if not leader:
+                        with self.cv:
+                            self.inflight += 1
+                            rec["start"], rec["forced"] = time.perf_counter(), True
+                            self.records.append(rec)
                     handle = op.issue()
+                with self.cv:
+                    self._popped -= 1
             except BaseException as e:  # surfaced by submit/drain on the training thread
                 with self.cv:
                     self._error = e

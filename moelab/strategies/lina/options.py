@@ -9,6 +9,7 @@
 | ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.comm.priority`) |
 | ``block_on_combine_backward`` | true | stop launching micro-ops once a MoE layer's combine backward starts |
 | ``stall_ms`` | 0 | the bound of that wait in ms (0: three times the mean micro-op time, at least 5 ms) |
+| ``launch_agreement`` | none | ``none``: each rank's scheduler decides alone (the paper's design; its non-preemptive wait is bounded against the cross-rank stall); ``leader``: the first rank of a group decides every micro-op's launch and tells the others by a 1-element broadcast on a control group (no stall, one more small call per micro-op) |
 | ``experts_per_device`` | 0 | q, experts packed per rank: EP over blocks of E/q contiguous ranks, each block a full copy, ``expert_dp`` over the copies (0: 2 for ``lina_full``, else 1) |
 | ``launch_jitter_ms`` | 0 | a random per-rank delay before each micro-op launch (robustness runs, spec §5 I7) |
 """
@@ -43,6 +44,7 @@ class LinaOptions(StrategyOptions):
     stall_ms: float = 0.0
     launch_jitter_ms: float = 0.0
     experts_per_device: int = 0
+    launch_agreement: str = field(default="none", metadata={"choices": ("none", "leader")})
 
     def value_errors(self) -> list:
         errs = []
@@ -121,11 +123,15 @@ class LinaOptions(StrategyOptions):
     def groups(self, nproc: int, num_experts: int) -> dict:
         """The packing's process groups: ``lina_ep`` (blocks of E/q contiguous ranks) and
         ``lina_edp`` (the ranks at one position of every block: the copies of the same experts)."""
+        out = {"lina_ctl": [list(range(nproc))]} if self.launch_agreement == "leader" else {}
         if self.q == 1:
-            return {}
+            return out
         P = num_experts // self.q
-        return {"lina_ep": [list(range(b, b + P)) for b in range(0, nproc, P)],
-                "lina_edp": [list(range(i, nproc, P)) for i in range(P)]}
+        out.update({"lina_ep": [list(range(b, b + P)) for b in range(0, nproc, P)],
+                    "lina_edp": [list(range(i, nproc, P)) for i in range(P)]})
+        if self.launch_agreement == "leader":
+            out["lina_edp_ctl"] = out["lina_edp"]
+        return out
 
 
 def _capacity(run_cfg):

@@ -44,7 +44,8 @@ class LinaUpdate(OverlappedDataParallelUpdate):
             comm, mode="fixed" if o.policy == "fixed" else "priority", max_inflight=o.max_inflight,
             waits_for_inflight=o.a2a_waits_for_inflight, block_on_imminent=o.block_on_combine_backward,
             stall_s=o.stall_ms / 1e3 if o.stall_ms else None, jitter_s=o.launch_jitter_ms / 1e3,
-            seed=cfg.train.seed * 1009 + comm.rank)
+            seed=cfg.train.seed * 1009 + comm.rank,
+            agreement={"dp": "lina_ctl", "lina_edp": "lina_edp_ctl"} if o.launch_agreement == "leader" else None)
         comm.scheduler = self.sched
         self.order = list(reversed([p for p in model.dense_parameters() if p.requires_grad]))
         self._pos = {id(p): i for i, p in enumerate(self.order)}
