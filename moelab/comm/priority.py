@@ -60,7 +60,7 @@ class LowOp:
 
 class PriorityScheduler(Scheduler):
     def __init__(self, comm, mode: str = "priority", max_inflight: int = 1, waits_for_inflight: bool = True,
-                 block_on_imminent: bool = True, stall_s: Optional[float] = None, high_groups=None,
+                 block_on_imminent: bool = True, stall_s: Optional[float] = None,
                  jitter_s: float = 0.0, seed: int = 0, agreement: Optional[dict] = None):
         if mode not in ("priority", "fixed"):
             raise ValueError(f"PriorityScheduler mode must be 'priority' or 'fixed', got {mode!r}")
@@ -68,7 +68,6 @@ class PriorityScheduler(Scheduler):
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.comm, self.mode, self.max_inflight = comm, mode, max_inflight
         self.waits_for_inflight, self.block_on_imminent, self.stall_s = waits_for_inflight, block_on_imminent, stall_s
-        self.high_groups = None if high_groups is None else set(high_groups)  # None: every non-low call
         self.jitter_s = jitter_s  # a random delay before each launch (robustness tests: order must not depend on timing)
         # agreement: {op group: control group over the same ranks}. The op group's first rank (the leader)
         # decides when each op launches, by the rules above, and says so with a 1-element broadcast on the
@@ -105,15 +104,10 @@ class PriorityScheduler(Scheduler):
     def is_low(call: Call) -> bool:
         return call.tags.get("priority") == LOW
 
-    def _is_high(self, call: Call) -> bool:
-        return self.high_groups is None or call.group in self.high_groups
-
     # ---- the door's hooks ------------------------------------------------------------------------
     def admit(self, call: Call) -> None:
         if self.is_low(call):
             return  # gated before the issue, on the launcher thread
-        if not self._is_high(call):
-            return
         rec = {"kind": "high", "op": call.op, "group": call.group, "wait": time.perf_counter(), "released": False,
                "phase": call.tags.get("phase"), "layer": call.tags.get("layer")}
         with self.cv:

@@ -15,6 +15,7 @@ class GroupView:
         if "ep" not in mapping:
             raise ValueError(f"GroupView needs the 'ep' group mapped, got {mapping}")
         self._comm, self._map = comm, dict(mapping)
+        self.base = comm  # the whole world's communicator (what the view maps onto)
         ranks = comm.group_ranks(mapping["ep"])
         self.rank, self.world_size = ranks.index(comm.rank), len(ranks)
         self.global_ranks = list(ranks)

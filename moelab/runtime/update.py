@@ -141,19 +141,27 @@ class DataParallelUpdate(Update):
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def make_buckets(params, cap_bytes: float) -> list:
-    """DDP's bucketing: parameters in reverse order, a bucket closed once it reaches ``cap_bytes``
-    (a parameter larger than the cap gets a bucket of its own)."""
+def bucket_groups(nbytes, cap_bytes: float) -> list:
+    """DDP's bucket rule on sizes in issue order: ``[[indices of bucket 0], ...]``, a bucket closed once
+    it reaches ``cap_bytes`` (an item larger than the cap gets a bucket of its own). The simulator
+    prices Lina's buckets with the same rule."""
     buckets, cur, size = [], [], 0
-    for p in reversed(list(params)):
-        cur.append(p)
-        size += p.numel() * p.element_size()
+    for i, n in enumerate(nbytes):
+        cur.append(i)
+        size += n
         if size >= cap_bytes:
             buckets.append(cur)
             cur, size = [], 0
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def make_buckets(params, cap_bytes: float) -> list:
+    """DDP's bucketing: parameters in reverse order (backward produces the last ones' grads first),
+    grouped by :func:`bucket_groups`."""
+    rev = list(reversed(list(params)))
+    return [[rev[i] for i in b] for b in bucket_groups([p.numel() * p.element_size() for p in rev], cap_bytes)]
 
 
 class OverlappedDataParallelUpdate(DataParallelUpdate):

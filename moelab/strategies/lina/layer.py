@@ -53,7 +53,7 @@ class LinaMoELayer(MoELayer):
             # cumulative counters of the rank's scheduler (so a run says whether its bounded waits fired)
             self.last_metrics = {"sched_stalls": sched.stalls, "sched_low_ops": sum(r["kind"] == "low" for r in sched.records)}
         if self.expert_dp_group is not None:  # packed: the counts cover the block; the run's loads cover the world
-            world = self.comm._comm
+            world = self.comm.base
             with world.rec.paused():
                 self.last_global_counts = world.all_gather(self.last_counts, group="world")
         return y

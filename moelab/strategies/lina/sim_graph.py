@@ -14,7 +14,8 @@ points; this module turns them into the all-reduces each policy issues, on strea
   each a call paying the profile's per-call overhead, under the same priority rule; ``lina_pipe``
   also cuts each MoE layer's all-to-alls into ``a2a_chunks`` along the capacity, chunk j's experts
   running while chunk j+1 moves (:func:`pipelined_stages`, the runtime's
-  :mod:`moelab.strategies.lina.pipeline`). ``lina_full`` (packing) is not modelled yet: rejected.
+  :mod:`moelab.strategies.lina.pipeline`); ``lina_full`` also packs q experts per rank: all-to-alls
+  inside blocks of E/q ranks, then the copies' expert gradients all-reduced over the ranks holding them.
 
 Not modelled: the combine-backward block (the DES knows the all-to-all's time, so nothing is
 launched "just before" it by accident), the bounded wait's releases, and the paper's NCCL
@@ -34,23 +35,16 @@ import numpy as np
 A2A, AR = "comm", "allreduce"
 
 
-def _units(ready, policy: str, cap_bytes: float, part_bytes: float, eb: int):
+def _units(ready, partitioned: bool, cap_bytes: float, part_bytes: float, eb: int):
     """``[(bytes, ready point index)]`` in issue order: DDP buckets or per-parameter micro-ops."""
+    from moelab.runtime.update import bucket_groups
     from moelab.strategies.lina.update import partition
 
     params = [(k, n) for k, (_, _, sizes) in enumerate(ready) for n in sizes]
-    if policy in ("lina", "lina_pipe", "lina_full"):
+    if partitioned:
         return [((b - a) * eb, k) for k, n in params for a, b in partition(n, eb, part_bytes)]
-    units, size, last = [], 0, None
-    for k, n in params:  # make_buckets: reverse parameter order, closed once >= the cap
-        size += n * eb
-        last = k
-        if size >= cap_bytes:
-            units.append((size, k))
-            size = 0
-    if size:
-        units.append((size, last))
-    return units
+    return [(sum(params[i][1] for i in b) * eb, params[b[-1]][0])
+            for b in bucket_groups([n * eb for _, n in params], cap_bytes)]
 
 
 def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *,
@@ -84,7 +78,7 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         from moelab.sim.graphs import route_matrix
 
         routes = [route_matrix(placement, np.minimum(L, cap) if cap is not None else L) for L in loads]
-    if policy in ("lina_pipe", "lina_full"):
+    if opts.pipelined:
         if moe.dispatcher != "dense":
             raise ValueError("lina_pipe pipelines the dense dispatcher's capacity buffer")
         from moelab.strategies.lina.pipeline import chunk_bounds
@@ -103,10 +97,10 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     def dense_sync(ctx, ready):
         g, ranks = ctx.g, ctx.ranks
         if policy == "after_backward":
-            units = [(sum(ready_sizes(ready)) * eb, len(ready) - 1)]
+            units = [(sum(n for _, _, sizes in ready for n in sizes) * eb, len(ready) - 1)]
         else:
-            units = _units(ready, policy, cap_bytes, S, eb)
-        if policy in ("priority", "lina", "lina_pipe", "lina_full"):
+            units = _units(ready, opts.partitioned, cap_bytes, S, eb)
+        if opts.scheduled and policy != "fixed":  # strict priority of the all-to-alls
             g.stream_priority[A2A] = 1
             g.nonpreemptive.add(AR)
         last = None
@@ -136,9 +130,9 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         sizes = [q * n for n in sizes]
         ends = list(deps)
         for i in moe_layer_ids(m):
-            if policy in ("lina", "lina_pipe", "lina_full"):
+            if opts.partitioned:
                 units = [(b - a) * eb for n in sizes for a, b in partition(n, eb, S)]
-            elif policy in ("fixed", "priority"):
+            elif opts.scheduled:  # fixed, priority: one op per tensor, as the queue sends them
                 units = [n * eb for n in sizes]
             else:
                 units = [sum(sizes) * eb]  # the core updates: one flat all-reduce per layer
@@ -181,10 +175,3 @@ def pipelined_stages(routes, chunks, cap):
         return stage(ctx, i, j, deps, "bwd")
 
     return moe_forward, moe_backward
-
-
-def ready_sizes(ready) -> list:
-    return [n for _, _, sizes in ready for n in sizes]
-
-
-__all__ = ["lina_iteration_graph", "moe_layer_ids"]

@@ -50,14 +50,10 @@ def backward_timeline(scale, policy: str, seed=0, ranks=(0, 1)) -> pd.DataFrame:
 
 
 # ---- inference (REAL) ---------------------------------------------------------------------------------
-def _suite(scale, seed):
-    return inference_suite(scale, seed)
-
-
 def serve_summary(scale, seed=0, keys=None) -> pd.DataFrame:
     """Fig. 16 (REAL): per variant, request latency p50/p95/p99 and batch time median/p95, each also
     over Ideal's."""
-    su = _suite(scale, seed)
+    su = inference_suite(scale, seed)
     keys = keys or [k for k in su["serve"] if not k.startswith("lina_Lp")]
     rows = []
     for k in keys:
@@ -75,7 +71,7 @@ def serve_summary(scale, seed=0, keys=None) -> pd.DataFrame:
 
 
 def layer_records(scale, seed=0, key="lina") -> pd.DataFrame:
-    su = _suite(scale, seed)
+    su = inference_suite(scale, seed)
     df = pd.DataFrame(su["serve"][key]["layers"])
     for col in ("pop", "pop_hat", "devs"):
         if col in df:
@@ -87,7 +83,7 @@ def layer_p95(scale, seed=0) -> pd.DataFrame:
     """Figs. 17, 18 (REAL): per variant and MoE layer, the p95 over batches (rank 0's view) of the layer's
     time (gate, plan, swap, dispatch, experts, combine), of its two all-to-alls and of its experts."""
     rows = []
-    su = _suite(scale, seed)
+    su = inference_suite(scale, seed)
     for k in [k for k in su["serve"] if not k.startswith("lina_Lp")]:
         df = layer_records(scale, seed, k)
         for layer, g in df.groupby("layer"):
@@ -110,7 +106,7 @@ def estimation_accuracy(scale, seed=0, key="lina", k=2) -> pd.DataFrame:
 def path_length_table(scale, seed=0) -> pd.DataFrame:
     """Table 5 (REAL): per path length, estimation accuracy, re-plan rate, median/p95 batch time over Ideal."""
     s = scale_spec(scale)
-    su = _suite(scale, seed)
+    su = inference_suite(scale, seed)
     ideal = [b["batch_s"] for b in su["serve"]["ideal"]["batches"]]
     rows = []
     for n in s.path_lens:
@@ -128,7 +124,7 @@ def path_length_table(scale, seed=0) -> pd.DataFrame:
 def pattern(scale, seed=0) -> pd.DataFrame:
     """Fig. 9 (REAL traces): per layer n, the share of tokens following their group's k' most frequent
     next experts (k' = 1, 2), and the i.i.d. uniform level k'/E."""
-    su = _suite(scale, seed)
+    su = inference_suite(scale, seed)
     t = np.asarray(su["traces"])
     E = scale_spec(scale).i_experts
     rows = [{"layer": n, "k": k, "share": pattern_share(t, n, k), "uniform": k / E}
@@ -138,7 +134,7 @@ def pattern(scale, seed=0) -> pd.DataFrame:
 
 def top_experts(scale, seed=0, k=4) -> pd.DataFrame:
     """Table 2 (REAL traces): the k most popular experts per MoE layer."""
-    su = _suite(scale, seed)
+    su = inference_suite(scale, seed)
     t = np.asarray(su["traces"])
     E = scale_spec(scale).i_experts
     rows = []
@@ -154,7 +150,7 @@ def popularity_skew(scale, seed=0) -> pd.DataFrame:
     """Fig. 6 (REAL): per MoE layer, most/least popular expert's tokens in training (last quarter of the
     iterations, with the balance loss) and at inference (per served batch, median; an expert without a
     token counts as one, so the ratio stays finite)."""
-    su = _suite(scale, seed)
+    su = inference_suite(scale, seed)
     loads = pd.DataFrame(su["loads"])
     last = loads[loads.iter >= loads.iter.max() * 3 // 4].groupby(["layer", "expert"]).tokens.sum().unstack()
     inf = layer_records(scale, seed, "baseline")
