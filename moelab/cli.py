@@ -1,4 +1,8 @@
-"""``moelab`` command line: run a config on local ranks, serve requests, list stored runs, reproduce notebooks.
+"""``moelab`` command line: run, serve, list and reproduce on local ranks or cluster nodes.
+
+``run``/``serve`` on this machine or, with ``--nnodes/--node-rank/--rdzv``, as one node of a cluster
+run; ``slurm`` writes the sbatch script for that; ``runs`` lists stored runs; ``reproduce`` executes
+notebooks.
 
 Exit codes: 0 success (``run`` prints the run folder), 1 a rank failed or the run timed out
 (the rank and its traceback tail go to stderr), 2 an invalid config or command line.
@@ -27,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--reuse", action="store_true", help="return a completed run with the same id")
     run.add_argument("--worker", default=None, help="worker module (default: moelab.runtime.worker)")
     run.add_argument("--resume", metavar="RUN", help="continue RUN (a run folder or id) from its latest checkpoint")
+    _node_arguments(run)
 
     srv = sub.add_parser("serve", help="serve requests with a (trained) model on local ranks and store the records")
     srv.add_argument("config", help="YAML config with a serve section, e.g. experiments/lina/serve.yaml")
@@ -36,6 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--timeout", type=float, help="seconds (default: train.timeout_s)")
     srv.add_argument("--out-root", default="runs", help="results root (default: runs)")
     srv.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _node_arguments(srv)
+
+    slurm = sub.add_parser("slurm", help="write an sbatch script that runs a config on N GPU nodes")
+    slurm.add_argument("config", help="YAML config (a path the nodes can read)")
+    slurm.add_argument("--nodes", type=int, required=True, help="nodes of the allocation")
+    slurm.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (ranks) per node")
+    slurm.add_argument("--partition", help="SLURM partition")
+    slurm.add_argument("--time", help="SLURM time limit, e.g. 02:00:00")
+    slurm.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                       help="dotted override, repeatable")
+    slurm.add_argument("--out-root", default="runs", help="results root on the node that holds rank 0")
+    slurm.add_argument("--job-name", default="moelab")
+    slurm.add_argument("--port", type=int, default=29500, help="rendezvous port on the first node")
+    slurm.add_argument("--write", metavar="FILE", help="write the script here (default: standard output)")
 
     runs = sub.add_parser("runs", help="list completed runs")
     runs.add_argument("--root", default="runs", help="results root (default: runs)")
@@ -46,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     reproduce.add_arguments(rep)
 
     args = ap.parse_args(argv)
+    if args.cmd == "slurm":
+        return _slurm(ap, args)
     if args.cmd == "reproduce":
         return reproduce.main(args)
     if args.cmd == "serve":
@@ -68,16 +89,61 @@ def _run(ap: argparse.ArgumentParser, args) -> int:
     if args.config is None and args.resume is None:
         ap.error("run needs a config (or --resume RUN)")
     try:
+        nodes = _nodes(ap, args)
         result = launch(args.config, args.nproc, overrides=overrides, out_root=args.out_root,
                         timeout=args.timeout, progress=not args.no_progress,
-                        worker=args.worker or DEFAULT_WORKER, reuse=args.reuse, resume=args.resume)
+                        worker=args.worker or DEFAULT_WORKER, reuse=args.reuse, resume=args.resume,
+                        nodes=nodes, shared_fs=args.shared_fs)
     except (ConfigError, FileNotFoundError) as e:
         print(f"moelab: {e}", file=sys.stderr)
         return 2
     except RunFailed as e:
         print(f"moelab: {e}", file=sys.stderr)
         return 1
+    if result is None:
+        print(f"moelab: node {args.node_rank} finished; node 0 holds the run folder (under its {args.out_root}/)",
+              file=sys.stderr)
+        return 0
     print(result.path)
+    return 0
+
+
+def _node_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-node (run the same command on every node)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes in the run (default 1: this machine only)")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    g.add_argument("--rdzv", metavar="HOST:PORT", help="c10d rendezvous on the first node (needed with --nnodes > 1)")
+    g.add_argument("--shared-fs", action="store_true",
+                   help="every rank writes into the run folder itself (a shared filesystem); default: "
+                        "rank 0 gathers every rank's files over the process group")
+
+
+def _nodes(ap: argparse.ArgumentParser, args):
+    from moelab.runtime.launch import Nodes
+
+    if args.nnodes == 1 and args.node_rank == 0 and args.rdzv is None:
+        return None
+    if args.rdzv is None:
+        ap.error("--nnodes/--node-rank need --rdzv HOST:PORT (the first node's address and a free port)")
+    return Nodes(args.nnodes, args.node_rank, args.rdzv)
+
+
+def _slurm(ap: argparse.ArgumentParser, args) -> int:
+    from moelab.runtime.slurm import sbatch_script
+
+    try:
+        text = sbatch_script(args.config, args.nodes, args.gpus_per_node, sets=args.sets, partition=args.partition,
+                             time=args.time, out_root=args.out_root, job_name=args.job_name, port=args.port)
+    except ConfigError as e:
+        print(f"moelab: {e}", file=sys.stderr)
+        return 2
+    if args.write:
+        from moelab.runtime.results import atomic_write_text
+
+        atomic_write_text(args.write, text)
+        print(args.write)
+    else:
+        print(text, end="")
     return 0
 
 

@@ -151,10 +151,20 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
+        """A YAML config; a malformed file is a ConfigError naming its line and column (1-based)."""
         import yaml
 
         with open(path) as f:
-            return cls.from_dict(yaml.safe_load(f) or {})
+            try:
+                data = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+                what = " ".join(filter(None, [getattr(e, "context", None), getattr(e, "problem", None)])) or str(e)
+                raise ConfigError(f"{where}: malformed YAML: {what}") from None
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"{path}: a config is a YAML mapping, got a {type(data).__name__}")
+        return cls.from_dict(data or {})
 
     def with_overrides(self, overrides: dict | None = None, **kw) -> "RunConfig":
         """Return a copy with dotted overrides applied: ``{"model.moe.top_k": 1}`` or ``model__moe__top_k=1``."""

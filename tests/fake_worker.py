@@ -1,9 +1,11 @@
 """A tiny stand-in for moelab.runtime.worker that speaks the same contract (files, progress lines,
-fault injection), so the launcher is tested without the MoE model. One gloo all_reduce per iteration.
+fault injection, the run folder completed by the ranks), so the launcher is tested without the MoE
+model. One gloo all_reduce per iteration.
 
 Test-only knobs come from the environment:
 - MOELAB_FAKE_HANG_RANK: that rank sleeps forever at iteration 1;
 - MOELAB_FAKE_CRASH_RANK: that rank dies by SIGKILL at iteration 1 (no Python exception);
+- MOELAB_FAKE_CRASH_LOCAL_RANK: the same for that local rank (a rank of one node);
 - MOELAB_FAKE_LINGER: every rank stays alive after an exception (a stuck non-daemon thread);
 - MOELAB_FAKE_PRINT: rank 0 prints an ordinary line.
 The helpers at the end are shared by the launcher's tests.
@@ -23,6 +25,8 @@ import torch.distributed as dist
 
 from moelab.comm.bytes import by_link_class, peer_bytes
 from moelab.comm.topology import Topology
+from moelab.config import RunConfig
+from moelab.runtime.runfolder import RunFolder
 
 
 def main():
@@ -35,9 +39,13 @@ def main():
     train, par = cfg["train"], cfg["parallel"]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    folder = RunFolder.start(RunConfig.from_dict(cfg), out, "fake_worker")
+    out = Path(folder.dir)
     topo = Topology.from_config(world, par["topology"]["nodes"], par["topology"]["ranks_per_node"])
     hang = os.environ.get("MOELAB_FAKE_HANG_RANK")
     crash = os.environ.get("MOELAB_FAKE_CRASH_RANK")
+    if os.environ.get("MOELAB_FAKE_CRASH_LOCAL_RANK") == os.environ.get("LOCAL_RANK"):
+        crash = str(rank)
     if os.environ.get("MOELAB_FAKE_LINGER"):
         threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
     n_experts = cfg["model"]["moe"]["num_experts"]
@@ -84,7 +92,7 @@ def main():
     if rank == 0:
         _csv(out / "metrics.csv", metrics)
         _csv(out / "loads.csv", loads)
-    dist.barrier()
+    folder.finish()
     dist.destroy_process_group()
 
 

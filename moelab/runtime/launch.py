@@ -19,19 +19,19 @@ unchanged and adds what supervision needs, because torchrun alone cannot provide
 - each rank's stderr goes to ``logs/rank{r}.stderr`` (kept in the run folder), and SIGUSR1
   dumps every thread's stack there, which is what a timeout reports.
 
-Success: ``summary.json`` is written last and the temp folder is renamed to ``runs/<run_id>/``.
+Success: the worker's rank 0 has completed the folder (``summary.json`` last, every rank's files
+gathered: :mod:`moelab.runtime.runfolder`), and the temp folder is renamed to ``runs/<run_id>/``.
 Failure, timeout or Ctrl-C: every process is killed (SIGTERM, then SIGKILL), the temp folder is
 deleted, and :class:`RunFailed` (or :class:`RunTimeout`) names the rank and its traceback tail. A
 failed run that had written checkpoints (``train.checkpoint_every``) keeps them in
 ``runs/<run_id>.partial/`` (with its config), and the message says how to continue it
 (``launch(resume=...)`` / ``moelab run --resume``).
 
-On a cluster the worker is an ordinary torchrun program; on each node run::
-
-    torchrun --nnodes 2 --node-rank <k> --nproc-per-node 4 --rdzv-backend c10d \\
-        --rdzv-endpoint <node0>:29500 -m moelab.runtime.worker --config cfg.json --out runs/<id>
-
-with ``cfg.json`` from ``resolve_config(...).to_dict()``, then ``summarize`` on node 0's folder.
+On a cluster, ``launch(..., nodes=Nodes(nnodes, node_rank, "HOST:PORT"))`` (``moelab run CONFIG
+--nnodes N --node-rank K --rdzv HOST:PORT``) on every node runs the same supervision around
+torchrun's c10d rendezvous; ``moelab slurm`` writes the sbatch script that does it per node. A bare
+``torchrun ... -m moelab.runtime.worker --config C --out DIR`` on each node works too: the ranks
+complete the folder themselves, on the node that holds rank 0.
 """
 from __future__ import annotations
 
@@ -45,11 +45,13 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from moelab.config import RunConfig
 from moelab.runtime.progress import Progress, parse_progress
-from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text, summarize
+from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text
+from moelab.runtime.runfolder import NODE_RANK_ENV
 
 DEFAULT_WORKER = "moelab.runtime.worker"
 SERVE_WORKER = "moelab.runtime.serve"  # ``moelab serve``: the serving path instead of training
@@ -111,7 +113,8 @@ def resume_config(resume, config=None, out_root="runs") -> tuple:
 
 def launch(config=None, nproc: int | None = None, *, overrides: dict | None = None, out_root="runs",
            timeout: float | None = None, progress: bool = True, worker: str = DEFAULT_WORKER,
-           reuse: bool = False, resume=None, **kw_overrides) -> RunResult:
+           reuse: bool = False, resume=None, nodes: Nodes | None = None, shared_fs: bool = False,
+           **kw_overrides) -> RunResult | None:
     """Run ``config`` on ``nproc`` local ranks and return the stored run.
 
     ``overrides`` (``{"model.moe.top_k": 1}``) and keyword overrides (``train__iters=5``) are
@@ -119,6 +122,11 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
     returns an existing completed run with the same id without running anything. ``resume``
     (a run folder, run id or checkpoint folder) continues that run's latest checkpoint, at this
     ``nproc`` if given (keep ``nproc x train.batch_size``); ``config`` then defaults to its config.
+
+    ``nodes`` (:class:`Nodes`) makes this machine one node of a multi-node run: call ``launch`` on
+    every node with the same config; ``nproc`` ranks in all, ``nproc / nodes.nnodes`` here. The
+    run folder is completed on node 0 (the others return None). ``shared_fs=True``: every
+    rank writes into the run folder itself instead of sending its files to rank 0.
     """
     if resume is not None:
         config, ckpt = resume_config(resume, config, out_root)
@@ -126,6 +134,8 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
     elif config is None:
         raise TypeError("launch needs a config (or resume=RUN)")
     cfg = resolve_config(config, nproc, overrides, **kw_overrides)
+    if nodes is not None:
+        cfg = nodes.config(cfg)
     if worker == SERVE_WORKER:
         from moelab.config import ConfigError, serve_errors
 
@@ -140,13 +150,24 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
     tmp = (Path(out_root) / f".tmp-{run_id}-{os.getpid()}").resolve()
     shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier, killed launcher with our pid
     side = tmp / ".launch"
-    side.mkdir(parents=True)
+    try:
+        side.mkdir(parents=True)
+    except OSError as e:
+        from moelab.config import ConfigError
+
+        raise ConfigError(f"the results root {out_root} is not writable here: {e}") from None
     try:
         atomic_write_json(tmp / "config.json", cfg.to_dict())
-        wall = _run(cfg, run_id, tmp, side, worker, cfg.train.timeout_s if timeout is None else timeout,
-                    progress)
+        timeout = cfg.train.timeout_s if timeout is None else timeout
+        command = torchrun_command(cfg.parallel.nproc, worker, tmp / "config.json", tmp, nodes, timeout)
+        command += ["--shared-fs"] if shared_fs else []
+        _run(cfg, run_id, tmp, side, command, timeout, progress, nodes)
         shutil.rmtree(side)
-        atomic_write_json(tmp / "summary.json", summarize(tmp, cfg, wall, worker))
+        if not (tmp / "summary.json").is_file():  # the worker completes the folder on node 0
+            if nodes is not None:
+                return None
+            raise RunFailed(run_id, None, "", f"finished without a summary.json: {worker} does not complete "
+                            "its run folder (moelab.runtime.runfolder.RunFolder)")
         _swap_in(tmp, final)
     except RunFailed as e:
         kept = _keep_checkpoints(tmp, Path(out_root) / f"{run_id}.partial")
@@ -171,25 +192,74 @@ def _keep_checkpoints(tmp: Path, dest: Path) -> Path | None:
     return dest
 
 
-def torchrun_command(nproc: int, worker: str, config_path: Path, out_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(nproc), "--max-restarts", "0",
-            "-m", _ENTRY, worker, "--config", str(config_path), "--out", str(out_dir)]
+@dataclass(frozen=True)
+class Nodes:
+    """This machine as node ``node_rank`` of ``nnodes``, meeting the others at the c10d rendezvous
+    ``rdzv`` (``HOST:PORT`` of the first node). torchrun's c10d rendezvous orders the nodes itself
+    (by host name), so rank 0 may be on any node; the run folder is completed on node 0 all the same
+    (:func:`moelab.runtime.runfolder.writer_rank`)."""
+
+    nnodes: int
+    node_rank: int
+    rdzv: str
+
+    def __post_init__(self):
+        from moelab.config import ConfigError
+
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, "
+                              f"got {self.node_rank}")
+        host, _, port = self.rdzv.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--rdzv must be HOST:PORT (the first node and a free port), got {self.rdzv!r}")
+
+    def not_met(self, run_id: str, timeout: float, torchrun_stderr: str) -> RunFailed:
+        """The nodes never met: no rank started on this node."""
+        return RunFailed(run_id, None, _tail(torchrun_stderr, 8),
+                         f"did not start: the c10d rendezvous at {self.rdzv} did not gather {self.nnodes} nodes within "
+                         f"{timeout:g}s (start the same command on every node, with the same --nnodes and --rdzv; "
+                         "the first node must be reachable on that port)")
+
+    def config(self, cfg: RunConfig) -> RunConfig:
+        """The config on a cluster: ``parallel.topology.nodes`` is the node count (set when left at 1)."""
+        from moelab.config import ConfigError
+
+        p = cfg.parallel
+        if p.nproc % self.nnodes:
+            raise ConfigError(f"parallel.nproc={p.nproc} ranks do not split evenly over --nnodes {self.nnodes}")
+        if p.topology.nodes not in (1, self.nnodes):
+            raise ConfigError(f"parallel.topology.nodes={p.topology.nodes} but --nnodes {self.nnodes}: "
+                              "the topology must be the real one on a cluster")
+        return cfg.with_overrides({"parallel.topology.nodes": self.nnodes}).validate()
+
+    def torchrun_args(self, timeout: float) -> list[str]:
+        return ["--nnodes", str(self.nnodes), "--rdzv-backend", "c10d",  # c10d ignores --node-rank
+                "--rdzv-endpoint", self.rdzv, "--rdzv-id", "moelab", "--rdzv-conf", f"join_timeout={int(timeout)}"]
 
 
-def _run(cfg: RunConfig, run_id: str, tmp: Path, side: Path, worker: str, timeout: float,
-         show: bool) -> float:
+def torchrun_command(nproc: int, worker: str, config_path: Path, out_dir: Path, nodes: Nodes | None = None,
+                     join_timeout: float = 300) -> list[str]:
+    where = ["--standalone", "--nnodes", "1"] if nodes is None else nodes.torchrun_args(join_timeout)
+    per_node = nproc if nodes is None else nproc // nodes.nnodes
+    return [sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(per_node),
+            "--max-restarts", "0", "-m", _ENTRY, worker, "--config", str(config_path), "--out", str(out_dir)]
+
+
+def _run(cfg: RunConfig, run_id: str, tmp: Path, side: Path, command: list[str], timeout: float,
+         show: bool, nodes: Nodes | None = None) -> float:
     """Start torchrun, stream rank 0's progress, enforce the deadline; return the wall time."""
+    extra_env = None if nodes is None else {NODE_RANK_ENV: str(nodes.node_rank)}
     logs = tmp / "logs"
     logs.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.train.threads_per_rank),
-           "PYTHONUNBUFFERED": "1", _SIDE_ENV: str(side)}
+           "PYTHONUNBUFFERED": "1", _SIDE_ENV: str(side), **(extra_env or {})}
     bar = Progress(f"{cfg.paper}/{cfg.name} x{cfg.parallel.nproc}", enabled=show)
     start = time.monotonic()
     deadline = start + timeout
     with open(logs / "torchrun.stderr", "wb") as err, open(logs / "stdout.log", "w") as out:
-        proc = subprocess.Popen(torchrun_command(cfg.parallel.nproc, worker, tmp / "config.json", tmp),
-                                stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1,
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1,
                                 start_new_session=True)
         try:
             finished = _pump(_lines(proc.stdout), deadline, bar, out)
@@ -205,10 +275,16 @@ def _run(cfg: RunConfig, run_id: str, tmp: Path, side: Path, worker: str, timeou
             return time.monotonic() - start
         if rc is None:
             _dump_stacks(side)
-            _kill(proc, side)
+        _kill(proc, side)  # after a failure torchrun stopped the ranks already; make sure
+        if nodes is not None and not _rank_pids(side):
+            raise nodes.not_met(run_id, timeout, _read(logs / "torchrun.stderr"))
+        if rc is None:
             raise _timeout(run_id, timeout, logs, side)
-        _kill(proc, side)  # torchrun stopped the ranks already; make sure
-        raise _failure(run_id, rc, logs, side)
+        e = _failure(run_id, rc, logs, side)
+        if nodes is not None and e.rank is not None and "no Python exception" not in str(e):
+            e.args = (f"{e.args[0]}\n(in a multi-node run this often follows a failure on another node: "
+                      "see that node's output)",)
+        raise e
 
 
 def _lines(stream) -> queue.Queue:

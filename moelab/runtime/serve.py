@@ -252,23 +252,27 @@ def main(argv=None) -> None:
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--shared-fs", action="store_true", help="every rank writes into --out itself")
     args = ap.parse_args(argv)
+    from moelab.runtime.runfolder import RunFolder
     from moelab.runtime.worker import load_config
 
+    started = time.monotonic()
     cfg = load_config(args.config, args.set)
     errs = serve_errors(cfg)
     if errs:
         raise SystemExit("invalid serve config:\n  - " + "\n  - ".join(errs))
     torch.set_num_threads(cfg.train.threads_per_rank)
     dist.init_process_group("gloo", timeout=timedelta(seconds=max(60.0, cfg.train.timeout_s)))
+    folder = None
     try:
-        run(cfg, args.out)
-        with open(os.path.join(args.out, f"done_rank{dist.get_rank()}"), "w") as f:
-            f.write("gloo")
-        dist.barrier()
+        folder = RunFolder.start(cfg, args.out, "moelab.runtime.serve", shared_fs=args.shared_fs, started=started)
+        run(cfg, folder.dir)
+        folder.finish()
     finally:
+        if folder is not None:
+            folder.close()
         dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

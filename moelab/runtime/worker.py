@@ -9,20 +9,26 @@ applies dotted overrides. On a GPU cluster this is the whole entry point: on eve
 Joins the process group from torchrun's environment (NCCL when CUDA is there and the backend is
 ``auto``, else gloo), trains, writes its outputs into ``--out`` and prints progress lines from rank
 0 (``MOELAB_PROGRESS iter=.. total=.. loss=.. step_time=..``) that the launcher turns into a
-progress bar. Any exception propagates: torchrun reports the failing rank and the launcher stops
-the others.
+progress bar. The run folder is completed here, by the ranks (:mod:`moelab.runtime.runfolder`):
+rank 0 writes ``config.json`` at start and ``summary.json`` last, after every rank's files have
+reached it over the process group. Any exception propagates: torchrun reports the failing rank and
+the launcher stops the others.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from moelab.config import RunConfig
+from moelab.runtime.runfolder import RunFolder
+
+WORKER = "moelab.runtime.worker"
 
 
 def choose_backend(requested: str) -> str:
@@ -42,10 +48,13 @@ def load_config(path: str, sets=()) -> RunConfig:
 
 
 def main(argv=None) -> None:
+    started = time.monotonic()
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted config override")
+    ap.add_argument("--shared-fs", action="store_true",
+                    help="every rank writes into --out itself (no gathering to rank 0)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.set)
     torch.set_num_threads(cfg.train.threads_per_rank)
@@ -56,9 +65,11 @@ def main(argv=None) -> None:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     dist.init_process_group(backend, timeout=timedelta(seconds=max(60.0, cfg.train.timeout_s)))
+    folder = None
     try:
         from moelab.runtime.train import Trainer
 
+        folder = RunFolder.start(cfg, args.out, WORKER, shared_fs=args.shared_fs, started=started)
         trainer = Trainer.build(cfg, device)
         trainer.out_dir = args.out  # checkpoints go into the run folder
         total = cfg.train.iters
@@ -69,13 +80,12 @@ def main(argv=None) -> None:
                       f"step_time={row['step_time_s']:.6f}", flush=True)
 
         trainer.run(progress)
-        trainer.write_outputs(args.out)
-        with open(os.path.join(args.out, f"done_rank{trainer.rank}"), "w") as f:
-            f.write(backend)
-        dist.barrier()
+        trainer.write_outputs(folder.dir)
+        folder.finish()
     finally:
+        if folder is not None:
+            folder.close()
         dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()
