@@ -94,6 +94,7 @@ class TrainConfig:
     threads_per_rank: int = 1
     timeout_s: float = 600.0  # the launcher kills the run after this
     trace: bool = True  # write a per-rank Chrome trace
+    trace_iters: int = 50  # iterations each trace keeps (evenly spaced, first and last); 0 = all. Not in the run id
     fault_rank: Optional[int] = None  # testing aid: this rank raises at fault_iter
     fault_iter: int = 0
     eval_every: int = 0  # evaluate on held-out windows after every n-th iteration (0: never)
@@ -179,6 +180,7 @@ class RunConfig:
         d = self.to_dict()
         if d["serve"] == dataclasses.asdict(ServeConfig()):  # training runs keep the ids they had before serving
             del d["serve"]
+        del d["train"]["trace_iters"]  # how much trace is kept does not change what a run computes
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha1(blob).hexdigest()[:8]
 
@@ -317,6 +319,7 @@ class RunConfig:
             ("train.eval_every", t.eval_every, True, 0, True),
             ("train.eval_batches", t.eval_batches, True, 1, True),
             ("train.checkpoint_every", t.checkpoint_every, True, 0, True),
+            ("train.trace_iters", t.trace_iters, True, 0, True),
             ("train.task_classes", t.task_classes, True, 2, True),
             ("train.patch_size", t.patch_size, True, 1, True),
             ("emulation.intra_bw_GBps", e.intra_bw_GBps, False, 0, False),

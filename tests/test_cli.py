@@ -66,6 +66,18 @@ def test_missing_config_file_exits_2(tmp_path):
     assert r.returncode == 2 and "nope.yaml" in r.stderr
 
 
+@pytest.mark.parametrize("text, where, what", [("model:\n  d_model: 64\n   n_layers: 2\n", ":3:12:", "mapping values"),
+                                               ("model: [1, 2\n", ":2:1:", "flow sequence"),
+                                               ("- 1\n- 2\n", "", "a YAML mapping, got a list")])
+def test_malformed_yaml_is_one_line_with_its_line_and_column(tmp_path, text, where, what):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    r = moelab("run", bad, "--out-root", tmp_path / "runs", timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"{bad}{where}" in r.stderr and what in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_resume_needs_a_checkpoint_and_run_needs_a_config(tmp_path):
     r = moelab("run", "--out-root", tmp_path / "runs", timeout=60)
     assert r.returncode == 2 and "run needs a config (or --resume RUN)" in r.stderr

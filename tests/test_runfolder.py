@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from moelab.config import RunConfig
-from moelab.runtime.runfolder import RunMismatch, agreement_errors, writer_rank
+from moelab.runtime.runfolder import RunMismatch, agreement_errors, host_label, writer_rank
 from moelab.testing import run_ranks
 
 CFG = {"parallel": {"nproc": 3}, "train": {"iters": 2}}
@@ -35,6 +35,13 @@ def test_writer_is_the_first_rank_of_node_zero():
     assert writer_rank([None, None]) == 0  # a bare torchrun: rank 0
     assert writer_rank(["1", "1", "0", "0"]) == 2  # c10d put node 0 second
     assert writer_rank(["0", "0", "1", "1"]) == 0
+
+
+def test_a_run_on_several_hosts_names_them_in_its_label():
+    assert host_label("REAL: 4 ranks, gloo", ["vm"] * 4) == "REAL: 4 ranks, gloo"
+    assert host_label("REAL: 4 ranks, 2 nodes x 2, nccl", ["a", "a", "b", "b"]) == \
+        "REAL: 4 ranks, 2 nodes x 2, nccl on a, b"
+    assert host_label("L", [f"n{i}" for i in range(6)]) == "L on n0, n1, n2, n3 and 2 more"
 
 
 def _write_and_finish(rank, world, out, chunk, big):
@@ -101,3 +108,24 @@ def test_a_mismatch_stops_every_rank_before_anything_is_written(tmp_path, how, w
     assert all(m is not None and all(w in m for w in words) for m in msgs), msgs
     assert len(set(msgs)) == 1  # every rank says the same
     assert not out.exists()
+
+
+def test_traces_keep_evenly_spaced_iterations_and_the_run_id_ignores_how_many():
+    from moelab.comm.record import Recorder, sampled_iters
+
+    assert sampled_iters(range(10), 0) is None and sampled_iters(range(10), 10) is None
+    assert sampled_iters(range(100), 5) == {0, 25, 50, 74, 99}
+    assert sampled_iters(range(3, 13), 2) == {3, 12} and sampled_iters(range(7), 1) == {6}
+    rec = Recorder(0)
+    for it in range(4):
+        rec.tags["iter"] = it
+        with rec.span("step"):
+            pass
+    rec.tags.pop("iter")
+    with rec.span("setup"):
+        pass
+    kept = [e for e in rec.chrome_events({0, 3}) if e["ph"] == "X"]
+    assert [e["args"].get("iter") for e in kept] == [0, 3, None]
+    cfg = RunConfig()
+    assert cfg.with_overrides({"train.trace_iters": 0}).run_id() == cfg.run_id()
+    assert cfg.with_overrides({"train.trace": False}).run_id() != cfg.run_id()

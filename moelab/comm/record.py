@@ -137,8 +137,12 @@ class Recorder:
                 acc[k] += v
         return acc
 
-    def chrome_events(self) -> list:
-        """Complete events, one row (tid) per stream: compute threads first, then comm streams."""
+    def chrome_events(self, iters=None) -> list:
+        """Complete events, one row (tid) per stream: compute threads first, then comm streams. With
+        ``iters`` (a set), only events of those iterations and events without one."""
+        def keep(tags: dict) -> bool:
+            return iters is None or "iter" not in tags or tags["iter"] in iters
+
         rows: dict = {}
 
         def tid(stream: str, kind: str) -> int:
@@ -147,10 +151,14 @@ class Recorder:
         ev = []
         for s in self.spans:
             name, cat, t0, t1, tags = s
+            if not keep(tags):
+                continue
             ev.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank,
                        "tid": tid(getattr(s, "stream", "MainThread"), "compute"),
                        "ts": t0 * 1e6, "dur": max(t1 - t0, 0) * 1e6, "args": tags})
         for r in self.comm:
+            if not keep(r.tags):
+                continue
             name = f"{r.op}" + (f" L{r.tags['layer']}" if "layer" in r.tags else "")
             ev.append({"name": name, "cat": "comm", "ph": "X", "pid": self.rank, "tid": tid(r.stream, "comm"),
                        "ts": r.t_start * 1e6, "dur": max(r.t_end - r.t_start, 0) * 1e6,
@@ -163,9 +171,10 @@ class Recorder:
             ev.append({"name": "thread_sort_index", "ph": "M", "pid": self.rank, "tid": t, "args": {"sort_index": t}})
         return ev
 
-    def write_chrome_trace(self, path) -> None:
+    def write_chrome_trace(self, path, iters=None) -> None:
+        """The trace as Chrome/Perfetto JSON; ``iters`` limits it (:func:`sampled_iters`)."""
         with open(path, "w") as f:
-            json.dump({"traceEvents": self.chrome_events(), "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": self.chrome_events(iters), "displayTimeUnit": "ms"}, f)
 
     def comm_rows(self) -> list[dict]:
         return [{"op": r.op, "group": r.group, **{f"bytes_{k}": v for k, v in r.bytes.items()},
@@ -174,3 +183,16 @@ class Recorder:
                  "stream": r.stream, "seq": r.seq,
                  "iter": r.tags.get("iter", -1), "layer": r.tags.get("layer", -1),
                  "phase": r.tags.get("phase", "")} for r in self.comm]
+
+
+def sampled_iters(iters, keep: int):
+    """At most ``keep`` of ``iters``, evenly spaced with the first and the last, so a long run's trace
+    stays bounded; None (all) when ``keep`` is 0 or there are no more than ``keep``."""
+    iters = list(iters)
+    n = len(iters)
+    if keep <= 0 or n <= keep:
+        return None
+    if keep == 1:
+        return {iters[-1]}
+    return {iters[round(i * (n - 1) / (keep - 1))] for i in range(keep)}
+

@@ -67,6 +67,15 @@ def agreement_errors(facts: list[dict], nproc: int) -> list[str]:
     return errs
 
 
+def host_label(label: str, hosts: list) -> str:
+    """A run's label with its hosts when it ran on more than one (``REAL: 16 ranks, 2 nodes x 8,
+    nccl on gpu01, gpu02``); one machine keeps the label every figure already shows."""
+    distinct = list(dict.fromkeys(hosts))
+    if len(distinct) < 2:
+        return label
+    return f"{label} on {', '.join(distinct[:4])}" + (f" and {len(distinct) - 4} more" if len(distinct) > 4 else "")
+
+
 @dataclass
 class RunFolder:
     """This rank's side of a run folder (see the module docstring)."""
@@ -143,9 +152,7 @@ class RunFolder:
         if self.rank == self.writer:
             summary = summarize(self.out, self.cfg, time.monotonic() - self.started, self.worker)
             summary["hosts"] = self.hosts
-            distinct = list(dict.fromkeys(self.hosts))
-            if len(distinct) > 1:
-                summary["label"] += f" on {', '.join(distinct[:4])}" + (" ..." if len(distinct) > 4 else "")
+            summary["label"] = host_label(summary["label"], self.hosts)
             atomic_write_json(self.out / "summary.json", summary)
         self.close()
         return summary

@@ -236,7 +236,8 @@ class Trainer:
         return self.metrics
 
     def write_outputs(self, out_dir: str) -> None:
-        """Rank 0: metrics.csv, loads.csv; every rank: trace_rank{r}.json, comm_rank{r}.csv."""
+        """Rank 0: metrics.csv, loads.csv; every rank: trace_rank{r}.json (at most ``train.trace_iters``
+        iterations), comm_rank{r}.csv (every record)."""
         import csv
 
         os.makedirs(out_dir, exist_ok=True)
@@ -254,7 +255,10 @@ class Trainer:
             with open(os.path.join(out_dir, "plans.jsonl"), "w") as f:
                 f.writelines(json.dumps(p) + "\n" for p in self.plans)
         if self.cfg.train.trace:
-            self.comm.rec.write_chrome_trace(os.path.join(out_dir, f"trace_rank{self.rank}.json"))
+            from moelab.comm.record import sampled_iters
+
+            iters = sampled_iters([row["iter"] for row in self.metrics], self.cfg.train.trace_iters)
+            self.comm.rec.write_chrome_trace(os.path.join(out_dir, f"trace_rank{self.rank}.json"), iters)
         write_csv(f"comm_rank{self.rank}.csv", self.comm.rec.comm_rows())
         if self.layer_metrics:
             write_csv(f"layer_metrics_rank{self.rank}.csv", self.layer_metrics)

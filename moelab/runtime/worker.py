@@ -75,7 +75,7 @@ def main(argv=None) -> None:
         total = cfg.train.iters
 
         def progress(row):
-            if trainer.rank == 0:
+            if folder.rank == folder.writer:  # node 0 shows the progress bar
                 print(f"MOELAB_PROGRESS iter={row['iter']} total={total} loss={row['loss']:.6f} "
                       f"step_time={row['step_time_s']:.6f}", flush=True)
 
