@@ -85,9 +85,11 @@ def timeline(trace, *, label: str, iteration: int | None = None, title: str | No
     ev = trace
     if "iter" in ev and ev["iter"].notna().any():
         iteration = int(ev["iter"].max()) if iteration is None else iteration
+        kept = sorted(int(i) for i in ev["iter"].dropna().unique())
         ev = ev[ev["iter"] == iteration]
         if ev.empty:
-            raise ValueError(f"no trace events for iteration {iteration}")
+            raise ValueError(f"no trace events for iteration {iteration}; the trace keeps iterations "
+                             f"{kept[:8]}{' ...' if len(kept) > 8 else ''} (train.trace_iters)")
     elif iteration is not None:
         raise ValueError("these trace events carry no iteration (args.iter); pass iteration=None")
     ev = ev.assign(start_ms=(ev["ts"] - ev["ts"].min()) / 1e3, dur_ms=ev["dur"] / 1e3,
