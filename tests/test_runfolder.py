@@ -129,3 +129,21 @@ def test_traces_keep_evenly_spaced_iterations_and_the_run_id_ignores_how_many():
     cfg = RunConfig()
     assert cfg.with_overrides({"train.trace_iters": 0}).run_id() == cfg.run_id()
     assert cfg.with_overrides({"train.trace": False}).run_id() != cfg.run_id()
+
+
+def _shared(rank, world, out):
+    from moelab.runtime.runfolder import RunFolder
+
+    folder = RunFolder.start(RunConfig.from_dict(CFG), out, "test", shared_fs=True)
+    (Path(folder.dir) / f"comm_rank{rank}.csv").write_text(f"x\n{rank}\n")
+    folder.finish()
+    return folder.dir, folder.staging
+
+
+@pytest.mark.timeout(120)
+def test_with_a_shared_filesystem_every_rank_writes_into_the_folder_itself(tmp_path):
+    out = tmp_path / "run"
+    res = run_ranks(_shared, 3, str(out), timeout=90)
+    assert res == [(str(out), None)] * 3
+    assert sorted(p.name for p in out.iterdir()) == ["comm_rank0.csv", "comm_rank1.csv", "comm_rank2.csv",
+                                                     "config.json", "summary.json"]

@@ -170,7 +170,7 @@ def _rank_of(path: Path) -> int:
     return int(path.stem.rsplit("rank", 1)[1])
 
 
-# ---- the summary, written last by the launcher ---------------------------------------------
+# ---- the summary, written last by the ranks (moelab.runtime.runfolder) --------------------
 def backend_of(cfg: RunConfig) -> str:
     """The backend a run uses: the configured one, or what ``auto`` picks on this machine."""
     if cfg.parallel.backend != "auto":
