@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--reuse", action="store_true", help="return a completed run with the same id")
     run.add_argument("--worker", default=None, help="worker module (default: moelab.runtime.worker)")
     run.add_argument("--resume", metavar="RUN", help="continue RUN (a run folder or id) from its latest checkpoint")
+    run.add_argument("--preset", help="a real MoE model's shape (moelab.models.presets: switch_base_128, "
+                     "mixtral_8x7b, deepseek_v3, qwen3_30b_a3b) on top of the config (or the defaults)")
+    run.add_argument("--scale", type=float, default=1.0,
+                     help="with --preset: widths, heads and layers times this (e.g. 0.01); experts and top-k kept")
     _node_arguments(run)
 
     srv = sub.add_parser("serve", help="serve requests with a (trained) model on local ranks and store the records")
@@ -86,9 +90,15 @@ def _run(ap: argparse.ArgumentParser, args) -> int:
         if not eq or not key:
             ap.error(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value
-    if args.config is None and args.resume is None:
-        ap.error("run needs a config (or --resume RUN)")
+    preset = getattr(args, "preset", None)
+    if args.config is None and args.resume is None and preset is None:
+        ap.error("run needs a config (or --resume RUN, or --preset NAME)")
     try:
+        if preset is not None:
+            from moelab.config import RunConfig
+            from moelab.models.presets import preset as get_preset
+
+            args.config = get_preset(preset).config(RunConfig.load(args.config) if args.config else None, args.scale)
         nodes = _nodes(ap, args)
         result = launch(args.config, args.nproc, overrides=overrides, out_root=args.out_root,
                         timeout=args.timeout, progress=not args.no_progress,

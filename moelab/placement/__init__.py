@@ -148,14 +148,33 @@ class Placement:
         return np.stack([self.split_counts(src, torch.from_numpy(C[src])).numpy() for src in range(self.world_size)])
 
     def routes(self, counts) -> np.ndarray:
-        """``counts[src, e]`` -> ``tokens[src, dst]`` (:meth:`split` summed over experts; trivial
-        placements skip the ``[N, E, N]`` tensor)."""
+        """``counts[src, e]`` -> ``tokens[src, dst]``: :meth:`split` summed over experts, without the
+        ``[N, E, N]`` tensor. Single-holder experts by one sorted reduction; replicated experts by the
+        rule's vectorised ``route_replicated`` where it has one (the built-in rules), else by its
+        ``blocks`` per source. Cost O(N*E + N*replicas), so the simulator scales to thousands of ranks."""
         C = np.asarray(counts, dtype=np.int64)
-        if self.is_trivial and C.shape == (self.world_size, self.num_experts):
-            onehot = np.zeros((self.num_experts, self.world_size), dtype=np.int64)
-            onehot[np.arange(self.num_experts), self.owners] = 1
-            return C @ onehot
-        return self.split(C).sum(1)
+        N, E = self.world_size, self.num_experts
+        if C.shape != (N, E):
+            raise ValueError(f"counts must be [{N}, {E}], got {C.shape}")
+        single = np.fromiter((len(h) == 1 for h in self.holders), dtype=bool, count=E)
+        out = np.zeros((N, N), dtype=np.int64)
+        owners = self.owners[single]
+        if len(owners):  # sum each source's columns per owner: one reduceat (exact int64)
+            cols = C if len(owners) == E else C[:, single]
+            if np.any(np.diff(owners) < 0):  # owners out of order: sort the columns once
+                order = np.argsort(owners, kind="stable")
+                owners, cols = owners[order], cols[:, order]
+            dst, starts = np.unique(owners, return_index=True)
+            out[:, dst] = np.add.reduceat(cols, starts, axis=1)
+        vectorised = getattr(self.rule, "route_replicated", None)
+        for e in np.flatnonzero(~single):
+            if vectorised is not None:
+                vectorised(self, int(e), C[:, e], out)
+            else:
+                for src in range(N):
+                    for r, n in self.blocks(src, int(e), int(C[src, e])):
+                        out[src, r] += n
+        return out
 
     @cached_property
     def owners(self) -> np.ndarray:

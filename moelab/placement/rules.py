@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 
 def rotating_split(src: int, candidates: Sequence[int], count: int) -> list:
     """``count`` tokens over ``candidates`` in near-equal contiguous blocks, starting at ``src mod n``."""
@@ -46,6 +48,29 @@ class KeepLocalRule:
 
     def candidates(self, src: int, holders: Sequence[int]) -> Sequence[int]:
         raise NotImplementedError
+
+    def source_groups(self, world_size: int, holders: Sequence[int]):
+        """``(sources, candidates)`` pairs covering every rank once: sources sharing a candidate list."""
+        return [(np.arange(world_size), list(self.candidates(0, holders)))]
+
+    def route_replicated(self, placement, e: int, counts, out) -> None:
+        """Add every source's tokens for expert ``e`` to ``out[src, dst]``: :meth:`blocks` for all
+        sources at once (``counts[src]``). In :func:`rotating_split` the candidate at position c gets
+        ``count // n`` tokens plus one when ``(c - src) mod n < count mod n``."""
+        h = placement.holders[e]
+        counts = np.asarray(counts, dtype=np.int64)
+        keep = np.zeros(placement.world_size, dtype=bool)
+        keep[list(h)] = True
+        own = np.flatnonzero(keep)
+        out[own, own] += counts[own]
+        for srcs, cand in self.source_groups(placement.world_size, h):
+            srcs = srcs[~keep[srcs]]
+            if not len(srcs):
+                continue
+            n = len(cand)
+            base, rem = np.divmod(counts[srcs], n)
+            for c, dst in enumerate(cand):
+                out[srcs, dst] += base + (((c - srcs) % n) < rem)
 
 
 @dataclass(frozen=True)
@@ -75,6 +100,14 @@ class LocalityFirst(KeepLocalRule):
     def candidates(self, src: int, holders: Sequence[int]) -> Sequence[int]:
         node = src // self.ranks_per_node
         return sorted(r for r in holders if r // self.ranks_per_node == node) or sorted(holders)
+
+    def source_groups(self, world_size: int, holders: Sequence[int]):
+        """Nodes holding the expert route to their own holders; all other nodes to every holder."""
+        G = self.ranks_per_node
+        nodes = sorted({r // G for r in holders})
+        ranks = np.arange(world_size)
+        groups = [(ranks[ranks // G == nd], self.candidates(nd * G, holders)) for nd in nodes]
+        return groups + [(ranks[~np.isin(ranks // G, nodes)], sorted(holders))]
 
     def to_dict(self) -> dict:
         return {"rule": self.name, "ranks_per_node": self.ranks_per_node}

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from moelab.config import RunConfig
 from moelab.runtime.progress import Progress, parse_progress
-from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text
+from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text, backend_of
 from moelab.runtime.runfolder import NODE_RANK_ENV
 
 DEFAULT_WORKER = "moelab.runtime.worker"
@@ -136,6 +136,10 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
     cfg = resolve_config(config, nproc, overrides, **kw_overrides)
     if nodes is not None:
         cfg = nodes.config(cfg)
+    if backend_of(cfg) == "gloo":  # CPU ranks share this machine's memory: refuse what cannot fit
+        from moelab.models.presets import fits_memory
+
+        fits_memory(cfg, cfg.parallel.nproc // (nodes.nnodes if nodes is not None else 1))
     if worker == SERVE_WORKER:
         from moelab.config import ConfigError, serve_errors
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import math
 from typing import Callable, Optional
 
 import numpy as np
@@ -70,12 +69,13 @@ def expert_param_count(model) -> int:
 
 
 def capacity(cfg) -> Optional[int]:
-    """Tokens per expert per source rank, ``max(ceil(k*cf*T/E), min_capacity)``; None when dropless."""
+    """Tokens per expert per source rank: the runtime's own rule (:func:`moelab.moe.routing.capacity_for`,
+    exact decimal arithmetic), so simulated bytes equal measured ones; None when dropless."""
+    from moelab.moe.routing import capacity_for
+
     moe = cfg.model.moe
-    if moe.capacity_factor is None:
-        return None
-    T = cfg.train.batch_size * cfg.model.seq_len
-    return max(math.ceil(moe.top_k * moe.capacity_factor * T / moe.num_experts), moe.min_capacity)
+    return capacity_for(cfg.train.batch_size * cfg.model.seq_len, moe.num_experts, moe.top_k,
+                        moe.capacity_factor, moe.min_capacity)
 
 
 def elem_bytes_of(cfg) -> int:
@@ -287,7 +287,8 @@ def token_stages(routes, before_experts_bwd=None, expert_rows=None, local_work=N
     def moe_forward(ctx, i, j, deps):
         pre = tuple(deps) if local_work is None else tuple(around(ctx, i, j, "fwd", "before", [deps] * len(ctx.ranks)))
         disp = ctx.a2a(f"L{i}.dispatch", routes[j], pre, i, "fwd")
-        exps = [ctx.experts(r, f"L{i}.experts.fwd", rows(j)[r], (disp,), i, "fwd") for r in ctx.ranks]
+        work = rows(j)
+        exps = [ctx.experts(r, f"L{i}.experts.fwd", work[r], (disp,), i, "fwd") for r in ctx.ranks]
         comb = ctx.a2a(f"L{i}.combine", routes[j].T, exps, i, "fwd")
         return around(ctx, i, j, "fwd", "after", [comb] * len(ctx.ranks))
 
@@ -295,7 +296,8 @@ def token_stages(routes, before_experts_bwd=None, expert_rows=None, local_work=N
         pre = around(ctx, i, j, "bwd", "before", deps)
         comb_b = ctx.a2a(f"L{i}.combine.bwd", routes[j], pre, i, "bwd")
         wait = (comb_b,) + tuple(before_experts_bwd(i) if before_experts_bwd is not None else ())
-        exps = [ctx.experts(r, f"L{i}.experts.bwd", rows(j)[r], wait, i, "bwd") for r in ctx.ranks]
+        work = rows(j)
+        exps = [ctx.experts(r, f"L{i}.experts.bwd", work[r], wait, i, "bwd") for r in ctx.ranks]
         disp_b = ctx.a2a(f"L{i}.dispatch.bwd", routes[j].T, exps, i, "bwd")
         return around(ctx, i, j, "bwd", "after", [disp_b] * len(ctx.ranks))
 

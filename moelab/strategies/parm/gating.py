@@ -10,7 +10,6 @@ and the capacity ``T`` (baseline ``T_b``, S1 ``T_1``, S2 ``T_2`` padded to a mul
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from types import SimpleNamespace
 
 import torch
@@ -19,7 +18,7 @@ from moelab.config import MoEConfig
 from moelab.moe.dispatch import capacity_index, from_capacity_buffer, to_capacity_buffer
 from moelab.moe.experts import ACTIVATIONS
 from moelab.moe.gates import GATES
-from moelab.moe.routing import Routing
+from moelab.moe.routing import Routing, capacity_for
 
 GATE_K = {"switch": 1, "gshard": 2}
 DISPATCHERS = ("einsum", "index")
@@ -27,7 +26,7 @@ DISPATCHERS = ("einsum", "index")
 
 def capacity(n_tok: int, num_experts: int, k: int, f: float, multiple: int = 1) -> int:
     """``ceil(k*f*n_tok/E)`` (exact decimal f), rounded up to a multiple of ``multiple`` (S2: N_MP)."""
-    c = math.ceil(Fraction(k * n_tok, num_experts) * Fraction(str(f)))
+    c = capacity_for(n_tok, num_experts, k, f)
     return multiple * math.ceil(c / multiple)
 
 

@@ -9,10 +9,9 @@ ReduceScatter input, SAA output; :mod:`.fits` measures them that way). Keys: ``A
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from fractions import Fraction
 
+from moelab.moe.routing import capacity_for
 from moelab.sim.calibrate import AlphaBeta
 
 
@@ -39,7 +38,7 @@ class ParmShape:
     @property
     def T(self) -> int:
         """ceil(k*f*B*L/E) (§6 P1: no stray M)."""
-        return math.ceil(Fraction(self.k * self.B * self.L, self.E) * Fraction(str(self.f)))
+        return capacity_for(self.B * self.L, self.E, self.k, self.f)
 
     @property
     def x(self) -> int:
