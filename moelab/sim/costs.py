@@ -170,7 +170,9 @@ def alltoall_demands(matrix, group: Sequence[int], topo: Topology, profile,
     (with one NIC per GPU, rank j's NIC carries what phase 1 gathered on it), extra intra bytes,
     two latencies.
     """
-    M = np.asarray(matrix, dtype=np.float64)
+    M = np.asarray(matrix)  # integer bytes stay integers: exact sums, no float copy of an n^2 matrix
+    if M.dtype.kind not in "iuf":
+        M = M.astype(np.float64)
     group = list(group)
     n = len(group)
     if n <= 1:

@@ -118,6 +118,38 @@ def synthetic_loads(cfg, seed: int = 0, skew: float = 1.0) -> np.ndarray:
     return out
 
 
+class RowBytes:
+    """An all-to-all's bytes ``tokens[src, dst] x row_bytes``, kept as the route matrix it is made of
+    (shared with the graph's other all-to-alls of the layer, a transpose being a view) and multiplied
+    out only when read: a 4,096-rank iteration would otherwise hold 48 bytes matrices of 4,096^2."""
+
+    __slots__ = ("tokens", "row_bytes")
+
+    def __init__(self, tokens, row_bytes: int):
+        self.tokens, self.row_bytes = np.asarray(tokens), int(row_bytes)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.tokens.astype(np.int64, copy=False) * self.row_bytes
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __getitem__(self, index):
+        return np.asarray(self.tokens[index], dtype=np.int64) * self.row_bytes
+
+    def __len__(self):
+        return len(self.tokens)
+
+    @property
+    def shape(self):
+        return self.tokens.shape
+
+    @property
+    def T(self) -> "RowBytes":
+        return RowBytes(self.tokens.T, self.row_bytes)
+
+    def sum(self, *args, **kw):
+        return self.tokens.astype(np.int64, copy=False).sum(*args, **kw) * self.row_bytes
+
+
 # ---- the expert-parallel baseline -----------------------------------------------------------------
 @dataclass
 class IterationContext:
@@ -138,7 +170,7 @@ class IterationContext:
     def a2a(self, name, tokens, deps, layer, phase, category="a2a", op="all_to_all"):
         """An all-to-all moving ``tokens[src, dst]`` rows of d_model elements (recorded as ``op``:
         ``"p2p"`` for a batch of point-to-point exchanges with the same per-peer bytes)."""
-        mat = np.asarray(tokens) * self.cfg.model.d_model * self.eb
+        mat = RowBytes(tokens, self.cfg.model.d_model * self.eb)
         return self.g.transfer(name, self.ranks, costs.alltoall_demands(mat, self.ranks, self.topo, self.profile,
                                                                        self.hierarchical_a2a),
                                deps=deps, category=category, layer=layer, phase=phase,
@@ -362,8 +394,9 @@ def replay_bytes(graph: OpGraph, topo: Topology):
             continue
         group = list(c["group"])
         splits = c.get("splits")
+        splits = None if splits is None else np.asarray(splits)  # once per op, not once per rank
         for i, me in enumerate(group):
-            row = None if splits is None else [int(x) for x in np.asarray(splits)[i]]
+            row = None if splits is None else [int(x) for x in splits[i]]
             per = peer_bytes(c["op"], group, me, int(c.get("nbytes", 0)), splits=row, root=c.get("root"),
                              peer=c.get("peer"))
             yield me, c["op"], op.category, by_link_class(topo, me, per)

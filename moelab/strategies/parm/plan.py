@@ -44,8 +44,9 @@ class Shape:
         for name in ("S", "M", "H", "k", "elem_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.f > 0:
-            raise ValueError(f"capacity factor f must be > 0, got {self.f}")
+        if self.f is None or not self.f > 0:
+            raise ValueError(f"Parm's schedules are capacity-padded: model.moe.capacity_factor must be > 0, "
+                             f"got {self.f} (None = dropless)")
 
 
 def sizes(layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a") -> dict:
