@@ -80,7 +80,7 @@ def test_malformed_yaml_is_one_line_with_its_line_and_column(tmp_path, text, whe
 
 def test_resume_needs_a_checkpoint_and_run_needs_a_config(tmp_path):
     r = moelab("run", "--out-root", tmp_path / "runs", timeout=60)
-    assert r.returncode == 2 and "run needs a config (or --resume RUN)" in r.stderr
+    assert r.returncode == 2 and "run needs a config (or --resume RUN, or --preset NAME)" in r.stderr
     (tmp_path / "old").mkdir()
     r = moelab("run", "--resume", tmp_path / "old", "--out-root", tmp_path / "runs", timeout=60)
     assert r.returncode == 2 and "no checkpoint in" in r.stderr and "train.checkpoint_every" in r.stderr

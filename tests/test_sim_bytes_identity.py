@@ -145,3 +145,35 @@ def test_route_matrix_equals_split_counts_summed(data):
     C = np.array(data.draw(st.lists(st.lists(st.integers(0, 30), min_size=E, max_size=E), min_size=N, max_size=N)))
     ref = np.stack([pl.split_counts(s, torch.from_numpy(C[s])).numpy() for s in range(N)]).sum(1)
     assert np.array_equal(pl.routes(C), ref)
+
+
+# ---- a handful of draws for real: 4 gloo ranks (2 nodes x 2), their comm_rank records ------------------
+REAL_DRAWS = {  # capacity factors where float arithmetic and exact decimals disagree, odd token counts, replicas
+    "dense_cf1.1_T20": {"model.moe.dispatcher": "dense", "model.moe.capacity_factor": 1.1, "model.seq_len": 10},
+    "sparse_cf0.3_T15": {"model.moe.capacity_factor": 0.3, "model.seq_len": 15, "train.batch_size": 1},
+    "sparse_cf1.25_replicas": {"model.moe.capacity_factor": 1.25, "model.seq_len": 9,
+                               "parallel.placement": {0: [0, 2], 1: [1, 3], 2: [2], 3: [3]}},
+}
+
+
+@pytest.mark.timeout(300)
+def test_a_handful_of_draws_match_real_runs_byte_for_byte():
+    import warnings
+
+    from moelab.sim.local import machine_profile
+    from moelab.sim.realruns import run_real_many
+    from moelab.sim.validate import BytesMismatchWarning, compare, simulate_real
+
+    base = {"parallel.nproc": 4, "parallel.topology.nodes": 2, "model.moe.num_experts": 4, "model.moe.top_k": 2,
+            "model.d_model": 8, "model.d_ff": 16, "model.n_layers": 2, "model.n_heads": 2, "train.iters": 2,
+            "train.batch_size": 2, "train.trace": False}
+    cfgs = {n: RunConfig().with_overrides({**base, **d}).validate() for n, d in REAL_DRAWS.items()}
+    cal = {"nproc": 2, "gemm_flops": 1e9, "collectives": {op: {"alpha": 1e-4, "beta": 1e-9}
+                                                          for op in ("all_to_all", "all_reduce", "all_gather")}}
+    for (name, cfg), real in zip(cfgs.items(), run_real_many(list(cfgs.values()), 4, timeout=240)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BytesMismatchWarning)
+            c = compare(real, simulate_real(cfg, real.loads, machine_profile(cfg, cal, compute="gemm"),
+                                            plans=real.graph_plans()), warmup=0, names=[name])
+        assert c.metrics["bytes_exact"], (name, c.mismatches)
+        assert c.bytes["real"].sum() > 0
