@@ -177,3 +177,24 @@ def test_a_handful_of_draws_match_real_runs_byte_for_byte():
                                             plans=real.graph_plans()), warmup=0, names=[name])
         assert c.metrics["bytes_exact"], (name, c.mismatches)
         assert c.bytes["real"].sum() > 0
+
+
+@pytest.mark.parametrize("strategy, opts", [("ep", {}), ("fastermoe", {}), ("hecate", {}), ("lina", {}),
+                                            ("lsh_moe", {}), ("parm", {})])
+def test_graph_bytes_folds_exchanges_as_arrays_exactly_like_the_replay(strategy, opts):
+    """The array path of graph_bytes against replay_bytes (every op through the byte rule, per rank)."""
+    from moelab.sim import get_profile
+    from moelab.sim.graphs import config_for_profile, graph_bytes, iteration_graph, synthetic_loads
+
+    prof = get_profile("fastermoe_johnny")  # 2 nodes x 8
+    cfg = config_for_profile(RunConfig(), prof, **{"model.n_layers": 2, "model.moe.num_experts": 16,
+                                                   "model.moe.capacity_factor": 1.25, "parallel.strategy": strategy,
+                                                   "parallel.strategy_options": opts, "model.seq_len": 32})
+    g = iteration_graph(cfg, prof, synthetic_loads(cfg, seed=3, skew=1.5))
+    topo = topology_of(cfg)
+    want = {r: {"local": 0, "intra": 0, "inter": 0} for r in range(g.world_size)}
+    for me, _, _, cls in replay_bytes(g, topo):
+        for k, b in cls.items():
+            want[me][k] += b
+    assert graph_bytes(g, topo) == want
+    assert sum(v["inter"] for v in want.values()) > 0
