@@ -110,6 +110,13 @@ def from_capacity_buffer(buf: torch.Tensor, routing: Routing, cap: int) -> torch
     return combine_slots(buf.new_zeros(T * k, buf.shape[1]).index_copy(0, valid, buf[rows]), routing.weights)
 
 
+def count_exchange_bytes(num_experts: int, dispatcher: str = "sparse") -> int:
+    """Bytes each rank all-gathers in the count exchange: its int64 rows per expert, and for the
+    dense dispatcher its capacity too (:meth:`DenseDispatcher.exchange_counts`). The simulator prices
+    this number; the real runs' records equal it (the simulator-vs-real byte tests)."""
+    return torch.empty((), dtype=torch.int64).element_size() * (num_experts + (1 if dispatcher == "dense" else 0))
+
+
 def local_counts(dest: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[E]`` rows of this rank per destination expert (``dest < 0``: dropped, not counted)."""
     dest = dest.reshape(-1).cpu()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from moelab.comm.bytes import by_link_class, peer_bytes
 from moelab.comm.topology import LINK_CLASSES, Topology
@@ -23,7 +24,7 @@ from moelab.placement import Placement
 from moelab.sim import costs
 from moelab.sim.engine import OpGraph
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+DTYPE_BYTES = {name: getattr(torch, name).itemsize for name in ("float16", "bfloat16", "float32", "float64")}  # torch's
 
 
 def get_graph(strategy: str) -> Callable:
@@ -240,7 +241,9 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     act_ffn = T * (d + 2 * f) * eb  # [estimate] input, pre- and post-activation hidden
     act_gate = T * (E + k * d) * eb
     if count_bytes is None:
-        count_bytes = 8 * (E + 1) if moe.dispatcher == "dense" else 8 * E  # int64 counts (+ the dense capacity)
+        from moelab.moe.dispatch import count_exchange_bytes
+
+        count_bytes = count_exchange_bytes(E, moe.dispatcher)
 
     n_dense = dense_param_count(m)
     n_local = [len(placement.local_experts(r)) * expert_param_count(m) for r in ranks]

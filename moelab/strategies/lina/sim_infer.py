@@ -21,6 +21,7 @@ import dataclasses
 
 import numpy as np
 
+from moelab.moe.dispatch import count_exchange_bytes
 from moelab.sim import costs
 from moelab.sim.engine import simulate
 from moelab.sim.graphs import new_graph
@@ -90,7 +91,8 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
         E = counts.shape[1]
         att = [g.compute(r, f"L{j}.attn", ct(costs.attention_flops(int(tok[r]), d, s) + costs.gate_flops(int(tok[r]), d, E)),
                          deps=(last[r],), category="attention", layer=j) for r in ranks]
-        cnt = g.transfer(f"L{j}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile, 8 * E)],
+        cnt = g.transfer(f"L{j}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile,
+                                                                            count_exchange_bytes(E))],
                          deps=att, category="count_exchange", layer=j)
         p2 = 0.0 if how == "static" else o["o_plan_s"] if (how == "actual" or replanned) else o["o_check_s"]
         pre = []
