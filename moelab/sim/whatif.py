@@ -43,14 +43,17 @@ def check_sweep(ranks: Iterable[int], gpus_per_node: int, experts_per_rank: int,
         raise ConfigError("sweep: inter_bw_scales must be > 0 and skews >= 0")
 
 
-def point_config(base: RunConfig, profile, ranks: int, strategy: str, experts_per_rank: int) -> tuple:
-    """(cfg, profile) of one point: ``base`` resized onto ``profile`` with ``ranks`` GPUs."""
+def point_config(base: RunConfig, profile, ranks: int, strategy: str, experts_per_rank: int,
+                 overrides: dict | None = None) -> tuple:
+    """(cfg, profile) of one point: ``base`` resized onto ``profile`` with ``ranks`` GPUs, plus the
+    strategy's own ``overrides`` (what it needs to run at all, e.g. Parm's capacity buffers)."""
     from moelab.sim.graphs import config_for_profile
 
     prof = profile.with_nodes(ranks // profile.gpus_per_node)
     E = int(experts_per_rank * ranks)
     cfg = config_for_profile(base, prof, **{"model.moe.num_experts": E, "parallel.strategy": strategy,
-                                             "parallel.placement": None, "emulation.enabled": False})
+                                             "parallel.placement": None, "emulation.enabled": False,
+                                             **(overrides or {})})
     return cfg, prof
 
 
@@ -86,8 +89,10 @@ def _peak_of_busiest(g) -> float:
 
 
 def sweep(base: RunConfig, profile, ranks: Iterable[int], *, strategies=None, experts_per_rank: int = 1,
-          inter_bw_scales=(1.0,), skews=(1.0,), bytes_by_class: bool = True, progress: bool = True):
-    """One row per (strategy, ranks, inter-node bandwidth scale, skew); see the module docstring."""
+          inter_bw_scales=(1.0,), skews=(1.0,), bytes_by_class: bool = True, progress: bool = True,
+          per_strategy: dict | None = None):
+    """One row per (strategy, ranks, inter-node bandwidth scale, skew); see the module docstring.
+    ``per_strategy``: strategy -> config overrides for that strategy only, recorded in ``overrides``."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -97,15 +102,16 @@ def sweep(base: RunConfig, profile, ranks: Iterable[int], *, strategies=None, ex
     points = [(s, n, b, k) for s in strategies for n in ranks for b in inter_bw_scales for k in skews]
     rows = []
     for strategy, n, bw, skew in tqdm(points, desc=f"what-if on {profile.name}", disable=not progress):
-        cfg, prof = point_config(base, profile, n, strategy, experts_per_rank)
+        extra = (per_strategy or {}).get(strategy, {})
+        cfg, prof = point_config(base, profile, n, strategy, experts_per_rank, extra)
         prof = dataclasses.replace(prof, inter_bw_GBps=prof.inter_bw_GBps * bw)
         row = {"strategy": strategy, "ranks": n, "nodes": prof.nodes, "experts": cfg.model.moe.num_experts,
                "inter_bw_scale": bw, "skew": skew, "profile": profile.name,
                "label": f"SIMULATED: {profile.name} x{prof.nodes} nodes, inter-node x{bw:g}, Zipf({skew:g}) loads",
-               "note": ""}
+               "overrides": ", ".join(f"{k}={v}" for k, v in extra.items()), "note": ""}
         try:
             row.update(simulate_point(cfg.validate(), prof, skew=skew, bytes_by_class=bytes_by_class))
         except Exception as e:  # noqa: BLE001 - the row says why this strategy cannot price this point
-            row["note"] = f"not priced: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            row["note"] = f"not priced: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
         rows.append(row)
     return pd.DataFrame(rows)
