@@ -198,3 +198,24 @@ def test_graph_bytes_folds_exchanges_as_arrays_exactly_like_the_replay(strategy,
             want[me][k] += b
     assert graph_bytes(g, topo) == want
     assert sum(v["inter"] for v in want.values()) > 0
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.data())
+def test_exchange_by_class_is_by_link_class_over_a_matrix(data):
+    """Both directions, node-major groups (the view path) and members in any order (the sorted path)."""
+    from moelab.comm.bytes import exchange_by_class
+    from moelab.comm.topology import Topology
+
+    nodes, rpn = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    topo = Topology(nodes * rpn, rpn)
+    group = data.draw(st.permutations(range(topo.world_size)))
+    n = len(group)
+    S = np.array(data.draw(st.lists(st.lists(st.integers(0, 99), min_size=n, max_size=n), min_size=n, max_size=n)))
+    node = np.array([topo.node_of(r) for r in group])
+    for received in (False, True):
+        got = np.stack(exchange_by_class(S, node, received=received), axis=1)
+        M = S.T if received else S
+        want = [[by_link_class(topo, me, dict(zip(group, M[i].tolist())))[c] for c in ("local", "intra", "inter")]
+                for i, me in enumerate(group)]
+        assert got.tolist() == want

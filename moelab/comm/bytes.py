@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
+
 from moelab.comm.collectives import collective, known_collectives
 from moelab.comm.topology import LINK_CLASSES, Topology
 
@@ -45,3 +47,27 @@ def by_link_class(topo: Topology, me: int, per_peer: dict) -> dict:
     for r, b in per_peer.items():
         acc[topo.link_class(me, r)] += int(b)
     return acc
+
+
+def exchange_by_class(S, node, received: bool = False) -> tuple:
+    """The array twin of :func:`by_link_class` for a per-member exchange ``S[i, j]`` (bytes member i
+    sends member j; ``node[i]``: member i's node): per member, ``(local, intra, inter)`` bytes it
+    sends (``received``: it receives). O(n^2) array work: block sums per node, on views when the
+    members are node-major with equal counts per node."""
+    S = np.asarray(S)
+    n = len(node)
+    local = np.diagonal(S)
+    nodes, nd = np.unique(node, return_inverse=True)
+    if len(nodes) == n:  # one member per node: nothing is intra-node
+        total = S.sum(0 if received else 1)
+        return local, np.zeros_like(total), total - local
+    g = n // len(nodes)
+    if g * len(nodes) == n and np.array_equal(nd, np.repeat(np.arange(len(nodes)), g)):
+        blocks = S.reshape(len(nodes), g, n).sum(1).T if received else S.reshape(n, len(nodes), g).sum(2)
+    else:  # members in any order: block sums after one stable sort
+        order = np.argsort(nd, kind="stable")
+        starts = np.searchsorted(nd[order], np.arange(len(nodes)))
+        blocks = np.add.reduceat(S[order], starts, axis=0).T if received else np.add.reduceat(S[:, order], starts, axis=1)
+    own = blocks[np.arange(n), nd]  # [n]: bytes to (from) the member's own node, itself included
+    return local, own - local, blocks.sum(1) - own
+

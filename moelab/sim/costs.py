@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from moelab.comm.bytes import by_link_class, peer_bytes
+from moelab.comm.bytes import by_link_class, exchange_by_class, peer_bytes
 from moelab.comm.topology import Topology
 
 
@@ -208,28 +208,10 @@ def alltoall_demands(matrix, group: Sequence[int], topo: Topology, profile,
 
 
 def _a2a_links(M: np.ndarray, group, node: np.ndarray, nic: np.ndarray) -> dict:
-    """Port and NIC loads of a direct exchange ``M`` (node / NIC index per group member). O(n^2)
-    array work and O(n) Python: per member, what it sends to / receives from its own node."""
-    n = len(group)
-    diag = np.diagonal(M)
-    nodes, nd = np.unique(node, return_inverse=True)
-    g = n // len(nodes)
-    if len(nodes) == n:  # one member per node: nothing is intra-node
-        intra_out = intra_in = np.zeros(n)
-        sent, received = M.sum(1), M.sum(0)
-    else:  # [n, nodes] bytes sent to each node, [nodes, n] received from each node
-        if g * len(nodes) == n and np.array_equal(nd, np.repeat(np.arange(len(nodes)), g)):
-            to_node, from_node = M.reshape(n, len(nodes), g).sum(2), M.reshape(len(nodes), g, n).sum(1)  # views
-        else:  # members in any order: block sums after one stable sort
-            order = np.argsort(nd, kind="stable")
-            starts = np.searchsorted(nd[order], np.arange(len(nodes)))
-            to_node = np.add.reduceat(M[:, order], starts, axis=1)
-            from_node = np.add.reduceat(M[order], starts, axis=0)
-        intra_out = to_node[np.arange(n), nd] - diag
-        intra_in = from_node[nd, np.arange(n)] - diag
-        sent, received = to_node.sum(1), from_node.sum(0)
-    inter_out = sent - diag - intra_out
-    inter_in = received - diag - intra_in
+    """Port and NIC loads of a direct exchange ``M`` (node / NIC index per group member): per member,
+    what it sends to / receives from its own node (intra ports) and other nodes (its NIC)."""
+    _, intra_out, inter_out = exchange_by_class(M, node)
+    _, intra_in, inter_in = exchange_by_class(M, node, received=True)
     links = {}
     for i in np.flatnonzero(intra_out > 0):
         links[("intra_out", group[i])] = float(intra_out[i])

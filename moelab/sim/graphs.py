@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from moelab.comm.bytes import by_link_class, peer_bytes
+from moelab.comm.bytes import by_link_class, exchange_by_class, peer_bytes
 from moelab.comm.topology import LINK_CLASSES, Topology
 from moelab.placement import Placement
 from moelab.sim import costs
@@ -419,11 +419,8 @@ def graph_bytes(graph: OpGraph, topo: Topology, categories=None) -> dict:
         if c["op"] in ("all_to_all", "p2p") and c.get("splits") is not None:
             group = np.asarray(c["group"])
             S = np.asarray(c["splits"]).astype(np.int64, copy=False)  # [i, j]: member i sends member j
-            local = np.diagonal(S)
-            intra = np.where(node[group][:, None] == node[group][None, :], S, 0).sum(1) - local
-            np.add.at(acc, (group, LINK_CLASSES.index("local")), local)
-            np.add.at(acc, (group, LINK_CLASSES.index("intra")), intra)
-            np.add.at(acc, (group, LINK_CLASSES.index("inter")), S.sum(1) - local - intra)
+            for k, sent in enumerate(exchange_by_class(S, node[group])):  # local, intra, inter
+                np.add.at(acc, (group, k), sent)
         else:
             rest.append(op)
     out = {r: {cls: int(acc[r, i]) for i, cls in enumerate(LINK_CLASSES)} for r in range(graph.world_size)}
