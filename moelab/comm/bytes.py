@@ -67,7 +67,8 @@ def exchange_by_class(S, node, received: bool = False) -> tuple:
     else:  # members in any order: block sums after one stable sort
         order = np.argsort(nd, kind="stable")
         starts = np.searchsorted(nd[order], np.arange(len(nodes)))
-        blocks = np.add.reduceat(S[order], starts, axis=0).T if received else np.add.reduceat(S[:, order], starts, axis=1)
+        blocks = (np.add.reduceat(S[order], starts, axis=0).T if received
+                  else np.add.reduceat(S[:, order], starts, axis=1))
     own = blocks[np.arange(n), nd]  # [n]: bytes to (from) the member's own node, itself included
     return local, own - local, blocks.sum(1) - own
 

@@ -195,4 +195,3 @@ def sampled_iters(iters, keep: int):
     if keep == 1:
         return {iters[-1]}
     return {iters[round(i * (n - 1) / (keep - 1))] for i in range(keep)}
-

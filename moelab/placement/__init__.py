@@ -157,7 +157,7 @@ class Placement:
         if C.shape != (N, E):
             raise ValueError(f"counts must be [{N}, {E}], got {C.shape}")
         single = np.fromiter((len(h) == 1 for h in self.holders), dtype=bool, count=E)
-        out = None
+        out = np.zeros((N, N), dtype=np.int64)
         owners = self.owners[single]
         if len(owners):  # sum each source's columns per owner: one reduceat (exact int64)
             cols = C if len(owners) == E else C[:, single]
@@ -165,14 +165,7 @@ class Placement:
                 order = np.argsort(owners, kind="stable")
                 owners, cols = owners[order], cols[:, order]
             dst, starts = np.unique(owners, return_index=True)
-            block = np.add.reduceat(cols, starts, axis=1)
-            if len(dst) == N:  # every rank owns an expert (EP): the block is the matrix
-                out = block
-            else:
-                out = np.zeros((N, N), dtype=np.int64)
-                out[:, dst] = block
-        if out is None:
-            out = np.zeros((N, N), dtype=np.int64)
+            out[:, dst] = np.add.reduceat(cols, starts, axis=1)
         vectorised = getattr(self.rule, "route_replicated", None)
         for e in np.flatnonzero(~single):
             if vectorised is not None:

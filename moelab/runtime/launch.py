@@ -19,7 +19,7 @@ unchanged and adds what supervision needs, because torchrun alone cannot provide
 - each rank's stderr goes to ``logs/rank{r}.stderr`` (kept in the run folder), and SIGUSR1
   dumps every thread's stack there, which is what a timeout reports.
 
-Success: the worker's rank 0 has completed the folder (``summary.json`` last, every rank's files
+Success: the worker's writer rank has completed the folder (``summary.json`` last, every rank's files
 gathered: :mod:`moelab.runtime.runfolder`), and the temp folder is renamed to ``runs/<run_id>/``.
 Failure, timeout or Ctrl-C: every process is killed (SIGTERM, then SIGKILL), the temp folder is
 deleted, and :class:`RunFailed` (or :class:`RunTimeout`) names the rank and its traceback tail. A
@@ -252,16 +252,16 @@ def torchrun_command(nproc: int, worker: str, config_path: Path, out_dir: Path, 
 
 
 def _run(cfg: RunConfig, run_id: str, tmp: Path, side: Path, command: list[str], timeout: float,
-         show: bool, nodes: Nodes | None = None) -> float:
-    """Start torchrun, stream rank 0's progress, enforce the deadline; return the wall time."""
+         show: bool, nodes: Nodes | None = None) -> None:
+    """Start torchrun, stream the writer's progress, enforce the deadline; raise unless it succeeded
+    (the run's wall time is the worker's, in its summary)."""
     extra_env = None if nodes is None else {NODE_RANK_ENV: str(nodes.node_rank)}
     logs = tmp / "logs"
     logs.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.train.threads_per_rank),
            "PYTHONUNBUFFERED": "1", _SIDE_ENV: str(side), **(extra_env or {})}
     bar = Progress(f"{cfg.paper}/{cfg.name} x{cfg.parallel.nproc}", enabled=show)
-    start = time.monotonic()
-    deadline = start + timeout
+    deadline = time.monotonic() + timeout
     with open(logs / "torchrun.stderr", "wb") as err, open(logs / "stdout.log", "w") as out:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1,
                                 start_new_session=True)
@@ -276,7 +276,7 @@ def _run(cfg: RunConfig, run_id: str, tmp: Path, side: Path, command: list[str],
         finally:
             bar.close()
         if rc == 0:
-            return time.monotonic() - start
+            return
         if rc is None:
             _dump_stacks(side)
         _kill(proc, side)  # after a failure torchrun stopped the ranks already; make sure

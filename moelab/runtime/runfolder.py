@@ -94,7 +94,8 @@ class RunFolder:
     def start(cls, cfg: RunConfig, out, worker: str, shared_fs: bool = False,
               started: float | None = None) -> "RunFolder":
         """Check that every rank agrees and can write, then (the writer) write ``config.json``. A
-        collective: call it on every rank right after ``init_process_group``."""
+        collective: call it on every rank right after ``init_process_group``; use it as a context
+        manager so the rank's temp folder goes whatever happens."""
         from moelab import __version__
 
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -118,6 +119,12 @@ class RunFolder:
         if rank == folder.writer:
             atomic_write_json(folder.out / "config.json", cfg.to_dict())
         return folder
+
+    def __enter__(self) -> "RunFolder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def writes_out(self) -> bool:

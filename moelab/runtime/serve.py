@@ -264,15 +264,14 @@ def main(argv=None) -> None:
         raise SystemExit("invalid serve config:\n  - " + "\n  - ".join(errs))
     torch.set_num_threads(cfg.train.threads_per_rank)
     dist.init_process_group("gloo", timeout=timedelta(seconds=max(60.0, cfg.train.timeout_s)))
-    folder = None
     try:
-        folder = RunFolder.start(cfg, args.out, "moelab.runtime.serve", shared_fs=args.shared_fs, started=started)
-        run(cfg, folder.dir)
-        folder.finish()
+        with RunFolder.start(cfg, args.out, "moelab.runtime.serve", shared_fs=args.shared_fs,
+                             started=started) as folder:
+            run(cfg, folder.dir)
+            folder.finish()
     finally:
-        if folder is not None:
-            folder.close()
         dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

@@ -10,9 +10,9 @@ Joins the process group from torchrun's environment (NCCL when CUDA is there and
 ``auto``, else gloo), trains, writes its outputs into ``--out`` and prints progress lines from rank
 0 (``MOELAB_PROGRESS iter=.. total=.. loss=.. step_time=..``) that the launcher turns into a
 progress bar. The run folder is completed here, by the ranks (:mod:`moelab.runtime.runfolder`):
-rank 0 writes ``config.json`` at start and ``summary.json`` last, after every rank's files have
-reached it over the process group. Any exception propagates: torchrun reports the failing rank and
-the launcher stops the others.
+the writer (rank 0, or node 0's first rank under ``moelab run --nnodes``) writes ``config.json`` at
+start and ``summary.json`` last, after every rank's files have reached it over the process group.
+Any exception propagates: torchrun reports the failing rank and the launcher stops the others.
 """
 from __future__ import annotations
 
@@ -65,27 +65,25 @@ def main(argv=None) -> None:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     dist.init_process_group(backend, timeout=timedelta(seconds=max(60.0, cfg.train.timeout_s)))
-    folder = None
     try:
         from moelab.runtime.train import Trainer
 
-        folder = RunFolder.start(cfg, args.out, WORKER, shared_fs=args.shared_fs, started=started)
-        trainer = Trainer.build(cfg, device)
-        trainer.out_dir = args.out  # checkpoints go into the run folder
-        total = cfg.train.iters
+        with RunFolder.start(cfg, args.out, WORKER, shared_fs=args.shared_fs, started=started) as folder:
+            trainer = Trainer.build(cfg, device)
+            trainer.out_dir = args.out  # checkpoints go into the run folder
+            total = cfg.train.iters
 
-        def progress(row):
-            if folder.rank == folder.writer:  # node 0 shows the progress bar
-                print(f"MOELAB_PROGRESS iter={row['iter']} total={total} loss={row['loss']:.6f} "
-                      f"step_time={row['step_time_s']:.6f}", flush=True)
+            def progress(row):
+                if folder.rank == folder.writer:  # node 0 shows the progress bar
+                    print(f"MOELAB_PROGRESS iter={row['iter']} total={total} loss={row['loss']:.6f} "
+                          f"step_time={row['step_time_s']:.6f}", flush=True)
 
-        trainer.run(progress)
-        trainer.write_outputs(folder.dir)
-        folder.finish()
+            trainer.run(progress)
+            trainer.write_outputs(folder.dir)
+            folder.finish()
     finally:
-        if folder is not None:
-            folder.close()
         dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()
