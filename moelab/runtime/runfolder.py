@@ -174,13 +174,14 @@ class RunFolder:
         """Every file under a rank's temp folder arrives under the same relative name in the writer's
         ``--out``, in chunks of at most :data:`CHUNK_BYTES` per rank and round; each file is written
         atomically once whole, and a name the writer already has is an error (no silent overwrite)."""
-        pieces = list(_pieces(self.staging)) if self.staging is not None else []
+        files = sorted(p for p in self.staging.rglob("*") if p.is_file()) if self.staging is not None else []
         counts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(counts, len(pieces))
+        dist.all_gather_object(counts, sum(max(-(-f.stat().st_size // CHUNK_BYTES), 1) for f in files))
+        pieces = _pieces(self.staging, files)  # read one chunk per round, not every file at once
         parts: dict = {}
-        for i in range(max(counts)):
+        for _ in range(max(counts)):
             got = [None] * len(counts) if self.rank == self.writer else None
-            dist.gather_object(pieces[i] if i < len(pieces) else None, got, dst=self.writer)
+            dist.gather_object(next(pieces, None), got, dst=self.writer)
             for src, piece in enumerate(got or []):
                 if piece is None:
                     continue
@@ -193,9 +194,11 @@ class RunFolder:
                     atomic_write_bytes(dest, b"".join(parts.pop((src, name))))
 
 
-def _pieces(root: Path):
-    """(relative name, bytes, is-last-piece) of every file under ``root``, at most CHUNK_BYTES each."""
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        name, data = path.relative_to(root).as_posix(), path.read_bytes()
-        for start in range(0, max(len(data), 1), CHUNK_BYTES):
-            yield name, data[start:start + CHUNK_BYTES], start + CHUNK_BYTES >= len(data)
+def _pieces(root: Path, files: list):
+    """(name relative to ``root``, bytes, is-last-piece) of each file, at most CHUNK_BYTES each; an
+    empty file is one empty piece."""
+    for path in files:
+        name, size = path.relative_to(root).as_posix(), path.stat().st_size
+        with open(path, "rb") as f:
+            for start in range(0, max(size, 1), CHUNK_BYTES):
+                yield name, f.read(CHUNK_BYTES), start + CHUNK_BYTES >= size
