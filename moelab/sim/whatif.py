@@ -17,6 +17,7 @@ import dataclasses
 import time
 from typing import Iterable
 
+from moelab.comm.topology import LINK_CLASSES
 from moelab.config import ConfigError, RunConfig
 
 
@@ -58,7 +59,8 @@ def point_config(base: RunConfig, profile, ranks: int, strategy: str, experts_pe
 
 
 def simulate_point(cfg, prof, skew: float = 1.0, seed: int = 0, bytes_by_class: bool = True) -> dict:
-    """One simulated iteration of ``cfg`` on ``prof``: step, bytes by link class, peak memory, wall time."""
+    """One simulated iteration of ``cfg`` on ``prof``: step, bytes by link class, static memory of the
+    busiest rank, wall time."""
     from moelab.sim import simulate
     from moelab.sim.graphs import graph_bytes, iteration_graph, synthetic_loads, topology_of
 
@@ -68,16 +70,16 @@ def simulate_point(cfg, prof, skew: float = 1.0, seed: int = 0, bytes_by_class: 
     res = simulate(g)
     sim_s = time.perf_counter() - t0
     row = {"step_ms": res.makespan * 1e3, "ops": len(g), "sim_wall_s": sim_s,
-           "mem_peak_GB": _peak_of_busiest(g) / 1e9}
+           "mem_static_GB": _static_bytes_of_busiest(g) / 1e9}
     if bytes_by_class:
         per = graph_bytes(g, topology_of(cfg))
-        for cls in ("local", "intra", "inter"):
+        for cls in LINK_CLASSES:
             row[f"bytes_{cls}_GB"] = sum(b[cls] for b in per.values()) / 1e9
     row["wall_s"] = time.perf_counter() - t0
     return row
 
 
-def _peak_of_busiest(g) -> float:
+def _static_bytes_of_busiest(g) -> float:
     """Bytes the ``init`` ops allocate on the rank that holds the most (parameters, gradients, Adam):
     the static part of memory, which decides whether a configuration fits at all."""
     per_rank = {}

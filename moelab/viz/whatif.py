@@ -6,7 +6,7 @@ import plotly.graph_objects as go
 from moelab.viz.figures import finish, labelled
 
 METRICS = {"step_ms": "simulated step (ms)", "bytes_inter_GB": "inter-node bytes per iteration (GB)",
-           "mem_peak_GB": "params + grads + optimizer, busiest rank (GB)", "sim_wall_s": "simulator wall time (s)"}
+           "mem_static_GB": "params + grads + optimizer, busiest rank (GB)", "sim_wall_s": "simulator wall time (s)"}
 
 
 @labelled
