@@ -6,8 +6,8 @@ scaled by nodes (its 4 GPUs per node), one expert per rank, d_model 1024, 12 lay
 process's peak RSS (run one strategy per invocation for a clean memory figure), ops in the graph,
 the simulated step. At
 the end, per strategy, the fitted growth exponent of wall time in ranks (log-log slope over the
-largest three sizes). Parm runs with capacity factor 1.25 (its schedules are capacity-padded; the
-others are dropless). Targets: <= 2 s at 1,024 ranks, <= 30 s at 4,096, <= 4 GB. A strategy whose
+largest three sizes). Parm runs with what it needs (``moelab.sim.whatif.STRATEGY_NEEDS``: capacity
+factor 1.25, the dense dispatcher, the gshard gate); the others are dropless. Targets: <= 2 s at 1,024 ranks, <= 30 s at 4,096, <= 4 GB. A strategy whose
 graph cannot be built for this model says why. A size that takes longer than ``--budget`` seconds
 stops that strategy's sweep (the next size would take longer still).
 
@@ -21,21 +21,15 @@ import resource
 import time
 
 
-NEEDS = {"parm": {"model.moe.capacity_factor": 1.25}}  # Parm's schedules are capacity-padded
-
-
 def config(ranks: int, layers: int = 12, strategy: str = "ep"):
     from moelab.config import RunConfig
-    from moelab.sim import config_for_profile, get_profile
+    from moelab.sim import get_profile
+    from moelab.sim.whatif import STRATEGY_NEEDS, point_config
 
-    prof = get_profile("fastermoe_trevor")
-    prof = prof.with_nodes(max(ranks // prof.gpus_per_node, 1))
-    base = RunConfig.load("experiments/core/quickstart.yaml")
-    cfg = config_for_profile(base, prof, **{
+    base = RunConfig.load("experiments/core/quickstart.yaml").with_overrides({
         "model.n_layers": layers, "model.d_model": 1024, "model.d_ff": 4096, "model.n_heads": 16,
-        "model.moe.num_experts": prof.world_size, "model.moe.top_k": 2, "parallel.strategy": strategy,
-        "emulation.enabled": False, **NEEDS.get(strategy, {})})
-    return cfg, prof
+        "model.moe.top_k": 2})
+    return point_config(base, get_profile("fastermoe_trevor"), ranks, strategy, 1, STRATEGY_NEEDS.get(strategy))
 
 
 def measure(ranks: int, strategy: str, layers: int) -> dict:
