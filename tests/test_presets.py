@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from moelab.config import ConfigError, RunConfig
-from moelab.models.presets import PRESETS, fits_memory, preset, run_bytes_per_rank
+from moelab.models.presets import PRESETS, preset
+from moelab.runtime.memory import fits_memory, run_bytes_per_rank
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -6,13 +6,11 @@ expert count, top-k and sequence length kept, since routing is what moelab studi
 is the base config's, which matches its dataset, byte-level by default). What moelab's
 transformer cannot express (grouped-query or latent attention, SwiGLU's third matrix, shared
 experts, dense first layers) is listed in ``not_modelled`` and goes into every label that uses the
-preset: a preset is the model's *MoE shape*, not the model.
-
-``fits_memory(cfg, nproc)`` is the check a real run makes before any process starts.
+preset: a preset is the model's *MoE shape*, not the model. A preset too big for this machine is
+refused before any process starts (:func:`moelab.runtime.memory.fits_memory`, every real run's check).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from moelab.config import ConfigError, RunConfig
@@ -95,32 +93,3 @@ def preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]
-
-
-def run_bytes_per_rank(cfg: RunConfig) -> int:
-    """A lower bound of one rank's memory when ``cfg`` runs for real: dense parameters on every
-    rank, its share of the experts, each with gradient and two Adam moments (fp32 state), plus the
-    logits of one batch. Used to refuse a run that cannot fit before any process starts."""
-    from moelab.models.params import count_params
-
-    m, N = cfg.model, cfg.parallel.nproc
-    p = count_params(m)
-    expert = p["expert"]
-    eb = 8 if cfg.train.dtype == "float64" else 4
-    per_rank = (p["total"] - expert) + expert // max(N, 1)
-    logits = cfg.train.batch_size * m.seq_len * m.vocab_size * eb
-    return per_rank * (2 * eb + 8) + logits
-
-
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def fits_memory(cfg: RunConfig, nproc: int | None = None, memory: int | None = None) -> None:
-    """ConfigError when ``nproc`` ranks of ``cfg`` on this machine need more than 80 % of its memory."""
-    nproc = nproc or cfg.parallel.nproc
-    need, have = nproc * run_bytes_per_rank(cfg), memory or physical_memory()
-    if need > 0.8 * have:
-        raise ConfigError(f"{cfg.name}: {nproc} ranks need at least {need / 2**30:.1f} GiB (parameters, gradients, "
-                          f"Adam state, logits) but this machine has {have / 2**30:.1f} GiB: use a smaller "
-                          "preset scale (--scale) or fewer ranks")

@@ -137,7 +137,7 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
     if nodes is not None:
         cfg = nodes.config(cfg)
     if backend_of(cfg) == "gloo":  # CPU ranks share this machine's memory: refuse what cannot fit
-        from moelab.models.presets import fits_memory
+        from moelab.runtime.memory import fits_memory
 
         fits_memory(cfg, cfg.parallel.nproc // (nodes.nnodes if nodes is not None else 1))
     if worker == SERVE_WORKER:

@@ -21,12 +21,18 @@ Categories (per rank):
 and keeps each category's peak over the iteration; ``mem_total_peak_bytes`` is the largest sum at
 one point. During backward only gradients (and saved activations, which only fall) change, so the
 hooks update the gradient bytes incrementally; a full pass costs ~0.3 ms on the quickstart model.
+
+Before a run, :func:`fits_memory` refuses a config whose CPU ranks cannot fit this machine (a lower
+bound from parameter counts), so an oversized model or preset fails with a message, not an OOM kill.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
+
+from moelab.config import ConfigError, RunConfig
 
 CATEGORIES = ("params", "grads", "optim", "activations")
 
@@ -142,3 +148,33 @@ class MemoryMeter:
             self.live_activations -= size
         else:
             self._refs[key] = (n - 1, size)
+
+
+# ---- before a run: will it fit this machine? -------------------------------------------------------
+def run_bytes_per_rank(cfg: RunConfig) -> int:
+    """A lower bound of one rank's memory when ``cfg`` runs for real: dense parameters on every
+    rank, its share of the experts, each with gradient and two Adam moments (fp32 state), plus the
+    logits of one batch. Used to refuse a run that cannot fit before any process starts."""
+    from moelab.models.params import count_params
+
+    m, N = cfg.model, cfg.parallel.nproc
+    p = count_params(m)
+    expert = p["expert"]
+    eb = getattr(torch, cfg.train.dtype).itemsize
+    per_rank = (p["total"] - expert) + expert // max(N, 1)
+    logits = cfg.train.batch_size * m.seq_len * m.vocab_size * eb
+    return per_rank * (2 * eb + 8) + logits
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fits_memory(cfg: RunConfig, nproc: int | None = None, memory: int | None = None) -> None:
+    """ConfigError when ``nproc`` ranks of ``cfg`` on this machine need more than 80 % of its memory."""
+    nproc = nproc or cfg.parallel.nproc
+    need, have = nproc * run_bytes_per_rank(cfg), memory or physical_memory()
+    if need > 0.8 * have:
+        raise ConfigError(f"{cfg.name}: {nproc} ranks need at least {need / 2**30:.1f} GiB (parameters, gradients, "
+                          f"Adam state, logits) but this machine has {have / 2**30:.1f} GiB: use a smaller "
+                          "preset scale (--scale) or fewer ranks")
