@@ -22,7 +22,10 @@ unchanged and adds what supervision needs, because torchrun alone cannot provide
 Success: the worker's writer rank has completed the folder (``summary.json`` last, every rank's files
 gathered: :mod:`moelab.runtime.runfolder`), and the temp folder is renamed to ``runs/<run_id>/``.
 Failure, timeout or Ctrl-C: every process is killed (SIGTERM, then SIGKILL), the temp folder is
-deleted, and :class:`RunFailed` (or :class:`RunTimeout`) names the rank and its traceback tail. A
+deleted, and :class:`RunFailed` (or :class:`RunTimeout`) names the rank and its traceback tail;
+Ctrl-C (a notebook's stop button) raises :class:`RunInterrupted`, one line. If the launching process
+itself dies mid-run (a restarted kernel), :mod:`moelab.runtime.guard` stops everything and deletes the
+temp folder. A
 failed run that had written checkpoints (``train.checkpoint_every``) keeps them in
 ``runs/<run_id>.partial/`` (with its config), and the message says how to continue it
 (``launch(resume=...)`` / ``moelab run --resume``).
@@ -57,6 +60,7 @@ DEFAULT_WORKER = "moelab.runtime.worker"
 SERVE_WORKER = "moelab.runtime.serve"  # ``moelab serve``: the serving path instead of training
 TAIL_LINES = 25  # lines of a traceback shown in a RunFailed message
 _ENTRY = "moelab.runtime.launch"
+_GUARD = "moelab.runtime.guard"  # stops everything if this process dies mid-run (a restarted kernel)
 _SIDE_ENV = "MOELAB_LAUNCH_SIDE"  # the per-rank entry writes pids and failure records here
 _GRACE_S = 3.0  # SIGTERM -> SIGKILL
 
@@ -70,8 +74,27 @@ class RunFailed(RuntimeError):
         super().__init__(f"run {run_id} {what}:\n{traceback_tail}")
 
 
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of the launcher's frames: what failed, and the rank's own traceback."""
+        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {line}" if i == 0 else line
+                for i, line in enumerate(str(self).splitlines())]
+
+
 class RunTimeout(RunFailed):
     """The run exceeded its timeout and was killed; ``traceback_tail`` holds each rank's stack."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C, or the notebook's stop button, while a run was going: every rank was stopped and no run
+    folder was stored (a checkpointed run keeps its checkpoints). One line, in a notebook too."""
+
+    def __init__(self, run_id: str, nproc: int, kept: Path | None = None):
+        self.run_id, self.kept = run_id, kept
+        more = f"; checkpoints kept in {kept}: continue with `moelab run --resume {kept}`" if kept else ""
+        super().__init__(f"moelab: run {run_id} interrupted: all {nproc} ranks stopped, nothing stored{more}")
+
+    def _render_traceback_(self) -> list[str]:
+        return [str(self)]
 
 
 # ---- the launcher ------------------------------------------------------------------------------
@@ -178,6 +201,8 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
         if kept is not None:
             e.args = (f"{e.args[0]}\ncheckpoints kept in {kept}: continue with `moelab run --resume {kept}`",)
         raise
+    except KeyboardInterrupt:  # _run has stopped every process already
+        raise RunInterrupted(run_id, cfg.parallel.nproc, _keep_checkpoints(tmp, Path(out_root) / f"{run_id}.partial")) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a success
     return RunResult(final)
@@ -263,7 +288,8 @@ def _run(cfg: RunConfig, run_id: str, tmp: Path, side: Path, command: list[str],
     bar = Progress(f"{cfg.paper}/{cfg.name} x{cfg.parallel.nproc}", enabled=show)
     deadline = time.monotonic() + timeout
     with open(logs / "torchrun.stderr", "wb") as err, open(logs / "stdout.log", "w") as out:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1,
+        guarded = [sys.executable, "-m", _GUARD, str(os.getpid()), str(side), str(tmp), "--", *command]
+        proc = subprocess.Popen(guarded, stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1,
                                 start_new_session=True)
         try:
             finished = _pump(_lines(proc.stdout), deadline, bar, out)
