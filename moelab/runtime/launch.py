@@ -25,9 +25,8 @@ Failure, timeout or Ctrl-C: every process is killed (SIGTERM, then SIGKILL), the
 deleted, and :class:`RunFailed` (or :class:`RunTimeout`) names the rank and its traceback tail;
 Ctrl-C (a notebook's stop button) raises :class:`RunInterrupted`, one line. If the launching process
 itself dies mid-run (a restarted kernel), :mod:`moelab.runtime.guard` stops everything and deletes the
-temp folder. A
-failed run that had written checkpoints (``train.checkpoint_every``) keeps them in
-``runs/<run_id>.partial/`` (with its config), and the message says how to continue it
+temp folder. A failed or interrupted run that had written checkpoints (``train.checkpoint_every``)
+keeps them in ``runs/<run_id>.partial/`` (with its config), and the message says how to continue it
 (``launch(resume=...)`` / ``moelab run --resume``).
 
 On a cluster, ``launch(..., nodes=Nodes(nnodes, node_rank, "HOST:PORT"))`` (``moelab run CONFIG
@@ -72,7 +71,6 @@ class RunFailed(RuntimeError):
         self.run_id, self.rank, self.traceback_tail = run_id, rank, traceback_tail
         what = what or (f"failed on rank {rank}" if rank is not None else "failed")
         super().__init__(f"run {run_id} {what}:\n{traceback_tail}")
-
 
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of the launcher's frames: what failed, and the rank's own traceback."""
@@ -202,7 +200,8 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
             e.args = (f"{e.args[0]}\ncheckpoints kept in {kept}: continue with `moelab run --resume {kept}`",)
         raise
     except KeyboardInterrupt:  # _run has stopped every process already
-        raise RunInterrupted(run_id, cfg.parallel.nproc, _keep_checkpoints(tmp, Path(out_root) / f"{run_id}.partial")) from None
+        kept = _keep_checkpoints(tmp, Path(out_root) / f"{run_id}.partial")
+        raise RunInterrupted(run_id, cfg.parallel.nproc, kept) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a success
     return RunResult(final)
