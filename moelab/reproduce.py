@@ -52,6 +52,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from moelab import __version__
+from moelab.runtime.results import stale_version
+
 SCALES = ("smoke", "default", "full")
 KERNEL = "python3"
 KILL_GRACE_S = 30.0  # after the timeout's SIGINT, SIGKILL the kernel if it is still running
@@ -193,6 +196,9 @@ def staleness(manifest: dict | None, executed: Path, params: dict, scale: str, i
         return "no earlier run in this output folder"
     if manifest.get("status") != "ok":
         return "the earlier run " + {"timeout": "timed out"}.get(manifest.get("status"), "failed")
+    version = stale_version(manifest.get("moelab_version"))
+    if version is not None:
+        return version
     if manifest.get("scale") != scale:
         return f"scale changed ({manifest.get('scale')} -> {scale})"
     old = manifest.get("parameters", {})
@@ -411,6 +417,7 @@ def reproduce(names=("all",), scale: str = "default", out: str | Path = "reports
             "wall_s": round(wall, 2), "parameters": run_params, "parameters_file": _rel(params_file, root)
             if params_file else None, "declared": declared, "error": error, "warnings": warnings,
             "executed": _rel(executed, out), "figures_dir": _rel(fig_dir, out), "cwd": str(root),
+            "moelab_version": __version__,
         }
         atomic_write_json(manifest_path, manifest)
         word = "ok" if status == "ok" else status.upper()

@@ -154,6 +154,18 @@ def test_reuse_and_atomic_replace(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [first.run_id]  # no .old-* or .tmp-* left
 
 
+@pytest.mark.timeout(120)
+def test_reuse_runs_again_what_an_older_moelab_made(tmp_path, monkeypatch, capsys):
+    worker = use_fake_worker(monkeypatch)
+    first = launch(TINY, 2, out_root=tmp_path, worker=worker, progress=False)
+    assert first.summary["moelab_version"] == moelab.__version__
+    summary = json.loads((first.path / "summary.json").read_text())
+    (first.path / "summary.json").write_text(json.dumps({**summary, "moelab_version": "0.0.1"}))
+    again = launch(TINY, 2, out_root=tmp_path, worker=worker, progress=False, reuse=True)
+    assert again.summary["moelab_version"] == moelab.__version__  # made again, by this version
+    assert f"not re-using the stored run {first.run_id}: made by moelab 0.0.1, this is moelab" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(importlib.util.find_spec("moelab.runtime.worker") is None,

@@ -14,6 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
+from moelab import __version__ as VERSION
 from moelab import reproduce as rp
 from moelab.report import build_index, collect, label_kind, record_figure, record_table
 
@@ -89,7 +90,8 @@ def test_staleness_reasons(tmp_path):
     for p in (nb, executed):
         p.write_text("{}")
     figs.mkdir()
-    ok = {"status": "ok", "scale": "smoke", "parameters": {"a": 1}, "started_ts": time.time() + 5}
+    ok = {"status": "ok", "scale": "smoke", "parameters": {"a": 1}, "started_ts": time.time() + 5,
+          "moelab_version": VERSION}
 
     def why(manifest, params=None, scale="smoke", force=False):
         return rp.staleness(manifest, executed, params or {"a": 1}, scale, [nb], tmp_path, figs, force)
@@ -99,6 +101,8 @@ def test_staleness_reasons(tmp_path):
     assert why(None) == "no earlier run in this output folder"
     assert why({**ok, "status": "timeout"}) == "the earlier run timed out"
     assert why(ok, scale="default") == "scale changed (smoke -> default)"
+    assert why({**ok, "moelab_version": "0.0.1"}) == f"made by moelab 0.0.1, this is moelab {VERSION}"
+    assert "none recorded" in why({k: v for k, v in ok.items() if k != "moelab_version"})
     assert why(ok, params={"a": 2}) == "parameters changed: a"
     assert why({**ok, "started_ts": nb.stat().st_mtime - 1}) == "n.ipynb changed since the last run"
     figs.rmdir()

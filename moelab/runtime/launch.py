@@ -52,7 +52,7 @@ from pathlib import Path
 
 from moelab.config import RunConfig
 from moelab.runtime.progress import Progress, parse_progress
-from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text, backend_of
+from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text, backend_of, stale_version
 from moelab.runtime.runfolder import NODE_RANK_ENV
 
 DEFAULT_WORKER = "moelab.runtime.worker"
@@ -140,7 +140,8 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
 
     ``overrides`` (``{"model.moe.top_k": 1}``) and keyword overrides (``train__iters=5``) are
     applied before validation. ``timeout`` defaults to ``train.timeout_s``. ``reuse=True``
-    returns an existing completed run with the same id without running anything. ``resume``
+    returns an existing completed run with the same id without running anything, unless an older
+    moelab version made it (then it says so and runs again). ``resume``
     (a run folder, run id or checkpoint folder) continues that run's latest checkpoint, at this
     ``nproc`` if given (keep ``nproc x train.batch_size``); ``config`` then defaults to its config.
 
@@ -171,7 +172,10 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
     run_id = cfg.run_id()
     final = Path(out_root) / run_id
     if reuse and (final / "summary.json").is_file():
-        return RunResult(final)
+        stale = stale_version(RunResult(final).summary.get("moelab_version"))
+        if stale is None:
+            return RunResult(final)
+        print(f"moelab: not re-using the stored run {run_id}: {stale}; running it again", file=sys.stderr, flush=True)
     tmp = (Path(out_root) / f".tmp-{run_id}-{os.getpid()}").resolve()
     shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier, killed launcher with our pid
     side = tmp / ".launch"

@@ -218,7 +218,21 @@ def summarize(run_dir: str | Path, cfg: RunConfig, wall_time_s: float, worker: s
         **{f"bytes_{c}": int(bytes_from[f"bytes_{c}"].sum()) if f"bytes_{c}" in bytes_from else 0
            for c in ("local", "intra", "inter")},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "moelab_version": _version(),
     }
+
+
+def _version() -> str:
+    from moelab import __version__
+
+    return __version__
+
+
+def stale_version(made_by: str | None) -> str | None:
+    """Why results made by moelab ``made_by`` are stale now, or None when this is the same version."""
+    if made_by == _version():
+        return None
+    return f"made by moelab {made_by or 'of an older version (none recorded)'}, this is moelab {_version()}"
 
 
 def _last_value(frame, column: str):
