@@ -1,4 +1,6 @@
-"""Figure records and the static report that ``moelab reproduce`` writes (``DIR/index.html``).
+"""Figure records and the static report that ``moelab reproduce`` writes (``DIR/index.html``): a summary
+per paper notebook (run time, manifest coverage, paper-vs-moelab rows), then each paper's section with its
+manifest, the paper-vs-moelab table and its figures in manifest order.
 
 In a notebook, export figures and tables through these, so the report can say what each one is::
 
@@ -162,11 +164,8 @@ def _table_html(table: dict) -> str:
 def _manifest_html(folder: Path, base: str) -> str:
     """The paper's manifest (``manifest.json`` written by :class:`moelab.repro.session.Session`): every
     table and figure of the paper, with links to what moelab made of it or the reason it is missing."""
-    try:
-        m = json.loads((folder / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return ""
-    if m.get("kind") != "manifest":
+    m = _paper_manifest(folder)
+    if m is None:
         return ""
     rows = []
     for it in m.get("items", []):
@@ -182,6 +181,50 @@ def _manifest_html(folder: Path, base: str) -> str:
     return (f"<h3>Manifest: what the paper has, what moelab made of it</h3><p class=muted>{_e(m.get('title'))} · "
             f"spec <code>{_e(m.get('spec'))}</code></p><table><tr><th>paper item</th><th>title</th>"
             f"<th>moelab product</th><th>files, or why not</th></tr>{''.join(rows)}</table>")
+
+
+def _paper_manifest(folder: Path) -> dict | None:
+    try:
+        m = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and m.get("kind") == "manifest" else None
+
+
+def coverage(folder: str | Path) -> dict | None:
+    """What a paper notebook made of its manifest (``folder/manifest.json``): items ``made`` (at least one
+    product made), ``not_reproduced`` (the manifest says why not), ``missing`` (products promised but
+    none made: skipped or not run), and products made of all promised. None without a manifest."""
+    m = _paper_manifest(Path(folder))
+    if m is None:
+        return None
+    items = m.get("items", [])
+    made = [it for it in items if any(p.get("status") == "made" for p in it.get("products", []))]
+    products = [p for it in items for p in it.get("products", [])]
+    return {"title": m.get("title"), "items": len(items), "made": len(made),
+            "not_reproduced": sum(1 for it in items if not it.get("products")),
+            "missing": sum(1 for it in items if it.get("products") and it not in made),
+            "products": len(products), "products_made": sum(1 for p in products if p.get("status") == "made")}
+
+
+def figure_order(folder: str | Path) -> list[str]:
+    """Figure stems in the paper's manifest order (item by item, product by product), for the report."""
+    m = _paper_manifest(Path(folder)) or {}
+    return [f["stem"] for it in m.get("items", []) for p in it.get("products", []) for f in p.get("files", [])
+            if f.get("kind") == "figure"]
+
+
+def paper_vs_moelab_counts(folder: str | Path) -> dict | None:
+    """Rows of ``table_paper_vs_moelab.csv`` by status (ratio, trend check, refused, no value, not run)."""
+    path = Path(folder) / "table_paper_vs_moelab.csv"
+    if not path.is_file():
+        return None
+    import pandas as pd
+
+    try:
+        return pd.read_csv(path)["status"].value_counts().to_dict()
+    except (ValueError, KeyError):
+        return None
 
 
 def load_manifests(out: str | Path) -> list[dict]:
@@ -245,6 +288,20 @@ def _status_badges(m: dict) -> str:
     return out
 
 
+def _coverage_cell(c: dict | None) -> str:
+    if c is None:
+        return "<span class=muted>no manifest</span>"
+    missing = f", <span class=warn>{c['missing']} not made</span>" if c["missing"] else ""
+    return (f"{c['made']} of {c['items']} reproduced, {c['not_reproduced']} not reproducible here{missing}"
+            f"<br><span class=muted>{c['products_made']}/{c['products']} products made</span>")
+
+
+def _pvm_cell(counts: dict | None) -> str:
+    if not counts:
+        return "<span class=muted>—</span>"
+    return ", ".join(f"{n} {_e(status)}" for status, n in counts.items())
+
+
 def _params_table(m: dict) -> str:
     used = m.get("parameters") or {}
     declared = m.get("declared") or {}
@@ -272,10 +329,19 @@ def _figure_card(f: dict, base: str) -> str:
             f'<p class=l>{links} <span class=muted>({_e(f["name"])})</span></p></div>')
 
 
+def _table_section(t: dict, base: str) -> str:
+    lab = f' {_badge(label_kind(t["label"]), label_kind(t["label"]))}{_e(t["label"])}' if t["label"] else ""
+    links = " · ".join(f'<a href="{_u(base + r)}">{e[1:].upper()}</a>' for e, r in t["files"].items()
+                       if e in (".csv", ".html"))
+    return f"<h3>{_e(t['title'])}{lab}</h3>{_table_html(t)}<p class=muted>{links}</p>"
+
+
 def _section(m: dict, out: Path) -> str:
     name = m.get("name", "?")
     fig_rel = m.get("figures_dir") or f"figures/{name}"
     found = collect(out / fig_rel)
+    order = {stem: i for i, stem in enumerate(figure_order(out / fig_rel))}
+    found["figures"].sort(key=lambda f: order.get(f["name"], len(order)))  # stable: the rest as written
     base = fig_rel.rstrip("/") + "/"
     kinds = sorted({f["kind"] for f in found["figures"]} | {label_kind(t["label"]) for t in found["tables"]
                                                             if t["label"]})
@@ -290,16 +356,14 @@ def _section(m: dict, out: Path) -> str:
     if m.get("error"):
         body.append(f"<h3>Error</h3><pre>{_e(m['error'])}</pre>")
     body.append(_manifest_html(out / fig_rel, base))
+    pvm = [t for t in found["tables"] if t["name"].endswith("table_paper_vs_moelab")]
+    body += [_table_section(t, base) for t in pvm]  # the paper's numbers beside moelab's, before the figures
     if found["figures"]:
         body.append(f"<h3>Figures ({len(found['figures'])})</h3><div class=grid>"
                     + "".join(_figure_card(f, base) for f in found["figures"]) + "</div>")
     elif m.get("status") == "ok":
         body.append("<p class=muted>no figures exported</p>")
-    for t in found["tables"]:
-        lab = f' {_badge(label_kind(t["label"]), label_kind(t["label"]))}{_e(t["label"])}' if t["label"] else ""
-        links = " · ".join(f'<a href="{_u(base + r)}">{e[1:].upper()}</a>' for e, r in t["files"].items()
-                           if e in (".csv", ".html"))
-        body.append(f"<h3>{_e(t['title'])}{lab}</h3>{_table_html(t)}<p class=muted>{links}</p>")
+    body += [_table_section(t, base) for t in found["tables"] if t not in pvm]
     if found["others"]:
         body.append("<h3>Other files</h3><p>" + " · ".join(
             f'<a href="{_u(base + r)}">{_e(r)}</a>' for r in found["others"]) + "</p>")
@@ -321,17 +385,19 @@ def build_index(out: str | Path, session: dict | None = None) -> Path:
                 f"{_fmt_s(session.get('wall_s'))}")
     rows = []
     for m in manifests:
-        n = len(collect(out / (m.get("figures_dir") or f"figures/{m.get('name')}"))["figures"])
+        folder = out / (m.get("figures_dir") or f"figures/{m.get('name')}")
+        n = len(collect(folder)["figures"])
         rows.append(f'<tr><td><a href="#nb-{_e(m.get("name"))}">{_e(m.get("name"))}</a></td>'
                     f"<td>{_status_badges(m)}</td><td>{_e(m.get('scale'))}</td><td>{_fmt_s(m.get('wall_s'))}</td>"
+                    f"<td>{_coverage_cell(coverage(folder))}</td><td>{_pvm_cell(paper_vs_moelab_counts(folder))}</td>"
                     f"<td>{n}</td><td>{_e(m.get('reason'))}</td></tr>")
     bad = [m for m in manifests if m.get("status") != "ok"]
     summary = (f"<section><h2>Notebooks</h2><p>{len(manifests) - len(bad)} ok, {len(bad)} failed. Labels: "
                + " ".join(_badge(k, k) for k in KINDS) + " — REAL: measured on real processes; EMULATED: "
                "real processes with emulated links; SIMULATED: the simulator at a cluster profile; "
                "SUBSTITUTE: a stand-in for what the paper used; PAPER: the paper's own numbers.</p>"
-               "<table><tr><th>notebook</th><th>status</th><th>scale</th><th>run time</th><th>figures</th>"
-               "<th>why it ran / was re-used</th></tr>" + "".join(rows) + "</table></section>"
+               "<table><tr><th>notebook</th><th>status</th><th>scale</th><th>run time</th><th>paper items</th>"
+               "<th>paper vs moelab</th><th>figures</th><th>why it ran / was re-used</th></tr>" + "".join(rows) + "</table></section>"
                if manifests else "<section><p>No notebooks have been run into this folder.</p></section>")
     page = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>moelab report</title>"
             f"<meta name=viewport content='width=device-width,initial-scale=1'><style>{_CSS}</style></head>"

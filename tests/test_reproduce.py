@@ -148,6 +148,45 @@ def test_report_reads_labels_and_tables(tmp_path):
     assert "GPUs" in page and 'href="figures/demo/data.json"' in page
 
 
+def test_report_summarises_each_paper_and_orders_figures_as_its_manifest(tmp_path):
+    from moelab.report import coverage, figure_order, paper_vs_moelab_counts
+
+    out = tmp_path / "out"
+    figs = out / "figures" / "toy"
+    for stem in ("fig_late", "fig_early", "extra"):  # written in the reverse of the manifest's order
+        fig = go.Figure(layout={"meta": {"label": "SIMULATED: toy"}, "title": stem})
+        record_figure(fig, figs / stem, formats=("html",))
+        time.sleep(0.02)
+    record_table(pd.DataFrame({"key": ["a", "b", "c"], "status": ["ratio", "trend check", "ratio"]}),
+                 figs / "table_paper_vs_moelab", title="Paper vs moelab", label="PAPER vs moelab: toy")
+    made = {"status": "made", "reason": ""}
+    items = [{"id": "fig1", "title": "schematic", "not_reproduced": "a drawing", "products": []},
+             {"id": "fig2", "title": "early", "products": [{"id": "p1", "cls": "SIMULATED", **made, "files": [
+                 {"stem": "fig_early", "kind": "figure", "file": "fig_early.html"}]}]},
+             {"id": "fig3", "title": "late", "products": [{"id": "p2", "cls": "SIMULATED", **made, "files": [
+                 {"stem": "fig_late", "kind": "figure", "file": "fig_late.html"}]},
+                 {"id": "p3", "cls": "REAL", "status": "skipped", "reason": "run_real=False", "files": []}]},
+             {"id": "tab1", "title": "never", "products": [
+                 {"id": "p4", "cls": "REAL", "status": "not run", "reason": "", "files": []}]}]
+    (figs / "manifest.json").write_text(json.dumps({"kind": "manifest", "title": "Toy", "spec": "s", "items": items}))
+    assert coverage(figs) == {"title": "Toy", "items": 4, "made": 2, "not_reproduced": 1, "missing": 1,
+                              "products": 4, "products_made": 2}
+    assert figure_order(figs) == ["fig_early", "fig_late"]
+    assert paper_vs_moelab_counts(figs) == {"ratio": 2, "trend check": 1}
+    assert coverage(tmp_path) is None and paper_vs_moelab_counts(tmp_path) is None
+    (out / "notebooks").mkdir()
+    (out / "notebooks" / "toy.run.json").write_text(json.dumps(
+        {"name": "toy", "status": "ok", "scale": "smoke", "wall_s": 2, "figures_dir": "figures/toy"}))
+    page = build_index(out).read_text()
+    summary = page[page.index("<h2>Notebooks</h2>"):page.index('<section id="nb-toy">')]
+    assert "2 of 4 reproduced, 1 not reproducible here" in summary and "1 not made" in summary
+    assert "2 ratio, 1 trend check" in summary
+    section = page[page.index('<section id="nb-toy">'):]
+    cards = [section.index(f"figures/toy/{s}.html") for s in ("fig_early", "fig_late", "extra")]
+    assert cards == sorted(cards)  # the manifest's order, then what the manifest does not list
+    assert section.index("Paper vs moelab") < section.index("<h3>Figures")
+
+
 def test_unknown_notebook_exits_2():
     r = moelab("reproduce", "nonesuch", "--scale", "smoke", "--out", "/nonexistent/never", timeout=60)
     assert r.returncode == 2 and "unknown notebook(s) nonesuch" in r.stderr and "quickstart" in r.stderr
