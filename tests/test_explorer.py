@@ -156,3 +156,24 @@ def test_widget_callbacks_without_a_browser(run_dir):
     assert X.world_of(ui.state) == 16 and len(ui.owner[0].options) == 16
     ui.on_toggle(0, ui.owner[0].value)  # an invalid edit is reported, not raised
     assert ui.error and "owns" in ui.error
+
+
+@pytest.mark.parametrize("text, message", [
+    ("3:", "expert 3 has no owner"),
+    ("3: 5 40", "outside 0..15"),
+    ("16: 0", "expert 16 does not exist: experts are 0..15"),
+    ("3 5", "write 'expert: owner [replicas...]'"),
+    ("x: 1", "cannot read 'x: 1'"),
+    ("3: 5 5", "lists a rank twice"),
+])
+def test_typed_edit_that_breaks_the_placement_is_refused_and_the_state_kept(text, message):
+    ui = X.build_widget(STATE)
+    good = ui.on_edit("3: 5 12; 7: 0")  # a valid edit, then an invalid one
+    assert X.mapping(good)[3] == [5, 12] and X.mapping(good)[7] == [0]
+    shown = ui.last
+    ui.edit.value = text  # as typed in the widget
+    assert ui.state is good and X.mapping(ui.state)[3] == [5, 12]  # the last valid placement stays
+    assert message in ui.error and message.split(":")[0] in ui.summary.value
+    assert ui.last["layer_time_s"] == shown["layer_time_s"]  # still showing the valid placement
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        X.edit_placement(good, text)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import html
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -213,6 +214,25 @@ def set_replicas(state: ExplorerState, expert: int, ranks) -> ExplorerState:
     return _with_holders(state, h)
 
 
+def edit_placement(state: ExplorerState, text: str) -> ExplorerState:
+    """Apply typed edits ``"EXPERT: OWNER [REPLICA ...]"``, several separated by ``;`` (``"3: 5 12; 7: 0"``).
+    Anything that is not a valid placement (no owner, a rank outside the world, an unknown expert) is a
+    ValueError saying what is wrong, and the state is not changed."""
+    h = [list(x) for x in placement_of(state).holders]
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        head, colon, ranks = part.partition(":")
+        try:
+            e, listed = int(head), [int(r) for r in ranks.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"cannot read {part!r}: write 'expert: owner [replicas...]', e.g. '3: 5 12'") from None
+        if not colon:
+            raise ValueError(f"cannot read {part!r}: write 'expert: owner [replicas...]', e.g. '3: 5 12'")
+        if not 0 <= e < len(h):
+            raise ValueError(f"expert {e} does not exist: experts are 0..{len(h) - 1}")
+        h[e] = listed
+    return _with_holders(state, h)
+
+
 def reset_ep(state: ExplorerState) -> ExplorerState:
     """Back to plain expert parallelism (no replicas)."""
     return dataclasses.replace(state, holders=())
@@ -384,6 +404,8 @@ class ExplorerUI:
         self.layer = w.IntSlider(value=state.layer, min=0, max=0, description="layer")
         self.reset = w.Button(description="reset to EP", icon="undo")
         self.shadow = w.Button(description="shadow hottest", tooltip="replicate the hottest expert on every rank")
+        self.edit = w.Text(description="edit", placeholder="expert: owner replicas…; e.g. 3: 5 12 (Enter)",
+                           continuous_update=False, layout=w.Layout(width="420px"))
         self.summary = w.HTML()
         self.load_out, self.bytes_out = w.Output(), w.Output()
         self.experts_box = w.VBox()
@@ -396,9 +418,10 @@ class ExplorerUI:
         self.layer.observe(lambda ch: self.on_layer(ch["new"]), names="value")
         self.reset.on_click(lambda _: self.on_reset())
         self.shadow.on_click(lambda _: self.on_shadow())
+        self.edit.observe(lambda ch: self.on_edit(ch["new"]), names="value")
         self.widget = w.VBox([
             w.HBox([self.profile, self.trace, self.seed]),
-            w.HBox([self.iteration, self.layer, self.reset, self.shadow]),
+            w.HBox([self.iteration, self.layer, self.reset, self.shadow]), self.edit,
             self.summary, w.HBox([self.load_out, self.bytes_out]),
             w.HTML("<b>placement</b>: owner and replica ranks of each expert"), self.experts_box])
         self._sync_controls(rebuild=True)
@@ -425,6 +448,9 @@ class ExplorerUI:
 
     def on_toggle(self, e: int, r: int):
         return self.apply(toggle_replica, e, r)
+
+    def on_edit(self, text: str):
+        return self.apply(edit_placement, text) if text.strip() else self.state
 
     def on_reset(self):
         return self.apply(reset_ep)
@@ -496,7 +522,7 @@ class ExplorerUI:
         ev = evaluate(self.state)
         base = evaluate(reset_ep(self.state)) if self.state.holders else None
         self.last = ev
-        err = f"<br><span style='color:#c00'>{self.error}</span>" if self.error else ""
+        err = f"<br><span style='color:#c00'>{html.escape(self.error)} (kept the last valid placement)</span>" if self.error else ""
         self.summary.value = f"<b>{ev['label']}</b><br>{summary_text(ev)}{err}"
         self.figures = {"load": load_figure(ev, baseline=base), "bytes": bytes_figure(ev)}
         if _in_kernel():  # outside a kernel (tests, scripts) an Output area would just print the figure
@@ -526,6 +552,6 @@ def build_widget(state: Optional[ExplorerState] = None, runs=(), profiles=None) 
 
 
 __all__ = ["ExplorerState", "ExplorerUI", "build_widget", "evaluate", "set_owner", "toggle_replica", "set_replicas",
-           "reset_ep", "shadow_hottest", "hottest_expert", "placement_of", "mapping", "trace_loads", "layer_loads",
+           "reset_ep", "edit_placement", "shadow_hottest", "hottest_expert", "placement_of", "mapping", "trace_loads", "layer_loads",
            "uniform_sources", "run_global_loads", "replica_sync_bytes", "load_figure", "bytes_figure",
            "summary_text", "label_of", "ep_holders", "SYNTHETIC_KINDS"]
