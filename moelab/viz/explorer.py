@@ -526,12 +526,13 @@ class ExplorerUI:
         self.summary.value = f"<b>{ev['label']}</b><br>{summary_text(ev)}{err}"
         self.figures = {"load": load_figure(ev, baseline=base), "bytes": bytes_figure(ev)}
         if _in_kernel():  # outside a kernel (tests, scripts) an Output area would just print the figure
+            import plotly.graph_objects as go
             from IPython.display import display
 
             for out, fig in ((self.load_out, self.figures["load"]), (self.bytes_out, self.figures["bytes"])):
                 out.clear_output(wait=True)
-                with out:
-                    display(fig)
+                with out:  # two side by side: each a fixed half of a notebook's width
+                    display(go.Figure(fig).update_layout(width=560, height=420))
         return ev
 
     def _repr_mimebundle_(self, **kw):
