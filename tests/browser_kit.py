@@ -2,8 +2,8 @@
 
 :func:`jupyter_lab` starts ``jupyter lab --no-browser`` on a loopback port with a token, with its own
 config/settings/runtime folders (nothing of the user's is read or written), and stops it and every kernel
-it started whatever happens. :func:`chromium` drives the Debian ``chromium`` (``MOELAB_CHROMIUM`` or the
-first ``chromium``/``chromium-browser`` on PATH) through Playwright, so no browser is downloaded.
+it started whatever happens. :func:`chromium` drives the system Chromium (``$BROWSER_PATH``, else
+``chromium`` on PATH: the one figure export uses) through Playwright, so no browser is downloaded.
 The ``Notebook`` helpers click JupyterLab's own menus and read its DOM.
 """
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -33,8 +32,10 @@ SETTINGS = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"wind
 
 
 def chromium_path() -> str | None:
-    found = os.environ.get("MOELAB_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    return found if found and Path(found).exists() else None
+    """The Chromium figure export uses too: ``$BROWSER_PATH``, else ``chromium`` & co. on PATH."""
+    from moelab.viz.export import find_chromium
+
+    return find_chromium()
 
 
 def artifacts_dir() -> Path:
@@ -219,3 +220,56 @@ class Notebook:
 
     def cell_outputs(self, index: int) -> str:
         return self.page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea").inner_text()
+
+
+# ---- a static page (the report) ------------------------------------------------------------------------------
+def check_report(page, index: Path, max_figures: int = 200) -> dict:
+    """Open ``index`` (file://) and check it whole: every image loads, every in-page anchor has its target,
+    every relative link names an existing file, and every linked figure HTML draws its plot without a
+    script error. Returns what was checked; raises AssertionError listing every problem."""
+    from urllib.parse import unquote, urlsplit
+
+    errors: list = []
+    page.on("pageerror", lambda e: errors.append(f"script error on {page.url}: {e}"))
+    page.goto(index.resolve().as_uri())
+    page.wait_for_load_state("load")
+    page.evaluate("() => window.scrollTo(0, document.body.scrollHeight)")  # lazy images load
+    page.wait_for_function("() => Array.from(document.images).every(i => i.complete)", timeout=30_000)
+    images = page.evaluate("() => document.images.length")
+    broken = page.evaluate("() => Array.from(document.images).filter(i => !i.naturalWidth).map(i => i.src)")
+    errors += [f"image does not load: {src}" for src in broken]
+    hrefs = page.evaluate("() => Array.from(document.querySelectorAll('a[href]')).map(a => a.getAttribute('href'))")
+    figures = []
+    for href in hrefs:
+        if href.startswith("#"):
+            if not page.locator(f"[id='{unquote(href[1:])}']").count():
+                errors.append(f"anchor without a target: {href}")
+            continue
+        if urlsplit(href).scheme:  # an outside page (plotly.com in an inlined figure): not the report's to check
+            continue
+        target = index.parent / unquote(urlsplit(href).path)
+        if not target.is_file():
+            errors.append(f"broken link: {href}")
+        elif target.suffix == ".html" and "/figures/" in target.as_posix():
+            figures.append(target)
+    figures = sorted(set(figures))
+    shot = screenshot_page(page, "report")
+    for fig in figures[:max_figures]:
+        page.goto(fig.as_uri())
+        try:
+            page.locator(".js-plotly-plot .main-svg").first.wait_for(timeout=15_000)
+        except Exception:  # noqa: BLE001 - collected and reported with the others
+            errors.append(f"figure does not draw: {fig}")
+    assert not errors, "\n".join(errors)
+    return {"images": images, "links": len(hrefs), "figures": len(figures), "screenshot": shot}
+
+
+def screenshot_page(page, name: str, max_height: int = 9000) -> Path:
+    """A page's top ``max_height`` pixels (a long report stays a readable picture)."""
+    path = artifacts_dir() / f"{name}.png"
+    height = page.evaluate("() => document.documentElement.scrollHeight")
+    page.evaluate("() => window.scrollTo(0, 0)")
+    page.screenshot(path=str(path), full_page=True,
+                    clip={"x": 0, "y": 0, "width": page.viewport_size["width"], "height": min(height, max_height)})
+    ARTIFACTS.append(path)
+    return path

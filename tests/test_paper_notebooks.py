@@ -20,6 +20,10 @@ KINDS = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE", "PAPER")
 PAPERS = {"hecate": "table1_models", "lsh_moe": "table_fig06l_summary", "parm": "table4", "lina": "table_fig14e"}  # paper -> one table it must write
 
 
+def _reports(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "paper_reports"
+
+
 @pytest.mark.parametrize("paper", PAPERS)
 def test_parameters_cell_and_scale_files_match(paper):
     declared = pm.inspect_notebook(str(REPO / "notebooks" / f"{paper}.ipynb"))
@@ -35,11 +39,11 @@ def test_parameters_cell_and_scale_files_match(paper):
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("paper", PAPERS)
-def test_notebook_smoke_exports_every_product_with_its_class(paper, tmp_path):
+def test_notebook_smoke_exports_every_product_with_its_class(paper, tmp_path_factory):
     from moelab.repro.manifest import load_manifest
     from moelab.reproduce import reproduce
 
-    out = tmp_path / "rep"
+    out = _reports(tmp_path_factory)  # one report for every paper: the browser test below reads it
     batch = reproduce([paper], "smoke", out, log=lambda s: None)
     assert not batch.failed, batch.outcomes[0].error
     figs = out / "figures" / paper
@@ -58,3 +62,30 @@ def test_notebook_smoke_exports_every_product_with_its_class(paper, tmp_path):
             assert f["label"].startswith((p["cls"], "PAPER")), (p["id"], f["stem"])
     pvm = pd.read_csv(figs / "table_paper_vs_moelab.csv")
     assert not (pvm.status == "refused").any(), pvm[pvm.status == "refused"]
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_report_reads_right_in_a_browser(tmp_path_factory):
+    """The report of the smoke runs above, opened in Chromium: the per-paper summary (manifest coverage,
+    paper-vs-moelab rows, run time), every figure drawing, no broken image or link; a screenshot."""
+    from moelab.reproduce import reproduce
+
+    browser_kit = pytest.importorskip("browser_kit")
+    pytest.importorskip("playwright")
+    if browser_kit.chromium_path() is None:
+        pytest.skip("no chromium executable (README: browser tests)")
+    out = _reports(tmp_path_factory)
+    if not (out / "index.html").is_file():  # run on its own: make one paper's report first
+        assert not reproduce(["parm"], "smoke", out, log=lambda s: None).failed
+    with browser_kit.chromium() as page:
+        checked = browser_kit.check_report(page, out / "index.html")
+        page.goto((out / "index.html").resolve().as_uri())
+        rows = page.locator("section").first.locator("tr").all_inner_texts()[1:]
+    made = sorted(p.stem.removesuffix(".run") for p in (out / "notebooks").glob("*.run.json"))
+    assert len(rows) == len(made) and made
+    for row in rows:
+        assert "ok" in row and " reproduced, " in row and "not reproducible here" in row, row
+        assert "ratio" in row or "trend check" in row or "not run" in row, row  # the paper-vs-moelab column
+    assert checked["figures"] >= 2 * len(made), checked
