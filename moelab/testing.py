@@ -25,18 +25,36 @@ class RankError(RuntimeError):
 
 
 def free_port() -> int:
+    """A port free now (for a server this process does not start itself: a torchrun rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def hosted_store(timeout: float):
+    """A TCPStore served by this process on a port the OS picks; spawned ranks join it with
+    :func:`join_hosted`. The port stays held for the whole run, so no other process can take it between
+    choosing and binding (the race that makes ``init_process_group`` fail with EADDRINUSE)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def join_hosted(rank: int, world: int, port: int, timeout: float) -> None:
+    """``init_process_group("gloo")`` through the parent's :func:`hosted_store` on ``port``."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
 
 
 def _entry(rank, world, port, fn, args, q, timeout):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+        join_hosted(rank, world, port, timeout)
         res = fn(rank, world, *args)
         q.put((rank, True, pickle.dumps(res)))  # by value: the child may exit before the parent reads
         dist.barrier()
@@ -49,8 +67,9 @@ def run_ranks(fn, nproc: int, *args, timeout: float = 120.0):
     """Return ``[fn(0, nproc, *args), ..., fn(nproc-1, nproc, *args)]`` computed on real ranks."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, nproc, port, fn, args, q, timeout), daemon=True) for r in range(nproc)]
+    store = hosted_store(timeout)  # held until the ranks are done
+    procs = [ctx.Process(target=_entry, args=(r, nproc, store.port, fn, args, q, timeout), daemon=True)
+             for r in range(nproc)]
     for p in procs:
         p.start()
     results, err = {}, None

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Optional, Sequence
 
 import numpy as np
 
 from moelab.comm.topology import Topology
+from moelab.testing import hosted_store, join_hosted
 
 COLLECTIVES = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # the torch.distributed call each op name is measured with
@@ -86,12 +85,6 @@ def sent_bytes_for(op: str, nproc: int, nbytes: int) -> int:
 
 
 # ---- collectives ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _call(dist, op, x, out, nproc):
     if op == "all_to_all":
         dist.all_to_all_single(out, x)
@@ -113,8 +106,7 @@ def _collective_worker(rank, nproc, port, sizes, ops, reps, warmup, timeout_s, r
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc,
-                            timeout=timedelta(seconds=timeout_s))
+    join_hosted(rank, nproc, port, timeout_s)
     rows = []
     try:
         for op in ops:
@@ -157,8 +149,9 @@ def measure_collectives(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, op
         raise ValueError(f"unknown collective(s) {bad}; known: {COLLECTIVES}")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.json")
+        store = hosted_store(timeout_s)  # noqa: F841 - served until the ranks are done
         ctx = mp.start_processes(_collective_worker,
-                                 args=(nproc, _free_port(), list(sizes), list(ops), reps, warmup, timeout_s, path),
+                                 args=(nproc, store.port, list(sizes), list(ops), reps, warmup, timeout_s, path),
                                  nprocs=nproc, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
