@@ -81,7 +81,7 @@ class Lab:
         return json.loads(body) if body else None
 
     def open_url(self, notebook: str) -> str:
-        return f"{self.url}/lab/tree/{notebook}?token={self.token}"
+        return f"{self.url}/lab/tree/{notebook}?reset&token={self.token}"  # reset: only this notebook open
 
 
 @contextmanager
@@ -165,7 +165,7 @@ class Notebook:
     def __init__(self, page, lab: Lab, name: str):
         self.page, self.lab, self.name = page, lab, name
         page.goto(lab.open_url(name))
-        page.locator(".jp-NotebookPanel .jp-Notebook").first.wait_for()
+        page.locator(".jp-NotebookPanel:visible .jp-Notebook").first.wait_for()
         self.wait_idle(120)
 
     def kernel_ready(self) -> bool:
