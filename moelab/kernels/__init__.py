@@ -1,0 +1,69 @@
+"""Kernels for the MoE hot path: each a Triton kernel beside the torch reference it must match, behind one
+selector (``model.moe.kernels: torch | triton | auto``).
+
+- :mod:`.router` - fused router: logits -> softmax -> top-k (k <= 8) -> renormalized weights -> capacity
+  positions in DeepSpeed order (every first choice before any second choice);
+- :mod:`.permute` - rows into expert-contiguous order by a dispatch plan and back, the weighted combine
+  fused into the way back; both differentiable, their backwards gathers too (no atomics: deterministic).
+
+Triton runs on CUDA devices, or anywhere under ``TRITON_INTERPRET=1`` (its interpreter, on the CPU: how CI
+tests every kernel on small shapes). ``auto`` picks Triton for CUDA tensors when it is installed, torch
+otherwise; ``triton`` where it cannot run is a clear error naming the fix, raised before any work starts.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+KINDS = ("torch", "triton", "auto")
+MAX_TOP_K = 8
+
+
+class KernelUnavailable(RuntimeError):
+    """``kernels: triton`` asked for where Triton cannot run."""
+
+
+def acc_dtype(dtype):
+    """Accumulate in fp32 for 16/32-bit inputs, in fp64 for fp64 ones (the references stay exact)."""
+    import torch
+
+    return torch.promote_types(dtype, torch.float32)
+
+
+def tl_acc(dtype):
+    """:func:`acc_dtype` as a Triton type (a kernel's ``ACC`` constexpr)."""
+    import torch
+    import triton.language as tl
+
+    return tl.float64 if acc_dtype(dtype) == torch.float64 else tl.float32
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Triton's interpreter is on: kernels run on CPU tensors (slowly; for tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_error(device: str = "cuda") -> str | None:
+    """Why Triton kernels cannot run on ``device`` here, or None when they can."""
+    if not triton_installed():
+        return "model.moe.kernels=triton needs Triton: pip install triton (Linux; it ships with CUDA builds of torch)"
+    if not str(device).startswith("cuda") and not interpreted():
+        return (f"model.moe.kernels=triton runs on CUDA devices, not on {device}: use kernels=torch or auto, "
+                "or set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter on the CPU (slow; for tests)")
+    return None
+
+
+def select(kind: str, device: str = "cpu") -> str:
+    """``torch`` or ``triton`` for ``kind`` on ``device``; KernelUnavailable / ValueError when it cannot be."""
+    if kind not in KINDS:
+        raise ValueError(f"model.moe.kernels must be one of {KINDS}, got {kind!r}")
+    why = triton_error(device)
+    if kind == "triton":
+        if why:
+            raise KernelUnavailable(why)
+        return "triton"
+    return "triton" if kind == "auto" and why is None and str(device).startswith("cuda") else "torch"
