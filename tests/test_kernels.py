@@ -163,3 +163,24 @@ def test_grouped_gemm_rejects_counts_that_do_not_cover_the_rows():
         grouped_mm(torch.zeros(5, 4), torch.zeros(2, 4, 3), [2, 2])
     with pytest.raises(ValueError, match="one block per expert"):
         grouped_mm(torch.zeros(5, 4), torch.zeros(2, 4, 3), [5])
+
+
+# ---- cross-polytope LSH hashing -----------------------------------------------------------------------------
+@pytest.mark.parametrize("A, d, r, L, dtype", [(50, 16, 2, 6, torch.float64), (70, 40, 3, 4, torch.float32),
+                                               (33, 8, 1, 3, torch.float64), (0, 8, 2, 2, torch.float32)])
+def test_lsh_hash_matches_the_strategy_s_hash_and_key(A, d, r, L, dtype):
+    from moelab.kernels.lsh import hash_torch, hash_triton, key_fits
+    from moelab.strategies.lsh_moe.buckets import mixed_radix_keys
+    from moelab.strategies.lsh_moe.hashing import cross_polytope, rotations
+
+    g = torch.Generator().manual_seed(A + d)
+    x = torch.randn(A, d, generator=g, dtype=torch.float64).to(dtype)
+    x[: min(A, 3)] = 0  # all projections 0: a tie, which goes to the first vertex as in torch's argmax
+    R = rotations(d, r, L, seed=0, layer=1)
+    expert = torch.randint(0, 8, (A,), generator=g)
+    codes, key = hash_triton(x, R, expert)
+    assert torch.equal(codes, cross_polytope(x, R)) and torch.equal((codes, key)[1], hash_torch(x, R, expert)[1])
+    assert key_fits(8, r, L)
+    ref = mixed_radix_keys(torch.cat([expert.unsqueeze(1), codes], 1), [8] + [2 * r] * L)
+    assert torch.equal(key, ref)
+    assert not key_fits(64, 8, 16)  # (2r)^L past int64: the bucketing's unique-rows path
