@@ -38,6 +38,7 @@ class MoEConfig:
     dispatcher: str = "sparse"  # sparse (count exchange + uneven all-to-all) | dense (capacity-padded, equal splits)
     activation: str = "gelu"  # expert FFN activation: gelu | relu
     expert_bias: bool = True  # biases in the expert FFN
+    kernels: str = "torch"  # torch | triton | auto: router, permute/unpermute, expert GEMMs (moelab.kernels)
 
 
 @dataclass
@@ -181,6 +182,8 @@ class RunConfig:
         if d["serve"] == dataclasses.asdict(ServeConfig()):  # training runs keep the ids they had before serving
             del d["serve"]
         del d["train"]["trace_iters"]  # how much trace is kept does not change what a run computes
+        if d["model"]["moe"]["kernels"] == "torch":  # runs keep the ids they had before the kernels existed
+            del d["model"]["moe"]["kernels"]
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha1(blob).hexdigest()[:8]
 
@@ -227,6 +230,7 @@ class RunConfig:
         if not isinstance(moe.top_k, int) or not 1 <= moe.top_k <= max(moe.num_experts, 1):
             errs.append(f"model.moe.top_k must be an integer in 1..model.moe.num_experts={moe.num_experts}, "
                         f"got {moe.top_k!r}")
+        errs += _kernel_errors(moe, p.backend)
         if moe.gate == "gshard" and moe.top_k != 2:
             errs.append("model.moe.gate='gshard' is a top-2 gate: set model.moe.top_k=2")
         if moe.gate == "switch" and moe.top_k != 1:
@@ -464,3 +468,20 @@ def serve_errors(cfg: "RunConfig") -> list:
     if moe.top_k != 1:
         errs.append(f"serving routes top-1 (Lina's inference gate): set model.moe.top_k=1, got {moe.top_k}")
     return errs
+
+
+def _kernel_errors(moe: MoEConfig, backend: str) -> list:
+    """``model.moe.kernels`` must name a selector, and Triton must be able to run where the ranks will."""
+    from moelab.kernels import KINDS, MAX_TOP_K, triton_error
+
+    if moe.kernels not in KINDS:
+        return [f"model.moe.kernels must be one of {KINDS}, got {moe.kernels!r}"]
+    if moe.kernels != "triton":
+        return []
+    errs = [f"model.moe.kernels=triton routes top-k up to {MAX_TOP_K}, got model.moe.top_k={moe.top_k}"] \
+        if isinstance(moe.top_k, int) and moe.top_k > MAX_TOP_K else []
+    import torch
+
+    device = "cuda" if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()) else "cpu"
+    why = triton_error(device)
+    return errs + ([why] if why else [])

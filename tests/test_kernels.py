@@ -184,3 +184,49 @@ def test_lsh_hash_matches_the_strategy_s_hash_and_key(A, d, r, L, dtype):
     ref = mixed_radix_keys(torch.cat([expert.unsqueeze(1), codes], 1), [8] + [2 * r] * L)
     assert torch.equal(key, ref)
     assert not key_fits(64, 8, 16)  # (2r)^L past int64: the bucketing's unique-rows path
+
+
+# ---- in the model: model.moe.kernels ---------------------------------------------------------------------------
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_moe_layer_with_triton_kernels_equals_torch(capacity_factor):
+    from moelab.moe.layer import MoELayer
+
+    got = {}
+    for kernels in ("torch", "triton"):
+        layer = MoELayer(16, 32, MoEConfig(num_experts=4, top_k=2, kernels=kernels, capacity_factor=capacity_factor),
+                         dtype=torch.float64)
+        x = torch.randn(30, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        y = layer(x)
+        (y.sum() + layer.aux_loss).backward()
+        got[kernels] = (y, x.grad, layer.gate.wg.weight.grad, layer.experts.w1.grad, layer.experts.b2.grad)
+    for a, b in zip(*got.values()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_training_on_two_gloo_ranks_with_triton_kernels_equals_torch():
+    from moelab.testing import run_ranks, train_snapshot
+
+    triton_run = run_ranks(train_snapshot, 2, {"model.moe.kernels": "triton"}, timeout=240)
+    torch_run = run_ranks(train_snapshot, 2, {}, timeout=240)
+    for a, b in zip(triton_run, torch_run):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-10)
+        assert a["experts"].keys() == b["experts"].keys()
+        for key in a["experts"]:
+            torch.testing.assert_close(a["experts"][key], b["experts"][key], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(a["dense"], b["dense"], rtol=1e-10, atol=1e-12)
+
+
+def test_config_refuses_kernels_that_cannot_run(monkeypatch):
+    from moelab.config import ConfigError, RunConfig
+
+    cfg = RunConfig()
+    assert cfg.short_hash() == cfg.with_overrides({"model.moe.kernels": "torch"}).short_hash()
+    assert cfg.short_hash() != cfg.with_overrides({"model.moe.kernels": "triton"}).short_hash()
+    with pytest.raises(ConfigError, match="model.moe.kernels must be one of"):
+        cfg.with_overrides({"model.moe.kernels": "cuda"}).validate()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="runs on CUDA devices"):
+        cfg.with_overrides({"model.moe.kernels": "triton", "parallel.backend": "gloo"}).validate()
+    cfg.with_overrides({"model.moe.kernels": "auto", "parallel.backend": "gloo"}).validate()  # falls back to torch

@@ -12,6 +12,7 @@ otherwise; ``triton`` where it cannot run is a clear error naming the fix, raise
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -38,6 +39,7 @@ def tl_acc(dtype):
     return tl.float64 if acc_dtype(dtype) == torch.float64 else tl.float32
 
 
+@functools.lru_cache(maxsize=None)
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -67,3 +69,8 @@ def select(kind: str, device: str = "cpu") -> str:
             raise KernelUnavailable(why)
         return "triton"
     return "triton" if kind == "auto" and why is None and str(device).startswith("cuda") else "torch"
+
+
+def impl_for(kind: str, tensor) -> str:
+    """:func:`select` for the device ``tensor`` lives on: what a layer calls on its hot path."""
+    return select(kind, tensor.device.type)

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from moelab.comm.door import Communicator
+from moelab.kernels import impl_for
 from moelab.moe.routing import Routing
 from moelab.placement import Placement
 
@@ -78,6 +79,17 @@ def block_permutation(counts: torch.Tensor) -> torch.Tensor:
     sm_offsets = torch.cumsum(sm_counts, 0) - sm_counts
     within = torch.arange(total) - torch.repeat_interleave(sm_offsets, sm_counts)
     return torch.repeat_interleave(sm_starts, sm_counts) + within
+
+
+def send_plan(send_pos: torch.Tensor, shape) -> "PermutePlan":
+    """The kernels' :class:`~moelab.kernels.permute.PermutePlan` of a dispatch plan's send order: row i
+    is slot ``send_pos[i]`` (token ``send_pos[i] // k``); slots not sent (dropped, shadowed) map to -1."""
+    from moelab.kernels.permute import PermutePlan
+
+    T, k = shape
+    pos = torch.full((T * k,), -1, dtype=torch.int64, device=send_pos.device)
+    pos[send_pos] = torch.arange(send_pos.numel(), device=send_pos.device)
+    return PermutePlan(send_pos // k, pos.view(T, k), torch.empty(0, dtype=torch.int64), send_pos)
 
 
 def combine_slots(out_flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -193,6 +205,7 @@ class SparseDispatcher:
     def __init__(self, comm: Communicator, placement: Placement):
         self.comm, self.placement = comm, placement
         self.rank, self.N, self.E = comm.rank, placement.world_size, placement.num_experts
+        self.kernels = "torch"  # model.moe.kernels (set by the layer): torch | triton | auto
 
     # ---- plan -------------------------------------------------------------------------------
     def exchange_counts(self, routing: Routing) -> CountExchange:
@@ -210,6 +223,10 @@ class SparseDispatcher:
     def dispatch_preprocess(self, x: torch.Tensor, plan: DispatchPlan, routing: Routing) -> torch.Tensor:
         """Rows to send, destination-major (row ``p`` of the plan is token ``p // k``)."""
         k = routing.idx.shape[1]
+        if impl_for(self.kernels, x) == "triton":
+            from moelab.kernels.permute import permute
+
+            return permute(x, send_plan(plan.send_pos.to(x.device), routing.idx.shape), "triton")
         # index_select, not x[idx]: its backward is a plain index_add, not an accumulating index_put
         return x.index_select(0, (plan.send_pos // k).to(x.device))
 
@@ -234,6 +251,10 @@ class SparseDispatcher:
                             shadow_out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Returned rows (and the shadowed rows' outputs, computed here) to their slots, weighted."""
         T, k = routing.idx.shape
+        if shadow_out is None and impl_for(self.kernels, back) == "triton":  # the weighted combine, fused
+            from moelab.kernels.permute import unpermute
+
+            return unpermute(back, routing.weights, send_plan(plan.send_pos.to(back.device), (T, k)), "triton")
         out_flat = back.new_zeros(T * k, back.shape[1]).index_copy(0, plan.send_pos.to(back.device), back)
         if shadow_out is not None:
             out_flat = out_flat.index_copy(0, plan.shadow_pos.to(back.device), shadow_out)

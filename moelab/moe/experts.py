@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moelab.kernels import impl_for
+
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 
@@ -98,6 +100,7 @@ class Experts(nn.Module):
             self.b1 = self.b2 = None
         for p in self.parameters():
             p.moelab_expert = True
+        self.kernels = "torch"  # model.moe.kernels (set by the layer): torch | triton | auto
 
     def _unbound(self):
         """Per-slot views made by one ``unbind`` per parameter: indexing ``w1[s]`` per slot would make
@@ -115,6 +118,8 @@ class Experts(nn.Module):
 
         Slots are the held experts by default; ``experts`` lists other global ids instead (a call's
         slots), each held here or in ``materialized`` (``{e: [w1, b1, w2, b2]}`` for this call)."""
+        if experts is None and materialized is None and impl_for(self.kernels, x) == "triton":
+            return self._grouped(x, rows_per_slot)
         outs, start = [], 0
         w1, b1, w2, b2 = self._unbound()
         held = {e: s for s, e in enumerate(self.experts)} if experts is not None else None
@@ -135,6 +140,18 @@ class Experts(nn.Module):
         if not outs:  # keep the graph connected: every rank must run the same backward collectives
             return x * 1
         return torch.cat(outs, 0)
+
+    def _grouped(self, x: torch.Tensor, rows_per_slot: Sequence[int]) -> torch.Tensor:
+        """Every held slot's FFN in two grouped GEMMs (:mod:`moelab.kernels.grouped_gemm`), one launch each."""
+        from moelab.kernels.grouped_gemm import grouped_mm
+
+        counts = [int(n) for n in rows_per_slot]
+        slot = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                       torch.tensor(counts, device=x.device))
+        h = grouped_mm(x, self.w1, counts)
+        h = h if self.b1 is None else h + self.b1.index_select(0, slot)
+        y = grouped_mm(self.act(h), self.w2, counts)
+        return y if self.b2 is None else y + self.b2.index_select(0, slot)
 
     def stacked(self) -> list:
         """The stacked parameters ``[w1, b1, w2, b2]`` (None where there is no bias)."""

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.config import MoEConfig
+from moelab.kernels import impl_for
 from moelab.moe.base_gate import base_route
 from moelab.moe.routing import Routing, capacity_for, capacity_locations, finish_routing  # noqa: F401 (re-exported)
 
@@ -45,6 +46,13 @@ def register_gate(name: str, rule: Optional[Callable] = None):
 
 @register_gate("topk")
 def topk_rule(gate, x, logits, rng) -> Routing:
+    if impl_for(gate.cfg.kernels, logits) == "triton":  # the fused router: top-k, weights and positions
+        from moelab.kernels.router import route_triton
+
+        idx, weights, loc = route_triton(logits.detach(), gate.k)
+        if logits.requires_grad:  # the kernel's weights carry no graph: the same softmax, differentiable
+            weights = torch.softmax(logits.gather(1, idx), dim=-1)
+        return finish_routing(logits, idx, weights, gate.cfg, loc=loc)
     vals, idx = torch.topk(logits, gate.k, dim=-1)
     return finish_routing(logits, idx, torch.softmax(vals, dim=-1), gate.cfg)
 

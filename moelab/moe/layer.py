@@ -61,7 +61,8 @@ class MoELayer(nn.Module):
         init_gate_(self.gate, seed, layer_id)
         self.experts = Experts(d_model, d_ff, self.placement.local_experts(self.comm.rank), seed=seed,
                                layer_id=layer_id, activation=moe_cfg.activation, bias=moe_cfg.expert_bias, dtype=dtype)
-        self.dispatcher = DISPATCHERS[moe_cfg.dispatcher](self.comm, self.placement)
+        self.experts.kernels = moe_cfg.kernels
+        self.dispatcher = self._dispatcher(self.placement)
         self.forward_calls = 0
         self.aux_loss = torch.zeros(())
         self.last_counts = torch.zeros(moe_cfg.num_experts, dtype=torch.int64)
@@ -197,7 +198,12 @@ class MoELayer(nn.Module):
             setattr(ex, name, p)
         ex.experts = here
         self.placement = placement
-        self.dispatcher = DISPATCHERS[self.cfg.dispatcher](self.comm, placement)
+        self.dispatcher = self._dispatcher(placement)
+
+    def _dispatcher(self, placement: Placement):
+        d = DISPATCHERS[self.cfg.dispatcher](self.comm, placement)
+        d.kernels = self.cfg.kernels  # model.moe.kernels: the sparse dispatcher's permute / unpermute
+        return d
 
     # ---- the plan as data -------------------------------------------------------------------------
     def plan_record(self) -> dict:

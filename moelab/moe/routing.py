@@ -51,11 +51,13 @@ def capacity_locations(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def finish_routing(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, cfg: MoEConfig, *,
-                   top1: Optional[torch.Tensor] = None, renormalize: bool = False, aux_loss: bool = True) -> Routing:
+                   top1: Optional[torch.Tensor] = None, renormalize: bool = False, aux_loss: bool = True,
+                   loc: Optional[torch.Tensor] = None) -> Routing:
     """What every gate does after choosing ``idx[T,k]`` and ``weights``: balance and z losses
     (balance over ``top1``, default ``idx[:, 0]``), capacity ``ceil(k*cf*T/E)`` with drops in
     DeepSpeed order, dropped slots weighted 0, optional renormalization over the surviving slots
-    (GShard), and ``aux = coef_balance*balance + coef_z*z`` (or 0 for gates without aux loss)."""
+    (GShard), and ``aux = coef_balance*balance + coef_z*z`` (or 0 for gates without aux loss).
+    ``loc``: the slots' capacity positions when a kernel computed them already (:mod:`moelab.kernels.router`)."""
     T, E = logits.shape
     probs = torch.softmax(logits, dim=-1)
     top1 = idx[:, 0] if top1 is None else top1
@@ -63,7 +65,7 @@ def finish_routing(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tenso
     balance = E * (probs.mean(0) * frac).sum() if T > 0 else probs.sum() * 0
     z = (torch.logsumexp(logits, dim=-1) ** 2).mean() if T > 0 else logits.sum() * 0
     capacity = capacity_for(T, E, idx.shape[1], cfg.capacity_factor, cfg.min_capacity)
-    loc = capacity_locations(idx, E)
+    loc = capacity_locations(idx, E) if loc is None else loc
     if capacity is not None:
         idx = torch.where(loc < capacity, idx, torch.full_like(idx, -1))
     weights = weights * (idx >= 0).to(weights.dtype)
