@@ -191,8 +191,9 @@ def lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     logits = model(batch["inputs"])
     targets = batch["targets"].to(logits.device)
     flat_t = targets.reshape(-1)
-    if not bool((flat_t != IGNORE_INDEX).any()):
-        return logits.sum() * 0.0
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()  # softmax statistics in fp32 for half-precision runs
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat_t, ignore_index=IGNORE_INDEX)
+    # sum / count instead of reduction="mean": no host sync to test for "no target" (the sum is then a
+    # zero that still reaches every parameter), and the same mean otherwise
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat_t, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (flat_t != IGNORE_INDEX).sum().clamp(min=1).to(total.dtype)

@@ -130,9 +130,11 @@ def count_exchange_bytes(num_experts: int, dispatcher: str = "sparse") -> int:
 
 
 def local_counts(dest: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``[E]`` rows of this rank per destination expert (``dest < 0``: dropped, not counted)."""
-    dest = dest.reshape(-1).cpu()
-    return torch.bincount(dest[dest >= 0], minlength=num_experts).to(torch.int64)
+    """``[E]`` rows of this rank per destination expert (``dest < 0``: dropped, not counted), on
+    ``dest``'s device without a host sync (a scatter-add, where bincount or a mask would read the device)."""
+    dest = dest.reshape(-1)
+    bins = torch.zeros(num_experts + 1, dtype=torch.int64, device=dest.device)
+    return bins.scatter_add_(0, dest.clamp(min=-1) + 1, torch.ones_like(dest, dtype=torch.int64))[1:]
 
 
 def plan_from_counts(counts, placement: Placement, dest: torch.Tensor, rank: int,

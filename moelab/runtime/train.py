@@ -162,7 +162,7 @@ class Trainer:
             after = mem.sample(optim=True)
         step_time = time.time() - t0
 
-        stats = torch.tensor([lm.detach().double().item()], dtype=torch.float64, device=self.device)
+        stats = lm.detach().double().reshape(1).clone()  # no .item() before the reduce: one host sync below
         with comm.rec.paused():  # metric traffic is not training traffic
             comm.all_reduce_(stats)
         bytes_cls = comm.rec.bytes_by_class(n_rec)
