@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_layer.py                      # GPU: both shapes, Triton kernels vs torch
     python benchmarks/gpu_layer.py --device cpu         # CPU mode: shapes / 8, torch implementations only
-    python benchmarks/gpu_layer.py --out rows.json      # the measured rows, for the simulator's local_gpu fit
+    python benchmarks/gpu_layer.py --out rows.json      # the measured rows and the fitted local_gpu profile
 
 Shapes (issue #14): Mixtral-like d=4096 f=14336 E=8 top-2, DeepSeek-like d=2048 f=1408 E=64 top-6, 16k
 tokens, bf16 on a GPU (fp32 on the CPU). For each shape it prints
@@ -68,12 +68,12 @@ def peak(device: str, dtype, iters: int) -> tuple:
     return 2 * n ** 3 / s / 1e12, 2 * x.numel() / c / 1e9, "measured here (dense matmul, copy): no data sheet"
 
 
-def run_shape(name: str, sh: dict, args, device: str, dtype, impls: list, rows: list) -> None:
+def run_shape(name: str, sh: dict, tokens: int, args, device: str, dtype, impls: list, rows: list) -> None:
     from moelab.kernels import permute as P
     from moelab.kernels.grouped_gemm import grouped_mm
 
     scale = 1 if device == "cuda" else 8
-    d, f, E, k, T = sh["d"] // scale, sh["f"] // scale, sh["E"], sh["k"], args.tokens // scale
+    d, f, E, k, T = sh["d"] // scale, sh["f"] // scale, sh["E"], sh["k"], tokens // scale
     g = torch.Generator(device).manual_seed(0)
     idx = torch.topk(torch.randn(T, E, device=device, generator=g), k).indices
     plan = P.plan(idx, E)
@@ -145,7 +145,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--shape", default="all", choices=("all", *SHAPES))
-    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--tokens", default="2048,4096,8192,16384",
+                    help="token counts of the sweep (comma-separated; the CPU mode divides them by 8)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", help="write the measured rows as JSON here")
@@ -159,11 +160,19 @@ def main() -> None:
               "the issue's GPU numbers are owed until this runs on a GPU")
     rows: list = []
     for name in (SHAPES if args.shape == "all" else [args.shape]):
-        run_shape(name, SHAPES[name], args, device, dtype, impls, rows)
+        for tokens in (int(t) for t in str(args.tokens).split(",")):
+            run_shape(name, SHAPES[name], tokens, args, device, dtype, impls, rows)
+    from moelab.sim.gpu_profile import fit_gpu
+
+    fit = fit_gpu(rows)
+    print(f"\nlocal_gpu profile fit over {fit['n']} rows: {fit['flops_per_s'] / 1e12:.3g} TFLOP/s achieved, "
+          f"{fit['hbm_bytes_per_s'] / 1e9:.3g} GB/s HBM, {fit['launch_s'] * 1e6:.3g} us per kernel; "
+          f"R^2 of the predicted layer times {fit['r2']:.3f} (target >= 0.95 on a GPU)"
+          + ("" if fit["n"] > 3 else " -- fewer than 4 rows: this R^2 says nothing"))
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump(rows, fh, indent=1)
-        print(f"\nrows written to {args.out}")
+            json.dump({"rows": rows, "fit": fit}, fh, indent=1)
+        print(f"rows and fit written to {args.out} (moelab.sim.gpu_profile.local_gpu_profile(fit) is the profile)")
 
 
 if __name__ == "__main__":
