@@ -92,6 +92,7 @@ class TrainConfig:
     seed: int = 0
     dataset: str = "pydocs"  # pydocs (byte-level text of the Python installation) | random
     dtype: str = "float32"  # float32 | float64
+    autocast: str = "none"  # none | bf16: forward under torch.autocast(bfloat16), fp32 weights and optimizer
     threads_per_rank: int = 1
     timeout_s: float = 600.0  # the launcher kills the run after this
     trace: bool = True  # write a per-rank Chrome trace
@@ -184,6 +185,8 @@ class RunConfig:
         del d["train"]["trace_iters"]  # how much trace is kept does not change what a run computes
         if d["model"]["moe"]["kernels"] == "torch":  # runs keep the ids they had before the kernels existed
             del d["model"]["moe"]["kernels"]
+        if d["train"]["autocast"] == "none":  # ... and before autocast
+            del d["train"]["autocast"]
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha1(blob).hexdigest()[:8]
 
@@ -231,6 +234,7 @@ class RunConfig:
             errs.append(f"model.moe.top_k must be an integer in 1..model.moe.num_experts={moe.num_experts}, "
                         f"got {moe.top_k!r}")
         errs += _kernel_errors(moe, p.backend)
+        errs += _autocast_errors(t, p.backend)
         if moe.gate == "gshard" and moe.top_k != 2:
             errs.append("model.moe.gate='gshard' is a top-2 gate: set model.moe.top_k=2")
         if moe.gate == "switch" and moe.top_k != 1:
@@ -485,3 +489,27 @@ def _kernel_errors(moe: MoEConfig, backend: str) -> list:
     device = "cuda" if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()) else "cpu"
     why = triton_error(device)
     return errs + ([why] if why else [])
+
+
+def _autocast_errors(t: "TrainConfig", backend: str) -> list:
+    """bf16 autocast needs an fp32 model and, on a CPU, native bf16 (AVX512-BF16 or AMX)."""
+    if t.autocast not in ("none", "bf16"):
+        return [f"train.autocast must be none or bf16, got {t.autocast!r}"]
+    if t.autocast == "none":
+        return []
+    if t.dtype != "float32":
+        return [f"train.autocast=bf16 runs an fp32 model in bf16: set train.dtype=float32 (got {t.dtype})"]
+    import torch
+
+    on_gpu = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
+    if not on_gpu and not cpu_has_bf16():
+        return ["train.autocast=bf16: this CPU has no native bf16 (AVX512-BF16 or AMX); use train.autocast=none "
+                "or run on a GPU"]
+    return []
+
+
+def cpu_has_bf16() -> bool:
+    import torch
+
+    probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(p() for p in probes if p is not None)

@@ -147,7 +147,8 @@ class Trainer:
         with comm.rec.tagged(iter=it), comm.rec.span(f"iter {it}", "iteration"):
             update.before_forward()
             with comm.rec.span("forward", "forward"), mem.saving():
-                lm = lm_loss(model, batch)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.train.autocast == "bf16"):
+                    lm = lm_loss(model, batch)
                 loss = lm + model.aux_loss()
             mem_acts = mem.sample()["activations"]
             update.before_backward()
