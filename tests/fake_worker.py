@@ -132,5 +132,18 @@ def leftover_processes(marker: str) -> list:
     return found
 
 
+def ranks_started(runs_root: Path, n: int = 2) -> bool:
+    """``n`` ranks of a launch under ``runs_root`` have recorded their pids (the run is going)."""
+    return len(list(Path(runs_root).glob(".tmp-*/.launch/pid_rank*"))) >= n
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
 if __name__ == "__main__":
     main()

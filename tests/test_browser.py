@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import nbformat
 import pytest
 
 from browser_kit import REPO, Notebook, chromium, chromium_path, jupyter_lab, screenshot
+from fake_worker import ranks_started, wait_for
 
 pytest.importorskip("jupyterlab")
 pytest.importorskip("playwright")
@@ -53,18 +53,6 @@ def _saved_errors(nb: Notebook) -> list[str]:
     nb.page.wait_for_timeout(1000)
     cells = nb.lab.api(f"contents/{nb.name}")["content"]["cells"]
     return [f"{o['ename']}: {o['evalue']}" for c in cells for o in c.get("outputs", []) if o["output_type"] == "error"]
-
-
-def _ranks_started(runs: Path, n: int) -> bool:
-    return len(list(runs.glob(".tmp-*/.launch/pid_rank*"))) >= n
-
-
-def _wait_for(cond, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.mark.timeout(400)
@@ -113,7 +101,7 @@ def test_placement_explorer_widget_follows_an_edit(lab, page, tmp_path):
     # the user's action: in expert `hot`'s replica list, pick a rank of the other node
     widget.locator(".widget-select-multiple select").nth(hot).select_option(label=str(far))
     expected = f"layer time {want['layer_time_s'] * 1e3:.2f} ms"
-    _wait_for(lambda: expected in summary.inner_text(), 30, f"the summary to show {expected!r}")
+    wait_for(lambda: expected in summary.inner_text(), 30, f"the summary to show {expected!r}")
     assert f"max/mean tokens per rank {want['max_load']}/" in summary.inner_text()
 
     def plotted():  # (title, {trace name: y}) of each figure in the widget's two Output areas
@@ -121,7 +109,7 @@ def test_placement_explorer_widget_follows_an_edit(lab, page, tmp_path):
             .map(gd => [gd.layout.title.text, Object.fromEntries(gd._fullData.map(t => [t.name, Array.from(t.y)]))])""",
                              widget.element_handle())
 
-    _wait_for(lambda: len(plotted()) == 2 and f"{want['layer_time_s'] * 1e3:.2f} ms" in plotted()[1][0], 30,
+    wait_for(lambda: len(plotted()) == 2 and f"{want['layer_time_s'] * 1e3:.2f} ms" in plotted()[1][0], 30,
               "the figures to redraw")
     (_, load), (_, sent) = plotted()
     assert load["this placement"] == [float(v) for v in want["rank_tokens"]]
@@ -132,7 +120,7 @@ def test_placement_explorer_widget_follows_an_edit(lab, page, tmp_path):
     edit = widget.get_by_role("textbox", name="edit")
     edit.fill(f"{hot}: {X.world_of(state) + 3}")
     edit.press("Enter")
-    _wait_for(lambda: "outside 0..15" in summary.inner_text(), 30, "the widget to refuse the edit")
+    wait_for(lambda: "outside 0..15" in summary.inner_text(), 30, "the widget to refuse the edit")
     assert expected in summary.inner_text() and "kept the last valid placement" in summary.inner_text()
     screenshot(page, "placement_explorer")
 
@@ -163,8 +151,8 @@ def test_stop_button_and_restart_stop_every_rank(lab, page, tmp_path):
     def start_long_run():
         page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".jp-InputArea-editor").click()
         page.keyboard.press("Shift+Enter")
-        _wait_for(lambda: _ranks_started(runs, 2), 90, "the ranks to start")
-        _wait_for(lambda: "it/s" in nb.cell_outputs(2) or "s/it" in nb.cell_outputs(2), 90, "the progress bar")
+        wait_for(lambda: ranks_started(runs, 2), 90, "the ranks to start")
+        wait_for(lambda: "it/s" in nb.cell_outputs(2) or "s/it" in nb.cell_outputs(2), 90, "the progress bar")
 
     def clean() -> bool:  # no folder, no process of the run (torchrun, guard and ranks name it in their command)
         import psutil
@@ -176,14 +164,14 @@ def test_stop_button_and_restart_stop_every_rank(lab, page, tmp_path):
     start_long_run()
     t = time.monotonic()
     page.locator(".jp-NotebookPanel-toolbar [data-command='notebook:interrupt-kernel']").click()  # the stop button
-    _wait_for(lambda: "interrupted: all 2 ranks stopped, nothing stored" in nb.cell_outputs(2), 15,
+    wait_for(lambda: "interrupted: all 2 ranks stopped, nothing stored" in nb.cell_outputs(2), 15,
               "the interrupt line")
-    _wait_for(clean, 10, "every rank and the temp folder to go")
+    wait_for(clean, 10, "every rank and the temp folder to go")
     assert time.monotonic() - t < 15 and "Traceback" not in nb.cell_outputs(2)
     screenshot(page, "stop_button")
 
     start_long_run()
     nb.menu("Kernel", "Restart Kernel…")
     page.locator(".jp-Dialog").get_by_role("button", name="Confirm Kernel Restart").click()
-    _wait_for(clean, 30, "every rank and the temp folder to go after the restart")
+    wait_for(clean, 30, "every rank and the temp folder to go after the restart")
     nb.wait_idle(60)

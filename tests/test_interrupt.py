@@ -12,23 +12,11 @@ import pytest
 
 from moelab.runtime.launch import RunInterrupted, launch
 
-from fake_worker import leftover_processes, use_fake_worker
+from fake_worker import leftover_processes, ranks_started, use_fake_worker, wait_for
 
 pytest.importorskip("psutil")
 TINY = {"train": {"iters": 4}}
 STOP_S = 10  # "within a few seconds": SIGTERM, a 3 s grace, SIGKILL, with room for a loaded machine
-
-
-def _ranks_started(root: Path, n: int = 2) -> bool:
-    return len(list(root.glob(".tmp-*/.launch/pid_rank*"))) >= n
-
-
-def _wait_for(cond, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _clean(root: Path, kernel=None) -> bool:
@@ -44,7 +32,7 @@ def test_ctrl_c_stops_every_rank_and_says_so_in_one_line(tmp_path, monkeypatch):
     sent = {}
 
     def interrupt():
-        _wait_for(lambda: _ranks_started(tmp_path), 60, "the ranks to start")
+        wait_for(lambda: ranks_started(tmp_path), 60, "the ranks to start")
         sent["t"] = time.monotonic()
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -73,11 +61,11 @@ def test_killed_launcher_leaves_no_rank_and_no_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("MOELAB_FAKE_HANG_RANK", "1")
     proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)])
     try:
-        _wait_for(lambda: _ranks_started(tmp_path), 60, "the ranks to start")
+        wait_for(lambda: ranks_started(tmp_path), 60, "the ranks to start")
         assert leftover_processes(str(tmp_path))  # the run is really going
         proc.kill()
         proc.wait()
-        _wait_for(lambda: _clean(tmp_path), STOP_S, "every rank and the temp folder to go")
+        wait_for(lambda: _clean(tmp_path), STOP_S, "every rank and the temp folder to go")
     finally:
         proc.kill()
 
@@ -127,7 +115,7 @@ def _outputs_until_idle(kc, msg_id: str, timeout: float) -> str:
 def test_kernel_interrupt_stops_the_run(kernel):
     km, kc, root = kernel
     msg_id = kc.execute(_CELL.format(root=str(root)))
-    _wait_for(lambda: _ranks_started(root), 60, "the ranks to start")
+    wait_for(lambda: ranks_started(root), 60, "the ranks to start")
     t = time.monotonic()
     km.interrupt_kernel()  # the stop button
     shown = _outputs_until_idle(kc, msg_id, 30)
@@ -141,6 +129,6 @@ def test_kernel_interrupt_stops_the_run(kernel):
 def test_kernel_restart_mid_run_stops_the_run(kernel):
     km, kc, root = kernel
     kc.execute(_CELL.format(root=str(root)))
-    _wait_for(lambda: _ranks_started(root), 60, "the ranks to start")
+    wait_for(lambda: ranks_started(root), 60, "the ranks to start")
     km.restart_kernel(now=False)  # what the browser's "restart kernel" does: ask, then kill
-    _wait_for(lambda: _clean(root, km), STOP_S + 10, "every rank and the temp folder to go")  # + the kernel's own grace
+    wait_for(lambda: _clean(root, km), STOP_S + 10, "every rank and the temp folder to go")  # + the kernel's own grace

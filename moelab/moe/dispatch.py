@@ -26,6 +26,7 @@ import torch
 
 from moelab.comm.door import Communicator
 from moelab.kernels import impl_for
+from moelab.kernels.permute import PermutePlan, permute, unpermute
 from moelab.moe.routing import Routing
 from moelab.placement import Placement
 
@@ -81,11 +82,9 @@ def block_permutation(counts: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(sm_starts, sm_counts) + within
 
 
-def send_plan(send_pos: torch.Tensor, shape) -> "PermutePlan":
+def send_plan(send_pos: torch.Tensor, shape) -> PermutePlan:
     """The kernels' :class:`~moelab.kernels.permute.PermutePlan` of a dispatch plan's send order: row i
     is slot ``send_pos[i]`` (token ``send_pos[i] // k``); slots not sent (dropped, shadowed) map to -1."""
-    from moelab.kernels.permute import PermutePlan
-
     T, k = shape
     pos = torch.full((T * k,), -1, dtype=torch.int64, device=send_pos.device)
     pos[send_pos] = torch.arange(send_pos.numel(), device=send_pos.device)
@@ -226,8 +225,6 @@ class SparseDispatcher:
         """Rows to send, destination-major (row ``p`` of the plan is token ``p // k``)."""
         k = routing.idx.shape[1]
         if impl_for(self.kernels, x) == "triton":
-            from moelab.kernels.permute import permute
-
             return permute(x, send_plan(plan.send_pos.to(x.device), routing.idx.shape), "triton")
         # index_select, not x[idx]: its backward is a plain index_add, not an accumulating index_put
         return x.index_select(0, (plan.send_pos // k).to(x.device))
@@ -254,8 +251,6 @@ class SparseDispatcher:
         """Returned rows (and the shadowed rows' outputs, computed here) to their slots, weighted."""
         T, k = routing.idx.shape
         if shadow_out is None and impl_for(self.kernels, back) == "triton":  # the weighted combine, fused
-            from moelab.kernels.permute import unpermute
-
             return unpermute(back, routing.weights, send_plan(plan.send_pos.to(back.device), (T, k)), "triton")
         out_flat = back.new_zeros(T * k, back.shape[1]).index_copy(0, plan.send_pos.to(back.device), back)
         if shadow_out is not None:
