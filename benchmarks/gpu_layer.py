@@ -169,6 +169,12 @@ def main() -> None:
           f"{fit['hbm_bytes_per_s'] / 1e9:.3g} GB/s HBM, {fit['launch_s'] * 1e6:.3g} us per kernel; "
           f"R^2 of the predicted layer times {fit['r2']:.3f} (target >= 0.95 on a GPU)"
           + ("" if fit["n"] > 3 else " -- fewer than 4 rows: this R^2 says nothing"))
+    if device == "cuda":  # what the paper profiles assume, beside what this GPU reached
+        from moelab.sim.gpu_profile import assumed_vs_measured
+
+        for r in assumed_vs_measured(fit):
+            print(f"  {r['profile']:18s} {r['gpu']:18s} assumes {r['assumed']:.0%} of peak; "
+                  f"measured here ({r['measured_on']}): {r['measured']:.0%}")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"rows": rows, "fit": fit}, fh, indent=1)

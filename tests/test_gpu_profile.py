@@ -36,3 +36,12 @@ def test_noisy_sweep_r2_says_how_well_it_fits():
     fit = fit_gpu(_rows(noise=0.05))
     assert 0.9 < fit["r2"] < 1.0 and fit["n"] == 8
     assert fit_gpu(_rows(noise=0.8))["r2"] < fit["r2"]  # worse data, worse fit: the number is not decoration
+
+
+def test_assumed_efficiencies_are_listed_beside_the_measured_one():
+    from moelab.sim.gpu_profile import assumed_vs_measured
+
+    rows = assumed_vs_measured(fit_gpu(_rows()))
+    names = {r["profile"] for r in rows}
+    assert "hecate_A" in names and "fastermoe_johnny" not in names  # johnny's rate is the paper's own P
+    assert all(r["measured"] == pytest.approx(600e12 / 989e12) and 0 < r["assumed"] < 1 for r in rows)

@@ -64,3 +64,19 @@ def predict_layer_s(profile: ClusterProfile, row: dict) -> float:
     """The profile's price of one benchmark row's layer forward+backward."""
     kernels, flops, moved = layer_terms(row)
     return kernels * profile.op_overhead_s + flops / profile.achieved_flops + moved / (profile.extra["hbm_GBps"] * 1e9)
+
+
+def assumed_vs_measured(fit: dict) -> list:
+    """Each registered profile whose achieved FLOP/s is an assumption or a default efficiency, beside the
+    efficiency this device measured (achieved / data-sheet peak, same kind of number): rows of
+    (profile, its GPU, assumed efficiency, measured efficiency, measured on)."""
+    from moelab.sim.profiles import PROFILES
+
+    measured = fit["flops_per_s"] / fit["peak_flops"]
+    rows = []
+    for name, p in sorted(PROFILES.items()):
+        src = p.sources.get("achieved_flops", "")
+        if "assumption" in src or "default" in src:
+            rows.append(dict(profile=name, gpu=p.gpu, assumed=p.achieved_flops / p.peak_flops, measured=measured,
+                             measured_on=fit["device"], source=src))
+    return rows
