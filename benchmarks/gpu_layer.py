@@ -13,7 +13,8 @@ tokens, bf16 on a GPU (fp32 on the CPU). For each shape it prints
 - permute + unpermute GB/s (bytes read + written) as a fraction of the HBM bandwidth (same table);
 - the layer (route, permute, two grouped GEMMs, activation, unpermute) forward+backward against its floor
   (the two grouped GEMMs forward + both backward GEMMs alone) and against a per-expert-loop torch layer;
-- megablocks' dMoE on the same shape when ``megablocks`` imports (it says so when it does not).
+- megablocks' dMoE (grouped MLP) on the same tokens and shape when ``megablocks`` imports on a GPU (it
+  says so when it does not, or when it fails on the shape).
 
 Targets (checked on the GPU only): GEMM >= 60 % of peak (Mixtral), >= 40 % (DeepSeek); permute/unpermute
 >= 60 % of HBM; layer <= 1.25x its floor; >= 2x ahead of the per-expert loop (DeepSeek).
@@ -125,12 +126,13 @@ def run_shape(name: str, sh: dict, tokens: int, args, device: str, dtype, impls:
     loop = timer(device, lambda: layer("torch", loop=True), args.iters, args.warmup)
     best = min(res[f"layer_{i}"] for i in impls)
     print(f"per-expert-loop torch layer {loop * 1e3:9.3f} ms: the best layer is {loop / best:.2f}x ahead")
-    try:
-        import megablocks  # noqa: F401
-
-        print("megablocks: installed; its dMoE peer row is not wired into this script yet")
-    except ImportError:
-        print("megablocks: not installed here (pip install megablocks on a GPU machine gives the peer row)")
+    peer = megablocks_dmoe_s(device, x, d, f, E, k, args)
+    if isinstance(peer, str):
+        print(f"megablocks dMoE: {peer}")
+    else:
+        res["megablocks_s"] = peer
+        print(f"megablocks dMoE fwd+bwd {peer * 1e3:9.3f} ms = {peer / min(res[f'layer_{i}'] for i in impls):.2f}x "
+              "the best moelab layer (its own top-k router and permutation, dropless grouped GEMMs)")
     if device == "cuda" and "triton" in impls:
         t = TARGETS[name]
         print(f"targets: GEMM {flops / res['gemm_triton'] / 1e12 / tf_peak:.1%} (>= {t['gemm']:.0%}), "
@@ -139,6 +141,34 @@ def run_shape(name: str, sh: dict, tokens: int, args, device: str, dtype, impls:
               + (f", vs loop {loop / res['layer_triton']:.2f}x (>= {t['vs_loop']}x)" if "vs_loop" in t else ""))
     rows.append(dict(shape=name, device=torch.cuda.get_device_name() if device == "cuda" else "cpu", d=d, f=f, E=E,
                      k=k, T=T, dtype=str(dtype), peak_tflops=tf_peak, hbm_GBps=gb_peak, loop_s=loop, **res))
+
+
+def megablocks_dmoe_s(device: str, x, d: int, f: int, E: int, k: int, args):
+    """Forward+backward seconds of megablocks' dMoE on the same tokens and shape, or why there is none."""
+    if device != "cuda":
+        return "needs a GPU (skipped in the CPU mode)"
+    try:
+        from functools import partial
+
+        from megablocks.layers.arguments import Arguments
+        from megablocks.layers.dmoe import dMoE
+    except ImportError as e:
+        return f"not installed here ({e}); pip install megablocks on the GPU machine gives the peer row"
+    try:
+        margs = Arguments(hidden_size=d, ffn_hidden_size=f, moe_num_experts=E, moe_top_k=k, mlp_impl="grouped",
+                          bf16=x.dtype == torch.bfloat16, fp16=False, device=torch.cuda.current_device(),
+                          init_method=partial(torch.nn.init.normal_, mean=0.0, std=0.02))
+        layer = dMoE(margs)
+        inp = x.detach().view(x.shape[0], 1, d)  # (sequence, batch, hidden)
+
+        def step():
+            xi = inp.detach().requires_grad_()
+            out = layer(xi)
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+
+        return timer(device, step, args.iters, args.warmup)
+    except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the benchmark goes on
+        return f"failed on this shape: {type(e).__name__}: {e}"
 
 
 def main() -> None:
