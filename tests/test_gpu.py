@@ -113,3 +113,45 @@ def test_device_syncs_of_one_step_on_gpu():
         assert len(syncs) <= 2 * len(tr.model.moe_layers()) + 1, syncs
     finally:
         dist.destroy_process_group()
+
+
+def _conformance_cases():
+    from test_conformance import CASES, IDS
+
+    return list(range(len(CASES))), IDS
+
+
+@pytest.mark.parametrize("case", _conformance_cases()[0], ids=_conformance_cases()[1])
+def test_every_strategy_layer_on_one_gpu_matches_the_cpu_reference(case):
+    """The conformance suite's layer cases (every strategy and option set, every edge load) at world size 1
+    on CUDA in fp64, against the single-process fp64 reference computed on the CPU."""
+    from test_conformance import CASES, D, F, LOADS, MOE, _reference, bias_gate, make_inputs, run_cfg
+
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+    from moelab.config import ConfigError, MoEConfig
+    from moelab.moe.layer import MoELayer
+    from moelab.strategies import get
+
+    name, opts, changes_model = CASES[case]
+    if changes_model:
+        pytest.skip(f"{name} {opts} routes differently on purpose")
+    try:
+        cfg = run_cfg(name, opts, 1)
+    except ConfigError as e:
+        pytest.skip(f"{name} rejects one rank: {str(e).splitlines()[-1]}")
+    cls = get(name).layer_class(cfg) or MoELayer
+    for load, (t2, _, hot) in LOADS.items():
+        tokens = [sum(t2)]
+        ref = _reference(tokens, hot)
+        xs, gys = make_inputs(tokens, hot)
+        layer = cls(D, F, MoEConfig(**MOE), layer_id=3, seed=7, comm=Communicator(Topology(1, 1)),
+                    dtype=torch.float64).cuda()
+        bias_gate(layer.gate, hot)
+        x = xs[0].cuda().requires_grad_()
+        y = layer(x)
+        ((y * gys[0].cuda()).sum() + layer.aux_loss).backward()
+        torch.testing.assert_close(y.cpu(), ref["y"][0], rtol=1e-9, atol=1e-10, msg=f"{load}: outputs")
+        torch.testing.assert_close(x.grad.cpu(), ref["gx"][0], rtol=1e-9, atol=1e-10, msg=f"{load}: input grads")
+        torch.testing.assert_close(layer.gate.wg.weight.grad.cpu(), ref["gg"], rtol=1e-9, atol=1e-10,
+                                   msg=f"{load}: gate grads")

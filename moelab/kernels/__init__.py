@@ -63,6 +63,8 @@ def select(kind: str, device: str = "cpu") -> str:
     """``torch`` or ``triton`` for ``kind`` on ``device``; KernelUnavailable / ValueError when it cannot be."""
     if kind not in KINDS:
         raise ValueError(f"model.moe.kernels must be one of {KINDS}, got {kind!r}")
+    if kind == "torch":  # the default, on every layer call: nothing to look up
+        return "torch"
     why = triton_error(device)
     if kind == "triton":
         if why:
