@@ -474,6 +474,15 @@ def serve_errors(cfg: "RunConfig") -> list:
     return errs
 
 
+def resolve_backend(requested: str) -> str:
+    """The process-group backend ``parallel.backend`` means here: ``auto`` is NCCL with CUDA, else gloo."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def _kernel_errors(moe: MoEConfig, backend: str) -> list:
     """``model.moe.kernels`` must name a selector, and Triton must be able to run where the ranks will."""
     from moelab.kernels import KINDS, MAX_TOP_K, triton_error
@@ -484,10 +493,7 @@ def _kernel_errors(moe: MoEConfig, backend: str) -> list:
         return []
     errs = [f"model.moe.kernels=triton routes top-k up to {MAX_TOP_K}, got model.moe.top_k={moe.top_k}"] \
         if isinstance(moe.top_k, int) and moe.top_k > MAX_TOP_K else []
-    import torch
-
-    device = "cuda" if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()) else "cpu"
-    why = triton_error(device)
+    why = triton_error("cuda" if resolve_backend(backend) == "nccl" else "cpu")
     return errs + ([why] if why else [])
 
 
@@ -499,10 +505,7 @@ def _autocast_errors(t: "TrainConfig", backend: str) -> list:
         return []
     if t.dtype != "float32":
         return [f"train.autocast=bf16 runs an fp32 model in bf16: set train.dtype=float32 (got {t.dtype})"]
-    import torch
-
-    on_gpu = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
-    if not on_gpu and not cpu_has_bf16():
+    if resolve_backend(backend) != "nccl" and not cpu_has_bf16():
         return ["train.autocast=bf16: this CPU has no native bf16 (AVX512-BF16 or AMX); use train.autocast=none "
                 "or run on a GPU"]
     return []

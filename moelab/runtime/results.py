@@ -173,11 +173,9 @@ def _rank_of(path: Path) -> int:
 # ---- the summary, written last by the ranks (moelab.runtime.runfolder) --------------------
 def backend_of(cfg: RunConfig) -> str:
     """The backend a run uses: the configured one, or what ``auto`` picks on this machine."""
-    if cfg.parallel.backend != "auto":
-        return cfg.parallel.backend
-    import torch
+    from moelab.config import resolve_backend
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return resolve_backend(cfg.parallel.backend)
 
 
 def run_label(cfg: RunConfig) -> str:

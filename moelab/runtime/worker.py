@@ -26,15 +26,10 @@ import torch
 import torch.distributed as dist
 
 from moelab.config import RunConfig
+from moelab.runtime.results import backend_of
 from moelab.runtime.runfolder import RunFolder
 
 WORKER = "moelab.runtime.worker"
-
-
-def choose_backend(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def load_config(path: str, sets=()) -> RunConfig:
@@ -58,7 +53,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.set)
     torch.set_num_threads(cfg.train.threads_per_rank)
-    backend = choose_backend(cfg.parallel.backend)
+    backend = backend_of(cfg)
     device = torch.device("cpu")
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))
