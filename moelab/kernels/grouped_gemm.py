@@ -9,6 +9,8 @@ listed once per call on the host from ``counts`` (the dispatch plan has them on 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moelab.kernels import acc_dtype, tl_acc
@@ -23,6 +25,7 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, counts) -> torch.Tensor:
     return torch.cat(out) if out else x.new_zeros(0, w.shape[2])
 
 
+@functools.cache  # compiled (or interpreted) once, on first use: importing moelab needs no Triton
 def _kernels():
     import triton
     import triton.language as tl
@@ -67,15 +70,7 @@ def _kernels():
     return mm, wgrad
 
 
-_KERNELS = None
 BM, BN, BK = 32, 32, 32  # tile sizes; 16 is the smallest tl.dot accepts
-
-
-def _k():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _kernels()
-    return _KERNELS
 
 
 def _tiles(counts: list, device) -> tuple:
@@ -100,8 +95,9 @@ def _mm(x, w, counts: list, transpose_w: bool = False):
     te, t0, t1 = _tiles(counts, x.device)
     if te.numel() and d_out:
         swe, swd, swf = w.stride(0), *((w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2)))
-        _k()[0][(te.numel(), triton.cdiv(d_out, BN))](x, w, y, te, t0, t1, d_in, d_out, x.stride(0), swe, swd, swf,
-                                                      ACC=tl_acc(x.dtype), BM=BM, BN=BN, BK=BK)
+        mm, _ = _kernels()
+        mm[(te.numel(), triton.cdiv(d_out, BN))](x, w, y, te, t0, t1, d_in, d_out, x.stride(0), swe, swd, swf,
+                                                 ACC=tl_acc(x.dtype), BM=BM, BN=BN, BK=BK)
     elif d_out:
         y.zero_()
     return y
@@ -115,8 +111,9 @@ def _wgrad(x, dy, counts: list):
     starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64, device=x.device)
     dw = x.new_empty(E, D, F)
     if E and D and F:
-        _k()[1][(E, triton.cdiv(D, BM), triton.cdiv(F, BN))](x, dy, dw, starts, D, F, ACC=tl_acc(x.dtype),
-                                                            BM=BM, BN=BN, BK=BK)
+        _, wgrad = _kernels()
+        wgrad[(E, triton.cdiv(D, BM), triton.cdiv(F, BN))](x, dy, dw, starts, D, F, ACC=tl_acc(x.dtype),
+                                                           BM=BM, BN=BN, BK=BK)
     return dw
 
 

@@ -8,6 +8,8 @@ so a row whose two best vertices are closer than that rounding may pick the othe
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moelab.kernels import acc_dtype, tl_acc
@@ -30,6 +32,7 @@ def hash_torch(x: torch.Tensor, R: torch.Tensor, expert: torch.Tensor) -> tuple:
     return codes, key
 
 
+@functools.cache  # compiled (or interpreted) once, on first use: importing moelab needs no Triton
 def _kernel():
     import triton
     import triton.language as tl
@@ -65,22 +68,16 @@ def _kernel():
     return cp_hash
 
 
-_KERNEL = None
-
-
 def hash_triton(x: torch.Tensor, R: torch.Tensor, expert: torch.Tensor, block_rows: int = 32) -> tuple:
     """The same (codes, key) as :func:`hash_torch`, from one kernel launch."""
     import triton
 
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _kernel()
     x, R, expert = x.contiguous(), R.to(x.dtype).contiguous(), expert.contiguous()
     A, D = x.shape
     L, r = R.shape[0], R.shape[2]
     codes = torch.empty(A, L, dtype=torch.int64, device=x.device)
     key = torch.empty(A, dtype=torch.int64, device=x.device)
     if A:
-        _KERNEL[(triton.cdiv(A, block_rows),)](x, R, expert, codes, key, A, D, L, RD=r, ACC=tl_acc(x.dtype),
-                                               BA=block_rows, BD=min(triton.next_power_of_2(max(D, 1)), 128))
+        _kernel()[(triton.cdiv(A, block_rows),)](x, R, expert, codes, key, A, D, L, RD=r, ACC=tl_acc(x.dtype),
+                                                 BA=block_rows, BD=min(triton.next_power_of_2(max(D, 1)), 128))
     return codes, key

@@ -14,7 +14,9 @@ Each op takes ``impl="torch"`` (the reference) or ``"triton"``; both accumulate 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -25,20 +27,26 @@ from moelab.kernels import acc_dtype, tl_acc
 class PermutePlan:
     src: torch.Tensor  # [S] int64: token of each expert-contiguous row
     pos: torch.Tensor  # [T, k] int64: row of each slot, -1 = dropped
-    counts: torch.Tensor  # [E] int64: rows per expert
+    counts: Optional[torch.Tensor]  # [E] int64: rows per expert (None when the rows are not expert-contiguous)
     slot: torch.Tensor  # [S] int64: flat slot (t * k + j) of each row
+
+
+def plan_of_rows(slots: torch.Tensor, shape, counts: Optional[torch.Tensor] = None) -> PermutePlan:
+    """The plan of a buffer whose row ``i`` holds flat slot ``slots[i]`` (``t * k + j``) of a ``[T, k]``
+    routing; slots not listed (dropped, shadowed) map to -1. Any row order: the sparse dispatcher's send
+    order (destination-major) as well as :func:`plan`'s expert-contiguous one."""
+    T, k = shape
+    pos = torch.full((T * k,), -1, dtype=torch.int64, device=slots.device)
+    pos[slots] = torch.arange(slots.numel(), device=slots.device)
+    return PermutePlan(slots // k, pos.view(T, k), counts, slots)
 
 
 def plan(idx: torch.Tensor, num_experts: int) -> PermutePlan:
     """The expert-contiguous layout of the kept slots of ``idx`` (stable: token order inside an expert)."""
-    T, k = idx.shape
     flat = idx.reshape(-1)
     kept = (flat >= 0).nonzero().squeeze(1)
     order = kept[torch.sort(flat[kept], stable=True).indices]
-    pos = torch.full((T * k,), -1, dtype=torch.int64, device=idx.device)
-    pos[order] = torch.arange(order.numel(), device=idx.device)
-    counts = torch.bincount(flat[kept], minlength=num_experts)
-    return PermutePlan(order // k, pos.view(T, k), counts, order)
+    return plan_of_rows(order, idx.shape, torch.bincount(flat[kept], minlength=num_experts))
 
 
 # ---- torch references ------------------------------------------------------------------------------------
@@ -64,6 +72,7 @@ def _rowdot_torch(dy, rows, pos):
 
 
 # ---- Triton kernels --------------------------------------------------------------------------------------
+@functools.cache  # compiled (or interpreted) once, on first use: importing moelab needs no Triton
 def _kernels():
     import triton
     import triton.language as tl
@@ -108,16 +117,6 @@ def _kernels():
     return gather, combine, rowdot
 
 
-_KERNELS = None
-
-
-def _k():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _kernels()
-    return _KERNELS
-
-
 def _block_d(D: int) -> int:
     import triton
 
@@ -132,8 +131,9 @@ def _gather_triton(x, src, scale=None):
     out = x.new_empty(S, D)
     if S and D:
         bd = _block_d(D)
-        _k()[0][(S, triton.cdiv(D, bd))](x, src, scale if scale is not None else src, out, D,
-                                          HAS_SCALE=scale is not None, ACC=tl_acc(x.dtype), BLOCK_D=bd)
+        gather = _kernels()[0]
+        gather[(S, triton.cdiv(D, bd))](x, src, scale if scale is not None else src, out, D,
+                                        HAS_SCALE=scale is not None, ACC=tl_acc(x.dtype), BLOCK_D=bd)
     return out
 
 
@@ -145,7 +145,7 @@ def _combine_triton(rows, pos, w):
     out = rows.new_empty(T, D)
     if T and D:
         bd = _block_d(D)
-        _k()[1][(T, triton.cdiv(D, bd))](rows, pos, w, out, D, K=k, ACC=tl_acc(rows.dtype), BLOCK_D=bd)
+        _kernels()[1][(T, triton.cdiv(D, bd))](rows, pos, w, out, D, K=k, ACC=tl_acc(rows.dtype), BLOCK_D=bd)
     return out
 
 
@@ -154,7 +154,7 @@ def _rowdot_triton(dy, rows, pos):
     (T, k), D = pos.shape, rows.shape[1]
     dw = torch.zeros(T, k, dtype=acc_dtype(rows.dtype), device=dy.device)
     if T and D:
-        _k()[2][(T,)](dy, rows, pos, dw, D, K=k, ACC=tl_acc(rows.dtype), BLOCK_D=_block_d(D))
+        _kernels()[2][(T,)](dy, rows, pos, dw, D, K=k, ACC=tl_acc(rows.dtype), BLOCK_D=_block_d(D))
     return dw
 
 

@@ -10,6 +10,8 @@ equal logits go to the lower expert id in the kernel; torch.topk does not promis
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moelab.kernels import MAX_TOP_K, acc_dtype, tl_acc
@@ -28,6 +30,7 @@ def route_torch(logits: torch.Tensor, k: int) -> tuple:
     return idx, torch.softmax(vals, dim=-1), capacity_locations(idx, logits.shape[1])
 
 
+@functools.cache  # compiled (or interpreted) once, on first use: importing moelab needs no Triton
 def _kernels():
     import triton
     import triton.language as tl
@@ -75,18 +78,12 @@ def _kernels():
     return topk_block, place_block
 
 
-_KERNELS = None
-
-
 def route_triton(logits: torch.Tensor, k: int, block_t: int = 64) -> tuple:
     """The same triple as :func:`route_torch`, from the Triton kernels."""
     import triton
 
-    global _KERNELS
     check_top_k(k, logits.shape[1])
-    if _KERNELS is None:
-        _KERNELS = _kernels()
-    topk_block, place_block = _KERNELS
+    topk_block, place_block = _kernels()
     logits = logits.contiguous()
     T, E = logits.shape
     block_e = triton.next_power_of_2(E)

@@ -19,14 +19,14 @@ Dispatchers are registered by name (:func:`register_dispatcher`), ``cfg.dispatch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
 from moelab.comm.door import Communicator
 from moelab.kernels import impl_for
-from moelab.kernels.permute import PermutePlan, permute, unpermute
+from moelab.kernels.permute import PermutePlan, permute, plan_of_rows, unpermute
 from moelab.moe.routing import Routing
 from moelab.placement import Placement
 
@@ -65,6 +65,14 @@ class DispatchPlan:
     shadowed: tuple = ()  # experts whose rows stay on their source (computed there on copied parameters)
     shadow_pos: Optional[torch.Tensor] = None  # index of each shadowed row, expert-major, source order inside
     shadow_counts: tuple = ()  # this rank's rows for each shadowed expert
+    _rows_plan: Optional[tuple] = field(default=None, repr=False, compare=False)  # (send_pos it was built from, plan)
+
+    def rows_plan(self, shape, device) -> PermutePlan:
+        """The send order as the kernels' permute plan, built once per call (dispatch and combine share it;
+        a plan copied with another ``send_pos`` builds its own)."""
+        if self._rows_plan is None or self._rows_plan[0] is not self.send_pos:
+            self._rows_plan = (self.send_pos, plan_of_rows(self.send_pos.to(device), shape))
+        return self._rows_plan[1]
 
 
 def block_permutation(counts: torch.Tensor) -> torch.Tensor:
@@ -80,15 +88,6 @@ def block_permutation(counts: torch.Tensor) -> torch.Tensor:
     sm_offsets = torch.cumsum(sm_counts, 0) - sm_counts
     within = torch.arange(total) - torch.repeat_interleave(sm_offsets, sm_counts)
     return torch.repeat_interleave(sm_starts, sm_counts) + within
-
-
-def send_plan(send_pos: torch.Tensor, shape) -> PermutePlan:
-    """The kernels' :class:`~moelab.kernels.permute.PermutePlan` of a dispatch plan's send order: row i
-    is slot ``send_pos[i]`` (token ``send_pos[i] // k``); slots not sent (dropped, shadowed) map to -1."""
-    T, k = shape
-    pos = torch.full((T * k,), -1, dtype=torch.int64, device=send_pos.device)
-    pos[send_pos] = torch.arange(send_pos.numel(), device=send_pos.device)
-    return PermutePlan(send_pos // k, pos.view(T, k), torch.empty(0, dtype=torch.int64), send_pos)
 
 
 def combine_slots(out_flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -225,7 +224,7 @@ class SparseDispatcher:
         """Rows to send, destination-major (row ``p`` of the plan is token ``p // k``)."""
         k = routing.idx.shape[1]
         if impl_for(self.kernels, x) == "triton":
-            return permute(x, send_plan(plan.send_pos.to(x.device), routing.idx.shape), "triton")
+            return permute(x, plan.rows_plan(routing.idx.shape, x.device), "triton")
         # index_select, not x[idx]: its backward is a plain index_add, not an accumulating index_put
         return x.index_select(0, (plan.send_pos // k).to(x.device))
 
@@ -251,7 +250,7 @@ class SparseDispatcher:
         """Returned rows (and the shadowed rows' outputs, computed here) to their slots, weighted."""
         T, k = routing.idx.shape
         if shadow_out is None and impl_for(self.kernels, back) == "triton":  # the weighted combine, fused
-            return unpermute(back, routing.weights, send_plan(plan.send_pos.to(back.device), (T, k)), "triton")
+            return unpermute(back, routing.weights, plan.rows_plan((T, k), back.device), "triton")
         out_flat = back.new_zeros(T * k, back.shape[1]).index_copy(0, plan.send_pos.to(back.device), back)
         if shadow_out is not None:
             out_flat = out_flat.index_copy(0, plan.shadow_pos.to(back.device), shadow_out)
