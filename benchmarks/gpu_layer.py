@@ -72,6 +72,7 @@ def peak(device: str, dtype, iters: int) -> tuple:
 def run_shape(name: str, sh: dict, tokens: int, args, device: str, dtype, impls: list, rows: list) -> None:
     from moelab.kernels import permute as P
     from moelab.kernels.grouped_gemm import grouped_mm
+    from moelab.sim.gpu_profile import permute_bytes
 
     scale = 1 if device == "cuda" else 8
     d, f, E, k, T = sh["d"] // scale, sh["f"] // scale, sh["E"], sh["k"], tokens // scale
@@ -97,7 +98,7 @@ def run_shape(name: str, sh: dict, tokens: int, args, device: str, dtype, impls:
         offs = torch.cumsum(plan.counts, 0).to(torch.int32)
         s = timer(device, lambda: torch._grouped_mm(rows_x, w1, offs=offs), args.iters, args.warmup)
         print(f"grouped GEMM torch._grouped_mm {s * 1e3:9.3f} ms  {flops / s / 1e12:8.2f} TFLOP/s")
-    moved = 2 * (x.numel() + rows_x.numel()) * x.element_size()  # each direction reads and writes its rows
+    moved = permute_bytes(T, rows_x.shape[0], d, x.element_size())
     for impl in impls:
         s = timer(device, lambda: P.unpermute(P.permute(x, plan, impl), weights, plan, impl), args.iters, args.warmup)
         res[f"perm_{impl}"] = s

@@ -336,12 +336,15 @@ def _table_section(t: dict, base: str) -> str:
     return f"<h3>{_e(t['title'])}{lab}</h3>{_table_html(t)}<p class=muted>{links}</p>"
 
 
-def _section(m: dict, out: Path) -> str:
+def _figures_rel(m: dict) -> str:
+    """A notebook's exported-files folder, relative to the report."""
+    return m.get("figures_dir") or f"figures/{m.get('name', '?')}"
+
+
+def _section(m: dict, out: Path, found: dict) -> str:
+    """One notebook's section; ``found`` is :func:`collect` of its folder, figures in manifest order."""
     name = m.get("name", "?")
-    fig_rel = m.get("figures_dir") or f"figures/{name}"
-    found = collect(out / fig_rel)
-    order = {stem: i for i, stem in enumerate(figure_order(out / fig_rel))}
-    found["figures"].sort(key=lambda f: order.get(f["name"], len(order)))  # stable: the rest as written
+    fig_rel = _figures_rel(m)
     base = fig_rel.rstrip("/") + "/"
     kinds = sorted({f["kind"] for f in found["figures"]} | {label_kind(t["label"]) for t in found["tables"]
                                                             if t["label"]})
@@ -383,10 +386,13 @@ def build_index(out: str | Path, session: dict | None = None) -> Path:
     if session:
         sub += (f" · last call: {', '.join(session.get('names', []))} at scale {session.get('scale')}, "
                 f"{_fmt_s(session.get('wall_s'))}")
-    rows = []
+    rows, found = [], []
     for m in manifests:
-        folder = out / (m.get("figures_dir") or f"figures/{m.get('name')}")
-        n = len(collect(folder)["figures"])
+        folder = out / _figures_rel(m)
+        found.append(collect(folder))
+        order = {stem: i for i, stem in enumerate(figure_order(folder))}
+        found[-1]["figures"].sort(key=lambda f: order.get(f["name"], len(order)))  # stable: the rest as written
+        n = len(found[-1]["figures"])
         rows.append(f'<tr><td><a href="#nb-{_e(m.get("name"))}">{_e(m.get("name"))}</a></td>'
                     f"<td>{_status_badges(m)}</td><td>{_e(m.get('scale'))}</td><td>{_fmt_s(m.get('wall_s'))}</td>"
                     f"<td>{_coverage_cell(coverage(folder))}</td><td>{_pvm_cell(paper_vs_moelab_counts(folder))}</td>"
@@ -402,5 +408,5 @@ def build_index(out: str | Path, session: dict | None = None) -> Path:
     page = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>moelab report</title>"
             f"<meta name=viewport content='width=device-width,initial-scale=1'><style>{_CSS}</style></head>"
             f"<body><header><h1>moelab report</h1><p>{_e(sub)}</p></header><main>{summary}"
-            + "\n".join(_section(m, out) for m in manifests) + "</main></body></html>\n")
+            + "\n".join(_section(m, out, f) for m, f in zip(manifests, found)) + "</main></body></html>\n")
     return atomic_write_text(out / "index.html", page)

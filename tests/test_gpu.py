@@ -15,6 +15,8 @@ import warnings
 import pytest
 import torch
 
+from test_conformance import CASES as CONFORMANCE, IDS as CONFORMANCE_IDS
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                    reason="no CUDA device: the GPU suite runs on a GPU machine only")]
 
@@ -115,13 +117,7 @@ def test_device_syncs_of_one_step_on_gpu():
         dist.destroy_process_group()
 
 
-def _conformance_cases():
-    from test_conformance import CASES, IDS
-
-    return list(range(len(CASES))), IDS
-
-
-@pytest.mark.parametrize("case", _conformance_cases()[0], ids=_conformance_cases()[1])
+@pytest.mark.parametrize("case", range(len(CONFORMANCE)), ids=CONFORMANCE_IDS)
 def test_every_strategy_layer_on_one_gpu_matches_the_cpu_reference(case):
     """The conformance suite's layer cases (every strategy and option set, every edge load) at world size 1
     on CUDA in fp64, against the single-process fp64 reference computed on the CPU."""

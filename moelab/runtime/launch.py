@@ -172,9 +172,10 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
     run_id = cfg.run_id()
     final = Path(out_root) / run_id
     if reuse and (final / "summary.json").is_file():
-        stale = stale_version(RunResult(final).summary.get("moelab_version"))
+        stored = RunResult(final)
+        stale = stale_version(stored.summary.get("moelab_version"))
         if stale is None:
-            return RunResult(final)
+            return stored
         print(f"moelab: not re-using the stored run {run_id}: {stale}; running it again", file=sys.stderr, flush=True)
     tmp = (Path(out_root) / f".tmp-{run_id}-{os.getpid()}").resolve()
     shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier, killed launcher with our pid

@@ -19,11 +19,17 @@ from moelab.sim.profiles import ClusterProfile
 LAYER_KERNELS = 13  # launches of one layer fwd+bwd: permute, 2 GEMMs, activation, unpermute; 8 backward
 
 
+def permute_bytes(tokens: int, rows: int, d: int, elem_bytes: int) -> int:
+    """HBM bytes of one permute + unpermute: each direction reads and writes the tokens and the expert rows."""
+    return 2 * (tokens + rows) * d * elem_bytes
+
+
 def layer_terms(row: dict) -> tuple:
     """(kernels, FLOPs, HBM bytes) of one benchmark row's layer forward+backward."""
+    from moelab.sim.graphs import DTYPE_BYTES
+
     S = row["T"] * row["k"]
-    elem = 2 if "bfloat16" in row["dtype"] or "float16" in row["dtype"] else 4 if "float32" in row["dtype"] else 8
-    moved = 2 * (row["T"] * row["d"] + S * row["d"]) * elem
+    moved = permute_bytes(row["T"], S, row["d"], DTYPE_BYTES[row["dtype"].removeprefix("torch.")])
     return LAYER_KERNELS, 12.0 * S * row["d"] * row["f"], 2.0 * moved
 
 

@@ -222,11 +222,11 @@ def edit_placement(state: ExplorerState, text: str) -> ExplorerState:
     for part in filter(None, (p.strip() for p in text.split(";"))):
         head, colon, ranks = part.partition(":")
         try:
+            if not colon:
+                raise ValueError
             e, listed = int(head), [int(r) for r in ranks.replace(",", " ").split()]
         except ValueError:
             raise ValueError(f"cannot read {part!r}: write 'expert: owner [replicas...]', e.g. '3: 5 12'") from None
-        if not colon:
-            raise ValueError(f"cannot read {part!r}: write 'expert: owner [replicas...]', e.g. '3: 5 12'")
         if not 0 <= e < len(h):
             raise ValueError(f"expert {e} does not exist: experts are 0..{len(h) - 1}")
         h[e] = listed
