@@ -156,7 +156,7 @@ class Placement:
         N, E = self.world_size, self.num_experts
         if C.shape != (N, E):
             raise ValueError(f"counts must be [{N}, {E}], got {C.shape}")
-        single = np.fromiter((len(h) == 1 for h in self.holders), dtype=bool, count=E)
+        single = self._single_holder
         out = np.zeros((N, N), dtype=np.int64)
         owners = self.owners[single]
         if len(owners):  # sum each source's columns per owner: one reduceat (exact int64)
@@ -165,7 +165,7 @@ class Placement:
                 order = np.argsort(owners, kind="stable")
                 owners, cols = owners[order], cols[:, order]
             dst, starts = np.unique(owners, return_index=True)
-            out[:, dst] = np.add.reduceat(cols, starts, axis=1)
+            out[:, dst] = cols if len(dst) == len(owners) else np.add.reduceat(cols, starts, axis=1)
         vectorised = getattr(self.rule, "route_replicated", None)
         for e in np.flatnonzero(~single):
             if vectorised is not None:
@@ -175,6 +175,10 @@ class Placement:
                     for r, n in self.blocks(src, int(e), int(C[src, e])):
                         out[src, r] += n
         return out
+
+    @cached_property
+    def _single_holder(self) -> np.ndarray:
+        return np.fromiter((len(h) == 1 for h in self.holders), dtype=bool, count=self.num_experts)
 
     @cached_property
     def owners(self) -> np.ndarray:

@@ -40,6 +40,7 @@ fits against.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -268,6 +269,22 @@ def ring_channels(group: Sequence[int], topo: Topology, nics: int = 1) -> list:
     return rings
 
 
+@functools.lru_cache(maxsize=256)
+def _ring_ports(group: tuple, topo: Topology, nics: int) -> tuple:
+    """``(channels, ports)``: the ports every edge of :func:`ring_channels` puts its bytes on, in edge
+    order (out port, then in port), computed once per group: a simulated iteration prices the same
+    groups' rings hundreds of times."""
+    rings = ring_channels(group, topo, nics)
+    links: dict = {}
+    ports = []
+    for order in rings:
+        for i, r in enumerate(order):
+            links.clear()
+            _send(links, topo, r, order[(i + 1) % len(order)], 1, nics)
+            ports += list(links)
+    return len(rings), tuple(ports)
+
+
 def ring_demand(op: str, group: Sequence[int], topo: Topology, profile, nbytes: int) -> Demand:
     """Ring all-gather / reduce-scatter / all-reduce over ``group`` (:func:`ring_channels`: node-major,
     one channel per NIC across nodes): every edge of a channel carries per-edge bytes / channels."""
@@ -276,13 +293,12 @@ def ring_demand(op: str, group: Sequence[int], topo: Topology, profile, nbytes: 
     if n <= 1:
         return Demand(0.0, {})
     per_edge, steps = _RING[op]
-    k = nic_count(profile, topo)
-    rings = ring_channels(group, topo, k)
-    v = per_edge(n, nbytes) / len(rings)
+    channels, ports = _ring_ports(tuple(group), topo, nic_count(profile, topo))
+    v = per_edge(n, nbytes) / channels
     links: dict = {}
-    for order in rings:
-        for i, r in enumerate(order):
-            _send(links, topo, r, order[(i + 1) % n], v, k)
+    get = links.get
+    for port in ports:  # the same additions, in the same order, as sending edge by edge
+        links[port] = get(port, 0) + v
     d = Demand(steps(n) * _class_latency(group, topo, profile), links)
     return _fitted(op, d, group, topo, profile, lambda: sent_bytes(op, group, topo, nbytes))
 

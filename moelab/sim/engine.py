@@ -271,6 +271,95 @@ class SimResult:
         return pd.DataFrame.from_dict(out, orient="index").fillna(0.0).rename_axis("rank")
 
 
+class _Crowding:
+    """Who uses which link, as counts per (priority level, link): a flow over thousands of links (an
+    all-to-all of a large cluster) is rated by one array pass instead of a Python loop per link.
+
+    A flow's rate on a link is an equal share among the flows of the highest priority present and
+    the started non-preemptive ones (0 when it is preempted there), capped by the link's per-flow
+    limit; its rate is the smallest over its links."""
+
+    def __init__(self, ops, caps: dict, limits: dict, prio: list, holds: list):
+        levels = sorted(set(prio))
+        self.level = [levels.index(p) for p in prio] if len(levels) > 1 else None
+        self.holds, self.pinned = holds, [False] * len(ops)  # pinned: a started non-preemptive flow
+        index: dict = {}  # link -> column
+        per_dict: dict = {}  # id(links dict) -> (dict, entry): graphs hand many ops one demand's dict
+        self.of: list = []  # per op: (columns, capacity / bytes, limit / bytes, columns as a list) or None
+        for o in ops:
+            if not o.links:
+                self.of.append(None)
+                continue
+            got = per_dict.get(id(o.links))
+            if got is None:
+                keys = [l for l, b in o.links.items() if b > 0]
+                cols = [index.setdefault(l, len(index)) for l in keys]
+                got = per_dict[id(o.links)] = (o.links, (np.asarray(cols, dtype=np.int64),
+                                                         np.asarray([o.links[l] for l in keys], dtype=np.float64),
+                                                         cols) if keys else None)
+            self.of.append(got[1])
+        inf = float("inf")
+        links = list(index)
+        cap = np.asarray([caps[l] for l in links], dtype=np.float64)
+        lim = np.asarray([limits.get(l, inf) for l in links], dtype=np.float64)
+        done: dict = {}
+        for k, e in enumerate(self.of):  # bytes -> capacity / bytes and limit / bytes, once per entry
+            if e is not None and id(e) not in done:
+                cols, nbytes, lst = e
+                done[id(e)] = (cols, cap[cols] / nbytes, lim[cols] / nbytes, lst)
+            if e is not None:
+                self.of[k] = done[id(e)]
+        self.users = [set() for _ in links]
+        P = len(levels)
+        self.count = np.zeros((P, len(links)), dtype=np.int64)  # flows per (level, link)
+        self.pinned_count = np.zeros((P, len(links)), dtype=np.int64) if any(holds) else None
+
+    def has_links(self, i) -> bool:
+        return self.of[i] is not None
+
+    def sharing(self, i) -> set:
+        """Flows on any link of i (i included once it has joined)."""
+        users = self.users
+        return set().union(*(users[c] for c in self.of[i][3]))
+
+    def join(self, i):
+        cols = self.of[i][0]
+        self.count[0 if self.level is None else self.level[i], cols] += 1
+        for c in self.of[i][3]:
+            self.users[c].add(i)
+
+    def leave(self, i):
+        cols = self.of[i][0]
+        lv = 0 if self.level is None else self.level[i]
+        self.count[lv, cols] -= 1
+        if self.pinned[i]:
+            self.pinned_count[lv, cols] -= 1
+        for c in self.of[i][3]:
+            self.users[c].discard(i)
+
+    def started_moving(self, i):
+        """A flow of a non-preemptive stream got a rate: it keeps a share from now on."""
+        if self.holds[i] and not self.pinned[i]:
+            self.pinned[i] = True
+            self.pinned_count[0 if self.level is None else self.level[i], self.of[i][0]] += 1
+
+    def rate(self, i) -> float:
+        cols, cb, lim, _ = self.of[i]
+        if self.level is None:
+            return float(np.minimum(cb / self.count[0, cols], lim).min())
+        sub = self.count[:, cols]
+        P = len(sub)
+        top = P - 1 - np.argmax(sub[::-1] > 0, axis=0)  # highest level present on each link
+        if not self.pinned[i] and (top > self.level[i]).any():
+            return 0.0  # preempted on some link until the higher-priority flows leave it
+        k = np.arange(len(cols))
+        n = sub[top, k]
+        if self.pinned_count is not None:  # started non-preemptive flows below the top level count too
+            below = np.cumsum(self.pinned_count[:, cols], axis=0)
+            n = n + np.where(top > 0, below[np.maximum(top - 1, 0), k], 0)
+        return float(np.minimum(cb / n, lim).min())
+
+
 def simulate(graph: OpGraph) -> SimResult:
     """Run ``graph`` to completion; raises :class:`DeadlockError` if some ops can never start."""
     ops = graph.ops
@@ -307,51 +396,30 @@ def simulate(graph: OpGraph) -> SimResult:
     for q in queues.values():
         release(q[0], 0.0, -1)
 
-    # fluid flows: op -> [remaining fraction at t_ref, rate, t_ref]; link -> its active flows.
-    # A flow's rate depends only on how crowded its own links are, so a join or a leave re-rates
-    # just the flows that share a link with it.
+    # fluid flows: op -> (remaining fraction at t_ref, rate, t_ref). A flow's rate depends only on
+    # how crowded its own links are, so a join or a leave re-rates just the flows sharing a link with it.
     active: dict = {}
-    on_link: dict = {}
     version = [0] * n
-    # per op: [(link set, capacity / bytes, most one flow may take / bytes)] over the links it puts bytes on
-    limits = graph.flow_limits
-    flow_links = [[(on_link.setdefault(l, set()), caps[l] / b, limits.get(l, float("inf")) / b)
-                   for l, b in o.links.items() if b > 0] if o.links else [] for o in ops]
-    prio = [graph.stream_priority.get(o.stream, 0) for o in ops]
-    prioritised = len(set(prio)) > 1
-    holds = [o.stream in graph.nonpreemptive for o in ops]
-    pinned = [False] * n  # a started flow of a non-preemptive stream
+    flows = _Crowding(ops, caps, graph.flow_limits, [graph.stream_priority.get(o.stream, 0) for o in ops],
+                      [o.stream in graph.nonpreemptive for o in ops])
 
-    def share(i, users, cb, lim):
-        """Flow i's rate on one link: an equal share among the flows of the highest priority present
-        and the started non-preemptive ones."""
-        if not prioritised:
-            return min(cb / len(users), lim)
-        top = max(prio[u] for u in users)
-        if prio[i] < top and not pinned[i]:
-            return 0.0  # preempted on this link until the higher-priority flows leave it
-        return min(cb / sum(1 for u in users if prio[u] == top or pinned[u]), lim)
-
-    def rerate(flows, t):
+    def rerate(dirty, t):
         """Bring each flow's progress to t at its old rate, then give it its new fair-share rate."""
         nonlocal seq
         push = heapq.heappush
-        for i in flows:  # a set of ints: its order is deterministic
+        for i in dirty:  # a set of ints: its order is deterministic
             rem0, rate0, t0 = active[i]
-            rate = min(share(i, users, cb, lim) for users, cb, lim in flow_links[i])
+            rate = flows.rate(i)
             if rate == rate0:
                 continue  # its bottleneck did not change: the pending end event stays right
             rem = rem0 - rate0 * (t - t0)
             active[i] = (rem, rate, t)
-            if rate > 0 and holds[i]:
-                pinned[i] = True
+            if rate > 0:
+                flows.started_moving(i)
             version[i] += 1
             if rate > 0:  # a preempted flow gets no end event until it is re-rated
                 seq += 1
                 push(heap, (t + (rem if rem > 0 else 0.0) / rate, seq, 1, i, version[i]))
-
-    def sharing(i):
-        return set().union(*(users for users, *_ in flow_links[i]))
 
     def start_ready(t):
         nonlocal seq
@@ -361,7 +429,7 @@ def simulate(graph: OpGraph) -> SimResult:
             for i in batch:
                 start[i] = t
                 seq += 1
-                heapq.heappush(heap, (t + ops[i].duration, seq, 2 if flow_links[i] else 0, i, 0))
+                heapq.heappush(heap, (t + ops[i].duration, seq, 2 if flows.has_links(i) else 0, i, 0))
 
     def finish(i, t):
         end[i] = t
@@ -384,14 +452,12 @@ def simulate(graph: OpGraph) -> SimResult:
             done += 1
         elif kind == 2:  # latency over: join the links
             active[i] = (1.0, 0.0, t)
-            for users, *_ in flow_links[i]:
-                users.add(i)
-            dirty |= sharing(i)
+            flows.join(i)
+            dirty |= flows.sharing(i)
         elif ver == version[i]:  # a flow's (still valid) predicted end
-            dirty |= sharing(i)
+            dirty |= flows.sharing(i)
             dirty.discard(i)
-            for users, *_ in flow_links[i]:
-                users.discard(i)
+            flows.leave(i)
             del active[i]
             finish(i, t)
             done += 1

@@ -11,7 +11,7 @@ Each strategy names its generator in its :class:`~moelab.strategies.Strategy` (`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from typing import Callable, Optional
 
@@ -164,17 +164,27 @@ class IterationContext:
     T: int  # tokens per rank
     eb: int  # bytes per element
     hierarchical_a2a: bool = False
+    _priced: dict = field(default_factory=dict, repr=False)  # route matrix view -> (it, its demands)
 
     def compute_time(self, flops: float) -> float:
         return costs.compute_time(flops, self.profile)
 
     def a2a(self, name, tokens, deps, layer, phase, category="a2a", op="all_to_all"):
         """An all-to-all moving ``tokens[src, dst]`` rows of d_model elements (recorded as ``op``:
-        ``"p2p"`` for a batch of point-to-point exchanges with the same per-peer bytes)."""
-        mat = RowBytes(tokens, self.cfg.model.d_model * self.eb)
-        return self.g.transfer(name, self.ranks, costs.alltoall_demands(mat, self.ranks, self.topo, self.profile,
-                                                                       self.hierarchical_a2a),
-                               deps=deps, category=category, layer=layer, phase=phase,
+        ``"p2p"`` for a batch of point-to-point exchanges with the same per-peer bytes).
+
+        A layer's forward dispatch and backward combine move the same matrix (its combine and
+        dispatch gradient the transpose): each view is priced once per graph, the entry keeping the
+        view alive (route matrices are never changed after they are built)."""
+        tokens = np.asarray(tokens)
+        key = (tokens.__array_interface__["data"][0], tokens.shape, tokens.strides, tokens.dtype.str)
+        hit = self._priced.get(key)
+        if hit is None:
+            mat = RowBytes(tokens, self.cfg.model.d_model * self.eb)
+            hit = self._priced[key] = (mat, costs.alltoall_demands(mat, self.ranks, self.topo, self.profile,
+                                                                   self.hierarchical_a2a))
+        mat, demands = hit
+        return self.g.transfer(name, self.ranks, demands, deps=deps, category=category, layer=layer, phase=phase,
                                comm={"op": op, "group": self.ranks, "splits": mat})
 
     def experts(self, r, name, tokens, deps, layer, phase):
