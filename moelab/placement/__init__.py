@@ -165,7 +165,11 @@ class Placement:
                 order = np.argsort(owners, kind="stable")
                 owners, cols = owners[order], cols[:, order]
             dst, starts = np.unique(owners, return_index=True)
-            out[:, dst] = cols if len(dst) == len(owners) else np.add.reduceat(cols, starts, axis=1)
+            sums = cols if len(dst) == len(owners) else np.add.reduceat(cols, starts, axis=1)
+            if dst[-1] - dst[0] + 1 == len(dst):  # owners form a range: a slice copies rows, not columns
+                out[:, dst[0]:dst[-1] + 1] = sums
+            else:
+                out[:, dst] = sums
         vectorised = getattr(self.rule, "route_replicated", None)
         for e in np.flatnonzero(~single):
             if vectorised is not None:

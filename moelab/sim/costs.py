@@ -171,7 +171,11 @@ def alltoall_demands(matrix, group: Sequence[int], topo: Topology, profile,
     (with one NIC per GPU, rank j's NIC carries what phase 1 gathered on it), extra intra bytes,
     two latencies.
     """
-    M = np.asarray(matrix)  # integer bytes stay integers: exact sums, no float copy of an n^2 matrix
+    scale = getattr(matrix, "row_bytes", None)  # rows x bytes per row (graphs.RowBytes): link loads are
+    if scale is not None:  # linear in it, so sum the row counts and scale the per-member sums
+        M = np.asarray(matrix.tokens).astype(np.int64, copy=False)  # whole rows, as RowBytes reads them
+    else:
+        M, scale = np.asarray(matrix), 1  # integer bytes stay integers: exact sums, no float copy
     if M.dtype.kind not in "iuf":
         M = M.astype(np.float64)
     group = list(group)
@@ -182,9 +186,9 @@ def alltoall_demands(matrix, group: Sequence[int], topo: Topology, profile,
     k = nic_count(profile, topo)
     nic = np.fromiter((nic_of(r, topo, k) for r in group), dtype=np.int64, count=n)
     if not hierarchical or not _spans_nodes(group, topo):
-        d = Demand(_class_latency(group, topo, profile), _a2a_links(M, group, node, nic))
+        d = Demand(_class_latency(group, topo, profile), _a2a_links(M, group, node, nic, scale))
         return [_fitted("all_to_all", d, group, topo, profile,
-                        lambda: sent_bytes("all_to_all", group, topo, splits=M.astype(np.int64)))]
+                        lambda: sent_bytes("all_to_all", group, topo, splits=np.asarray(matrix).astype(np.int64)))]
     # hierarchical: member i = (node a, local slot p); assume equal members per node, node-major.
     nodes = np.unique(node)
     g = n // len(nodes)
@@ -204,15 +208,15 @@ def alltoall_demands(matrix, group: Sequence[int], topo: Topology, profile,
         for b in range(len(nodes)):
             if a != b:
                 P2[a * g + np.arange(g), b * g + np.arange(g)] = agg[a, b]
-    return [Demand(profile.latency("intra"), _a2a_links(P1, group, node, nic)),
-            Demand(profile.latency("inter"), _a2a_links(P2, group, node, nic))]
+    return [Demand(profile.latency("intra"), _a2a_links(P1, group, node, nic, scale)),
+            Demand(profile.latency("inter"), _a2a_links(P2, group, node, nic, scale))]
 
 
-def _a2a_links(M: np.ndarray, group, node: np.ndarray, nic: np.ndarray) -> dict:
-    """Port and NIC loads of a direct exchange ``M`` (node / NIC index per group member): per member,
-    what it sends to / receives from its own node (intra ports) and other nodes (its NIC)."""
-    _, intra_out, inter_out = exchange_by_class(M, node)
-    _, intra_in, inter_in = exchange_by_class(M, node, received=True)
+def _a2a_links(M: np.ndarray, group, node: np.ndarray, nic: np.ndarray, scale=1) -> dict:
+    """Port and NIC loads of a direct exchange ``M * scale`` (node / NIC index per group member): per
+    member, what it sends to / receives from its own node (intra ports) and other nodes (its NIC)."""
+    _, intra_out, inter_out = (x * scale for x in exchange_by_class(M, node))
+    _, intra_in, inter_in = (x * scale for x in exchange_by_class(M, node, received=True))
     links = {}
     for i in np.flatnonzero(intra_out > 0):
         links[("intra_out", group[i])] = float(intra_out[i])

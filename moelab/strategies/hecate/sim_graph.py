@@ -18,6 +18,7 @@ import numpy as np
 
 from moelab.comm.sparse import sparse_plan
 from moelab.placement import Placement
+from moelab.placement.fssdp import homogeneous_owners
 from moelab.placement.rules import LocalityFirst
 from moelab.sim import costs
 from moelab.sim.graphs import (elem_bytes_of, expert_param_count, moe_layer_ids, token_stages, topology_of,
@@ -55,7 +56,7 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
     loads = np.asarray(loads, dtype=np.int64)
     L = loads.shape[0]
     eb = elem_bytes or elem_bytes_of(cfg)
-    owners = [list(o) for o in owners] if owners is not None else [[e // (E // N) for e in range(E)]] * L
+    owners = [list(o) for o in owners] if owners is not None else homogeneous_owners(L, E, N)
     P = [tuple((int(o),) for o in row) for row in owners]
     final = [tuple(tuple(h) for h in hs) for hs in holders] if holders is not None else P
     pre = [tuple(tuple(h) for h in hs) for hs in prefetch] if prefetch is not None else final

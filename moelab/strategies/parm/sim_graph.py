@@ -52,6 +52,7 @@ def _build(g, layout: ParmLayout, topo: Topology, profile, plan) -> None:
     groups = layout.groups()
     last = {r: None for r in range(layout.world)}
     dep = lambda ranks: tuple(last[r] for r in ranks if last[r] is not None)  # noqa: E731
+    priced: dict = {}  # (step, instance) -> (its args, its demands); the plan keeps its steps alive
     for s in plan:
         if not s.is_comm:
             t = costs.compute_time(s.flops, profile)
@@ -62,12 +63,15 @@ def _build(g, layout: ParmLayout, topo: Topology, profile, plan) -> None:
             if s.op == "saa":
                 op = _saa_phases(g, inst, topo, profile, s.args["nbytes"], groups[MP], dep(inst), s.name, s.phase)
             else:
-                args = dict(s.args)
-                if s.op == "all_to_all":
-                    args["splits"] = np.tile(np.asarray(args["splits"], dtype=np.float64), (len(inst), 1))
-                op = g.transfer(f"{s.name}.{s.phase}", inst, costs.demands(s.op, inst, topo, profile, **args),
-                                deps=dep(inst), category="comm", comm={"op": s.op, "group": list(inst), **args},
-                                phase=s.phase)
+                key = (id(s), tuple(inst))  # a model repeats its MoE layer's steps: price each once
+                if key not in priced:
+                    args = dict(s.args)
+                    if s.op == "all_to_all":
+                        args["splits"] = np.tile(np.asarray(args["splits"], dtype=np.float64), (len(inst), 1))
+                    priced[key] = (args, costs.demands(s.op, inst, topo, profile, **args))
+                args, demands = priced[key]
+                op = g.transfer(f"{s.name}.{s.phase}", inst, demands, deps=dep(inst), category="comm",
+                                comm={"op": s.op, "group": list(inst), **args}, phase=s.phase)
             for r in inst:
                 last[r] = op
 
