@@ -51,6 +51,32 @@ def test_a_started_nonpreemptive_flow_keeps_its_share():
     assert r.end[b] == pytest.approx(1.0) and r.end[a] == pytest.approx(3.0)
 
 
+def test_three_levels_a_pinned_low_flow_shares_with_the_top_and_the_middle_waits():
+    """On one link: a started non-preemptive low flow counts beside the top level (it is below the
+    top, so only the pinned count puts it there); the middle level waits for both."""
+    g = OpGraph(3, {LINK: GB}, stream_priority={"grad": 0, "mid": 1, "a2a": 2})
+    g.nonpreemptive.add("grad")
+    a = g.add("allreduce", 0, stream="grad", links={LINK: GB})
+    w1, w2 = g.compute(1, "wait", 0.5), g.compute(2, "wait", 0.5)
+    m = g.add("mid", 1, stream="mid", links={LINK: GB}, deps=(w1,))
+    b = g.add("a2a", 2, stream="a2a", links={LINK: 0.5 * GB}, deps=(w2,))
+    r = simulate(g)
+    # from 0.5 s: a (0.5 GB left) and b (0.5 GB) at half rate each, m stopped; then m alone
+    assert r.end[a] == pytest.approx(1.5) and r.end[b] == pytest.approx(1.5)
+    assert r.end[m] == pytest.approx(2.5)
+
+
+def test_a_flow_is_rated_by_its_most_crowded_link():
+    """A multi-link flow (an all-to-all) moves at its smallest share: two flows meet on one of its
+    three links only."""
+    links = {("intra_out", 0): GB, ("intra_out", 1): GB, ("nic_out", 0): GB}
+    g = OpGraph(2, links)
+    a = g.add("a2a", (0, 1), links={("intra_out", 0): GB, ("intra_out", 1): GB, ("nic_out", 0): GB})
+    b = g.add("other", 1, stream="x", links={("nic_out", 0): GB})
+    r = simulate(g)
+    assert r.end[a] == pytest.approx(2.0) and r.end[b] == pytest.approx(2.0)
+
+
 def test_priority_only_acts_on_shared_links():
     g = OpGraph(2, {LINK: GB, ("nic_out", 1): GB}, stream_priority={"a2a": 1})
     a = g.add("allreduce", 0, stream="grad", links={LINK: GB})
