@@ -67,7 +67,7 @@ def lsh_moe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] 
     else:
         cen = loads
     routes = [route_matrix(placement, c) for c in cen]
-    work = [route_matrix(placement, c if experts_on_centroids else t).sum(0) for c, t in zip(cen, loads)]
+    work = [rt.sum(0) if experts_on_centroids else route_matrix(placement, t).sum(0) for rt, t in zip(routes, loads)]
     rows = loads.sum(axis=2)  # [layers, N] rows each source hashes (A)
 
     def local_work(ctx, i, j, phase, where, deps):
