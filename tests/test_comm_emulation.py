@@ -47,6 +47,59 @@ def test_ports_share_fluidly():
         P.add(t0, {"c": 1})
 
 
+def test_chained_flows_start_after_their_predecessors():
+    """A phased collective's next phase starts ``delay`` after every flow of the previous one has
+    ended, and shares ports with whatever else runs then."""
+    P = Ports({"a": 1e6, "b": 1e6})
+    t0 = time.time()
+    i, j = P.add(t0, {"a": 10_000}), P.add(t0, {"b": 20_000})  # 10 ms and 20 ms
+    k = P.add_after([i, j], 0.005, {"a": 10_000})  # from 25 ms, alone: ends at 35 ms
+    assert P.wait(k) - t0 == pytest.approx(0.035, abs=3e-3)
+    assert P.wait(i) - t0 == pytest.approx(0.010, abs=2e-3) and P.wait(j) - t0 == pytest.approx(0.020, abs=2e-3)
+    t0 = time.time()
+    i = P.add(t0, {"a": 10_000})
+    k = P.add_after([i], 0.0, {"a": 10_000})  # from 10 ms, sharing port a with m: 20 ms for its 10 kB
+    m = P.add(t0 + 0.010, {"a": 30_000})
+    assert P.wait(k) - t0 == pytest.approx(0.030, abs=3e-3)
+    assert P.wait(m) - t0 == pytest.approx(0.050, abs=4e-3)
+    assert P.wait(i) - t0 == pytest.approx(0.010, abs=2e-3)
+    with pytest.raises(KeyError, match="unknown or already collected"):
+        P.add_after([i], 0.0, {"a": 1})  # i was collected by its wait
+
+
+def _saa_emulated(rank, world):
+    """SAA over 2 nodes x 2 on emulated links: priced as its phases, in order."""
+    from moelab.comm.collectives import collective
+    from moelab.comm.door import Communicator
+    from moelab.comm.saa import saa
+
+    groups = {"a2a": [list(range(world))], "mp": [[0, 1], [2, 3]]}
+    comm = Communicator(Topology(world, 2), _emu(), groups=groups)
+    _warm(comm, ("a2a", "mp", "world"))
+    _line_up(comm)
+    t = time.time()
+    saa(comm, torch.ones(world, ROWS // 4), "a2a", "mp")
+    took = time.time() - t
+    r = comm.rec.comm[-1]
+    ph = [(comm._fold(s), comm._fold(v)) for s, v in collective("saa").phases(list(range(world)), rank,
+                                                                            nbytes=ROWS, sub=(rank // 2 * 2, rank // 2 * 2 + 1))]
+    return dict(took=took, phased=comm.emulated_time(r.bytes, r.recv, "saa", list(range(world)), phases=ph),
+                direct=comm.emulated_time(r.bytes, r.recv, "saa", list(range(world))))
+
+
+def test_saa_is_emulated_phase_by_phase():
+    res = run_ranks(_saa_emulated, 4, timeout=60)
+    for r in res:
+        # 20 kB chunks, 10 ms per chunk and port. Rank 0: phase 1 sends its chunk to rank 1 and forwards its
+        # own to rank 1 (2 chunks out of the intra port: 20 ms), phase 2 one each way to rank 2 over the NIC
+        # and one forward (10 ms), phase 3 receives from rank 1 and its forward (20 ms), phase 4 forwards
+        # only (10 ms): 60 ms + 4 latencies, every rank alike. As one transfer: 5 chunks out of the intra
+        # port, 50 ms.
+        assert r["phased"] == pytest.approx(0.0604, abs=1e-6) and r["direct"] == pytest.approx(0.0501, abs=1e-6)
+        assert r["took"] >= r["phased"] - 2e-3
+    assert min(r["took"] for r in res) <= max(r["phased"] for r in res) * 1.5 + 0.03
+
+
 # ---- on ranks --------------------------------------------------------------------------------------
 def _a2a(comm, world, group, rows_to_each=1):
     x = torch.ones(rows_to_each * world, ROWS // 4)

@@ -57,6 +57,64 @@ def test_saa_is_allgather_of_alltoall_bitwise():
                 assert o["sent"] == want, (world, n_mp, r)
 
 
+def _saa_combined_rank(rank, world, cells):
+    """``saa_mode: combined`` against raw SAA with each ESP block summed afterwards: values, the grads of the
+    autograd block, and the recorded bytes (an MP peer gets P / N_ESP chunks instead of P)."""
+    from moelab.comm.door import Communicator
+    from moelab.comm.saa import saa
+    from moelab.comm.topology import Topology
+    from moelab.strategies.parm.layer import _SAAGather
+
+    out = {}
+    for n_mp, n_esp in cells:
+        lay = ParmLayout(world, n_mp, n_esp, world // n_esp, 4)
+        comm = Communicator(Topology(world, 4), groups=lay.groups())
+        D = torch.randn(world, 3, 2, generator=torch.Generator().manual_seed(7 + rank), dtype=torch.float64)
+        raw = saa(comm, D.reshape(world, -1), SAA, MP)
+        comb = saa(comm, D.reshape(world, -1), SAA, MP, combine=n_esp)
+        rec = comm.rec.comm[-1]
+        want = raw.view(n_mp, world // n_esp, n_esp, -1).sum(2)
+        W = torch.randn(n_mp, world // n_esp, 3, 2, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(lay.coords(rank)["dp"]))
+        x1, x2 = D.clone().requires_grad_(), D.clone().requires_grad_()
+        (_SAAGather.apply(x1, torch.empty(0, requires_grad=True), comm, n_esp) * W).sum().backward()
+        y2 = _SAAGather.apply(x2, torch.empty(0, requires_grad=True), comm).view(n_mp, world // n_esp, n_esp, 3, 2)
+        (y2.sum(2) * W).sum().backward()
+        out[(n_mp, n_esp)] = dict(equal=torch.equal(comb, want),
+                                  grad=torch.equal(x1.grad, x2.grad), sent=rec.sent_to, mp=comm.group_ranks(MP))
+    return out
+
+
+def test_saa_combined_is_raw_with_each_esp_block_summed():
+    for world, cells in ((4, [(2, 2), (1, 2), (1, 4)]), (8, [(2, 2), (2, 4), (4, 2)])):
+        res = run_ranks(_saa_combined_rank, world, cells, timeout=180)
+        for r, per in enumerate(res):
+            for (n_mp, n_esp), o in per.items():
+                assert o["equal"] and o["grad"], (world, n_mp, n_esp, r)  # bitwise: the same sums, same order
+                c = 3 * 2 * 8
+                want = {q: c + (world // n_esp * c if q in o["mp"] and q != r else 0) for q in range(world)}
+                assert o["sent"] == want, (world, n_mp, n_esp, r)
+
+
+def test_saa_phases_add_up_to_its_byte_rule():
+    from moelab.comm.saa import _phases, _sent, forward_phases
+
+    for P, combine, n_sub in ((4, 1, 2), (4, 2, 2), (8, 4, 2), (8, 2, 4), (8, 8, 1), (6, 3, 3)):
+        sub = [list(range(a, a + n_sub)) for a in range(0, P, n_sub)]
+        for me in range(P):
+            assert sorted(forward_phases(P, combine, me).values()) == list(range(P // combine))  # each block once
+            ph = _phases(list(range(P)), me, nbytes=10, sub=sub, combine=combine)
+            assert len(ph) == P
+            sent = {me: 10}  # phase 0: the own chunk, local
+            for s, _ in ph:
+                for q, b in s.items():
+                    sent[q] = sent.get(q, 0) + b
+            assert sent == _sent(list(range(P)), me, nbytes=10, sub=sub, combine=combine), (P, combine, me)
+            for i, (s, rcv) in enumerate(ph):  # what me receives in phase i is what its peers send it then
+                for q, b in rcv.items():
+                    assert _phases(list(range(P)), q, nbytes=10, sub=sub, combine=combine)[i][0][me] == b
+
+
 # ---- I6: calls and bytes per schedule ----------------------------------------------------------------
 def _bytes_rank(rank, world, n_mp, n_esp):
     from moelab.comm.door import Communicator
@@ -140,16 +198,23 @@ def _records_rank(rank, world, cells, f):
     for n_mp, n_esp in cells:
         lay = ParmLayout(world, n_mp, n_esp, 2 * world // n_esp, 4)
         comm = Communicator(Topology(world, 4), groups=lay.groups())
-        for sched, variant, saa_bwd in (("baseline", "fig3a", True), ("baseline", "ds081", True), ("s1", "fig3a", True),
-                                        ("s2", "fig3a", True), ("s2", "fig3a", False), ("s2_aas", "fig3a", True)):
+        for sched, variant, saa_bwd, mode in RECORDED:
             layer = ParmMoE(comm, lay, M, 16, schedule=sched, capacity_factor=f, baseline_variant=variant,
-                            saa_backward=saa_bwd, gate="gshard")
-            x = torch.randn(S, M, generator=torch.Generator().manual_seed(lay.coords(rank)["dp"]), requires_grad=True)
+                            saa_backward=saa_bwd, saa_mode=mode, gate="gshard", dtype=torch.float64)
+            x = torch.randn(S, M, generator=torch.Generator().manual_seed(lay.coords(rank)["dp"]), requires_grad=True,
+                            dtype=torch.float64)
             n0 = len(comm.rec.comm)
-            layer(x).sum().backward()
-            out[(n_mp, n_esp, sched, variant, saa_bwd)] = [(r.op, r.group, r.tags.get("phase", "fwd"), r.sent_to)
-                                                           for r in comm.rec.comm[n0:]]
+            y = layer(x)
+            (y * y).sum().backward()
+            out[(n_mp, n_esp, sched, variant, saa_bwd, mode)] = dict(
+                calls=[(r.op, r.group, r.tags.get("phase", "fwd"), r.sent_to) for r in comm.rec.comm[n0:]],
+                values=(y.detach(), x.grad, layer.wg.grad, layer.w1.grad, layer.w2.grad))
     return out
+
+
+RECORDED = (("baseline", "fig3a", True, "raw"), ("baseline", "ds081", True, "raw"), ("s1", "fig3a", True, "raw"),
+            ("s2", "fig3a", True, "raw"), ("s2", "fig3a", False, "raw"), ("s2_aas", "fig3a", True, "raw"),
+            ("s2", "fig3a", True, "combined"), ("s2", "fig3a", False, "combined"))
 
 
 def test_plan_calls_equal_the_door_records():
@@ -157,11 +222,18 @@ def test_plan_calls_equal_the_door_records():
 
     for world, cells in ((4, [(1, 2), (2, 1), (4, 2)]), (8, [(2, 2), (2, 4), (4, 2), (4, 4)])):
         res = run_ranks(_records_rank, world, cells, 1.7, timeout=240)
-        for (n_mp, n_esp, sched, variant, saa_bwd), got in res[0].items():
+        for (n_mp, n_esp, sched, variant, saa_bwd, mode), got in res[0].items():
             lay = ParmLayout(world, n_mp, n_esp, 2 * world // n_esp, 4)
-            plan = steps(lay, Shape(S, M, 16, k=2, f=1.7), sched, variant, saa_bwd)
+            plan = steps(lay, Shape(S, M, 16, k=2, f=1.7, elem_bytes=8), sched, variant, saa_bwd, mode)
             for r in range(world):
-                rec = res[r][(n_mp, n_esp, sched, variant, saa_bwd)]
-                assert rec == rank_calls(lay, r, plan), (world, n_mp, n_esp, sched, variant, saa_bwd, r)
+                o = res[r][(n_mp, n_esp, sched, variant, saa_bwd, mode)]
+                assert o["calls"] == rank_calls(lay, r, plan), (world, n_mp, n_esp, sched, variant, saa_bwd, mode, r)
+                if mode == "combined":  # the same layer as with raw SAA: outputs and every gradient
+                    raw = res[r][(n_mp, n_esp, sched, variant, saa_bwd, "raw")]["values"]
+                    for a, b in zip(o["values"], raw):
+                        assert torch.allclose(a, b, rtol=1e-12, atol=1e-13), (world, n_mp, n_esp, saa_bwd, r)
+                    if n_mp > 1 and n_esp > 1:  # fewer bytes gathered: N_ESP x fewer forwarded chunks
+                        sent = lambda calls: sum(sum(c[3].values()) for c in calls if c[0] == "saa")  # noqa: E731
+                        assert sent(o["calls"]) < sent(res[r][(n_mp, n_esp, sched, variant, saa_bwd, "raw")]["calls"])
             z = sizes(lay, Shape(S, M, 16, k=2, f=1.7), sched, variant)
             assert z["rows"] >= 1 and z["T"] >= z["slots"]

@@ -85,7 +85,7 @@ GOOD = {"parallel.nproc": 8, "parallel.strategy": "parm", "model.moe.dispatcher"
     ({"parallel.strategy_options": {"schedule": "s3"}}, "schedule must be one of"),
     ({"parallel.strategy_options": {"baseline_variant": "ds090"}}, "baseline_variant must be one of"),
     ({"train.checkpoint_every": 5}, "train.checkpoint_every: parm runs cannot checkpoint"),
-    ({"parallel.strategy_options": {"saa_mode": "combined"}}, "saa_mode must be one of ['raw'] ('combined'"),
+    ({"parallel.strategy_options": {"saa_mode": "summed"}}, "saa_mode must be one of ['raw', 'combined']"),
 ])
 def test_bad_parm_configs_fail_before_launch(over, message):
     from moelab.config import ConfigError, RunConfig

@@ -24,7 +24,7 @@ def _graph_calls(g, rank):
         if c is None or rank not in c["group"]:
             continue
         if c["op"] == "saa":
-            sent = _sent(c["group"], rank, nbytes=c["nbytes"], sub=c["sub"])
+            sent = _sent(c["group"], rank, nbytes=c["nbytes"], sub=c["sub"], combine=c.get("combine", 1))
         else:
             args = {k: v for k, v in c.items() if k not in ("op", "group")}
             if "splits" in args:
@@ -39,13 +39,13 @@ def test_simulated_bytes_are_the_plans(P, g, cells):
     prof = dataclasses.replace(get_profile("parm_B"), nodes=P // g, gpus_per_node=g)
     for n_mp, n_esp in cells:
         lay = ParmLayout(P, n_mp, n_esp, P // n_esp, g)
-        for sched, variant in (("baseline", "fig3a"), ("baseline", "ds081"), ("s1", "fig3a"), ("s2", "fig3a"),
-                               ("s2_aas", "fig3a")):
-            graph = parm_layer_graph(prof, lay, SHAPE, sched, variant)
-            plan = steps(lay, SHAPE, sched, variant)
+        for sched, variant, mode in (("baseline", "fig3a", "raw"), ("baseline", "ds081", "raw"), ("s1", "fig3a", "raw"),
+                                     ("s2", "fig3a", "raw"), ("s2_aas", "fig3a", "raw"), ("s2", "fig3a", "combined")):
+            graph = parm_layer_graph(prof, lay, SHAPE, sched, variant, saa_mode=mode)
+            plan = steps(lay, SHAPE, sched, variant, saa_mode=mode)
             for r in range(P):
                 want = [(op, ph, sent) for op, _, ph, sent in rank_calls(lay, r, plan)]
-                assert _graph_calls(graph, r) == want, (n_mp, n_esp, sched, variant, r)
+                assert _graph_calls(graph, r) == want, (n_mp, n_esp, sched, variant, mode, r)
 
 
 def test_saa_is_priced_as_phases_and_overlap_is_earned():
@@ -54,9 +54,11 @@ def test_saa_is_priced_as_phases_and_overlap_is_earned():
     g = parm_layer_graph(prof, lay, SHAPE, "s2")
     phases = [op for op in g.ops if op.category == "saa"]
     assert len(phases) == 2 * 8  # forward and backward SAA, P phases each
+    # combined: the MP peers exchange N_ESP x fewer gathered chunks, so the intra-node gather halves cost less
+    big = Shape(S=2048, M=256, H=512, k=1, f=1.2)
+    assert layer_time(prof, lay, big, "s2", saa_mode="combined")["time_s"] < layer_time(prof, lay, big, "s2")["time_s"]
     # a slower intra-node link slows the intra-node parts (SAA's gather half, intra all-to-all traffic)
     slow = dataclasses.replace(prof, intra_bw_GBps=prof.intra_bw_GBps / 50)
-    big = Shape(S=2048, M=256, H=512, k=1, f=1.2)
     assert layer_time(slow, lay, big, "s2")["time_s"] > 1.5 * layer_time(prof, lay, big, "s2")["time_s"]
     r = layer_time(prof, lay, big, "baseline")
     assert 0 < r["comm_share"] < 1 and r["time_s"] > 0

@@ -65,6 +65,7 @@ def _train(rank, world, runs):
 RUNS4 = {(4, "base-2-2"): {"mp": 2, "esp": 2, "schedule": "baseline"},
          (4, "s1-2-2"): {"mp": 2, "esp": 2, "schedule": "s1"},
          (4, "s2-2-2"): {"mp": 2, "esp": 2, "schedule": "s2"},
+         (4, "s2comb-2-2"): {"mp": 2, "esp": 2, "schedule": "s2", "saa_mode": "combined"},
          (4, "aas-2-1"): {"mp": 2, "esp": 1, "schedule": "s2_aas"},
          (4, "s1-2-4"): {"mp": 2, "esp": 4, "schedule": "s1"},
          (4, "nodedup-2-2"): {"mp": 2, "esp": 2, "schedule": "baseline", "baseline_dedup_grad": False}}

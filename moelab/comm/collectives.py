@@ -10,6 +10,8 @@ price or account it:
   (:meth:`moelab.comm.door.Communicator.port_flows`): ``"ring"`` (the simulator's rings) or
   ``"direct"`` (per link class, own port, sent out / received in).
 - ``demands``: the simulator's link demands (:mod:`moelab.sim.costs`), one per phase.
+- ``phases`` (optional): a collective that runs as phases one after the other (Parm's SAA) says what
+  each phase moves; the link emulator then prices the phases in order, not one direct transfer.
 
 The comm door runs any declared collective through one path (:meth:`Communicator.run`: scheduler,
 sequence number, record, emulation), so a new one - Hecate's sparse all-gather, Parm's fused
@@ -21,7 +23,7 @@ whole [n, n] matrix), ``root``, ``peer``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Collective:
     received: Callable  # (group, me, **args) -> {global rank: bytes me receives from it}
     pricing: str  # "ring" | "direct": the link emulator's model
     demands: Callable  # (group, topo, profile, **args) -> [moelab.sim.costs.Demand, ...]
+    phases: Optional[Callable] = None  # (group, me, **args) -> [(sent, received) per peer] per phase, run in order
 
     def __post_init__(self):
         if self.pricing not in ("ring", "direct"):

@@ -192,12 +192,13 @@ class Communicator:
         return self._groups[name][1]
 
     # ---- the one path every call takes ---------------------------------------------------------
-    def _call(self, op, group, issue, peers, result=None, async_op=False, ranks=None):
+    def _call(self, op, group, issue, peers, result=None, async_op=False, ranks=None, phases=None):
         """Admit (scheduler), number (per-group seq), issue, emulate; return a handle or its result.
 
         ``peers()`` -> (bytes sent to, bytes received from) each global rank: the byte rule, evaluated
         only when needed (a scheduler or the emulator asks before the issue; otherwise the record
-        works it out when read), so a call pays almost nothing for its accounting."""
+        works it out when read), so a call pays almost nothing for its accounting. ``phases()`` ->
+        the same per phase, for a collective that runs as phases one after the other (emulated so)."""
         if ranks is None:
             ranks = self._groups[group][1]
         call = None
@@ -213,9 +214,25 @@ class Communicator:
                    threading.current_thread().name, seq, call)
         if self._ports is not None and self.rec.enabled:  # unrecorded (metric) traffic is not emulated
             h.peers = sent_to, recv_from = peers() if callable(peers) else peers
-            h.flows = [self._ports.add(t0 + lat, ports) for lat, ports in
-                       self.port_flows(op, ranks, self._fold(sent_to), self._fold(recv_from))]
+            if phases is not None and len(ranks) > 1:
+                h.flows = self._phase_flows(op, ranks, t0, phases())
+            else:
+                h.flows = [self._ports.add(t0 + lat, ports) for lat, ports in
+                           self.port_flows(op, ranks, self._fold(sent_to), self._fold(recv_from))]
         return h if async_op else h.wait()
+
+    def _phase_flows(self, op, ranks, t0: float, phases) -> list:
+        """A phased call's flows: each phase's (per link class) after the previous phase's have ended."""
+        ids, prev = [], []
+        for sent, recv in phases:
+            flows = self.port_flows(op, ranks, self._fold(sent), self._fold(recv))
+            if not flows:
+                continue
+            cur = [self._ports.add_after(prev, lat, ports) if prev else self._ports.add(t0 + lat, ports)
+                   for lat, ports in flows]
+            ids += cur
+            prev = cur
+        return ids
 
     # ---- emulation -----------------------------------------------------------------------------
     def port_flows(self, op: str, ranks: Sequence[int], sent: dict, recv: dict) -> list:
@@ -259,7 +276,7 @@ class Communicator:
         return time.time() - t_real
 
     def emulated_time(self, sent: dict, recv: dict, op: Optional[str] = None,
-                      ranks: Optional[Sequence[int]] = None) -> float:
+                      ranks: Optional[Sequence[int]] = None, phases: Optional[Sequence] = None) -> float:
         """Seconds the declared links need for one call *alone* (EMULATED).
 
         Declared hardware (``EmulationConfig``), the same the simulator prices
@@ -274,9 +291,14 @@ class Communicator:
         - every other call: per link class, ``max(sent, received) / bandwidth + latency`` of this
           rank's own port/NIC, the larger class wins (broadcast/reduce as a flat tree).
 
+        - a phased call (``phases``: per phase, the class-folded ``(sent, received)``): the sum of
+          its phases' times, each priced as above.
+
         Concurrent calls share the ports (:meth:`port_flows`, :class:`moelab.comm.links.Ports`);
         alone, the emulator waits exactly this long.
         """
+        if phases is not None:
+            return sum(self.emulated_time(s, r, op, ranks) for s, r in phases)
         bw, lat = _emulation_keys(self.emulation)
         if op is not None and collective(op).pricing == "ring" and ranks is not None and len(ranks) > 1:
             v = sent.get("intra", 0) + sent.get("inter", 0)
@@ -303,7 +325,8 @@ class Communicator:
         c = collective(op)
         return self._call(op, group, lambda: issue(pg, ranks),
                           lambda: (c.sent(ranks, self.rank, **args), c.received(ranks, self.rank, **args)),
-                          result, async_op, ranks)
+                          result, async_op, ranks,
+                          phases=(lambda: c.phases(ranks, self.rank, **args)) if c.phases is not None else None)
 
     # ---- raw (non-autograd) collectives ------------------------------------------------------
     def _remote(self, ranks) -> bool:

@@ -18,12 +18,18 @@ import time
 
 
 class _Flow:
-    __slots__ = ("start", "bytes", "done", "finish")
+    __slots__ = ("start", "bytes", "done", "finish", "after", "ready", "delay")
 
-    def __init__(self, start: float, nbytes: dict):
-        self.start, self.bytes = start, nbytes
+    def __init__(self, start, nbytes: dict, after=(), ready: float = 0.0, delay: float = 0.0):
+        self.start, self.bytes = start, nbytes  # start None: waiting for the flows in ``after``
         self.done = 0.0  # fraction of the bytes moved
         self.finish = None  # absolute time, once finished
+        self.after, self.ready, self.delay = set(after), ready, delay  # ready: latest finish among ``after``
+
+    def copy(self) -> "_Flow":
+        f = _Flow(self.start, self.bytes, self.after, self.ready, self.delay)
+        f.done = self.done
+        return f
 
 
 class Ports:
@@ -55,6 +61,32 @@ class Ports:
             self._cv.notify_all()  # waiters' predicted finishes move
             return i
 
+    def add_after(self, after, delay: float, nbytes: dict) -> int:
+        """A flow that starts ``delay`` seconds after every flow in ``after`` (ids of this rank's
+        flows, added earlier) has finished: the next phase of a phased collective (Parm's SAA)."""
+        nb = {p: float(b) for p, b in nbytes.items() if b > 0}
+        for p in nb:
+            if p not in self.capacity:
+                raise KeyError(f"unknown port {p!r}; ports: {sorted(self.capacity)}")
+        if not nb:
+            raise ValueError("a chained flow needs bytes on some port")
+        with self._cv:
+            self._advance(time.time() - self._origin)
+            i = next(self._ids)
+            f = _Flow(None, nb, delay=float(delay))
+            for k in after:
+                if k in self._flows:
+                    f.after.add(k)
+                elif k in self._finished:
+                    f.ready = max(f.ready, self._finished[k])
+                else:
+                    raise KeyError(f"flow {k} is unknown or already collected")
+            if not f.after:
+                f.start = f.ready + f.delay
+            self._flows[i] = f
+            self._cv.notify_all()
+            return i
+
     def wait(self, i: int) -> float:
         """Sleep until flow ``i`` has finished in the model; return its finish time."""
         with self._cv:
@@ -76,8 +108,8 @@ class Ports:
     def _step(self, flows: dict, t: float, until: float, stop=None) -> float:
         """Run ``flows`` from ``t`` to ``until`` (or until flow ``stop`` ends); return the time reached."""
         while t < until:
-            active = [f for f in flows.values() if f.start <= t]
-            arrivals = [f.start for f in flows.values() if f.start > t]
+            active = [f for f in flows.values() if f.start is not None and f.start <= t]
+            arrivals = [f.start for f in flows.values() if f.start is not None and f.start > t]
             nxt = min(arrivals, default=until)
             if not active:
                 t = min(nxt, until)
@@ -91,17 +123,26 @@ class Ports:
                     f.done = min(1.0, f.done + (t1 - t) * rates[id(f)])
                 t = t1
                 continue
-            t += dt  # the first flow(s) to finish do, exactly; the others progress
+            t0, t = t, t + dt  # the first flow(s) to finish do, exactly; the others progress
+            ended = []
             for k, f in list(flows.items()):
-                if f.start > t - dt:
+                if f.start is None or f.start > t0:  # not active in this step (t0, not t - dt: rounding)
                     continue
                 if left[id(f)] <= dt * (1 + 1e-9):
                     f.done, f.finish = 1.0, t
                     del flows[k]
-                    if k == stop:
-                        return t
+                    ended.append(k)
                 else:
                     f.done += dt * rates[id(f)]
+            for k in ended:  # flows chained after these may start now (after their delay)
+                for f in flows.values():
+                    if k in f.after:
+                        f.after.discard(k)
+                        f.ready = max(f.ready, t)
+                        if not f.after:
+                            f.start = f.ready + f.delay
+            if stop in ended:
+                return t
         return t
 
     def _advance(self, now: float) -> None:
@@ -116,9 +157,4 @@ class Ports:
 
     def _predict(self, i: int) -> float:
         """Finish of flow ``i`` if no other flow arrives (a copy of the model is run forward)."""
-        copy = {}
-        for k, f in self._flows.items():
-            g = _Flow(f.start, f.bytes)
-            g.done = f.done
-            copy[k] = g
-        return self._step(copy, self._t, float("inf"), stop=i)
+        return self._step({k: f.copy() for k, f in self._flows.items()}, self._t, float("inf"), stop=i)

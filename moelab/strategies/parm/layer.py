@@ -28,7 +28,7 @@ from moelab.comm import autograd as ag
 from moelab.comm.saa import saa
 from moelab.moe.experts import init_expert, seeded_generator
 from moelab.strategies.parm import gating
-from moelab.strategies.parm.layout import EP, EPESP, ESP, MP, SAA, ParmLayout
+from moelab.strategies.parm.layout import EP, EPESP, ESP, MP, SAA, SAA_MODES, ParmLayout, saa_combine
 
 RUNNABLE = ("baseline", "s1", "s2", "s2_aas")
 
@@ -56,21 +56,24 @@ def grad_factors(layout: ParmLayout, schedule: str, variant: str = "fig3a") -> t
 
 
 class _SAAGather(torch.autograd.Function):
-    """Forward: SAA (return all-to-all + MP all-gather). Backward: keep the own MP block of the grad
-    (grads are MP-replicated), reverse all-to-all."""
+    """Forward: SAA (return all-to-all + MP all-gather; ``combine`` = N_ESP: the ESP partials summed
+    inside SAA, output ``[N_MP, N_EP * rows, ...]``). Backward: keep the own MP block of the grad (grads
+    are MP-replicated), copy each block's grad to its ``combine`` partials, reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, Yp, anchor, comm):
-        ctx.comm, ctx.tags = comm, dict(comm.rec.tags)
-        return saa(comm, Yp.reshape(comm.world_size, -1), SAA, MP).view((-1,) + tuple(Yp.shape))
+    def forward(ctx, Yp, anchor, comm, combine=1):
+        ctx.comm, ctx.tags, ctx.combine = comm, dict(comm.rec.tags), combine
+        out = saa(comm, Yp.reshape(comm.world_size, -1), SAA, MP, combine=combine)
+        return out.view((out.shape[0], Yp.shape[0] // combine) + tuple(Yp.shape[1:]))
 
     @staticmethod
     def backward(ctx, g):
-        comm = ctx.comm
+        comm, c = ctx.comm, ctx.combine
         u = comm.group_ranks(MP).index(comm.rank)
         with comm.rec.tagged(**{**ctx.tags, "phase": "bwd"}):
-            rows = [g.shape[1] // comm.world_size] * comm.world_size
-            return comm.all_to_all_raw(g[u].contiguous(), rows, rows, SAA), None, None
+            mine = g[u].reshape(comm.world_size // c, -1).repeat_interleave(c, dim=0)  # [P, chunk]
+            rows = [g.shape[1] * c // comm.world_size] * comm.world_size
+            return comm.all_to_all_raw(mine.reshape((-1,) + tuple(g.shape[2:])), rows, rows, SAA), None, None, None
 
 
 class _SlotSplitDumpA2A(torch.autograd.Function):
@@ -78,8 +81,8 @@ class _SlotSplitDumpA2A(torch.autograd.Function):
     over every rank; backward = SAA of the grads (all MP peers' slot blocks at once), sum the ESP copies."""
 
     @staticmethod
-    def forward(ctx, G, anchor, comm, layout):
-        ctx.comm, ctx.layout, ctx.tags = comm, layout, dict(comm.rec.tags)
+    def forward(ctx, G, anchor, comm, layout, combine=1):
+        ctx.comm, ctx.layout, ctx.tags, ctx.combine = comm, layout, dict(comm.rec.tags), combine
         u = comm.group_ranks(MP).index(comm.rank)
         t2 = G.shape[1] // layout.n_mp
         D = dump(G[:, u * t2:(u + 1) * t2], layout)
@@ -90,10 +93,11 @@ class _SlotSplitDumpA2A(torch.autograd.Function):
     def backward(ctx, g):
         comm, L = ctx.comm, ctx.layout
         with comm.rec.tagged(**{**ctx.tags, "phase": "bwd"}):
-            ob = saa(comm, g.reshape(L.world, -1), SAA, MP)  # [N_MP, P, E_l*t2*M]
+            ob = saa(comm, g.reshape(L.world, -1), SAA, MP, combine=ctx.combine)  # [N_MP, P / combine, E_l*t2*M]
         t2, M = g.shape[1], g.shape[2]
-        gm = ob.view(L.n_mp, L.n_ep, L.n_esp, L.e_local, t2, M).sum(2)  # [N_MP, N_EP, E_l, t2, M]
-        return gm.reshape(L.n_mp, L.num_experts, t2, M).transpose(0, 1).reshape(L.num_experts, L.n_mp * t2, M), None, None, None
+        gm = ob.view(L.n_mp, L.n_ep, L.n_esp // ctx.combine, L.e_local, t2, M).sum(2)  # [N_MP, N_EP, E_l, t2, M]
+        return (gm.reshape(L.n_mp, L.num_experts, t2, M).transpose(0, 1).reshape(L.num_experts, L.n_mp * t2, M),
+                None, None, None, None)
 
 
 def dump(G: torch.Tensor, layout: ParmLayout) -> torch.Tensor:
@@ -115,8 +119,8 @@ class ParmMoE(nn.Module):
 
     def __init__(self, comm, layout: ParmLayout, d_model: int, d_ff: int, *, schedule: str, gate: str = "switch",
                  capacity_factor: float = 1.2, dispatcher: str = "einsum", baseline_variant: str = "fig3a",
-                 saa_backward: bool = True, activation: str = "gelu", expert_bias: bool = False, seed: int = 0,
-                 layer_id: int = 0, dtype=torch.float32):
+                 saa_backward: bool = True, saa_mode: str = "raw", activation: str = "gelu", expert_bias: bool = False,
+                 seed: int = 0, layer_id: int = 0, dtype=torch.float32):
         super().__init__()
         layout.check()
         if schedule not in RUNNABLE:
@@ -129,11 +133,14 @@ class ParmMoE(nn.Module):
                              f"switch), got {gate!r}")
         if capacity_factor is None or not capacity_factor > 0:
             raise ValueError(f"parm needs a positive capacity factor, got {capacity_factor!r}")
+        if saa_mode not in SAA_MODES:
+            raise ValueError(f"saa_mode must be one of {list(SAA_MODES)}, got {saa_mode!r}")
         if d_ff % layout.n_esp:
             raise ValueError(f"expert d_ff={d_ff} does not split over esp={layout.n_esp}")
         self.comm, self.layout = comm, layout
         self.schedule, self.gate_name, self.f, self.mode = schedule, gate, float(capacity_factor), dispatcher
         self.variant, self.saa_backward, self.activation = baseline_variant, saa_backward, activation
+        self.saa_combine = saa_combine(layout, saa_mode)
         self.k = gating.GATE_K[gate]
         c = layout.coords(comm.rank)
         self.esp_index = c["esp"]
@@ -200,7 +207,7 @@ class ParmMoE(nn.Module):
         return self._s2(x, aas=s == "s2_aas")
 
     def _baseline(self, x, esp_gather: bool = True):
-        L, E = self.layout, self.layout.num_experts
+        E = self.layout.num_experts
         X = self._op(ag.gather_rows, x, ESP) if esp_gather else x
         cap = gating.capacity(X.shape[0], E, self.k, self.f)
         r = self._gate(X, cap)
@@ -232,15 +239,17 @@ class ParmMoE(nn.Module):
         G = self._dispatch(x, r, cap)
         t2 = cap // n_mp
         if n_mp > 1 and self.saa_backward and not aas:
-            R = _SlotSplitDumpA2A.apply(G, torch.empty(0, requires_grad=torch.is_grad_enabled()), self.comm, L)
+            R = _SlotSplitDumpA2A.apply(G, torch.empty(0, requires_grad=torch.is_grad_enabled()), self.comm, L,
+                                        self.saa_combine)
         else:
             R = self._op(ag.all_to_all, dump(self._op(ag.split_rows, G, MP, dim=1), L), EPESP)
         Yp = self._experts(R)
         if aas or n_mp == 1:
             C = self._op(ag.gather_rows, local_combine(self._op(ag.all_to_all, Yp, EPESP), L), MP, dim=1)
         else:
-            ob = _SAAGather.apply(Yp, torch.empty(0, requires_grad=torch.is_grad_enabled()), self.comm)
-            C = ob.view(n_mp, L.n_ep, L.n_esp, L.e_local, t2, -1).sum(2)  # [N_MP, N_EP, E_l, t2, M]
+            c = self.saa_combine
+            ob = _SAAGather.apply(Yp, torch.empty(0, requires_grad=torch.is_grad_enabled()), self.comm, c)
+            C = ob.view(n_mp, L.n_ep, L.n_esp // c, L.e_local, t2, -1).sum(2)  # [N_MP, N_EP, E_l, t2, M]
             C = C.reshape(n_mp, E, t2, -1).transpose(0, 1).reshape(E, cap, -1)
         self._note(label or ("s2_aas" if aas else "s2"), x.shape[0], cap, R.shape[0] * t2)
         return self._combine(C, r, cap)

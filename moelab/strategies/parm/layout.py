@@ -97,3 +97,12 @@ class ParmLayout:
     def describe(self) -> str:
         return (f"P={self.world} (N_MP={self.n_mp}, N_ESP={self.n_esp}, N_EP={self.n_ep}), E={self.num_experts} "
                 f"(E_l={self.e_local}), nodes of {self.ranks_per_node}")
+
+
+SAA_MODES = ("raw", "combined")
+
+
+def saa_combine(layout: "ParmLayout", saa_mode: str) -> int:
+    """How many consecutive ranks' partials SAA sums before forwarding: N_ESP (``combined``: an expert's
+    N_ESP shard holders are consecutive ranks) or 1 (``raw``, the paper's kernel)."""
+    return layout.n_esp if saa_mode == "combined" else 1

@@ -9,7 +9,7 @@
 | ``baseline_dedup_grad`` | true | divide the baseline's expert grads by N_MP (it processes every token N_MP times, §2.9) |
 | ``dispatcher`` | einsum | ``einsum`` (DeepSpeed's dense mask) or ``index`` (§2.2, P18) |
 | ``saa_backward`` | true | S2's backward gathers through SAA too (the paper describes only the forward) |
-| ``saa_mode`` | raw | SAA forwards the raw partial slices (the paper's kernel; ``combined`` is not built yet) |
+| ``saa_mode`` | raw | SAA forwards the raw partial slices (the paper's kernel and Alg. 1's cost); ``combined`` sums an expert's N_ESP partials before forwarding them (N_ESP x fewer gathered bytes; ``auto`` still prices S2 with the raw SAA line) |
 | ``allow_cross_node`` | false | let MP/ESP groups span declared nodes (the paper keeps them intra-node) |
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from moelab.config import ConfigError
 from moelab.strategies.options import StrategyOptions
 from moelab.strategies.parm.gating import DISPATCHERS
+from moelab.strategies.parm.layout import SAA_MODES
 
 SCHEDULES = ("baseline", "s1", "s2", "s2_aas", "auto")
 
@@ -39,8 +40,7 @@ class ParmOptions(StrategyOptions):
     baseline_dedup_grad: bool = True
     dispatcher: str = field(default="einsum", metadata={"choices": DISPATCHERS})
     saa_backward: bool = True
-    saa_mode: str = field(default="raw", metadata={"choices": ("raw",),
-                                                   "why": "'combined' (sum the ESP partials before forwarding) is not built yet"})
+    saa_mode: str = field(default="raw", metadata={"choices": SAA_MODES})
     allow_cross_node: bool = False
 
     def value_errors(self) -> list:

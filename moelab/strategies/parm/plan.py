@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from moelab.strategies.parm import gating
 from moelab.strategies.parm.layer import baseline_form
-from moelab.strategies.parm.layout import EP, EPESP, ESP, MP, SAA, ParmLayout
+from moelab.strategies.parm.layout import EP, EPESP, ESP, MP, SAA, ParmLayout, saa_combine
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,8 @@ def sizes(layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a
     return dict(form=form, gate=S, T=T, slots=T // L.n_mp, rows=L.world * L.e_local * (T // L.n_mp))
 
 
-def steps(layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a", saa_backward: bool = True) -> list:
+def steps(layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a", saa_backward: bool = True,
+          saa_mode: str = "raw") -> list:
     """The ordered :class:`Step` list of one forward + backward on every rank."""
     L, E, M, b = layout, layout.num_experts, shape.M, shape.elem_bytes
     z = sizes(layout, shape, schedule, variant)
@@ -138,7 +139,7 @@ def steps(layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a
     a2a("fwd", "epesp_a2a", EPESP, L.e_local * t)
     compute("fwd", "experts", exp_f)
     if form == "s2":
-        comm("fwd", "saa", "saa", SAA, nbytes=chunk)
+        comm("fwd", "saa", "saa", SAA, nbytes=chunk, combine=saa_combine(L, saa_mode))
     else:
         a2a("fwd", "epesp_a2a_back", EPESP, L.e_local * t)
         comm("fwd", "mp_allgather_slots", "all_gather", MP, nbytes=E * t * M * b)
@@ -150,7 +151,7 @@ def steps(layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a
         a2a("bwd", "epesp_a2a_back", EPESP, L.e_local * t)
     compute("bwd", "experts", 2 * exp_f)
     if form == "s2" and saa_backward:
-        comm("bwd", "saa", "saa", SAA, nbytes=chunk)
+        comm("bwd", "saa", "saa", SAA, nbytes=chunk, combine=saa_combine(L, saa_mode))
     else:
         a2a("bwd", "epesp_a2a", EPESP, L.e_local * t)
         comm("bwd", "mp_split_bwd_allgather", "all_gather", MP, nbytes=E * t * M * b)
@@ -171,7 +172,7 @@ def rank_calls(layout: ParmLayout, rank: int, plan: list) -> list:
             continue
         inst = next(i for i in groups[s.group] if rank in i)
         if s.op == "saa":
-            sent = _sent(inst, rank, nbytes=s.args["nbytes"], sub=groups[MP])
+            sent = _sent(inst, rank, sub=groups[MP], **s.args)
         else:
             sent = peer_bytes(s.op, inst, rank, **s.args)
         out.append((s.op, s.group, s.phase, sent))

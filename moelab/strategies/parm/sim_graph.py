@@ -3,9 +3,10 @@ from the same plan the runtime executes (:mod:`.plan`), so simulated bytes are t
 
 - every collective is one op per group instance over that instance's ranks; instances of one group
   run at once and share the nodes' NICs and ports (:mod:`moelab.sim.costs` link model);
-- SAA is priced as its P phases, each an exchange of the all-to-all half (one chunk to rank
-  ``(r+i)%P``) together with the gather half (the previous chunk to every MP peer): halves on
-  different link classes overlap, halves on the same link share it;
+- SAA is priced as its P phases (the collective's own ``phases`` rule, :mod:`moelab.comm.saa`), each
+  an exchange of the all-to-all half (one chunk to rank ``(r+i)%P``) together with the gather half
+  (the chunk or, ``saa_mode: combined``, the ESP sum completed in the phase before, to every MP
+  peer): halves on different link classes overlap, halves on the same link share it;
 - compute from the §2.10c FLOPs at the profile's achieved throughput (the einsum dispatcher's
   quadratic cost included); no compute/communication overlap, as the paper's schedules have none;
 - no count exchange (the buffers are capacity-padded).
@@ -28,25 +29,6 @@ from moelab.strategies.parm.layout import MP, ParmLayout
 from moelab.strategies.parm.plan import Shape, Step, steps
 
 
-def _saa_phases(g, inst, topo, profile, nbytes, mp_groups, deps, name, phase):
-    """The P phases of SAA over ``inst`` (all ranks); returns the last phase's op."""
-    P = len(inst)
-    peers = {r: [p for grp in mp_groups if r in grp for p in grp if p != r] for r in inst}
-    last = None
-    for i in range(1, P + 1):
-        m = np.zeros((P, P))
-        for a, r in enumerate(inst):
-            if i < P:
-                m[a, (a + i) % P] += nbytes
-            for p in peers[r]:
-                m[a, inst.index(p)] += nbytes
-        comm = {"op": "saa", "group": list(inst), "nbytes": nbytes, "sub": mp_groups} if i == 1 else None
-        last = g.transfer(f"{name}.phase{i}", inst, costs.alltoall_demands(m, inst, topo, profile, False),
-                          deps=deps if last is None else (last,), category="saa", comm=comm, phase=phase,
-                          call_overhead=i == 1)  # one door call: its fixed cost once
-    return last
-
-
 def _build(g, layout: ParmLayout, topo: Topology, profile, plan) -> None:
     """Append ``plan`` (a list of :class:`~.plan.Step`) to ``g``: each rank's steps in order."""
     groups = layout.groups()
@@ -60,33 +42,34 @@ def _build(g, layout: ParmLayout, topo: Topology, profile, plan) -> None:
                 last[r] = g.compute(r, f"{s.name}.{s.phase}", t, deps=dep([r]), category=s.name, phase=s.phase)
             continue
         for inst in groups[s.group]:
-            if s.op == "saa":
-                op = _saa_phases(g, inst, topo, profile, s.args["nbytes"], groups[MP], dep(inst), s.name, s.phase)
-            else:
-                key = (id(s), tuple(inst))  # a model repeats its MoE layer's steps: price each once
-                if key not in priced:
-                    args = dict(s.args)
-                    if s.op == "all_to_all":
-                        args["splits"] = np.tile(np.asarray(args["splits"], dtype=np.float64), (len(inst), 1))
-                    priced[key] = (args, costs.demands(s.op, inst, topo, profile, **args))
-                args, demands = priced[key]
-                op = g.transfer(f"{s.name}.{s.phase}", inst, demands, deps=dep(inst), category="comm",
-                                comm={"op": s.op, "group": list(inst), **args}, phase=s.phase)
+            key = (id(s), tuple(inst))  # a model repeats its MoE layer's steps: price each once
+            if key not in priced:
+                args = dict(s.args)
+                if s.op == "all_to_all":
+                    args["splits"] = np.tile(np.asarray(args["splits"], dtype=np.float64), (len(inst), 1))
+                if s.op == "saa":  # every MP group: the gather halves of all of them
+                    args["sub"] = groups[MP]
+                priced[key] = (args, costs.demands(s.op, inst, topo, profile, **args))
+            args, demands = priced[key]
+            op = g.transfer(f"{s.name}.{s.phase}", inst, demands, deps=dep(inst),
+                            category="saa" if s.op == "saa" else "comm",
+                            comm={"op": s.op, "group": list(inst), **args}, phase=s.phase)
             for r in inst:
                 last[r] = op
 
 
 def parm_layer_graph(profile, layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a",
-                     saa_backward: bool = True, meta: Optional[dict] = None):
+                     saa_backward: bool = True, meta: Optional[dict] = None, saa_mode: str = "raw"):
     """The op graph of one MoE layer call (forward + backward) of ``schedule`` on ``profile``'s links."""
     topo = Topology(layout.world, layout.ranks_per_node)
     g = new_graph(profile, topo, {"strategy": "parm", "schedule": schedule, "variant": variant, **(meta or {})})
-    _build(g, layout, topo, profile, steps(layout, shape, schedule, variant, saa_backward))
+    _build(g, layout, topo, profile, steps(layout, shape, schedule, variant, saa_backward, saa_mode))
     return g
 
 
 def model_steps(layout: ParmLayout, shape: Shape, *, n_layers: int, seq_len: int, vocab: int, d_ff: int,
                 moe_every: int = 2, schedule: str = "s1", variant: str = "fig3a", saa_backward: bool = True,
+                saa_mode: str = "raw",
                 grad_sync: bool = True) -> list:
     """One training iteration of a Transformer with Megatron tensor parallelism over MP: per block
     attention (its FLOPs / N_MP) and an MP all-reduce of the S x M activations in each pass (g forward,
@@ -99,7 +82,7 @@ def model_steps(layout: ParmLayout, shape: Shape, *, n_layers: int, seq_len: int
     ffn_f = costs.ffn_flops(S, M, d_ff) / L.n_mp
     ar = [Step(p, "tp_allreduce", "all_reduce", MP, {"nbytes": S * M * b}) for p in ("fwd", "bwd")] if L.n_mp > 1 \
         else [None, None]
-    moe = steps(layout, shape, schedule, variant, saa_backward)
+    moe = steps(layout, shape, schedule, variant, saa_backward, saa_mode)
     fwd, bwd = [], []
     for i in range(n_layers):
         is_moe = moe_every == 1 or i % 2 == 1
@@ -152,7 +135,8 @@ def sim_curve(profile, layout, name: str, xs) -> list:
         if op == "saa":
             g = new_graph(profile, topo)
             chunk = max(1, int(x) // (layout.n_mp * layout.world)) * b
-            _saa_phases(g, list(range(layout.world)), topo, profile, chunk, groups[MP], (), "saa", "fwd")
+            world = list(range(layout.world))
+            g.transfer("saa", world, costs.demands("saa", world, topo, profile, nbytes=chunk, sub=groups[MP]))
             out.append(simulate(g).makespan)
             continue
         inst = groups[group][0]
@@ -201,4 +185,5 @@ def parm_iteration_graph(cfg, profile, loads=None, placement=None, *, schedule: 
                                  moe.capacity_factor, lay.n_mp, lay.n_esp), model_fits(profile, lay))[0]
     return parm_model_graph(profile, lay, shape, meta={"schedule": sched}, n_layers=m.n_layers, seq_len=m.seq_len,
                             vocab=m.vocab_size, d_ff=m.d_ff, moe_every=m.moe_every, schedule=sched,
-                            variant=opts.baseline_variant, saa_backward=opts.saa_backward, **kw)
+                            variant=opts.baseline_variant, saa_backward=opts.saa_backward, saa_mode=opts.saa_mode,
+                            **kw)
