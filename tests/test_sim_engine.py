@@ -120,3 +120,18 @@ def test_moe_layer_times_span_each_layers_non_attention_ops():
     ops = res.ops_frame()
     o = ops[(ops.layer == 0) & (ops.phase == "fwd") & ~ops.category.isin(["attention", "ffn", "head"])]
     assert t[0] >= float(o.end.max() - o.start.min())  # fwd span is part of it; bwd adds its own
+    fwd, bwd = res.moe_layer_times([0, 1], phases=("fwd",)), res.moe_layer_times([0, 1], phases=("bwd",))
+    assert fwd[0] == pytest.approx(float(o.end.max() - o.start.min())) and fwd + bwd == pytest.approx(t)
+
+
+def test_compute_busy_of_the_run_and_inside_windows():
+    """Rank 0 computes 1 s of a 2 s all-to-all on another stream, then 1 s alone; rank 1 only moves bytes."""
+    g = OpGraph(2, {LINK: GB})
+    a = g.add("a2a", (0, 1), stream="comm", links={LINK: 2 * GB}, category="a2a")
+    g.compute(0, "ffn", 1.0)
+    g.compute(0, "after", 1.0, deps=(a,))
+    r = simulate(g)
+    assert r.makespan == pytest.approx(3.0)
+    assert r.compute_busy().tolist() == pytest.approx([2 / 3, 0.0])
+    assert r.compute_busy("a2a").tolist() == pytest.approx([0.5, 0.0])  # Lina's pipelining efficiency
+    assert r.compute_busy([(0.5, 2.5)]).tolist() == pytest.approx([1.0 / 2, 0.0])  # 0.5-1 and 2-2.5 busy

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
+
+from moelab.sim.result import SimResult
 
 
 @dataclass(slots=True, repr=False, eq=False)
@@ -142,133 +144,6 @@ class OpGraph:
 
 class DeadlockError(RuntimeError):
     """Ops remain that can never start (collectives issued in different orders, or a cycle)."""
-
-
-@dataclass
-class SimResult:
-    graph: OpGraph
-    start: np.ndarray
-    end: np.ndarray
-    blocker: np.ndarray  # op whose finish let this op start (-1: started at t=0)
-    makespan: float
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    def ops_frame(self):
-        """One row per op: id, name, category, kind, stream, n_ranks, layer, phase, start, end, duration."""
-        import pandas as pd
-
-        g = self.graph.ops
-        return pd.DataFrame({
-            "id": np.arange(len(g)), "name": [o.name for o in g], "category": [o.category for o in g],
-            "kind": [o.kind for o in g], "stream": [o.stream for o in g],
-            "n_ranks": [len(o.ranks) for o in g], "layer": [o.meta.get("layer") for o in g],
-            "phase": [o.meta.get("phase") for o in g], "start": self.start, "end": self.end,
-            "duration": self.end - self.start})
-
-    def timeline(self):
-        """Gantt rows: one per (op, member rank): rank, stream, name, category, start, end."""
-        import pandas as pd
-
-        g = self.graph.ops
-        idx = np.repeat(np.arange(len(g)), [len(o.ranks) for o in g])
-        ranks = np.fromiter((r for o in g for r in o.ranks), dtype=np.int64, count=len(idx))
-        df = pd.DataFrame({"rank": ranks, "op": idx,
-                           "stream": [g[i].stream for i in idx], "name": [g[i].name for i in idx],
-                           "category": [g[i].category for i in idx],
-                           "start": self.start[idx], "end": self.end[idx]})
-        return df.sort_values(["rank", "start", "op"], kind="stable").reset_index(drop=True)
-
-    def critical_path(self) -> list:
-        """Op ids from the first to the last-finishing op, each one having started when the previous ended."""
-        if not len(self.end):
-            return []
-        i = int(np.argmax(self.end))
-        path = []
-        while i >= 0:
-            path.append(i)
-            i = int(self.blocker[i])
-        return path[::-1]
-
-    def moe_layer_times(self, layer_ids) -> np.ndarray:
-        """Seconds of each MoE layer (forward span + backward span of its non-attention ops: gate,
-        count exchange, all-to-alls, experts, materialization): the MoE-layer-only time papers' layer
-        benchmarks report (FasterMoE spec §6.15, Hecate Fig. 11)."""
-        ops = self.ops_frame()
-        ops = ops[ops.layer.notna() & ~ops.category.isin(["attention", "ffn", "head"])]
-        out = []
-        for i in layer_ids:
-            t = 0.0
-            for ph in ("fwd", "bwd"):
-                o = ops[(ops.layer == i) & (ops.phase == ph)]
-                if len(o):
-                    t += float(o.end.max() - o.start.min())
-            out.append(t)
-        return np.asarray(out)
-
-    def breakdown(self, by: str = "category") -> dict:
-        """Seconds of the critical path per op category (``by='kind'``: compute / comm); sums to makespan."""
-        out: dict = {}
-        for i in self.critical_path():
-            op = self.graph.ops[i]
-            key = getattr(op, by)
-            out[key] = out.get(key, 0.0) + float(self.end[i] - self.start[i])
-        gap = self.makespan - sum(out.values())
-        if gap > 1e-12 * max(1.0, self.makespan):
-            out["idle"] = gap
-        return out
-
-    def rank_breakdown(self):
-        """Per rank: busy seconds per category, and ``idle`` = makespan minus the union of its busy time."""
-        import pandas as pd
-
-        tl = self.timeline()
-        busy = tl.assign(t=tl.end - tl.start).pivot_table(index="rank", columns="category", values="t",
-                                                          aggfunc="sum", fill_value=0.0)
-        idle = {}
-        for r, grp in tl.groupby("rank"):
-            s, e = grp.start.to_numpy(), grp.end.to_numpy()
-            order = np.argsort(s, kind="stable")
-            covered, cur_s, cur_e = 0.0, None, None
-            for a, b in zip(s[order], e[order]):
-                if cur_e is None or a > cur_e:
-                    if cur_e is not None:
-                        covered += cur_e - cur_s
-                    cur_s, cur_e = a, b
-                else:
-                    cur_e = max(cur_e, b)
-            if cur_e is not None:
-                covered += cur_e - cur_s
-            idle[r] = self.makespan - covered
-        busy["idle"] = pd.Series(idle)
-        return busy
-
-    def peak_memory(self):
-        """Per rank: each category's own peak bytes, and ``total`` = the peak of their sum.
-
-        Ops add ``alloc`` at their start and remove ``free`` at their end; at equal times frees
-        go first, so back-to-back buffers do not count twice.
-        """
-        import pandas as pd
-
-        rows = []  # (rank, time, order, category, delta)
-        for o in self.graph.ops:
-            for r in o.ranks:
-                for c, b in (o.alloc or {}).items():
-                    rows.append((r, self.start[o.id], 1, c, b))
-                for c, b in (o.free or {}).items():
-                    rows.append((r, self.end[o.id], 0, c, -b))
-        if not rows:
-            return pd.DataFrame(columns=["total"])
-        ev = pd.DataFrame(rows, columns=["rank", "t", "order", "category", "delta"])
-        ev = ev.sort_values(["rank", "t", "order"], kind="stable")
-        out = {}
-        for r, grp in ev.groupby("rank"):
-            wide = grp.pivot_table(index=grp.index, columns="category", values="delta", fill_value=0)
-            wide = wide.reindex(grp.index).cumsum()
-            peaks = wide.max().to_dict()
-            peaks["total"] = float(wide.sum(axis=1).max())
-            out[r] = peaks
-        return pd.DataFrame.from_dict(out, orient="index").fillna(0.0).rename_axis("rank")
 
 
 class _Crowding:

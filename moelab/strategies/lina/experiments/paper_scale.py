@@ -58,19 +58,59 @@ def training(scale: str) -> pd.DataFrame:
             for pol in POLICIES:
                 cfg = paper_config(layers, E, pol)
                 res = simulate(lina_iteration_graph(cfg, prof, synthetic_loads(cfg), elem_bytes=2))
-                df = res.ops_frame()
-                a2a = df[df.category == "a2a"]
-                bwd = a2a[a2a.phase == "bwd"]
-                rows.append({"layers": layers, "experts": E, "policy": pol, "step_s": res.makespan,
-                             "bwd_a2a_s": float(bwd.duration.sum()), "a2a_s": float(a2a.duration.sum()),
-                             "a2a_bytes_per_gpu": float(sum(o.comm["splits"].sum() for o in res.graph.ops
-                                                            if o.category == "a2a")) / E})
+                rows.append({"layers": layers, "experts": E, "policy": pol, **_metrics(res, cfg, E)})
     out = pd.DataFrame(rows)
     base = out[out.policy == "ddp_overlap"].set_index(["layers", "experts"])
     key = list(zip(out.layers, out.experts))
-    out["step_speedup"] = [base.step_s[k] for k in key] / out.step_s
-    out["bwd_a2a_speedup"] = [base.bwd_a2a_s[k] for k in key] / out.bwd_a2a_s
+    for col, t in (("step_speedup", "step_s"), ("bwd_a2a_speedup", "bwd_a2a_s"), ("moe_fwd_speedup", "moe_fwd_s"),
+                   ("moe_bwd_speedup", "moe_bwd_s")):
+        out[col] = [base[t][k] for k in key] / out[t]
     out["a2a_share_baseline"] = [base.a2a_s[k] / base.step_s[k] for k in key]
+    out.attrs["label"] = sim_label()
+    return out
+
+
+def _metrics(res, cfg, E: int) -> dict:
+    """What the training figures read from one simulated step: step, all-to-all and MoE-layer times per
+    pass (Figs. 10-13), compute-busy fractions (the paper's GPU utilization: of the step, Table 4; of the
+    MoE layers, Fig. 12; inside all-to-alls: pipelining efficiency, Table 3), peak memory per GPU."""
+    from moelab.sim.graphs import moe_layer_ids
+
+    df = res.ops_frame()
+    a2a = df[df.category == "a2a"]
+    ids = moe_layer_ids(cfg.model)
+    return {"step_s": res.makespan, "bwd_a2a_s": float(a2a[a2a.phase == "bwd"].duration.sum()),
+            "a2a_s": float(a2a.duration.sum()),
+            "a2a_bytes_per_gpu": float(sum(o.comm["splits"].sum() for o in res.graph.ops if o.category == "a2a")) / E,
+            "moe_fwd_s": float(res.moe_layer_times(ids, ("fwd",)).sum()),
+            "moe_bwd_s": float(res.moe_layer_times(ids, ("bwd",)).sum()),
+            "compute_busy": float(res.compute_busy().mean()),
+            "moe_compute_busy": float(res.compute_busy([(a, b) for *_, a, b in res.moe_layer_spans(ids)]).mean()),
+            "pipelining_eff": float(res.compute_busy("a2a").mean()),
+            "peak_mem_GB": float(res.peak_memory()["total"].max()) / 1e9}
+
+
+@cached
+def packing(scale: str, qs=(1, 2, 4)) -> pd.DataFrame:
+    """Table 3: the lina policy with pipelined all-to-alls, without packing (q = 1: ``lina_pipe``) and
+    with q experts per GPU (``lina_full``), at the largest E of the scale."""
+    from moelab.sim import simulate
+    from moelab.sim.graphs import synthetic_loads
+    from moelab.sim.profiles import get_profile
+    from moelab.strategies.lina.sim_graph import lina_iteration_graph
+
+    s = scale_spec(scale)
+    prof = get_profile("lina")
+    E = max(s.sim_experts)
+    rows = []
+    for layers in s.sim_layers:
+        for q in qs:
+            if E % q:
+                continue
+            cfg = paper_config(layers, E, "lina_pipe" if q == 1 else "lina_full", **({"experts_per_device": q} if q > 1 else {}))
+            res = simulate(lina_iteration_graph(cfg, prof, synthetic_loads(cfg), elem_bytes=2))
+            rows.append({"layers": layers, "experts": E, "experts_per_gpu": q, **_metrics(res, cfg, E)})
+    out = pd.DataFrame(rows)
     out.attrs["label"] = sim_label()
     return out
 
