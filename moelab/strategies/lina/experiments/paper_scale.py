@@ -41,23 +41,27 @@ def sim_label() -> str:
             "fp16, assumptions in experiments/lina/assumptions.yaml")
 
 
-@cached
-def training(scale: str) -> pd.DataFrame:
-    """Per (layers, E, policy): step time, backward all-to-all time, all-to-all time; speedups over
-    ``ddp_overlap``; the baseline's all-to-all share (Table 1, Fig. 3)."""
+def _simulate(cfg):
+    """One training step of ``cfg`` on the lina profile, fp16, synthetic loads."""
     from moelab.sim import simulate
     from moelab.sim.graphs import synthetic_loads
     from moelab.sim.profiles import get_profile
     from moelab.strategies.lina.sim_graph import lina_iteration_graph
 
+    return simulate(lina_iteration_graph(cfg, get_profile("lina"), synthetic_loads(cfg), elem_bytes=2))
+
+
+@cached
+def training(scale: str) -> pd.DataFrame:
+    """Per (layers, E, policy): step time, backward all-to-all time, all-to-all time; speedups over
+    ``ddp_overlap``; the baseline's all-to-all share (Table 1, Fig. 3)."""
     s = scale_spec(scale)
-    prof = get_profile("lina")
     rows = []
     for layers in s.sim_layers:
         for E in s.sim_experts:
             for pol in POLICIES:
                 cfg = paper_config(layers, E, pol)
-                res = simulate(lina_iteration_graph(cfg, prof, synthetic_loads(cfg), elem_bytes=2))
+                res = _simulate(cfg)
                 rows.append({"layers": layers, "experts": E, "policy": pol, **_metrics(res, cfg, E)})
     out = pd.DataFrame(rows)
     base = out[out.policy == "ddp_overlap"].set_index(["layers", "experts"])
@@ -94,13 +98,7 @@ def _metrics(res, cfg, E: int) -> dict:
 def packing(scale: str, qs=(1, 2, 4)) -> pd.DataFrame:
     """Table 3: the lina policy with pipelined all-to-alls, without packing (q = 1: ``lina_pipe``) and
     with q experts per GPU (``lina_full``), at the largest E of the scale."""
-    from moelab.sim import simulate
-    from moelab.sim.graphs import synthetic_loads
-    from moelab.sim.profiles import get_profile
-    from moelab.strategies.lina.sim_graph import lina_iteration_graph
-
     s = scale_spec(scale)
-    prof = get_profile("lina")
     E = max(s.sim_experts)
     rows = []
     for layers in s.sim_layers:
@@ -108,7 +106,7 @@ def packing(scale: str, qs=(1, 2, 4)) -> pd.DataFrame:
             if E % q:
                 continue
             cfg = paper_config(layers, E, "lina_pipe" if q == 1 else "lina_full", **({"experts_per_device": q} if q > 1 else {}))
-            res = simulate(lina_iteration_graph(cfg, prof, synthetic_loads(cfg), elem_bytes=2))
+            res = _simulate(cfg)
             rows.append({"layers": layers, "experts": E, "experts_per_gpu": q, **_metrics(res, cfg, E)})
     out = pd.DataFrame(rows)
     out.attrs["label"] = sim_label()
@@ -118,19 +116,13 @@ def packing(scale: str, qs=(1, 2, 4)) -> pd.DataFrame:
 @cached
 def partition_sweep(scale: str, sizes_MB=(2, 5, 10, 30, 50, 100)) -> pd.DataFrame:
     """Fig. 15: step time of the 16-expert models vs the micro-op size."""
-    from moelab.sim import simulate
-    from moelab.sim.graphs import synthetic_loads
-    from moelab.sim.profiles import get_profile
-    from moelab.strategies.lina.sim_graph import lina_iteration_graph
-
     s = scale_spec(scale)
-    prof = get_profile("lina")
     E = max(s.sim_experts)
     rows = []
     for layers in s.sim_layers:
         for mb in sizes_MB:
             cfg = paper_config(layers, E, "lina", partition_bytes=mb * 1e6)
-            res = simulate(lina_iteration_graph(cfg, prof, synthetic_loads(cfg), elem_bytes=2))
+            res = _simulate(cfg)
             rows.append({"layers": layers, "partition_MB": mb, "step_s": res.makespan})
     out = pd.DataFrame(rows)
     out.attrs["label"] = sim_label()
