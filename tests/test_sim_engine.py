@@ -135,3 +135,10 @@ def test_compute_busy_of_the_run_and_inside_windows():
     assert r.compute_busy().tolist() == pytest.approx([2 / 3, 0.0])
     assert r.compute_busy("a2a").tolist() == pytest.approx([0.5, 0.0])  # Lina's pipelining efficiency
     assert r.compute_busy([(0.5, 2.5)]).tolist() == pytest.approx([1.0 / 2, 0.0])  # 0.5-1 and 2-2.5 busy
+
+
+def test_union_seconds_counts_overlaps_once():
+    from moelab.sim.result import union_seconds
+
+    assert union_seconds([0.0, 1.0, 5.0, 5.5], [2.0, 3.0, 6.0, 5.7]) == pytest.approx(4.0)
+    assert union_seconds([], []) == 0 and union_seconds([1.0], [1.0]) == 0

@@ -124,7 +124,7 @@ class SimResult:
                                                           aggfunc="sum", fill_value=0.0)
         idle = {}
         for r, grp in tl.groupby("rank"):
-            idle[r] = self.makespan - sum(b - a for a, b in _union(zip(grp.start, grp.end)))
+            idle[r] = self.makespan - union_seconds(grp.start, grp.end)
         busy["idle"] = pd.Series(idle)
         return busy
 
@@ -166,6 +166,12 @@ def _union(intervals) -> list:
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
+
+
+def union_seconds(starts, ends) -> float:
+    """Length of the union of intervals: the time some op of a set was running (pipelined or
+    concurrent calls overlap each other, so their durations must not be summed)."""
+    return sum(b - a for a, b in _union(zip(starts, ends)))
 
 
 def _overlap(U, V) -> float:

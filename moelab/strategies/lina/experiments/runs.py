@@ -16,6 +16,7 @@ import pandas as pd
 
 from moelab.config import RunConfig
 from moelab.repro.cache import cached
+from moelab.sim.result import union_seconds
 
 from .common import scale_spec
 
@@ -36,19 +37,6 @@ def train_config(s, policy: str, seed: int = 0) -> RunConfig:
         "parallel.strategy_options": {"policy": policy, "partition_bytes": s.t_S, "a2a_chunks": 4},
         "emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps, "emulation.inter_bw_GBps": s.inter_GBps,
         "emulation.intra_latency_us": 20.0, "emulation.inter_latency_us": 50.0}).validate()
-
-
-def union_seconds(starts, ends) -> float:
-    """Length of the union of intervals: the time some call of the set was in flight (pipelined
-    all-to-alls overlap each other, so their durations must not be summed)."""
-    total, cur_s, cur_e = 0.0, None, None
-    for a, b in sorted(zip(starts, ends)):
-        if cur_e is None or a > cur_e:
-            total += 0.0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = a, b
-        else:
-            cur_e = max(cur_e, b)
-    return total + (0.0 if cur_e is None else cur_e - cur_s)
 
 
 def a2a_times(comm, phase=None) -> float:
