@@ -114,6 +114,31 @@ def packing(scale: str, qs=(1, 2, 4)) -> pd.DataFrame:
 
 
 @cached
+def layer_timeline(scale: str, policy: str, phase: str) -> pd.DataFrame:
+    """Figs. 2 and 8: rank 0's ops during one pass of the middle MoE layer (smallest model and E of the
+    scale), clipped to the layer's span, one lane per stream; ``attrs``: the all-to-all share of the span."""
+    from moelab.sim.graphs import moe_layer_ids
+    from moelab.sim.result import union_seconds
+
+    s = scale_spec(scale)
+    layers, E = min(s.sim_layers), min(s.sim_experts)
+    cfg = paper_config(layers, E, policy)
+    res = _simulate(cfg)
+    ids = moe_layer_ids(cfg.model)
+    mid = ids[len(ids) // 2]
+    (_, _, a, b), = res.moe_layer_spans([mid], (phase,))
+    tl = res.timeline()
+    w = tl[(tl["rank"] == 0) & (tl.end > a) & (tl.start < b) & (tl.end > tl.start)]
+    out = pd.DataFrame({"rank": 0, "lane": w.stream.values, "name": w.category.values, "op": w.name.values,
+                        "start": np.maximum(w.start.values, a) - a, "end": np.minimum(w.end.values, b) - a})
+    a2a = out[out.name == "a2a"]
+    out.attrs.update(label=sim_label() + f"; {layers} layers, E = {E}, policy {policy}, rank 0, MoE layer {mid} ({phase})",
+                     span_s=b - a, a2a_share=union_seconds(a2a.start, a2a.end) / (b - a), layer=mid, layers=layers,
+                     experts=E)
+    return out
+
+
+@cached
 def partition_sweep(scale: str, sizes_MB=(2, 5, 10, 30, 50, 100)) -> pd.DataFrame:
     """Fig. 15: step time of the 16-expert models vs the micro-op size."""
     s = scale_spec(scale)

@@ -154,6 +154,38 @@ def table4s(ctx):
                        "average); peak memory +19.5 % for BERT2GPT2, the others offload to DRAM (not modelled)"])
 
 
+@product(P, "fig2s", quantities={"a2a_share": Quantity("all-to-all share of one MoE layer's forward (ddp_overlap)",
+                                                       "fraction")})
+def fig2s(ctx):
+    df = paper_scale.layer_timeline(ctx.scale.name, "ddp_overlap", "fwd")
+    a = df.attrs
+    value = pd.DataFrame([{"layers": a["layers"], "experts": a["experts"], "layer": a["layer"],
+                           "layer_fwd_s": a["span_s"], "a2a_share": a["a2a_share"]}])
+    value.attrs["label"] = a["label"]
+    return Made(value, figures={"fig02s_layer_fwd": F.timeline(df, label=a["label"],
+                                                               title="Fig. 2: one MoE layer's forward on rank 0")},
+                tables={"table_fig02s": (df, "Fig. 2: rank 0's ops in the layer's forward")},
+                notes=[f"all-to-all share of the MoE layer's forward: {a['a2a_share']:.1%} (paper: 74.9 %)"])
+
+
+@product(P, "fig8s")
+def fig8s(ctx):
+    figs, rows = {}, []
+    for pol in ("lina", "lina_pipe"):
+        df = paper_scale.layer_timeline(ctx.scale.name, pol, "bwd")
+        figs[f"fig08s_{pol}"] = F.timeline(df, label=df.attrs["label"],
+                                           title=f"Fig. 8: one MoE layer's backward on rank 0, {pol}")
+        a2a, comp = df[df.name == "a2a"], df[df.name == "expert"]
+        rows.append({"policy": pol, "layer_bwd_s": df.attrs["span_s"], "a2a_share": df.attrs["a2a_share"],
+                     "allreduce_micro_ops": int((df.name == "allreduce").sum()), "a2a_calls": len(a2a),
+                     "expert_chunks": len(comp)})
+    value = pd.DataFrame(rows)
+    value.attrs["label"] = paper_scale.sim_label()
+    notes = _fired(value, "allreduce_micro_ops", "overlap of all-reduce micro-ops with the layer's backward")
+    return Made(value, figures=figs, tables={"table_fig08s": (value, "Fig. 8: what runs in one MoE layer's backward")},
+                notes=notes)
+
+
 @product(P, "table1s", quantities={"a2a_share_baseline": SHARE})
 def table1s(ctx):
     df = paper_scale.training(ctx.scale.name)
