@@ -114,21 +114,28 @@ def packing(scale: str, qs=(1, 2, 4)) -> pd.DataFrame:
 
 
 @cached
-def layer_timeline(scale: str, policy: str, phase: str) -> pd.DataFrame:
-    """Figs. 2 and 8: rank 0's ops during one pass of the middle MoE layer (smallest model and E of the
-    scale), clipped to the layer's span, one lane per stream; ``attrs``: the all-to-all share of the span."""
+def layer_timeline(scale: str, policy: str, phase: str, busiest: bool = False) -> pd.DataFrame:
+    """Figs. 2, 7 and 8: rank 0's ops during one pass of one MoE layer (smallest model and E of the
+    scale), clipped to the layer's span, one lane per stream; the middle MoE layer, or (``busiest``) the
+    one whose span overlaps the most all-reduce time. ``attrs``: the all-to-all share of the span."""
     from moelab.sim.graphs import moe_layer_ids
-    from moelab.sim.result import union_seconds
+    from moelab.sim.result import _overlap, _union, union_seconds
 
     s = scale_spec(scale)
     layers, E = min(s.sim_layers), min(s.sim_experts)
     cfg = paper_config(layers, E, policy)
     res = _simulate(cfg)
     ids = moe_layer_ids(cfg.model)
-    mid = ids[len(ids) // 2]
-    (_, _, a, b), = res.moe_layer_spans([mid], (phase,))
     tl = res.timeline()
-    w = tl[(tl["rank"] == 0) & (tl.end > a) & (tl.start < b) & (tl.end > tl.start)]
+    tl = tl[(tl["rank"] == 0) & (tl.end > tl.start)]
+    spans = {i: (a, b) for i, _, a, b in res.moe_layer_spans(ids, (phase,))}
+    mid = ids[len(ids) // 2]
+    if busiest:
+        ar = _union(zip(*[tl[tl.category == "allreduce"][c] for c in ("start", "end")]))
+        over = {i: _overlap(ar, [ab]) for i, ab in spans.items()}
+        mid = max(over, key=over.get) if max(over.values()) > 0 else mid
+    a, b = spans[mid]
+    w = tl[(tl.end > a) & (tl.start < b)]
     out = pd.DataFrame({"rank": 0, "lane": w.stream.values, "name": w.category.values, "op": w.name.values,
                         "start": np.maximum(w.start.values, a) - a, "end": np.minimum(w.end.values, b) - a})
     a2a = out[out.name == "a2a"]

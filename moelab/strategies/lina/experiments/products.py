@@ -168,22 +168,37 @@ def fig2s(ctx):
                 notes=[f"all-to-all share of the MoE layer's forward: {a['a2a_share']:.1%} (paper: 74.9 %)"])
 
 
-@product(P, "fig8s")
-def fig8s(ctx):
+def _layer_backwards(ctx, fig: int, policies, busiest: bool = False) -> tuple:
+    """One MoE layer's backward on rank 0 under each policy: a timeline each, and a row each of what ran."""
     figs, rows = {}, []
-    for pol in ("lina", "lina_pipe"):
-        df = paper_scale.layer_timeline(ctx.scale.name, pol, "bwd")
-        figs[f"fig08s_{pol}"] = F.timeline(df, label=df.attrs["label"],
-                                           title=f"Fig. 8: one MoE layer's backward on rank 0, {pol}")
-        a2a, comp = df[df.name == "a2a"], df[df.name == "expert"]
-        rows.append({"policy": pol, "layer_bwd_s": df.attrs["span_s"], "a2a_share": df.attrs["a2a_share"],
-                     "allreduce_micro_ops": int((df.name == "allreduce").sum()), "a2a_calls": len(a2a),
-                     "expert_chunks": len(comp)})
+    for pol in policies:
+        df = paper_scale.layer_timeline(ctx.scale.name, pol, "bwd", busiest)
+        figs[f"fig{fig:02d}s_{pol}"] = F.timeline(df, label=df.attrs["label"],
+                                                  title=f"Fig. {fig}: one MoE layer's backward on rank 0, {pol}")
+        rows.append({"policy": pol, "layer": df.attrs["layer"], "layer_bwd_s": df.attrs["span_s"],
+                     "a2a_share": df.attrs["a2a_share"],
+                     "allreduce_ops": int((df.name == "allreduce").sum()), "a2a_calls": int((df.name == "a2a").sum()),
+                     "expert_chunks": int((df.name == "expert").sum())})
     value = pd.DataFrame(rows)
     value.attrs["label"] = paper_scale.sim_label()
-    notes = _fired(value, "allreduce_micro_ops", "overlap of all-reduce micro-ops with the layer's backward")
+    return value, figs
+
+
+@product(P, "fig7s")
+def fig7s(ctx):
+    value, figs = _layer_backwards(ctx, 7, ("ddp_overlap", "priority", "fixed"), busiest=True)
+    return Made(value, figures=figs, tables={"table_fig07s": (value, "Fig. 7: one MoE layer's backward per schedule")},
+                notes=["(a) baseline = ddp_overlap, (b) naive priority = priority, (c) deferred all-reduce = fixed; "
+                       "(d) the oracle's gap placement is not a moelab policy and is not drawn; each policy's layer is "
+                       "the one whose backward overlaps the most all-reduce"]
+                + _fired(value, "allreduce_ops", "an all-reduce during a MoE layer's backward"))
+
+
+@product(P, "fig8s")
+def fig8s(ctx):
+    value, figs = _layer_backwards(ctx, 8, ("lina", "lina_pipe"))
     return Made(value, figures=figs, tables={"table_fig08s": (value, "Fig. 8: what runs in one MoE layer's backward")},
-                notes=notes)
+                notes=_fired(value, "allreduce_ops", "overlap of all-reduce micro-ops with the layer's backward"))
 
 
 @product(P, "table1s", quantities={"a2a_share_baseline": SHARE})
