@@ -279,9 +279,10 @@ class RunConfig:
                 if p.grad_sync != "after_backward":
                     errs.append(f"parallel.grad_sync={p.grad_sync!r} chooses the data-parallel update; strategy "
                                 f"{p.strategy!r} brings its own gradient sync: leave it at 'after_backward'")
-                if t.checkpoint_every or t.resume_from:
+                if (t.checkpoint_every or t.resume_from) and not vars(get_update(p.strategy)).get("checkpoint_ready"):
                     errs.append(f"train.checkpoint_every / train.resume_from: checkpoints cover the data-parallel "
-                                f"updates; strategy {p.strategy!r} brings its own update")
+                                f"updates and the strategies whose update saves its own state; strategy "
+                                f"{p.strategy!r} brings its own update, not yet checkpointed")
         if t.dataset not in ("pydocs", "random"):
             errs.append(f"train.dataset must be pydocs or random, got {t.dataset!r}")
         from moelab.models.tasks import task_errors

@@ -19,7 +19,7 @@ def _state(tr) -> dict:
             experts[(li, e)] = torch.cat([p[s].detach().reshape(-1) for p in (ex.w1, ex.b1, ex.w2, ex.b2)])
     return dict(losses=[r["loss"] for r in tr.metrics], iters=[r["iter"] for r in tr.metrics], experts=experts,
                 dense=torch.cat([p.detach().reshape(-1) for p in tr.model.dense_parameters()]),
-                start=tr.start_iter)
+                start=tr.start_iter, holders=[layer.placement.holders for layer in tr.model.moe_layers()])
 
 
 def _train(rank, world, overrides, out=None, fail_at=None):
@@ -76,6 +76,28 @@ def test_resume_continues_bit_for_bit(tmp_path, world):
         assert resumed[r]["start"] == 3 and resumed[r]["iters"] == [3, 4, 5]
         assert resumed[r]["losses"] == full[r]["losses"][3:]  # bit for bit
         _exactly_equal(resumed[r], full[r])
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy, opts", [("smartmoe", {"interval": 2, "decision": "always"}),
+                                            ("flexmoe", {"interval": 2, "window": 3, "threshold": 1.01,
+                                                         "migration_cost_s": 0.0})])
+def test_resume_after_a_replacement_continues_on_the_saved_placement(tmp_path, strategy, opts):
+    """Experts move every 2 iterations; a checkpoint taken after a move resumes on the moved placement (not
+    the initial one) with the update's own state (iteration, load window), and the rounds after the resume
+    decide as in the uninterrupted run: bit for bit."""
+    base = {"parallel.strategy": strategy, "parallel.strategy_options": opts, "train.batch_size": 1,
+            "model.moe.num_experts": 8}
+    full = run_ranks(_train, 4, {**base, "train.iters": 7}, timeout=150)
+    run_ranks(_train, 4, {**base, "train.iters": 3, "train.checkpoint_every": 3}, str(tmp_path), timeout=150)
+    meta = json.loads((tmp_path / "checkpoints" / "step_000003" / "meta.json").read_text())
+    initial = [[e // 2] for e in range(8)]  # 8 experts on 4 ranks
+    assert any(layer["holders"] != initial for layer in meta["layers"]), meta["layers"]  # experts had moved
+    resumed = run_ranks(_train, 4, {**base, "train.iters": 7, "train.resume_from": str(tmp_path)}, timeout=150)
+    for r in range(4):
+        assert resumed[r]["iters"] == [3, 4, 5, 6] and resumed[r]["losses"] == full[r]["losses"][3:]
+        _exactly_equal(resumed[r], full[r])
+        assert resumed[r]["holders"] == full[r]["holders"]  # the rounds after the resume chose the same
 
 
 @pytest.mark.timeout(300)

@@ -6,7 +6,8 @@ Layout (``<run folder>/checkpoints/step_<k>/``, ``k`` = iterations done)::
                     routing-RNG counter (``forward_calls``) of every MoE layer, the global batch
     dense.pt        rank 0: every non-expert parameter and its Adam state, by parameter name
     rank<r>.pt      rank r: the experts it *owns*, keyed by (MoE layer, global expert id), each with
-                    its parameters and Adam state; and the rank's torch RNG state
+                    its parameters and Adam state; the rank's torch RNG state; its update's own state
+                    (``Update.checkpoint_state``: SmartMoE's and FlexMoE's iteration and load window)
 
 Experts are stored per global expert id, not per rank slot, and dense state once, so a checkpoint
 saved on 4 ranks loads on 2 (each rank picks the experts its placement gives it, replicas too).
@@ -18,10 +19,13 @@ folder and raises on every rank: the previous checkpoint is never touched.
 
 Resuming continues the same run exactly: parameters, Adam moments and step counts, the MoE
 layers' routing-RNG counters and the rank's torch RNG (when the world size is the same) are
-restored, and the batches of iteration ``k`` onward are the ones the uninterrupted run reads. The
+restored, and the batches of iteration ``k`` onward are the ones the uninterrupted run reads; a run
+that moved its experts (SmartMoE, FlexMoE) resumes on the placement it saved, with its update's state,
+so later re-placement rounds decide as they would have. The
 resumed run is a new run folder whose metrics start at iteration ``k``. Not restored: other
 per-layer state (FasterMoE's previous shadow set, the topology gate's hint), recomputed from the
-first resumed iteration on. Strategies with their own update (ZeRO) are rejected by validation.
+first resumed iteration on. Strategies whose own update does not save its state
+(``Update.checkpoint_ready``: ZeRO, Hecate, Lina, ...) are rejected by validation.
 At another world size the data stay the same iff the global batch ``parallel.nproc x
 train.batch_size`` is kept (checked); losses then match the uninterrupted run up to floating-point
 summation order, provided the run's math does not depend on the split itself: dropless routing
@@ -128,7 +132,7 @@ def rank_state(trainer) -> dict:
                 rec["params"][n] = p.detach()[s].clone()
                 rec["adam"][n] = {k: (v if v.dim() == 0 else v[s].clone()) for k, v in _adam_state(opt, p).items()}
             experts[(li, e)] = rec
-    return {"experts": experts, "rng": torch.get_rng_state()}
+    return {"experts": experts, "rng": torch.get_rng_state(), "update": trainer.update.checkpoint_state()}
 
 
 def dense_state(trainer) -> dict:
@@ -187,6 +191,31 @@ def _all_ok(comm, ok: bool) -> bool:
 
 
 # ---- loading -----------------------------------------------------------------------------------
+def _restore_placements(trainer, meta) -> None:
+    """A run that moved its experts (Hecate's Alg. 2, SmartMoE, FlexMoE) resumes on the placement it
+    saved (same world size): each layer's slots are re-stacked for the saved holders, the optimizer
+    and the update follow the new parameter objects; :func:`load` then fills them from the checkpoint."""
+    from moelab.placement import Placement
+
+    opt, moved = trainer.update.optimizer, False
+    for li, layer in enumerate(trainer.model.moe_layers()):
+        pl = layer.placement
+        saved = tuple(tuple(int(r) for r in h) for h in meta["layers"][li].get("holders", ()))
+        if not saved or saved == tuple(tuple(h) for h in pl.holders):
+            continue
+        new = Placement(pl.num_experts, pl.world_size, saved, pl.rule)
+        n_here, old = len(new.local_experts(trainer.rank)), layer.experts.stacked()
+        layer.set_placement(new, [None if p is None else p.new_zeros((n_here,) + tuple(p.shape[1:])) for p in old])
+        for old_p, new_p in zip(old, layer.experts.stacked()):
+            if old_p is not None:
+                for g in opt.param_groups:
+                    g["params"] = [new_p if q is old_p else q for q in g["params"]]
+                opt.state.pop(old_p, None)
+        moved = True
+    if moved:
+        trainer.update.refresh_params()
+
+
 @torch.no_grad()
 def load(trainer, path) -> int:
     """Restore the trainer's model, optimizer, layer counters and RNG; return the step to resume at."""
@@ -203,12 +232,16 @@ def load(trainer, path) -> int:
         p.copy_(dense["params"][n])
         if dense["adam"][n]:
             opt.state[p] = {k: v.clone() for k, v in dense["adam"][n].items()}
-    experts, rng = {}, None
+    experts, rng, update = {}, None, None
     for f in sorted(ckpt.glob("rank*.pt")):
         part = torch.load(f, weights_only=False)
         experts.update(part["experts"])
         if f.name == f"rank{trainer.rank}.pt":
-            rng = part["rng"]
+            rng, update = part["rng"], part.get("update")
+    if meta["world"] == trainer.comm.world_size:
+        _restore_placements(trainer, meta)
+        if update:
+            trainer.update.restore_state(update)
     for li, layer in enumerate(model.moe_layers()):
         slots = layer.experts.experts
         if not slots:

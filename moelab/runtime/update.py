@@ -40,7 +40,15 @@ from moelab.moe.sync import sync_dense_grads, sync_packed_grads, sync_replica_gr
 from moelab.runtime.memory import MemoryMeter, storage_bytes
 
 class Update:
-    """Interface: the lifecycle hooks above, ``step()``, ``zero_grad()``, and memory by category."""
+    """Interface: the lifecycle hooks above, ``step()``, ``zero_grad()``, and memory by category.
+
+    Checkpoints (:mod:`moelab.runtime.checkpoint`) save the model, one Adam optimizer's state per
+    parameter and the placement; an update whose own state decides what a later iteration does (a load
+    window, an iteration counter) says so with ``checkpoint_ready = True`` and the two hooks
+    :meth:`checkpoint_state` / :meth:`restore_state`. Strategies' updates without it are refused
+    checkpoints before launch."""
+
+    checkpoint_ready = False  # a strategy's update opts in in its own class body (not inherited)
 
     def __init__(self, model, comm, cfg):
         self.model, self.comm, self.cfg = model, comm, cfg
@@ -48,6 +56,13 @@ class Update:
         self._params = list(model.parameters())  # fixed for the run; walking the module tree is slow
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                             for p in self._params if p.requires_grad]
+
+    def checkpoint_state(self) -> dict:
+        """This rank's update state a resumed run needs to continue exactly (picklable)."""
+        return {}
+
+    def restore_state(self, state: dict) -> None:
+        """Take back :meth:`checkpoint_state` (same world size)."""
 
     def refresh_params(self) -> None:
         """The model's parameter objects changed (a migration swapped an expert stack,

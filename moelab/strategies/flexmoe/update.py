@@ -30,6 +30,8 @@ from .options import FlexMoEOptions
 
 
 class FlexMoEUpdate(DataParallelUpdate):
+    checkpoint_ready = True  # its state: iteration, load window, rounds so far (the placement is the model's)
+
     def __init__(self, model, comm, cfg, options: Optional[FlexMoEOptions] = None):
         super().__init__(model, comm, cfg)
         self.options = options or FlexMoEOptions.from_dict(cfg.parallel.strategy_options)
@@ -85,6 +87,13 @@ class FlexMoEUpdate(DataParallelUpdate):
             for h in layer.placement.holders:
                 if len(h) > 1:
                     self.comm.replica_group(h)
+
+    def checkpoint_state(self) -> dict:
+        return {"iteration": self.iteration, "window": [w.copy() for w in self._window], "rounds": list(self.rounds)}
+
+    def restore_state(self, state: dict) -> None:
+        self.iteration, self.rounds = int(state["iteration"]), list(state["rounds"])
+        self._window = [np.asarray(w) for w in state["window"]]
 
     def sync(self) -> None:
         sync_dense_grads(self.model.dense_parameters(), self.comm)

@@ -16,6 +16,8 @@ from .options import SmartMoEOptions
 
 
 class SmartMoEUpdate(DataParallelUpdate):
+    checkpoint_ready = True  # its state: the iteration count and the load window (the placement is the model's)
+
     def __init__(self, model, comm, cfg, options: Optional[SmartMoEOptions] = None):
         super().__init__(model, comm, cfg)
         self.options = options or SmartMoEOptions.from_dict(cfg.parallel.strategy_options)
@@ -48,6 +50,12 @@ class SmartMoEUpdate(DataParallelUpdate):
         for li, (layer, (owners, status, _, _)) in enumerate(zip(self.layers, rnd)):
             layer.smart_record = {"owners": owners, "moved": [[e, s, d] for l, e, s, d in moved if l == li],
                                   "decision": status}
+
+    def checkpoint_state(self) -> dict:
+        return {"iteration": self.iteration, "window": [w.copy() for w in self._window]}
+
+    def restore_state(self, state: dict) -> None:
+        self.iteration, self._window = int(state["iteration"]), [np.asarray(w) for w in state["window"]]
 
     def sync(self) -> None:
         super().sync()
