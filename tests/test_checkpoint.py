@@ -81,7 +81,8 @@ def test_resume_continues_bit_for_bit(tmp_path, world):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("strategy, opts", [("smartmoe", {"interval": 2, "decision": "always"}),
                                             ("flexmoe", {"interval": 2, "window": 3, "threshold": 1.01,
-                                                         "migration_cost_s": 0.0})])
+                                                         "migration_cost_s": 0.0}),
+                                            ("hecate", {"reshard_interval": 2, "t": 2, "m": 2})])
 def test_resume_after_a_replacement_continues_on_the_saved_placement(tmp_path, strategy, opts):
     """Experts move every 2 iterations; a checkpoint taken after a move resumes on the moved placement (not
     the initial one) with the update's own state (iteration, load window), and the rounds after the resume

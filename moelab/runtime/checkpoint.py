@@ -7,7 +7,7 @@ Layout (``<run folder>/checkpoints/step_<k>/``, ``k`` = iterations done)::
     dense.pt        rank 0: every non-expert parameter and its Adam state, by parameter name
     rank<r>.pt      rank r: the experts it *owns*, keyed by (MoE layer, global expert id), each with
                     its parameters and Adam state; the rank's torch RNG state; its update's own state
-                    (``Update.checkpoint_state``: SmartMoE's and FlexMoE's iteration and load window)
+                    (``Update.checkpoint_state``: the iteration and load windows of SmartMoE, FlexMoE, Hecate)
 
 Experts are stored per global expert id, not per rank slot, and dense state once, so a checkpoint
 saved on 4 ranks loads on 2 (each rank picks the experts its placement gives it, replicas too).
@@ -20,12 +20,12 @@ folder and raises on every rank: the previous checkpoint is never touched.
 Resuming continues the same run exactly: parameters, Adam moments and step counts, the MoE
 layers' routing-RNG counters and the rank's torch RNG (when the world size is the same) are
 restored, and the batches of iteration ``k`` onward are the ones the uninterrupted run reads; a run
-that moved its experts (SmartMoE, FlexMoE) resumes on the placement it saved, with its update's state,
+that moved its experts (Hecate's Alg. 2, SmartMoE, FlexMoE) resumes on the placement it saved, with its update's state,
 so later re-placement rounds decide as they would have. The
 resumed run is a new run folder whose metrics start at iteration ``k``. Not restored: other
 per-layer state (FasterMoE's previous shadow set, the topology gate's hint), recomputed from the
 first resumed iteration on. Strategies whose own update does not save its state
-(``Update.checkpoint_ready``: ZeRO, Hecate, Lina, ...) are rejected by validation.
+(``Update.checkpoint_ready``: ZeRO, Lina, ...) are rejected by validation.
 At another world size the data stay the same iff the global batch ``parallel.nproc x
 train.batch_size`` is kept (checked); losses then match the uninterrupted run up to floating-point
 summation order, provided the run's math does not depend on the split itself: dropless routing

@@ -19,6 +19,7 @@ per-node inter-node bandwidth (hier) or its per-rank share (flat), else ``cost_p
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from typing import Optional
@@ -39,6 +40,8 @@ class HecatePlanError(RuntimeError):
 
 
 class HecateUpdate(DataParallelUpdate):
+    checkpoint_ready = True  # its state: iteration, both load windows, t and m (the owners are the placement)
+
     def __init__(self, model, comm, cfg, options: Optional[HecateOptions] = None):
         super().__init__(model, comm, cfg)
         self.options = options or HecateOptions.from_dict(cfg.parallel.strategy_options)
@@ -146,6 +149,16 @@ class HecateUpdate(DataParallelUpdate):
         if len(set(got)) > 1:
             raise HecatePlanError(f"iteration {self.iteration}: ranks computed different Hecate plans "
                                   f"(hashes {got}); every rank must see the same loads and options")
+
+    def checkpoint_state(self) -> dict:
+        return {"iteration": self.iteration, "window": copy.deepcopy(self.window),
+                "reshard_window": copy.deepcopy(self.reshard_window), "t": self.t, "m": self.m,
+                "attn_s": list(self._attn_s)}
+
+    def restore_state(self, state: dict) -> None:
+        self.iteration, self.t, self.m = int(state["iteration"]), state["t"], state["m"]
+        self.window, self.reshard_window = state["window"], state["reshard_window"]
+        self._attn_s = list(state["attn_s"])
 
     def sync(self) -> None:
         for layer in reversed(self.layers):  # spRS were issued last layer first: wait in that order
