@@ -233,3 +233,30 @@ def test_a_late_member_delays_every_member(world):
         assert min(ends) >= late - 1e-3  # no member ends before the late one's emulated finish
         over.append(max(ends) - late)
     assert min(over) <= 0.5 * alone + 0.02
+
+
+def _late_replica_member(rank, world):
+    """A replica group made at run time (FlexMoE's replica sets) is emulated like a declared one: its
+    members end at the late member's emulated finish."""
+    from moelab.comm.door import Communicator
+
+    comm = Communicator(Topology(world, world), _emu())
+    name = comm.replica_group([1, 2, 3])
+    _warm(comm, ("world",))
+    if rank == 0:
+        return None
+    comm.rec.enabled = False
+    comm.all_reduce_(torch.ones(1), group=name)  # lines the members up, unrecorded
+    comm.rec.enabled = True
+    if rank == 3:
+        time.sleep(0.04)
+    comm.all_reduce_(torch.ones(ROWS // 4), group=name)
+    r = comm.rec.comm[-1]
+    return dict(start=r.t_start, end=time.time(), alone=comm.emulated_time(r.bytes, r.recv, "all_reduce", [1, 2, 3]))
+
+
+def test_a_replica_group_is_emulated_with_its_late_member():
+    res = run_ranks(_late_replica_member, 4, timeout=60)[1:]
+    late = res[-1]["start"] + res[-1]["alone"]
+    assert res[-1]["alone"] > 0.005  # 20 kB over 3 ranks: 2 x 2/3 of it on a 2 MB/s port
+    assert min(r["end"] for r in res) >= late - 1e-3
