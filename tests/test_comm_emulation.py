@@ -127,7 +127,7 @@ def _contention(rank, world):
 
     comm = Communicator(Topology(world, world), _emu())
     _warm(comm, ("ep", "dp", "world"))
-    rows = 4 // (world - 1)  # 40 ms (2 ranks) / 30 ms (4 ranks) alone
+    rows = 8 // (world - 1)  # 80 ms (2 ranks) / 60 ms (4 ranks) alone: long against the fixed costs of a loaded host
     alone, both = [], []
     for _ in range(REPS):
         _line_up(comm)
