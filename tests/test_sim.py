@@ -378,6 +378,25 @@ def test_ep_graph_on_local_profile_prices_a2a_with_its_fit():
     assert ops.loc["L0.dispatch", "duration"] == pytest.approx(1e-4 + 1e-9 * x)
 
 
+def test_loopback_fits_hold_across_declared_nodes_emulated_links_do_not():
+    """Declared nodes on one host (loopback) are the same links: a fitted line prices a group that spans
+    them as it prices one inside a node; under emulation the nodes are apart and the in-node fit stays
+    inside the node."""
+    import dataclasses
+
+    from moelab.comm.topology import Topology
+
+    fit = {"nproc": 4, "gemm_flops": 1e10, "collectives": {"all_to_all": {"alpha": 1e-4, "beta": 1e-9},
+                                                          "all_reduce": {"alpha": 2e-3, "beta": 3e-9}}}
+    prof = dataclasses.replace(local_profile_from_calibration(fit), nodes=2, gpus_per_node=2)
+    two_nodes, one_node = Topology(4, 2), Topology(4, 4)
+    x = 2 * 3 / 4 * 1e6  # non-local bytes a rank sends in a 1 MB all-reduce over 4 ranks
+    assert allreduce_time(1e6, two_nodes, prof) == pytest.approx(2e-3 + 3e-9 * x)
+    assert allreduce_time(1e6, two_nodes, prof) == pytest.approx(allreduce_time(1e6, one_node, prof))
+    apart = dataclasses.replace(prof, one_host=False)  # what emulation_profile makes of it
+    assert allreduce_time(1e6, two_nodes, apart) != pytest.approx(2e-3 + 3e-9 * x)
+
+
 def test_ep_graph_simulates_with_expected_structure():
     cfg = small_cfg(nproc=4, nodes=2, E=8, layers=4, moe_every=2)
     prof = flat_profile(nodes=2, gpn=2, lat=10.0)

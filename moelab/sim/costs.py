@@ -150,8 +150,8 @@ def sent_bytes(op: str, group: Sequence[int], topo: Topology, nbytes: int = 0,
 
 def _fitted(op, demand: Demand, group, topo, profile, x_fn) -> Demand:
     fit = profile.fits.get(op) if getattr(profile, "fits", None) else None
-    if fit is None or len(group) <= 1 or _spans_nodes(group, topo):
-        return demand
+    if fit is None or len(group) <= 1 or (_spans_nodes(group, topo) and not getattr(profile, "one_host", False)):
+        return demand  # a fit measured inside one node says nothing of a real inter-node link
     alpha, beta = fit
     caps = link_capacities(profile, topo)
     bw_part = demand.time(caps) - demand.alpha

@@ -42,6 +42,7 @@ class ClusterProfile:
     elem_bytes: int = 2  # bytes per activation element in the paper's runs (fp16 = 2, fp32 = 4)
     links: Optional[dict] = None  # per-link detail, GB/s per direction, where the paper gives it
     fits: dict = field(default_factory=dict)  # measured alpha-beta per collective: {op: (alpha_s, beta_s_per_byte)}
+    one_host: bool = False  # every declared node is the same host (loopback): the fits hold across them too
     shared_cores: float = 0  # >0: all ranks run on one host with this many cores, compute shares them
     op_overhead_s: float = 0.0  # fixed seconds per compute op (interpreter / kernel launch), fitted where measured
     call_overhead_s: float = 0.0  # fixed seconds per collective call beyond its alpha-beta line, fitted where measured
@@ -300,4 +301,4 @@ def local_profile_from_calibration(fit: dict, name: str = "local") -> ClusterPro
                  "fits": "least-squares alpha-beta per collective, x = non-local bytes sent per rank",
                  **({"achieved_flops": f"fitted: {comp['source']}", "op_overhead_s": f"fitted: {comp['source']}",
                      "shared_cores": "os.sched_getaffinity: cores the ranks share"} if comp else {})},
-        notes="loopback: one link class; EMULATED topologies reuse these numbers for both classes")
+        one_host=True, notes="loopback: one link class; EMULATED topologies reuse these numbers for both classes")
