@@ -217,7 +217,7 @@ def calibrate_gpu(sizes: Sequence[tuple] = ((1024, 1024, 1024), (4096, 4096, 409
 # (batch, experts, top_k) of the tiny GPT-MoE the compute line is fitted on: spanning the batches
 # the 4-rank validation set uses (2-64; a line fitted on small batches extrapolates badly), but
 # never its shapes, so the fit is checked on configs it never saw
-COMPUTE_MODELS = ((1, 4, 1), (6, 8, 2), (24, 4, 2), (40, 16, 1), (56, 8, 2))
+COMPUTE_MODELS = ((1, 4, 1), (12, 8, 2), (64, 4, 2), (128, 16, 1), (224, 8, 2))
 
 
 def fit_compute(df) -> dict:
@@ -260,7 +260,7 @@ def measure_model_compute(models: Sequence[tuple] = COMPUTE_MODELS, base: Option
 
 # (nodes, experts, top_k, batch) of the 4-rank training runs the in-context terms are fitted on:
 # shapes the validation set (moelab.sim.validate.GRID_4) does not use
-TRAIN_MODELS = ((1, 8, 1, 4), (2, 4, 2, 24), (1, 16, 2, 40), (2, 8, 1, 56))
+TRAIN_MODELS = ((1, 8, 1, 4), (2, 4, 2, 32), (1, 16, 2, 112), (2, 8, 1, 200))
 
 
 def train_model_configs(nproc: int = 4, models: Sequence[tuple] = TRAIN_MODELS, iters: int = 8) -> list:

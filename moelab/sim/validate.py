@@ -54,7 +54,7 @@ compute line ``op_overhead * ops + flops / rate`` (per-op launch cost included),
 cores as an engine CPU pool shared by the ranks while they compute. Measured (5 rounds of
 ``benchmarks/sim_validation.py``, load average 8-14 from other jobs on the 2 cores): unemulated
 per-iteration R^2 0.72, -1.20, 0.37, 0.01, -3.81 (median 0.01), median error 9-74%; EMULATED R^2
-0.980-0.985, median error 6-11%. The 0.9 target is NOT met unemulated. The noise ceiling
+0.980-0.985, median error 6-11%. The 0.9 target was NOT met unemulated then (see stop 28 below). The noise ceiling
 (``Comparison.metrics["r2_ceiling"]``: each config's median measured time as the prediction) was
 itself 0.04-0.85 in those rounds, and the fits move between rounds (all-reduce alpha 5-11 ms, the
 one-process compute line 650-2000 us/op and 6-31 GFLOP/s), which the pool then doubles. The split
@@ -65,6 +65,19 @@ communication-only R^2 are both negative even when the total is close. ``compute
 the compute line and a per-call cost on real 4-rank training steps of held-out shapes instead:
 better split (compute-only R^2 0.25-0.72 in the last 2 rounds), unemulated total R^2 -0.78 to 0.36
 (median 0.06), EMULATED 0.98-0.99.
+
+Stop 28 (2026-11-26, this machine otherwise idle), two changes, nothing fitted to the target: (1) a
+loopback profile's fitted collective lines now hold across the *declared* nodes (``ClusterProfile.one_host``:
+they are the same host; before, a group spanning two declared nodes was priced from the all-to-all's
+line with ring step latencies: communication median error 23 % -> 7.5 %, R^2 -0.11 -> 0.33 on the old
+grid); (2) :data:`GRID_4` now spreads the batch 2-256 (it was 2-64, which spread step times only 1.6x:
+the noise ceiling was 0.82-0.86, below the 0.9 target, so no per-config model could meet it); the
+calibration shapes were widened alike and stay disjoint from the grid's. Three rounds of
+``benchmarks/sim_validation.py`` (noise ceiling 0.987-0.991): unemulated per-iteration R^2 0.918,
+0.974, 0.899 (``cpu_pool``; median error 18, 6, 26 %) and 0.963, 0.946, 0.958 (``in_context``; 10, 11,
+16 %), compute-only R^2 0.91-0.98, communication-only R^2 -0.63 to 0.56 (loopback collectives vary
+little between configs and much between iterations); EMULATED R^2 1.000 (error 2-3 %). Under load
+from other jobs these numbers drop (see the rounds above).
 
 In parts (:meth:`Comparison.parts`: e2e, compute, comm per iteration and per MoE layer, EMULATED and
 loopback never pooled), 3 rounds of ``benchmarks/sim_validation.py`` (``cpu_pool``, load average
