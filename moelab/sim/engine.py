@@ -156,38 +156,25 @@ class _Crowding:
 
     def __init__(self, ops, caps: dict, limits: dict, prio: list, holds: list):
         levels = sorted(set(prio))
-        self.level = [levels.index(p) for p in prio] if len(levels) > 1 else None
+        self.prioritised = len(levels) > 1
+        self.level = [levels.index(p) for p in prio] if self.prioritised else [0] * len(ops)
         self.holds, self.pinned = holds, [False] * len(ops)  # pinned: a started non-preemptive flow
         index: dict = {}  # link -> column
-        per_dict: dict = {}  # id(links dict) -> (dict, entry): graphs hand many ops one demand's dict
-        self.of: list = []  # per op: (columns, capacity / bytes, limit / bytes, columns as a list) or None
+        entry: dict = {}  # id(links dict) -> its entry: graphs hand many ops one demand's dict
         for o in ops:
-            if not o.links:
-                self.of.append(None)
-                continue
-            got = per_dict.get(id(o.links))
-            if got is None:
+            if o.links and id(o.links) not in entry:
                 keys = [l for l, b in o.links.items() if b > 0]
-                cols = [index.setdefault(l, len(index)) for l in keys]
-                got = per_dict[id(o.links)] = (o.links, (np.asarray(cols, dtype=np.int64),
-                                                         np.asarray([o.links[l] for l in keys], dtype=np.float64),
-                                                         cols) if keys else None)
-            self.of.append(got[1])
+                entry[id(o.links)] = (o.links, keys, [index.setdefault(l, len(index)) for l in keys])
         inf = float("inf")
-        links = list(index)
-        cap = np.asarray([caps[l] for l in links], dtype=np.float64)
-        lim = np.asarray([limits.get(l, inf) for l in links], dtype=np.float64)
-        done: dict = {}
-        for k, e in enumerate(self.of):  # bytes -> capacity / bytes and limit / bytes, once per entry
-            if e is not None and id(e) not in done:
-                cols, nbytes, lst = e
-                done[id(e)] = (cols, cap[cols] / nbytes, lim[cols] / nbytes, lst)
-            if e is not None:
-                self.of[k] = done[id(e)]
-        self.users = [set() for _ in links]
-        P = len(levels)
-        self.count = np.zeros((P, len(links)), dtype=np.int64)  # flows per (level, link)
-        self.pinned_count = np.zeros((P, len(links)), dtype=np.int64) if any(holds) else None
+        cap = np.asarray([caps[l] for l in index], dtype=np.float64)
+        lim = np.asarray([limits.get(l, inf) for l in index], dtype=np.float64)
+        for k, (links, keys, cols) in entry.items():  # (columns, capacity / bytes, limit / bytes, columns as a list)
+            c, nbytes = np.asarray(cols, dtype=np.int64), np.asarray([links[l] for l in keys], dtype=np.float64)
+            entry[k] = (c, cap[c] / nbytes, lim[c] / nbytes, cols) if keys else None
+        self.of = [entry[id(o.links)] if o.links else None for o in ops]  # per op, or None
+        self.users = [set() for _ in index]
+        self.count = np.zeros((len(levels), len(index)), dtype=np.int64)  # flows per (level, link)
+        self.pinned_count = np.zeros((len(levels), len(index)), dtype=np.int64) if any(holds) else None
 
     def has_links(self, i) -> bool:
         return self.of[i] is not None
@@ -198,14 +185,12 @@ class _Crowding:
         return set().union(*(users[c] for c in self.of[i][3]))
 
     def join(self, i):
-        cols = self.of[i][0]
-        self.count[0 if self.level is None else self.level[i], cols] += 1
+        self.count[self.level[i], self.of[i][0]] += 1
         for c in self.of[i][3]:
             self.users[c].add(i)
 
     def leave(self, i):
-        cols = self.of[i][0]
-        lv = 0 if self.level is None else self.level[i]
+        cols, lv = self.of[i][0], self.level[i]
         self.count[lv, cols] -= 1
         if self.pinned[i]:
             self.pinned_count[lv, cols] -= 1
@@ -216,11 +201,11 @@ class _Crowding:
         """A flow of a non-preemptive stream got a rate: it keeps a share from now on."""
         if self.holds[i] and not self.pinned[i]:
             self.pinned[i] = True
-            self.pinned_count[0 if self.level is None else self.level[i], self.of[i][0]] += 1
+            self.pinned_count[self.level[i], self.of[i][0]] += 1
 
     def rate(self, i) -> float:
         cols, cb, lim, _ = self.of[i]
-        if self.level is None:
+        if not self.prioritised:
             return float(np.minimum(cb / self.count[0, cols], lim).min())
         sub = self.count[:, cols]
         P = len(sub)
