@@ -44,16 +44,20 @@ class Ports:
         self._origin = time.time()  # the model keeps seconds since here: epoch floats are too coarse
         self._t = 0.0
 
-    def add(self, start: float, nbytes: dict) -> int:
-        """A flow that starts at ``start`` (absolute seconds) and moves ``nbytes[port]`` on each port."""
+    def _bytes(self, nbytes: dict) -> dict:
+        """``nbytes`` as floats on known ports, empty entries dropped."""
         for p in nbytes:
             if p not in self.capacity:
                 raise KeyError(f"unknown port {p!r}; ports: {sorted(self.capacity)}")
+        return {p: float(b) for p, b in nbytes.items() if b > 0}
+
+    def add(self, start: float, nbytes: dict) -> int:
+        """A flow that starts at ``start`` (absolute seconds) and moves ``nbytes[port]`` on each port."""
+        nb = self._bytes(nbytes)
         start -= self._origin
         with self._cv:
             self._advance(time.time() - self._origin)
             i = next(self._ids)
-            nb = {p: float(b) for p, b in nbytes.items() if b > 0}
             if nb:
                 self._flows[i] = _Flow(start, nb)
             else:
@@ -64,10 +68,7 @@ class Ports:
     def add_after(self, after, delay: float, nbytes: dict) -> int:
         """A flow that starts ``delay`` seconds after every flow in ``after`` (ids of this rank's
         flows, added earlier) has finished: the next phase of a phased collective (Parm's SAA)."""
-        nb = {p: float(b) for p, b in nbytes.items() if b > 0}
-        for p in nb:
-            if p not in self.capacity:
-                raise KeyError(f"unknown port {p!r}; ports: {sorted(self.capacity)}")
+        nb = self._bytes(nbytes)
         if not nb:
             raise ValueError("a chained flow needs bytes on some port")
         with self._cv:
