@@ -169,11 +169,17 @@ def _swap(layer, li, holders, got, params, states, shapes, numel, optimizer) -> 
     for j, (old_p, new_p) in enumerate(zip(params, layer.experts.stacked())):
         if old_p is None:
             continue
-        for g in optimizer.param_groups:
-            g["params"] = [new_p if q is old_p else q for q in g["params"]]
-        st = optimizer.state.pop(old_p, None)
+        st = replace_param(optimizer, old_p, new_p)
         if st:  # Adam has stepped: the moved moments, the common step
             optimizer.state[new_p] = {**st, "exp_avg": new_states[0][j], "exp_avg_sq": new_states[1][j]}
+
+
+def replace_param(optimizer, old_p, new_p) -> dict:
+    """Put ``new_p`` where ``old_p`` was in the optimizer's groups (a re-stacked expert slot,
+    :meth:`moelab.moe.layer.MoELayer.set_placement`); return (and drop) ``old_p``'s state."""
+    for g in optimizer.param_groups:
+        g["params"] = [new_p if q is old_p else q for q in g["params"]]
+    return optimizer.state.pop(old_p, None) or {}
 
 
 def owners_of(layer) -> list:

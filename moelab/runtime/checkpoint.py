@@ -195,6 +195,7 @@ def _restore_placements(trainer, meta) -> None:
     """A run that moved its experts (Hecate's Alg. 2, SmartMoE, FlexMoE) resumes on the placement it
     saved (same world size): each layer's slots are re-stacked for the saved holders, the optimizer
     and the update follow the new parameter objects; :func:`load` then fills them from the checkpoint."""
+    from moelab.moe.migrate import replace_param
     from moelab.placement import Placement
 
     opt, moved = trainer.update.optimizer, False
@@ -208,9 +209,7 @@ def _restore_placements(trainer, meta) -> None:
         layer.set_placement(new, [None if p is None else p.new_zeros((n_here,) + tuple(p.shape[1:])) for p in old])
         for old_p, new_p in zip(old, layer.experts.stacked()):
             if old_p is not None:
-                for g in opt.param_groups:
-                    g["params"] = [new_p if q is old_p else q for q in g["params"]]
-                opt.state.pop(old_p, None)
+                replace_param(opt, old_p, new_p)  # its state comes from the checkpoint below
         moved = True
     if moved:
         trainer.update.refresh_params()
