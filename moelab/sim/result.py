@@ -97,10 +97,10 @@ class SimResult:
                 win = list(zip(w.start, w.end))
             else:
                 win = list(windows)
-            W = _union(win)
+            W = interval_union(win)
             c = comp[comp["rank"] == r]
             total = sum(b - a for a, b in W)
-            out[r] = _overlap(_union(list(zip(c.start, c.end))), W) / total if total > 0 else float("nan")
+            out[r] = overlap_seconds(interval_union(list(zip(c.start, c.end))), W) / total if total > 0 else float("nan")
         return pd.Series(out, name="compute_busy").rename_axis("rank")
 
     def breakdown(self, by: str = "category") -> dict:
@@ -157,7 +157,7 @@ class SimResult:
         return pd.DataFrame.from_dict(out, orient="index").fillna(0.0).rename_axis("rank")
 
 
-def _union(intervals) -> list:
+def interval_union(intervals) -> list:
     """Sorted disjoint intervals covering ``intervals`` (empty ones dropped)."""
     out = []
     for a, b in sorted((float(a), float(b)) for a, b in intervals if b > a):
@@ -171,10 +171,10 @@ def _union(intervals) -> list:
 def union_seconds(starts, ends) -> float:
     """Length of the union of intervals: the time some op of a set was running (pipelined or
     concurrent calls overlap each other, so their durations must not be summed)."""
-    return sum(b - a for a, b in _union(zip(starts, ends)))
+    return sum(b - a for a, b in interval_union(zip(starts, ends)))
 
 
-def _overlap(U, V) -> float:
+def overlap_seconds(U, V) -> float:
     """Length of the intersection of two sorted disjoint interval lists."""
     i = j = 0
     tot = 0.0

@@ -119,7 +119,7 @@ def layer_timeline(scale: str, policy: str, phase: str, busiest: bool = False) -
     scale), clipped to the layer's span, one lane per stream; the middle MoE layer, or (``busiest``) the
     one whose span overlaps the most all-reduce time. ``attrs``: the all-to-all share of the span."""
     from moelab.sim.graphs import moe_layer_ids
-    from moelab.sim.result import _overlap, _union, union_seconds
+    from moelab.sim.result import interval_union, overlap_seconds, union_seconds
 
     s = scale_spec(scale)
     layers, E = min(s.sim_layers), min(s.sim_experts)
@@ -131,8 +131,8 @@ def layer_timeline(scale: str, policy: str, phase: str, busiest: bool = False) -
     spans = {i: (a, b) for i, _, a, b in res.moe_layer_spans(ids, (phase,))}
     mid = ids[len(ids) // 2]
     if busiest:
-        ar = _union(zip(*[tl[tl.category == "allreduce"][c] for c in ("start", "end")]))
-        over = {i: _overlap(ar, [ab]) for i, ab in spans.items()}
+        ar = interval_union(zip(*[tl[tl.category == "allreduce"][c] for c in ("start", "end")]))
+        over = {i: overlap_seconds(ar, [ab]) for i, ab in spans.items()}
         mid = max(over, key=over.get) if max(over.values()) > 0 else mid
     a, b = spans[mid]
     w = tl[(tl.end > a) & (tl.start < b)]
