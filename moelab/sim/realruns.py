@@ -224,11 +224,14 @@ def measure_compute(cfg: RunConfig, iters: int = 10, warmup: int = 2, cache: boo
     return out
 
 
-def _compute_worker(i, cfg_dicts, iters, warmup, barrier, q):
+def _compute_worker(i, cfg_dicts, iters, warmup, barrier, q, state):
     import torch
+
+    from moelab.testing import take_caller_state
 
     torch.set_num_threads(1)
     try:
+        take_caller_state(state)
         out = []
         for d in cfg_dicts:
             barrier.wait(timeout=120)  # every process measures the same config at the same time
@@ -246,14 +249,15 @@ def measure_compute_concurrent(cfgs: Sequence[RunConfig], nproc: int, *, iters: 
     gets is measured the way the real run will get it: all ranks computing together, as they do in
     an expert-parallel step. Returns, per config, the median over processes of ``measure_compute``.
     """
-    import multiprocessing as mp
     import queue as queue_mod
     import time
 
-    ctx = mp.get_context("spawn")
+    from moelab.testing import caller_state, rank_context
+
+    ctx = rank_context()
     q, barrier = ctx.Queue(), ctx.Barrier(nproc)
-    dicts = [c.to_dict() for c in cfgs]
-    procs = [ctx.Process(target=_compute_worker, args=(i, dicts, iters, warmup, barrier, q), daemon=True)
+    dicts, state = [c.to_dict() for c in cfgs], caller_state()
+    procs = [ctx.Process(target=_compute_worker, args=(i, dicts, iters, warmup, barrier, q, state), daemon=True)
              for i in range(nproc)]
     for p in procs:
         p.start()
