@@ -90,18 +90,26 @@ def migrate_holders(comm, layers: Sequence, new_holders, optimizer=None, group: 
     all-to-all through the door (deterministic order); a dropped copy is freed with its state. Returns
     the copies ``[(layer, expert, source, destination), ...]`` (the same on every rank); no collective
     when nothing is copied, and layers whose holders do not change are not touched."""
-    me = comm.rank
-    moves, changed = [], []
-    targets = []
+    moves, placements = [], {}
     for li, layer in enumerate(layers):
         pl = layer.placement
         new = _check_holders(li, layer, new_holders[li])
-        targets.append(new)
         if new != tuple(tuple(h) for h in pl.holders):
-            changed.append(li)
+            placements[li] = Placement(pl.num_experts, pl.world_size, new, pl.rule)
             moves.extend((li, e, s, d) for e, s, d in copies_between(pl.holders, new))
-    if not changed:
-        return []
+    if placements:
+        move_experts(comm, layers, moves, placements, optimizer, group)
+    return moves
+
+
+def move_experts(comm, layers: Sequence, moves, placements: dict, optimizer=None, group: str = "world") -> None:
+    """Carry out ``moves`` ``[(layer, expert, source, destination), ...]`` (ranks of ``group``, the same
+    list on every rank) in ONE all-to-all of rows ``[params | exp_avg | exp_avg_sq]``, then give each layer
+    ``li`` in ``placements`` its new placement: the slots of ``placements[li].local_experts(layer.comm.rank)``
+    rebuilt from kept slots and received rows, the optimizer's entries following the new parameters.
+    ``placements`` is in each layer's own coordinates (its ``comm``, which a caller may have re-mapped
+    before: Lina's packing changes a layer's expert-parallel group)."""
+    me = comm.rank
     stacked = [layer.experts.stacked() for layer in layers]
     states = [_state(optimizer, ps) for ps in stacked]
     shapes = [expert_param_shapes(layer.experts) for layer in layers]
@@ -132,17 +140,14 @@ def migrate_holders(comm, layers: Sequence, new_holders, optimizer=None, group: 
         with torch.no_grad(), comm.rec.tagged(phase="migrate"):
             out = comm.all_to_all_raw(x.detach(), out_rows, in_rows, group=group)
         got = {(li, e): out[i] for i, (_, li, e) in enumerate(recv)}
-    for li in changed:
-        _swap(layers[li], li, targets[li], got, stacked[li], states[li], shapes[li], numel, optimizer)
-    return moves
+    for li, placement in placements.items():
+        _swap(layers[li], li, placement, got, stacked[li], states[li], shapes[li], numel, optimizer)
 
 
-def _swap(layer, li, holders, got, params, states, shapes, numel, optimizer) -> None:
-    """Rebuild ``layer``'s stacked slots for its new holders from kept slots and received rows."""
-    me, old = layer.comm.rank, layer.experts.experts
-    pl = layer.placement
-    placement = Placement(pl.num_experts, pl.world_size, holders, pl.rule)
-    mine = list(placement.local_experts(me))
+def _swap(layer, li, placement, got, params, states, shapes, numel, optimizer) -> None:
+    """Rebuild ``layer``'s stacked slots for ``placement`` from kept slots and received rows."""
+    old = layer.experts.experts
+    mine = list(placement.local_experts(layer.comm.rank))
 
     def piece(e, k):  # k = 0 params, 1 exp_avg, 2 exp_avg_sq: the expert's [w1, b1, w2, b2]
         if e in old:
