@@ -27,32 +27,50 @@ class CombineMarker(torch.autograd.Function):
 
 
 class LinaMoELayer(MoELayer):
-    """``options.q > 1`` (packing): the core layer over the ``lina_ep`` block (a
-    :class:`moelab.comm.view.GroupView`), all E experts spread over its E/q ranks, q per rank; the
-    copies of a block's experts sum their gradients over ``lina_edp`` (``expert_dp_group``)."""
+    """Packed (a block of P < N ranks, or the packing controller on): the core layer over its block's
+    ``ep`` group (a :class:`moelab.comm.view.GroupView`), all E experts spread over the block's P ranks;
+    the copies of a block's experts sum their gradients over ``expert_dp_group``. The controller moves a
+    layer to a smaller block with :meth:`use_block` (and :func:`moelab.moe.migrate.move_experts`)."""
 
     def __init__(self, d_model, d_ff, moe_cfg, layer_id=0, seed=0, comm=None, placement=None, dtype=None,
                  options=None):
         import torch as _t
 
-        if options is not None and options.q > 1:
-            from moelab.comm.view import GroupView
-            from moelab.placement import Placement
-
-            comm = GroupView(comm, {"ep": "lina_ep"})
-            placement = Placement.expert_parallel(moe_cfg.num_experts, comm.world_size)
+        self.expert_dp_group = None
+        if options is not None and comm is not None:
+            P = options.block_sizes(comm.world_size, moe_cfg.num_experts)[0]
+            if P < comm.world_size or options.pack_controller:
+                comm, placement = self._block_view(comm, options, P, moe_cfg.num_experts)
         super().__init__(d_model, d_ff, moe_cfg, layer_id=layer_id, seed=seed, comm=comm, placement=placement,
                          dtype=dtype or _t.float32)
         self.options = options
-        self.expert_dp_group = "lina_edp" if options is not None and options.q > 1 else None
+
+    def _block_view(self, world, options, P: int, num_experts: int) -> tuple:
+        from moelab.comm.view import GroupView
+        from moelab.placement import Placement
+
+        ep, self.expert_dp_group = options.block_groups(P, world.world_size)
+        view = GroupView(world, {"ep": ep})
+        return view, Placement.expert_parallel(num_experts, view.world_size)
+
+    def use_block(self, P: int):
+        """Run expert parallelism over blocks of ``P`` ranks from now on; returns the layer's placement
+        in the new block (the caller moves the expert slots into it: ``set_placement``)."""
+        base = getattr(self.comm, "base", self.comm)
+        self.comm, placement = self._block_view(base, self.options, P, self.cfg.num_experts)
+        return placement
 
     def forward(self, x):
         y = super().forward(x)
         sched = self.comm.scheduler
         if torch.is_grad_enabled() and sched is not None and hasattr(sched, "stalls"):
             # cumulative counters of the rank's scheduler (so a run says whether its bounded waits fired)
-            self.last_metrics = {"sched_stalls": sched.stalls, "sched_low_ops": sum(r["kind"] == "low" for r in sched.records)}
-        if self.expert_dp_group is not None:  # packed: the counts cover the block; the run's loads cover the world
+            self.last_metrics = {"sched_stalls": sched.stalls, "sched_low_ops": sum(r["kind"] == "low" for r in sched.records),
+                                 "experts_per_rank": len(self.experts.experts), "block": self.comm.world_size}
+            decision = self.__dict__.pop("pack_decision", None)  # the packing controller's, this iteration
+            if decision is not None:
+                self.last_metrics["pack_decision"] = decision["decision"]
+        if hasattr(self.comm, "base"):  # packed: the counts cover the block; the run's loads cover the world
             world = self.comm.base
             with world.rec.paused():
                 self.last_global_counts = world.all_gather(self.last_counts, group="world")

@@ -12,6 +12,9 @@
 | ``launch_agreement`` | none | ``none``: each rank's scheduler decides alone (the paper's design; its non-preemptive wait is bounded against the cross-rank stall); ``leader``: the first rank of a group decides every micro-op's launch and tells the others by a 1-element broadcast on a control group (no stall, one more small call per micro-op) |
 | ``experts_per_device`` | 0 | q, experts packed per rank: EP over blocks of E/q contiguous ranks, each block a full copy, ``expert_dp`` over the copies (0: 2 for ``lina_full``, else 1) |
 | ``launch_jitter_ms`` | 0 | a random per-rank delay before each micro-op launch (robustness runs, spec §5 I7) |
+| ``pack_controller`` | false | ``lina_full`` only: start from ``experts_per_device`` (0: 1) and let :mod:`.packing` double q from measured micro-op times |
+| ``pack_start_step`` / ``pack_every`` | 10 / 4 | the controller's first decision and its period, in steps |
+| ``pack_memory_mb`` | 0 | the controller doubles q only while one rank's expert parameters, gradients and Adam moments fit this (0: no limit) |
 """
 from __future__ import annotations
 
@@ -45,6 +48,10 @@ class LinaOptions(StrategyOptions):
     launch_jitter_ms: float = 0.0
     experts_per_device: int = 0
     launch_agreement: str = field(default="none", metadata={"choices": ("none", "leader")})
+    pack_controller: bool = False
+    pack_start_step: int = 10
+    pack_every: int = 4
+    pack_memory_mb: float = 0.0
 
     def value_errors(self) -> list:
         errs = []
@@ -60,12 +67,19 @@ class LinaOptions(StrategyOptions):
             errs.append(f"stall_ms must be >= 0, got {self.stall_ms}")
         if self.partition_bytes <= 0:
             errs.append(f"partition_bytes must be > 0, got {self.partition_bytes}")
+        if self.pack_start_step < 1 or self.pack_every < 1:
+            errs.append(f"pack_start_step and pack_every must be >= 1 (steps), got {self.pack_start_step}, {self.pack_every}")
+        if self.pack_memory_mb < 0:
+            errs.append(f"pack_memory_mb must be >= 0 (0: no limit), got {self.pack_memory_mb}")
+        if self.pack_controller and self.policy != "lina_full":
+            errs.append(f"pack_controller times lina_full's pipelined micro-ops: set policy='lina_full' (got {self.policy!r})")
         return errs
 
     @property
     def q(self) -> int:
-        """Experts packed per rank (``experts_per_device``; 0 means 2 under ``lina_full``, else 1)."""
-        return self.experts_per_device or (2 if self.policy == "lina_full" else 1)
+        """Experts packed per rank at the start (``experts_per_device``; 0 means 2 under ``lina_full``
+        without the controller, else 1)."""
+        return self.experts_per_device or (2 if self.policy == "lina_full" and not self.pack_controller else 1)
 
     @property
     def scheduled(self) -> bool:
@@ -110,27 +124,47 @@ class LinaOptions(StrategyOptions):
                         f"(got {moe.dispatcher!r})")
         return errs
 
+    def block_sizes(self, nproc: int, num_experts: int) -> list:
+        """The expert blocks packing may use, in ranks, the starting one first: ``min(N, E/q)``, then (with
+        the controller) halvings while a block stays whole and holds every expert evenly. Block size P
+        means EP over P contiguous ranks with E/P experts each and N/P copies of every expert."""
+        P = min(nproc, num_experts // self.q)
+        out = [P]
+        while self.pack_controller and P % 2 == 0 and num_experts % (P // 2) == 0:
+            P //= 2
+            out.append(P)
+        return out
+
+    @staticmethod
+    def block_groups(P: int, nproc: int) -> tuple:
+        """``(ep group, expert-dp group)`` of block size ``P``: the world's ``ep`` and none when a block is
+        the world, else ``lina_ep{P}`` (blocks of P contiguous ranks) and ``lina_edp{P}`` (the ranks at one
+        position of every block: the copies of the same experts)."""
+        return ("ep", None) if P == nproc else (f"lina_ep{P}", f"lina_edp{P}")
+
     def placement(self, nproc: int, num_experts: int):
-        """Every expert's holders, global ranks: with packing, expert e on position e // q of every block."""
+        """Every expert's holders at the start, global ranks: expert e on position e // (E/P) of every block."""
         from moelab.placement import Placement
 
-        if self.q == 1:
+        P = self.block_sizes(nproc, num_experts)[0]
+        if P == nproc:
             return Placement.expert_parallel(num_experts, nproc)
-        P = num_experts // self.q
-        return Placement(num_experts, nproc, tuple(tuple(b + e // self.q for b in range(0, nproc, P))
+        q = num_experts // P
+        return Placement(num_experts, nproc, tuple(tuple(b + e // q for b in range(0, nproc, P))
                                                    for e in range(num_experts)))
 
     def groups(self, nproc: int, num_experts: int) -> dict:
-        """The packing's process groups: ``lina_ep`` (blocks of E/q contiguous ranks) and
-        ``lina_edp`` (the ranks at one position of every block: the copies of the same experts)."""
+        """The process groups of every block size this run may use (:meth:`block_groups`), plus the
+        control groups of ``launch_agreement: leader``."""
         out = {"lina_ctl": [list(range(nproc))]} if self.launch_agreement == "leader" else {}
-        if self.q == 1:
-            return out
-        P = num_experts // self.q
-        out.update({"lina_ep": [list(range(b, b + P)) for b in range(0, nproc, P)],
-                    "lina_edp": [list(range(i, nproc, P)) for i in range(P)]})
-        if self.launch_agreement == "leader":
-            out["lina_edp_ctl"] = out["lina_edp"]
+        for P in self.block_sizes(nproc, num_experts):
+            if P == nproc:
+                continue
+            ep, edp = self.block_groups(P, nproc)
+            out[ep] = [list(range(b, b + P)) for b in range(0, nproc, P)]
+            out[edp] = [list(range(i, nproc, P)) for i in range(P)]
+            if self.launch_agreement == "leader":
+                out[edp + "_ctl"] = out[edp]
         return out
 
 

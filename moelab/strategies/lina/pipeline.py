@@ -40,11 +40,11 @@ class PipelinedExperts(torch.autograd.Function):
         ctx.comm, ctx.experts, ctx.bounds, ctx.shape, ctx.tags = comm, experts, bounds, (N, El, C, d), tags
         view = buf.view(N, El, C, d)
         sends = [view[:, :, a:b].contiguous() for a, b in bounds]
-        disp = [_a2a(comm, sends[0], {**tags, "chunk": 0})]
+        disp = [_a2a(comm, sends[0], {**tags, "chunk": 0, "a2a": "dispatch"})]
         recvs, outs, comb = [], [], []
         for j, (a, b) in enumerate(bounds):
             if j + 1 < len(bounds):
-                disp.append(_a2a(comm, sends[j + 1], {**tags, "chunk": j + 1}))
+                disp.append(_a2a(comm, sends[j + 1], {**tags, "chunk": j + 1, "a2a": "dispatch"}))
             c = b - a
             recv = disp[j].wait().view(N, El, c, d).transpose(0, 1).reshape(-1, d)  # [(e_loc, src, c), d]
             with torch.enable_grad():
@@ -54,7 +54,7 @@ class PipelinedExperts(torch.autograd.Function):
             recvs.append(leaf)
             outs.append(y)
             back = y.detach().view(El, N, c, d).transpose(0, 1).contiguous()  # [dst, e_loc, c, d]
-            comb.append(_a2a(comm, back, {**tags, "chunk": j}))
+            comb.append(_a2a(comm, back, {**tags, "chunk": j, "a2a": "combine"}))
         ctx.recvs, ctx.outs = recvs, outs
         parts = [h.wait().view(N, El, b - a, d) for h, (a, b) in zip(comb, bounds)]
         return torch.cat(parts, dim=2).reshape(E, C, d)

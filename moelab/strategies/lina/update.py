@@ -10,7 +10,8 @@
   ``partition_bytes`` (:func:`partition`), all-reduced in place, one gradient per micro-op.
 
 Packed experts (``experts_per_device`` > 1) are replicated over ``expert_dp``: their gradients go to
-the same low-priority queue after backward (every copy's partial sum, reduced over the copies).
+the same low-priority queue after backward (every copy's partial sum, reduced over the copies). With
+``pack_controller`` the block shrinks during the run (:mod:`.packing`, before a forward).
 
 Micro-ops are queued in one fixed order on every rank - reverse parameter order, a gradient's
 micro-ops once it and every gradient before it in that order are ready - so all ranks issue the same
@@ -45,13 +46,45 @@ class LinaUpdate(OverlappedDataParallelUpdate):
             waits_for_inflight=o.a2a_waits_for_inflight, block_on_imminent=o.block_on_combine_backward,
             stall_s=o.stall_ms / 1e3 if o.stall_ms else None, jitter_s=o.launch_jitter_ms / 1e3,
             seed=cfg.train.seed * 1009 + comm.rank,
-            agreement={"dp": "lina_ctl", "lina_edp": "lina_edp_ctl"} if o.launch_agreement == "leader" else None)
+            agreement=self._agreement(o, comm.world_size, cfg.model.moe.num_experts))
         comm.scheduler = self.sched
+        self.iteration = 0
+        self.packing = None
+        if o.pack_controller:
+            from moelab.strategies.lina.packing import PackingController
+
+            self.packing = PackingController(o, model, comm)
         self.order = list(reversed([p for p in model.dense_parameters() if p.requires_grad]))
         self._pos = {id(p): i for i, p in enumerate(self.order)}
         self.micro_ops: list = []  # this step's (param index, start, stop), in submission order
         self.last_micro_ops: list = []  # the last synchronised step's
         self.before_backward()
+
+    @staticmethod
+    def _agreement(o, nproc: int, num_experts: int):
+        """``launch_agreement: leader``: each scheduled group's control group (every packing block size's)."""
+        if o.launch_agreement != "leader":
+            return None
+        out = {"dp": "lina_ctl"}
+        for P in o.block_sizes(nproc, num_experts):
+            edp = o.block_groups(P, nproc)[1]
+            if edp is not None:
+                out[edp] = edp + "_ctl"
+        return out
+
+    def before_forward(self) -> None:
+        super().before_forward()
+        if self.packing is not None:
+            entry = self.packing.at_step(self.iteration, self.optimizer)
+            if entry is not None:
+                for layer in self.model.moe_layers():
+                    layer.pack_decision = entry
+                if entry["decision"] == "halve":
+                    self.refresh_params()
+
+    def step(self) -> None:
+        super().step()
+        self.iteration += 1
 
     def before_backward(self) -> None:
         super().before_backward()
