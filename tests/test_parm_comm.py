@@ -96,6 +96,51 @@ def test_saa_combined_is_raw_with_each_esp_block_summed():
                 assert o["sent"] == want, (world, n_mp, n_esp, r)
 
 
+def _fusion_rank(rank, world):
+    """I5 on one rank: S1's fused path ``LocalCombine(A2A_EPESP(experts(A2A_EPESP(Dump(G)))))`` against the
+    baseline's ``A2A_EP(ReduceFwd_ESP(experts(ReduceBwd_ESP(A2A_EP(G)))))``, outputs and input grads. G and
+    the upstream grads depend on the EP index only (the baseline's G is the ESP group's gathered tokens)."""
+    from moelab.comm import autograd as ag
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+    from moelab.strategies.parm.layer import dump, local_combine
+
+    out = {}
+    for n_esp, E in ((2, 2), (2, 4), (4, 2), (1, 4)):
+        lay = ParmLayout(world, 1, n_esp, E, 4)
+        comm = Communicator(Topology(world, 4), groups=lay.groups())
+        c = lay.coords(rank)
+        El, T = lay.e_local, 3
+        A = torch.randn(E, n_esp, M, M, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        mine = A[c["ep"] * El:(c["ep"] + 1) * El, c["esp"]]  # [E_l, M, M]: this rank's shard of its experts
+
+        def partial(R):  # [blocks * E_l, T, M] -> this shard's partial outputs
+            return torch.einsum("betm,emn->betn", R.view(-1, El, T, M), mine).reshape(R.shape)
+
+        g = torch.Generator().manual_seed(50 + c["ep"])
+        G = torch.randn(E, T, M, generator=g, dtype=torch.float64)
+        W = torch.randn(E, T, M, generator=g, dtype=torch.float64)
+        g1, g2 = G.clone().requires_grad_(), G.clone().requires_grad_()
+        fused = local_combine(ag.all_to_all(comm, partial(ag.all_to_all(comm, dump(g1, lay), EPESP)), EPESP), lay)
+        base = ag.all_to_all(comm, ag.reduce_fwd(comm, partial(ag.reduce_bwd(comm, ag.all_to_all(comm, g2, EP), ESP)),
+                                                  ESP), EP)
+        (fused * W).sum().backward()
+        (base * W).sum().backward()
+        out[(n_esp, E)] = dict(fused=fused.detach(), base=base.detach(), g1=g1.grad, g2=g2.grad)
+    return out
+
+
+def test_local_fusions_equal_the_baseline_collectives():
+    """I5: LocalCombine(A2A(expert partials)) equals the baseline's ESP all-reduce + A2A, and Dump's backward
+    (the local sum of the copies' grads) equals the ESP all-reduce of the input grads; P = 4, fp64."""
+    res = run_ranks(_fusion_rank, 4)
+    for r in range(4):
+        for cell, v in res[r].items():
+            assert v["fused"].abs().sum() > 0
+            assert torch.allclose(v["fused"], v["base"], rtol=1e-12, atol=1e-12), (r, cell)
+            assert torch.allclose(v["g1"], v["g2"], rtol=1e-12, atol=1e-12), (r, cell)
+
+
 def test_saa_phases_add_up_to_its_byte_rule():
     from moelab.comm.saa import _phases, _sent, forward_phases
 
