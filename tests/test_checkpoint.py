@@ -78,17 +78,24 @@ def test_resume_continues_bit_for_bit(tmp_path, world):
         _exactly_equal(resumed[r], full[r])
 
 
+_LINA_PACKING = {"policy": "lina_full", "pack_controller": True, "pack_start_step": 1, "pack_every": 1, "a2a_chunks": 2}
+_SLOW_A2A = {"model.moe.dispatcher": "dense", "model.moe.capacity_factor": 2.0, "emulation.enabled": True,
+             "emulation.intra_latency_us": 3000.0, "emulation.inter_latency_us": 3000.0}  # the FFN micro-op is faster
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("strategy, opts", [("smartmoe", {"interval": 2, "decision": "always"}),
-                                            ("flexmoe", {"interval": 2, "window": 3, "threshold": 1.01,
-                                                         "migration_cost_s": 0.0}),
-                                            ("hecate", {"reshard_interval": 2, "t": 2, "m": 2})])
-def test_resume_after_a_replacement_continues_on_the_saved_placement(tmp_path, strategy, opts):
-    """Experts move every 2 iterations; a checkpoint taken after a move resumes on the moved placement (not
-    the initial one) with the update's own state (iteration, load window), and the rounds after the resume
-    decide as in the uninterrupted run: bit for bit."""
+@pytest.mark.parametrize("strategy, opts, extra", [("smartmoe", {"interval": 2, "decision": "always"}, {}),
+                                                   ("flexmoe", {"interval": 2, "window": 3, "threshold": 1.01,
+                                                                "migration_cost_s": 0.0}, {}),
+                                                   ("hecate", {"reshard_interval": 2, "t": 2, "m": 2}, {}),
+                                                   ("lina", _LINA_PACKING, _SLOW_A2A)])
+def test_resume_after_a_replacement_continues_on_the_saved_placement(tmp_path, strategy, opts, extra):
+    """Experts move every 2 iterations (Lina: its packing controller halves the block at steps 1 and 2); a
+    checkpoint taken after a move resumes on the moved placement (not the initial one) with the update's
+    own state (iteration, load window, packing block), and the rounds after the resume decide as in the
+    uninterrupted run: bit for bit."""
     base = {"parallel.strategy": strategy, "parallel.strategy_options": opts, "train.batch_size": 1,
-            "model.moe.num_experts": 8}
+            "model.moe.num_experts": 8, **extra}
     full = run_ranks(_train, 4, {**base, "train.iters": 7}, timeout=150)
     run_ranks(_train, 4, {**base, "train.iters": 3, "train.checkpoint_every": 3}, str(tmp_path), timeout=150)
     meta = json.loads((tmp_path / "checkpoints" / "step_000003" / "meta.json").read_text())

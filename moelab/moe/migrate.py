@@ -187,6 +187,17 @@ def replace_param(optimizer, old_p, new_p) -> dict:
     return optimizer.state.pop(old_p, None) or {}
 
 
+def reslot(layer, placement: Placement, optimizer=None) -> None:
+    """Give ``layer`` ``placement`` with zero slots for the experts it now holds, the optimizer's entries
+    following the new parameters without state: for a caller that fills them next (a checkpoint's load)."""
+    n_here, old = len(placement.local_experts(layer.comm.rank)), layer.experts.stacked()
+    layer.set_placement(placement, [None if p is None else p.new_zeros((n_here,) + tuple(p.shape[1:])) for p in old])
+    if optimizer is not None:
+        for old_p, new_p in zip(old, layer.experts.stacked()):
+            if old_p is not None:
+                replace_param(optimizer, old_p, new_p)
+
+
 def owners_of(layer) -> list:
     """The owner of every expert of ``layer``'s static placement."""
     return [layer.placement.owner(e) for e in range(layer.placement.num_experts)]

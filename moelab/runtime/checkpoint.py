@@ -7,7 +7,8 @@ Layout (``<run folder>/checkpoints/step_<k>/``, ``k`` = iterations done)::
     dense.pt        rank 0: every non-expert parameter and its Adam state, by parameter name
     rank<r>.pt      rank r: the experts it *owns*, keyed by (MoE layer, global expert id), each with
                     its parameters and Adam state; the rank's torch RNG state; its update's own state
-                    (``Update.checkpoint_state``: the iteration and load windows of SmartMoE, FlexMoE, Hecate)
+                    (``Update.checkpoint_state``: the iteration and load windows of SmartMoE, FlexMoE, Hecate;
+                    Lina's iteration and packing block)
 
 Experts are stored per global expert id, not per rank slot, and dense state once, so a checkpoint
 saved on 4 ranks loads on 2 (each rank picks the experts its placement gives it, replicas too).
@@ -25,7 +26,9 @@ so later re-placement rounds decide as they would have. The
 resumed run is a new run folder whose metrics start at iteration ``k``. Not restored: other
 per-layer state (FasterMoE's previous shadow set, the topology gate's hint), recomputed from the
 first resumed iteration on. Strategies whose own update does not save its state
-(``Update.checkpoint_ready``: ZeRO, Lina, ...) are rejected by validation.
+(``Update.checkpoint_ready``: ZeRO, Parm, ...) are rejected by validation. A packed layer (Lina: EP over a
+block of ranks) keeps its placement in block coordinates; block 0's ranks own (and save) one copy of each
+expert.
 At another world size the data stay the same iff the global batch ``parallel.nproc x
 train.batch_size`` is kept (checked); losses then match the uninterrupted run up to floating-point
 summation order, provided the run's math does not depend on the split itself: dropless routing
@@ -125,7 +128,7 @@ def rank_state(trainer) -> dict:
     for li, layer in enumerate(trainer.model.moe_layers()):
         params = _expert_params(layer)
         for s, e in enumerate(layer.experts.experts):
-            if layer.placement.owner(e) != me:
+            if layer.placement.owner(e) != me:  # a packed layer's owners are block ranks: block 0's save
                 continue
             rec = {"params": {}, "adam": {}}
             for n, p in params.items():
@@ -195,21 +198,16 @@ def _restore_placements(trainer, meta) -> None:
     """A run that moved its experts (Hecate's Alg. 2, SmartMoE, FlexMoE) resumes on the placement it
     saved (same world size): each layer's slots are re-stacked for the saved holders, the optimizer
     and the update follow the new parameter objects; :func:`load` then fills them from the checkpoint."""
-    from moelab.moe.migrate import replace_param
+    from moelab.moe.migrate import reslot
     from moelab.placement import Placement
 
-    opt, moved = trainer.update.optimizer, False
+    moved = False
     for li, layer in enumerate(trainer.model.moe_layers()):
         pl = layer.placement
         saved = tuple(tuple(int(r) for r in h) for h in meta["layers"][li].get("holders", ()))
         if not saved or saved == tuple(tuple(h) for h in pl.holders):
             continue
-        new = Placement(pl.num_experts, pl.world_size, saved, pl.rule)
-        n_here, old = len(new.local_experts(trainer.rank)), layer.experts.stacked()
-        layer.set_placement(new, [None if p is None else p.new_zeros((n_here,) + tuple(p.shape[1:])) for p in old])
-        for old_p, new_p in zip(old, layer.experts.stacked()):
-            if old_p is not None:
-                replace_param(opt, old_p, new_p)  # its state comes from the checkpoint below
+        reslot(layer, Placement(pl.num_experts, pl.world_size, saved, pl.rule), trainer.update.optimizer)
         moved = True
     if moved:
         trainer.update.refresh_params()
@@ -238,9 +236,9 @@ def load(trainer, path) -> int:
         if f.name == f"rank{trainer.rank}.pt":
             rng, update = part["rng"], part.get("update")
     if meta["world"] == trainer.comm.world_size:
-        _restore_placements(trainer, meta)
-        if update:
+        if update:  # first: an update may change the layers' expert groups (Lina's packing block)
             trainer.update.restore_state(update)
+        _restore_placements(trainer, meta)
     for li, layer in enumerate(model.moe_layers()):
         slots = layer.experts.experts
         if not slots:

@@ -28,6 +28,9 @@ def _update(model, comm, cfg):
     return lina_update(model, comm, cfg)
 
 
+_update.checkpoint_ready = True  # every policy's update saves what it needs (the core's, or LinaUpdate's state)
+
+
 def _groups(run_cfg) -> dict:
     opts = LinaOptions.from_dict(run_cfg.parallel.strategy_options)
     return opts.groups(run_cfg.parallel.nproc, run_cfg.model.moe.num_experts)

@@ -94,7 +94,7 @@ class LinaOptions(StrategyOptions):
         return self.policy in PIPELINED
 
     def run_errors(self, run_cfg) -> list:
-        m, moe, p = run_cfg.model, run_cfg.model.moe, run_cfg.parallel
+        moe, p = run_cfg.model.moe, run_cfg.parallel
         errs = []
         if p.nproc < 2:
             errs.append(f"lina schedules communication between ranks: parallel.nproc must be >= 2, got {p.nproc}")

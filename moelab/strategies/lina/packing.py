@@ -91,10 +91,12 @@ class PackingController:
         o = self.opts
         if self.frozen or it < o.pack_start_step or (it - o.pack_start_step) % o.pack_every:
             return None
+        nxt = self.blocks[self.level + 1] if self.level + 1 < len(self.blocks) else None
         mine = torch.tensor(micro_op_times(self.comm.rec, range(max(0, it - o.pack_every), it)), dtype=torch.float64)
         with self.comm.rec.tagged(phase="pack_control"):
             t = self.comm.all_gather(mine).amax(0)
-        nxt = self.blocks[self.level + 1] if self.level + 1 < len(self.blocks) else None
+        if nxt is not None and not (t > 0).all():  # no micro-op timed in the window (a resumed run): next period
+            return None
         verdict = decide(float(t[0]), float(t[1]), nxt, nxt is not None and self._fits(nxt))
         entry = dict(iter=it, block=self.block, experts_per_rank=self.E // self.block, t_ffn_s=float(t[0]),
                      t_a2a_s=float(t[1]), decision=verdict)
@@ -106,6 +108,18 @@ class PackingController:
             self.frozen = True
         self.log.append(entry)
         return entry
+
+    def state(self) -> dict:
+        return {"level": self.level, "frozen": self.frozen, "log": list(self.log)}
+
+    def restore(self, state: dict, optimizer) -> None:
+        """Take back :meth:`state` (a resumed run): the layers move to the saved block with empty slots,
+        which the checkpoint's load fills (parameters and Adam state)."""
+        from moelab.moe.migrate import reslot
+
+        self.level, self.frozen, self.log = int(state["level"]), bool(state["frozen"]), list(state["log"])
+        for layer in self.layers:
+            reslot(layer, layer.use_block(self.block), optimizer)
 
     def _switch(self, P_new: int, optimizer) -> None:
         moves = repack_moves(len(self.layers), self.comm.world_size, self.E, self.block, P_new)

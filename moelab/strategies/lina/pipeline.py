@@ -61,7 +61,7 @@ class PipelinedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        comm, experts, bounds, tags = ctx.comm, ctx.experts, ctx.bounds, {**ctx.tags, "phase": "bwd"}
+        comm, bounds, tags = ctx.comm, ctx.bounds, {**ctx.tags, "phase": "bwd"}
         N, El, C, d = ctx.shape
         gv = g.reshape(N, El, C, d)
         sends = [gv[:, :, a:b].contiguous() for a, b in bounds]

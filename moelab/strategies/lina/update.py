@@ -35,6 +35,8 @@ def partition(numel: int, element_size: int, max_bytes: float) -> list:
 class LinaUpdate(OverlappedDataParallelUpdate):
     """The scheduled policies (``fixed``, ``priority``, ``lina*``)."""
 
+    checkpoint_ready = True  # its state: the iteration and the packing controller's block
+
     def __init__(self, model, comm, cfg):
         from moelab.strategies import get
 
@@ -85,6 +87,15 @@ class LinaUpdate(OverlappedDataParallelUpdate):
     def step(self) -> None:
         super().step()
         self.iteration += 1
+
+    def checkpoint_state(self) -> dict:
+        return {"iteration": self.iteration, "packing": self.packing.state() if self.packing else None}
+
+    def restore_state(self, state: dict) -> None:
+        self.iteration = int(state["iteration"])
+        if self.packing is not None and state.get("packing"):
+            self.packing.restore(state["packing"], self.optimizer)
+            self.refresh_params()
 
     def before_backward(self) -> None:
         super().before_backward()
