@@ -22,23 +22,24 @@ OPS = known_collectives()  # the built-in ones; more may be registered (moelab.c
 
 def peer_bytes(op: str, group: Sequence[int], me: int, nbytes: int = 0,
                splits: Optional[Sequence[int]] = None, root: Optional[int] = None,
-               peer: Optional[int] = None) -> dict:
+               peer: Optional[int] = None, **extra) -> dict:
     """Bytes ``me`` sends to each global rank for one call of ``op`` over ``group`` (global ranks).
 
     ``nbytes``: the rank's input size (all_gather: its block; reduce_scatter/all_reduce/broadcast/
-    reduce/send: the full tensor). ``splits``: per group member bytes, for all_to_all. The rule is
-    the op's declaration (:mod:`moelab.comm.collectives`).
+    reduce/send: the full tensor). ``splits``: per group member bytes, for all_to_all. ``extra``: what
+    an op's own rule takes besides (SAA: ``sub``, ``combine``). The rule is the op's declaration
+    (:mod:`moelab.comm.collectives`).
     """
-    return collective(op).sent(group, me, nbytes=nbytes, splits=splits, root=root, peer=peer)
+    return collective(op).sent(group, me, nbytes=nbytes, splits=splits, root=root, peer=peer, **extra)
 
 
 def recv_bytes(op: str, group: Sequence[int], me: int, nbytes: int = 0,
                splits: Optional[Sequence[int]] = None, root: Optional[int] = None,
-               peer: Optional[int] = None) -> dict:
+               peer: Optional[int] = None, **extra) -> dict:
     """Bytes ``me`` receives from each global rank: by construction ``recv_bytes(.., me)[j] ==
     peer_bytes(.., j)[me]`` when every member passes the same ``nbytes`` / ``root``. ``splits``: per
     member bytes received (all_to_all); ``peer``/``nbytes``: the sender and size (p2p/recv)."""
-    return collective(op).received(group, me, nbytes=nbytes, splits=splits, root=root, peer=peer)
+    return collective(op).received(group, me, nbytes=nbytes, splits=splits, root=root, peer=peer, **extra)
 
 
 def by_link_class(topo: Topology, me: int, per_peer: dict) -> dict:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.comm import autograd as ag
-from moelab.models.transformer import DenseFFN, SelfAttention
+from moelab.models.transformer import DenseFFN, SelfAttention, is_moe_block
 
 
 def _param(t: torch.Tensor, sharded: bool) -> nn.Parameter:
@@ -80,6 +80,15 @@ class TPDenseFFN(_TPBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.g(F.linear(F.gelu(F.linear(self.f(x), self.fc1_w, self.fc1_b)), self.fc2_w)) + self.fc2_b
+
+
+def sharded_param_count(cfg) -> int:
+    """Parameters :func:`shard_dense` splits over the MP group (the rest stay replicated): per block the
+    QKV weight and bias (3d² + 3d) and the attention output weight (d²); per dense FFN fc1's weight and
+    bias (d·f + f) and fc2's weight (f·d). ``cfg``: a model config (d_model, d_ff, n_layers, moe_every)."""
+    d, f = cfg.d_model, cfg.d_ff
+    n_dense = sum(not is_moe_block(cfg, i) for i in range(cfg.n_layers))
+    return cfg.n_layers * (4 * d * d + 3 * d) + n_dense * (2 * d * f + f)
 
 
 def shard_dense(model: nn.Module, comm, group: str = "mp") -> nn.Module:

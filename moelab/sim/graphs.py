@@ -398,6 +398,9 @@ def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = Non
 
 
 
+_RULE_EXTRAS = ("sub", "combine")  # comm-record keys an op's own byte rule takes (SAA)
+
+
 def replay_bytes(graph: OpGraph, topo: Topology):
     """Yield ``(rank, op, category, {local, intra, inter})`` for every rank of every op with a
     ``comm`` record, through :func:`moelab.comm.bytes.peer_bytes`: the runtime's own rule."""
@@ -411,7 +414,7 @@ def replay_bytes(graph: OpGraph, topo: Topology):
         for i, me in enumerate(group):
             row = None if splits is None else [int(x) for x in splits[i]]
             per = peer_bytes(c["op"], group, me, int(c.get("nbytes", 0)), splits=row, root=c.get("root"),
-                             peer=c.get("peer"))
+                             peer=c.get("peer"), **{k: c[k] for k in _RULE_EXTRAS if k in c})
             yield me, c["op"], op.category, by_link_class(topo, me, per)
 
 

@@ -24,7 +24,8 @@ class RealRun:
 
     ``step_times[it, r]``: rank r's step time (forward, backward, grad sync, optimizer) in s.
     ``loads[it, l]``: the ``[N, E]`` matrix of tokens each source rank routed to each expert in MoE
-    layer l (after capacity drops), from the dispatcher's count exchange.
+    layer l (after capacity drops), from the dispatcher's count exchange (a strategy without one,
+    ``Strategy.shared_loads`` False: rank 0's gating pool's counts).
     ``comm``: one row per training collective call (metric traffic is not recorded): rank, iter,
     layer, phase, op, seq (call order within (rank, iter)), t_start, t_end, emulated_s, bytes_*.
     ``spans``: the recorder's compute spans: rank, name, cat, t_start, t_end, iter, layer.
@@ -149,7 +150,10 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
                                      "emulated_s", *[f"bytes_{c}" for c in LINK_CLASSES]])
         spans = pd.DataFrame([row for x in res for row in x["spans"]],
                              columns=["rank", "name", "cat", "t_start", "t_end", "iter", "layer"])
-        for r in range(1, nproc):  # the count exchange made every rank's loads the same matrix
+        from moelab.strategies import get
+
+        shared = get(RunConfig.from_dict(d).parallel.strategy).shared_loads
+        for r in range(1, nproc if shared else 1):  # the count exchange made every rank's loads the same matrix
             if not np.array_equal(res[r]["loads"], res[0]["loads"]):
                 raise AssertionError(f"rank {r} recorded other loads than rank 0: the count exchange is broken")
         runs.append(RealRun(RunConfig.from_dict(d), np.array([x["step_times"] for x in res]).T,

@@ -69,6 +69,7 @@ class Strategy:
     data_shard: Optional[Callable] = None
     prepare_model: Optional[Callable] = None
     own_expert_layout: bool = False
+    shared_loads: bool = True  # every rank's ``layer.last_global_counts`` is one matrix (a count exchange); False: each rank's gating pool's (Parm)
     conformance: tuple = ({},)  # option dicts for the conformance suite
     changes_model: Union[tuple, Callable] = ()  # option names (or a predicate) that change the trained model
     doc: str = ""

@@ -57,7 +57,7 @@ def _prepare(run_cfg, model, comm):
 
 STRATEGY = register_strategy(Strategy(
     "parm", options=ParmOptions, layer=layer_factory, update=_update(), groups=declared_groups,
-    data_shard=_shard, prepare_model=_prepare, own_expert_layout=True, conformance=(),
+    data_shard=_shard, prepare_model=_prepare, own_expert_layout=True, shared_loads=False, conformance=(),
     sim_graph="moelab.strategies.parm.sim_graph:parm_iteration_graph",
     doc="Parm: MP x EP x ESP with MP paused in the MoE layer (baseline, S1, S2 with SAA, S2-AAS, auto)"))
 

@@ -163,7 +163,6 @@ def steps(layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a
 def rank_calls(layout: ParmLayout, rank: int, plan: list) -> list:
     """``[(op, group, phase, bytes sent to each rank)]`` the door records on ``rank`` for ``plan``."""
     from moelab.comm.bytes import peer_bytes
-    from moelab.comm.saa import _sent
 
     groups = layout.groups()
     out = []
@@ -171,9 +170,6 @@ def rank_calls(layout: ParmLayout, rank: int, plan: list) -> list:
         if not s.is_comm:
             continue
         inst = next(i for i in groups[s.group] if rank in i)
-        if s.op == "saa":
-            sent = _sent(inst, rank, sub=groups[MP], **s.args)
-        else:
-            sent = peer_bytes(s.op, inst, rank, **s.args)
+        sent = peer_bytes(s.op, inst, rank, **s.args, **({"sub": groups[MP]} if s.op == "saa" else {}))
         out.append((s.op, s.group, s.phase, sent))
     return out

@@ -74,8 +74,14 @@ def model_steps(layout: ParmLayout, shape: Shape, *, n_layers: int, seq_len: int
     """One training iteration of a Transformer with Megatron tensor parallelism over MP: per block
     attention (its FLOPs / N_MP) and an MP all-reduce of the S x M activations in each pass (g forward,
     f backward), then a dense FFN (the same) or Parm's MoE layer (:func:`~.plan.steps`); the tied LM
-    head replicated; with ``grad_sync`` the dense gradients summed over the dense-DP group."""
-    from moelab.strategies.parm.layout import DENSE_DP
+    head replicated; with ``grad_sync`` the update's all-reduces (:class:`~.update.ParmUpdate`): the dense
+    gradients over the dense-DP group (the model's dense parameters with the tensor-parallel ones / N_MP,
+    the gates left out), then each MoE layer's gate gradient over the world."""
+    from types import SimpleNamespace
+
+    from moelab.models.tensor_parallel import sharded_param_count
+    from moelab.sim.graphs import dense_param_count, moe_layer_ids
+    from moelab.strategies.parm.layout import DENSE_DP, EPESP
 
     L, S, M, b = layout, shape.S, shape.M, shape.elem_bytes
     attn_f = costs.attention_flops(S, M, seq_len) / L.n_mp
@@ -98,10 +104,13 @@ def model_steps(layout: ParmLayout, shape: Shape, *, n_layers: int, seq_len: int
         bwd = blk_b + bwd
     head = costs.head_flops(S, M, vocab)
     plan = [s for s in fwd + [Step("fwd", "head", flops=head), Step("bwd", "head", flops=2 * head)] + bwd if s]
-    if grad_sync and L.n_dp > 1:
-        dense = vocab * M + seq_len * M + n_layers * (4 * M * M / L.n_mp + 4 * M) \
-            + (n_layers - (n_layers // 2 if moe_every == 2 else n_layers)) * 2 * M * d_ff / L.n_mp
-        plan.append(Step("sync", "dense_grad_allreduce", "all_reduce", DENSE_DP, {"nbytes": int(dense) * b}))
+    if grad_sync:
+        m = SimpleNamespace(d_model=M, d_ff=d_ff, n_layers=n_layers, vocab_size=vocab, seq_len=seq_len,
+                            moe_every=moe_every, moe=SimpleNamespace(num_experts=L.num_experts))
+        gate, n_moe = M * L.num_experts, len(moe_layer_ids(m))
+        dense = dense_param_count(m) - n_moe * gate - sharded_param_count(m) * (L.n_mp - 1) // L.n_mp
+        plan.append(Step("sync", "dense_grad_allreduce", "all_reduce", DENSE_DP, {"nbytes": dense * b}))  # N_DP = 1: local
+        plan += [Step("sync", "gate_grad_allreduce", "all_reduce", EPESP, {"nbytes": gate * b})] * n_moe
     return plan
 
 
@@ -167,8 +176,7 @@ def parm_iteration_graph(cfg, profile, loads=None, placement=None, *, schedule: 
     """The strategy's simulator graph (``Strategy.sim_graph``): one training iteration of ``cfg`` on
     ``profile`` (:func:`parm_model_graph`; loads do not matter: the buffers are capacity-padded).
     ``auto`` resolves with Alg. 1 on alpha-beta lines fitted to the profile's own collective curves.
-    The dense gradient all-reduce is priced from the model's dense parameter count (sharded ones / N_MP);
-    the per-layer gate all-reduce is left out (E x M elements)."""
+    The update's all-reduces are :func:`model_steps`'."""
     from moelab.strategies.parm.model import layout_of
     from moelab.strategies.parm.options import ParmOptions
 

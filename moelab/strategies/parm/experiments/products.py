@@ -7,7 +7,7 @@ import pandas as pd
 from moelab.repro.registry import Made, Quantity, product
 
 from . import figures as F
-from . import frames, paper_scale, real
+from . import frames, paper_scale
 from .common import scale_spec  # noqa: F401 - the Session's scale lookup
 
 P = "parm"
@@ -150,7 +150,7 @@ def vic(ctx):
                 notes=[df.attrs.get("note", "")])
 
 
-@product(P, "fig7", quantities={"parm_speedup": Quantity(f"mean MoE-layer speedup of Parm over the DeepSpeed-MoE "
+@product(P, "fig7", quantities={"parm_speedup": Quantity("mean MoE-layer speedup of Parm over the DeepSpeed-MoE "
                                                          "baseline", "x"),
                                 "above_4x": Quantity("fraction of configurations where Parm is more than 4x faster than "
                                                      "the baseline", "fraction")})
