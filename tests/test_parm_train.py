@@ -4,6 +4,7 @@ no drops, dedup on); the update's §2.9 rules are what make that true (without d
 diverges)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moelab.testing import run_ranks
@@ -86,3 +87,44 @@ def test_every_schedule_trains_the_same_model_as_n_mp_1():
                 for k, v in res[r][key]["params"].items():
                     torch.testing.assert_close(v, got["params"][k], rtol=1e-12, atol=1e-12)
     assert ref["losses"][-1] < ref["losses"][0]  # it learns
+
+
+def _resumable(rank, world, opts, iters, out, resume):
+    from moelab.config import RunConfig
+    from moelab.runtime.train import Trainer
+
+    over = {**BASE, "parallel.nproc": world, "parallel.strategy_options": opts, "train.iters": iters}
+    over.update({"train.resume_from": out} if resume else {"train.checkpoint_every": 3})
+    tr = Trainer.build(RunConfig().with_overrides(over).validate())
+    tr.out_dir = None if resume else out
+    tr.run()
+    state = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    adam = {n: tr.update.optimizer.state[p]["exp_avg_sq"].clone() for n, p in tr.model.named_parameters()}
+    return dict(losses=[r["loss"] for r in tr.metrics], iters=[r["iter"] for r in tr.metrics], params=state, adam=adam,
+                choices=[(layer.schedule, repr(layer.choice)) for layer in tr.model.moe_layers()])
+
+
+def test_a_parm_run_resumes_bit_for_bit_on_its_layout(tmp_path):
+    """Checkpoints of a parm run (each rank's TP and ESP shards with Adam's state) resume the same run
+    exactly; an ``auto`` run resumes on the choice it made from timings (not measured again); another
+    layout is refused before launch."""
+    from moelab.config import ConfigError, RunConfig
+
+    opts = {"mp": 2, "esp": 2, "schedule": "s2"}
+    full = run_ranks(_resumable, 4, opts, 6, None, False, timeout=240)
+    run_ranks(_resumable, 4, opts, 3, str(tmp_path / "s2"), False, timeout=240)
+    assert sorted(p.name for p in (tmp_path / "s2" / "checkpoints" / "step_000003").iterdir()) == \
+        ["meta.json", "rank0.pt", "rank1.pt", "rank2.pt", "rank3.pt"]  # no dense.pt: every rank's shards are its own
+    resumed = run_ranks(_resumable, 4, opts, 6, str(tmp_path / "s2"), True, timeout=240)
+    auto = {**opts, "schedule": "auto"}
+    first = run_ranks(_resumable, 4, auto, 3, str(tmp_path / "auto"), False, timeout=240)
+    later = run_ranks(_resumable, 4, auto, 4, str(tmp_path / "auto"), True, timeout=240)
+    for r in range(4):
+        assert later[r]["choices"] == first[r]["choices"] and "fits" in later[r]["choices"][0][1]
+        assert resumed[r]["iters"] == [3, 4, 5] and resumed[r]["losses"] == full[r]["losses"][3:]
+        for n, p in full[r]["params"].items():
+            assert torch.equal(resumed[r]["params"][n], p), (r, n)
+            assert torch.equal(resumed[r]["adam"][n], full[r]["adam"][n]), (r, n)
+    with pytest.raises(ConfigError, match="holds each rank's own shards"):
+        RunConfig().with_overrides({**BASE, "parallel.nproc": 4, "train.iters": 6, "train.resume_from": str(tmp_path / "s2"),
+                                    "parallel.strategy_options": {**opts, "esp": 1}}).validate()

@@ -4,7 +4,8 @@ Layout (``<run folder>/checkpoints/step_<k>/``, ``k`` = iterations done)::
 
     meta.json       written last by rank 0: step, world size, config (and its hash), placement and
                     routing-RNG counter (``forward_calls``) of every MoE layer, the global batch
-    dense.pt        rank 0: every non-expert parameter and its Adam state, by parameter name
+    dense.pt        rank 0: every non-expert parameter and its Adam state, by parameter name (not written
+                    when the update ``saves_params``: Parm's TP and ESP shards live in each rank's file)
     rank<r>.pt      rank r: the experts it *owns*, keyed by (MoE layer, global expert id), each with
                     its parameters and Adam state; the rank's torch RNG state; its update's own state
                     (``Update.checkpoint_state``: the iteration and load windows of SmartMoE, FlexMoE, Hecate;
@@ -106,6 +107,15 @@ def resume_errors(cfg) -> list:
         errs.append(f"the global batch parallel.nproc x train.batch_size = {cfg.parallel.nproc} x {t.batch_size} "
                     f"= {batch} must equal the checkpoint's {meta['global_batch']} (the data of each iteration "
                     "depends on it)")
+    from moelab.strategies import get_update
+
+    upd = get_update(cfg.parallel.strategy) if cfg.parallel.strategy != "ep" else None
+    if upd is not None and getattr(upd, "saves_params", False):
+        p, was = cfg.parallel, saved["parallel"]
+        if (p.nproc, p.strategy_options) != (was["nproc"], was["strategy_options"]):
+            errs.append(f"train.resume_from: a {p.strategy} checkpoint holds each rank's own shards: resume with its "
+                        f"parallel.nproc={was['nproc']} and parallel.strategy_options={was['strategy_options']} "
+                        f"(got {p.nproc}, {p.strategy_options})")
     if meta["step"] >= t.iters:
         errs.append(f"train.iters={t.iters} must exceed the checkpoint's step {meta['step']}")
     return errs
@@ -122,10 +132,11 @@ def _expert_params(layer) -> dict:
 
 
 def rank_state(trainer) -> dict:
-    """This rank's part: the experts it owns (by global id) with their Adam state, and its RNG."""
+    """This rank's part: the experts it owns (by global id) with their Adam state, and its RNG (an update
+    that ``saves_params``: its own state holds every parameter of the rank)."""
     opt, me = trainer.update.optimizer, trainer.rank
     experts = {}
-    for li, layer in enumerate(trainer.model.moe_layers()):
+    for li, layer in enumerate([] if trainer.update.saves_params else trainer.model.moe_layers()):
         params = _expert_params(layer)
         for s, e in enumerate(layer.experts.experts):
             if layer.placement.owner(e) != me:  # a packed layer's owners are block ranks: block 0's save
@@ -157,7 +168,7 @@ def save(trainer, run_dir, step: int) -> Path:
             tmp.mkdir(parents=True)
         _all_ok(comm, True)  # the folder exists before anyone writes into it
         torch.save(rank_state(trainer), tmp / f"rank{trainer.rank}.pt")
-        if leader:
+        if leader and not trainer.update.saves_params:
             torch.save(dense_state(trainer), tmp / "dense.pt")
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         err = e
@@ -169,8 +180,8 @@ def save(trainer, run_dir, step: int) -> Path:
         try:
             meta = {"format": FORMAT, "step": step, "world": comm.world_size, "config": cfg.to_dict(),
                     "config_hash": cfg.short_hash(), "global_batch": comm.world_size * cfg.train.batch_size,
-                    "layers": [{"layer": li, "forward_calls": layer.forward_calls,
-                                "holders": [list(h) for h in layer.placement.holders]}
+                    "layers": [{"layer": li, "forward_calls": getattr(layer, "forward_calls", 0),
+                                "holders": [list(h) for h in layer.placement.holders] if hasattr(layer, "placement") else []}
                                for li, layer in enumerate(trainer.model.moe_layers())]}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
             os.replace(tmp, final)
@@ -220,6 +231,11 @@ def load(trainer, path) -> int:
     if ckpt is None:
         raise CheckpointError(f"no checkpoint at {path}")
     meta = read_meta(ckpt)
+    if trainer.update.saves_params:  # the rank's own file holds everything (same world and layout: checked)
+        part = torch.load(ckpt / f"rank{trainer.rank}.pt", weights_only=False)
+        trainer.update.restore_state(part["update"])
+        torch.set_rng_state(part["rng"])
+        return int(meta["step"])
     opt, model = trainer.update.optimizer, trainer.model
     dense = torch.load(ckpt / "dense.pt", weights_only=False)
     expert_ids = {id(p) for p in model.expert_parameters()}

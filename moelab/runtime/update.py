@@ -49,6 +49,8 @@ class Update:
     checkpoints before launch."""
 
     checkpoint_ready = False  # a strategy's update opts in in its own class body (not inherited)
+    saves_params = False  # True: checkpoint_state holds the rank's parameters and Adam state too (a layout the
+    # core's by-name / by-expert files cannot express, e.g. tensor-parallel shards); resumable on the same layout only
 
     def __init__(self, model, comm, cfg):
         self.model, self.comm, self.cfg = model, comm, cfg

@@ -20,6 +20,9 @@ from moelab.strategies.parm.layout import DENSE_DP
 
 
 class ParmUpdate(Update):
+    checkpoint_ready = True  # its state: every local parameter (TP and ESP shards) with Adam's, and auto's choice
+    saves_params = True
+
     def __init__(self, model, comm, cfg):
         super().__init__(model, comm, cfg)
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
@@ -40,6 +43,27 @@ class ParmUpdate(Update):
             for p in (layer.w1, layer.w2, layer.b2):
                 if p is not None and c_exp != 1:
                     p.grad.div_(c_exp)
+
+    def checkpoint_state(self) -> dict:
+        """This rank's parameters and Adam state by name (its shards), and each MoE layer's schedule choice
+        (``auto`` decided from timings: a resumed run keeps the choice instead of measuring again)."""
+        state = {}
+        for n, p in self.model.named_parameters():
+            st = self.optimizer.state.get(p, {})
+            state[n] = {"param": p.detach().clone(), "adam": {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}}
+        return {"params": state, "choices": [(layer.schedule, layer.choice) for layer in self.model.moe_layers()]}
+
+    @torch.no_grad()
+    def restore_state(self, state: dict) -> None:
+        named = dict(self.model.named_parameters())
+        if set(named) != set(state["params"]):
+            raise ValueError("the checkpoint holds other parameters than this parm model (another layout?)")
+        for n, p in named.items():
+            p.copy_(state["params"][n]["param"])
+            if state["params"][n]["adam"]:
+                self.optimizer.state[p] = {k: v.clone() for k, v in state["params"][n]["adam"].items()}
+        for layer, (schedule, choice) in zip(self.model.moe_layers(), state["choices"]):
+            layer.schedule, layer.choice = schedule, choice
 
     def step(self) -> None:
         self.optimizer.step()
