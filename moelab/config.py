@@ -90,7 +90,7 @@ class TrainConfig:
     batch_size: int = 4  # sequences per rank per iteration
     lr: float = 1e-3
     seed: int = 0
-    dataset: str = "pydocs"  # pydocs (byte-level text of the Python installation) | random
+    dataset: str = "pydocs"  # pydocs | pytests | pytext (byte-level text of the Python installation) | random
     dtype: str = "float32"  # float32 | float64
     autocast: str = "none"  # none | bf16: forward under torch.autocast(bfloat16), fp32 weights and optimizer
     threads_per_rank: int = 1
@@ -283,8 +283,10 @@ class RunConfig:
                     errs.append(f"train.checkpoint_every / train.resume_from: checkpoints cover the data-parallel "
                                 f"updates and the strategies whose update saves its own state; strategy "
                                 f"{p.strategy!r} brings its own update, not yet checkpointed")
-        if t.dataset not in ("pydocs", "random"):
-            errs.append(f"train.dataset must be pydocs or random, got {t.dataset!r}")
+        from moelab.models.data import DATASETS
+
+        if t.dataset not in DATASETS:
+            errs.append(f"train.dataset must be one of {DATASETS}, got {t.dataset!r}")
         from moelab.models.tasks import task_errors
 
         errs += task_errors(self)

@@ -40,7 +40,7 @@ from moelab.config import ConfigError, RunConfig
     ({"train.eval_every": -1}, "train.eval_every must be >= 0, got -1"),
     ({"train.eval_batches": 0}, "train.eval_batches must be >= 1, got 0"),
     ({"train.checkpoint_every": -2}, "train.checkpoint_every must be >= 0, got -2"),
-    ({"train.dataset": "wiki"}, "train.dataset must be pydocs or random"),
+    ({"train.dataset": "wiki"}, "train.dataset must be one of ('pydocs', 'pytests', 'pytext', 'random')"),
     ({"parallel.strategy": "zero", "train.checkpoint_every": 2}, "checkpoints cover the data-parallel updates"),
     ({"emulation.intra_bw_GBps": 0}, "emulation.intra_bw_GBps must be > 0, got 0"),
     ({"emulation.inter_bw_GBps": -1}, "emulation.inter_bw_GBps must be > 0, got -1"),

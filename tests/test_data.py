@@ -217,3 +217,26 @@ def test_trace_to_token_choices():
         trace_to_token_choices([6, 0, 4], 2)  # expert 0 would need to appear twice in a token
     with pytest.raises(ValueError):
         trace_to_token_choices([3, 0, 0], 2)  # sum not a multiple of k
+
+
+def test_text_domains_are_different_corpora():
+    """``pytests`` is the stdlib's test suite, ``pytext`` its .txt/.html files: each batch is a substring of
+    its own domain's text, and the domains' byte statistics differ (what Lina's Table 6 substitute needs)."""
+    import numpy as np
+
+    from moelab.models.data import TEXT_DOMAINS
+
+    hist = {}
+    for d in TEXT_DOMAINS:
+        text = stdlib_text(domain=d)
+        assert len(text) >= 1 << 16
+        b = ByteCorpus("gpt", dataset=d).batch(0, 1, 0, 4, 32, seed=0)
+        for row in torch.cat([b["inputs"], b["targets"][:, -1:]], 1):
+            assert bytes(row.tolist()) in text
+        h = np.bincount(np.frombuffer(text, dtype=np.uint8), minlength=256).astype(float)
+        hist[d] = h / h.sum()
+    assert stdlib_text(domain="pytests") != stdlib_text(domain="pydocs")
+    assert b"def test" in stdlib_text(domain="pytests")[:1 << 20]
+    assert b"<html" in stdlib_text(domain="pytext").lower() or b"<!doctype" in stdlib_text(domain="pytext").lower()
+    tv = lambda a, c: 0.5 * np.abs(hist[a] - hist[c]).sum()  # noqa: E731
+    assert tv("pytext", "pydocs") > 0.05 and tv("pytests", "pydocs") > 0.01

@@ -1,5 +1,11 @@
 """Training data that needs no download: byte-level text of the Python installation, or random bytes.
 
+Text domains (``train.dataset``): ``pydocs`` the stdlib's text files in path order (library code,
+docstrings, docs: the default), ``pytests`` the stdlib's own test suite (``test/``: test code),
+``pytext`` its prose and markup (``.txt``, ``.html``: licences, data files, docs pages) - three
+corpora every installation has, with different token statistics (Lina's Table 6 substitute trains
+and serves on each).
+
 Why the stdlib: every machine that runs moelab has it, it is real language (code, comments,
 docstrings, docs) with real token statistics, so MoE routing shows the imbalance and drift the
 papers study, and no dataset has to be fetched. Bytes are tokens (vocab 256 by default).
@@ -38,27 +44,35 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DATASETS = ("pydocs", "random")
+TEXT_DOMAINS = {  # dataset -> (top-level stdlib directories read, None: all; file suffixes)
+    "pydocs": (None, (".py", ".txt", ".rst", ".md")),
+    "pytests": (("test",), (".py",)),
+    "pytext": (None, (".txt", ".html")),
+}
+DATASETS = (*TEXT_DOMAINS, "random")
 DEFAULT_MAX_BYTES = 4 << 20  # 4 MiB: ~1 s to read, ~65k windows of 64 bytes
-TEXT_SUFFIXES = (".py", ".txt", ".rst", ".md")
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # installed packages vary per machine
 IGNORE_INDEX = -100
 HELDOUT_DIVISOR = 32  # 1/32 of the windows are held out for evaluation
 
 
 @functools.lru_cache(maxsize=4)
-def stdlib_text(max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """The first ``max_bytes`` of the stdlib's text files (sorted relative paths, joined by newlines).
+def stdlib_text(max_bytes: int = DEFAULT_MAX_BYTES, domain: str = "pydocs") -> bytes:
+    """The first ``max_bytes`` of the stdlib's text files of ``domain`` (:data:`TEXT_DOMAINS`; sorted
+    relative paths, joined by newlines).
 
     Cached per process, so every batch of a run reads the same bytes. Deterministic on one Python
     installation; another Python version gives another (equally valid) corpus.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
+    tops, suffixes = TEXT_DOMAINS[domain]
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
         rel = Path(dirpath).relative_to(root)
-        files += [(rel / f).as_posix() for f in filenames if f.endswith(TEXT_SUFFIXES)]
+        if tops is not None and (not rel.parts or rel.parts[0] not in tops):
+            continue
+        files += [(rel / f).as_posix() for f in filenames if f.endswith(suffixes)]
     files.sort()
     chunks, n = [], 0
     for rel in files:
@@ -73,7 +87,8 @@ def stdlib_text(max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
             break
     data = b"".join(chunks)[:max_bytes]
     if len(data) < 1 << 16:
-        raise RuntimeError(f"found only {len(data)} bytes of text under {root}; use dataset='random'")
+        raise RuntimeError(f"found only {len(data)} bytes of {domain} text under {root}; use another dataset "
+                           "or 'random'")
     return data
 
 
@@ -83,7 +98,7 @@ def _seed_int(*xs: int) -> list:
 
 
 class ByteCorpus:
-    """Deterministic batches for ``arch`` ('gpt' or 'bert') from ``dataset`` ('pydocs' or 'random')."""
+    """Deterministic batches for ``arch`` ('gpt' or 'bert') from ``dataset`` (a text domain or 'random')."""
 
     def __init__(self, arch: str = "gpt", vocab_size: int = 256, dataset: str = "pydocs",
                  max_bytes: int = DEFAULT_MAX_BYTES, mask_prob: float = 0.15):
@@ -98,8 +113,8 @@ class ByteCorpus:
         if self.n_regular < 2:
             raise ValueError(f"vocab_size={vocab_size} is too small for arch {arch!r}")
         self._tokens = None
-        if dataset == "pydocs":
-            raw = np.frombuffer(stdlib_text(max_bytes), dtype=np.uint8)
+        if dataset in TEXT_DOMAINS:
+            raw = np.frombuffer(stdlib_text(max_bytes, dataset), dtype=np.uint8)
             self._tokens = raw if self.n_regular >= 256 else (raw % self.n_regular).astype(np.uint8)
 
     def __len__(self) -> int:
