@@ -5,7 +5,8 @@
 - :func:`inference_suite` (REAL): one spawn of 4 ranks trains the inference model (top-1, aux loss,
   E = ``i_experts``), checkpoints it, then serves it under every variant and every path length of
   Table 5 through :mod:`moelab.runtime.serve`; returns the training loads, the routing traces of the
-  profiling split and every serve run's records.
+  profiling split and every serve run's records. On another text domain (``dataset``: Table 6's
+  substitute) the same model is trained there and served under Ideal and Lina only.
 """
 from __future__ import annotations
 
@@ -81,9 +82,9 @@ def policy_runs(scale: str, seed: int = 0) -> dict:
     return {"summary": df, "comm": comm}
 
 
-def infer_config(s, seed: int = 0, **serve) -> RunConfig:
+def infer_config(s, seed: int = 0, dataset: str = "pydocs", **serve) -> RunConfig:
     return RunConfig().with_overrides({
-        "paper": "lina", "name": "infer",
+        "paper": "lina", "name": "infer", "train.dataset": dataset,
         "model.d_model": s.i_d, "model.d_ff": 2 * s.i_d, "model.n_layers": s.i_layers, "model.n_heads": 4,
         "model.seq_len": s.i_seq, "model.moe.num_experts": s.i_experts, "model.moe.top_k": 1,
         "model.moe.gate": "switch", "model.moe.capacity_factor": None, "model.moe.balance_loss_coef": 0.01,
@@ -112,22 +113,25 @@ def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir):
 
 
 @cached
-def inference_suite(scale: str, seed: int = 0) -> dict:
+def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs") -> dict:
     """Train, checkpoint and serve (see module doc). Returns rank 0's records per serve run (keys: the
-    variants, and ``lina_Lp{n}`` per Table 5 path length), ``loads`` (training, last iterations),
-    ``traces`` ([tokens, MoE layers] of the profiling split), ``losses``."""
+    variants, and ``lina_Lp{n}`` per Table 5 path length; on another ``dataset`` ``ideal`` and ``lina``),
+    ``loads`` (training, last iterations), ``traces`` ([tokens, MoE layers] of the profiling split), ``losses``."""
     from moelab.testing import run_ranks
 
     s = scale_spec(scale)
-    cfg = infer_config(s, seed)
-    runs = {v: {"serve.variant": v} for v in VARIANTS}
-    runs.update({f"lina_Lp{n}": {"serve.variant": "lina", "serve.path_len": int(n)} for n in s.path_lens})
+    cfg = infer_config(s, seed, dataset)
+    if dataset == "pydocs":
+        runs = {v: {"serve.variant": v} for v in VARIANTS}
+        runs.update({f"lina_Lp{n}": {"serve.variant": "lina", "serve.path_len": int(n)} for n in s.path_lens})
+    else:
+        runs = {v: {"serve.variant": v} for v in ("ideal", "lina")}
     with tempfile.TemporaryDirectory(prefix="moelab-lina-") as d:
         res = run_ranks(_suite_rank, WORLD, cfg.to_dict(), runs, d, timeout=3600)
         out = res[0]
-        out["traces"] = _traces(cfg, d)
+        out["traces"] = _traces(cfg, d) if dataset == "pydocs" else None  # Figs. 9, Table 2: the main domain
     out["label"] = (f"REAL: {WORLD} gloo ranks, a {s.i_layers}-layer MoE LM (d={s.i_d}, E={s.i_experts}, top-1) "
-                    f"trained {s.i_iters} iterations here, served on held-out windows")
+                    f"trained {s.i_iters} iterations here on {dataset}, served on held-out windows")
     return out
 
 
