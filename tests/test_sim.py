@@ -105,6 +105,29 @@ def test_ring_collectives_bytes_and_times():
     assert p2p_time(S, 0, 2, p2.topology(), p2) == pytest.approx(S / GB)
 
 
+def test_nccl_allreduce_takes_the_faster_of_ring_and_halving_doubling():
+    """An NCCL profile prices an all-reduce over 2^m ranks with 2m step latencies (not the ring's 2(n-1));
+    its nearest-first halving-doubling keeps the big pieces inside a node, so across nodes a node's NIC
+    carries the message once instead of the ring's 2(n-1)/n; every member sends the ring's 2(n-1)/n of the
+    message; a group of another size, and gloo-like profiles, keep the ring."""
+    from moelab.sim import costs
+
+    nccl = dataclasses.replace(flat_profile(nodes=2, gpn=8, intra=100.0, inter=10.0, lat=10.0), allreduce="nccl")
+    ring = dataclasses.replace(nccl, allreduce="ring")
+    topo, lat = nccl.topology(), 10e-6
+    assert ring_demand("all_reduce", range(16), topo, nccl, 1e3).alpha == pytest.approx(2 * 4 * lat)
+    assert ring_demand("all_reduce", range(16), topo, ring, 1e3).alpha == pytest.approx(2 * 15 * lat)
+    assert allreduce_time(1e3, topo, nccl) < allreduce_time(1e3, topo, ring) / 3
+    assert allreduce_time(1e9, topo, nccl) == pytest.approx(2 * 4 * lat + 1e9 / 10e9)
+    assert allreduce_time(1e9, topo, ring) == pytest.approx(2 * 15 * lat + 2 * 15 / 16 * 1e9 / 10e9)
+    hd = dict(costs._halving_doubling_ports(tuple(range(16)), topo, 1)[1])
+    assert all(hd[("intra_out", r)] + hd.get(("nic_out", r // 8), 0) / 8 == pytest.approx(2 * 15 / 16) for r in range(8))
+    assert ring_demand("all_reduce", range(12), dataclasses.replace(nccl, nodes=2, gpus_per_node=6).topology(),
+                       nccl, 1e3).alpha == pytest.approx(2 * 11 * lat)  # 12 is no power of two: the ring
+    for p in PROFILES.values():
+        assert p.allreduce == "nccl" and "allreduce" in p.sources  # the papers' clusters ran NCCL
+
+
 def test_link_capacities_honour_nics_per_node():
     """The node's inter bandwidth is split over its NICs; GPUs attach to NICs in contiguous blocks."""
     p4 = dataclasses.replace(flat_profile(nodes=2, gpn=4, intra=10.0, inter=8.0), nics_per_node=4)

@@ -32,6 +32,12 @@ attached to (as NCCL runs one channel per NIC), channel c leaving every node thr
 NIC and carrying 1/C of the data, so a node's NICs share the ring traffic; with one NIC per node
 this is exactly the single ring. A ring of n ranks costs its steps' latencies (``n-1``; all-reduce
 ``2(n-1)``) plus its slowest link. Broadcast/reduce are pipelined chains (S on every edge).
+A profile of an NCCL cluster (``profile.allreduce == "nccl"``) lets an all-reduce over 2^m > 2 members
+take the faster, alone, of the ring and recursive halving-then-doubling (``2m`` step latencies, the
+nearest partner getting the largest piece, so across nodes a node's NIC carries the message about once
+instead of the ring's 2(n-1)/n): NCCL's tuner picks between its ring and its tree, which has the
+log-depth latency and the hierarchical NIC volume this schedule stands for. gloo (the emulator, local
+profiles) keeps the ring.
 
 Where a profile carries a measured fit for an op (``profile.fits[op] = (alpha, beta)``) and the
 group sits in one node, the demand is rescaled so that alone it takes ``alpha + beta * x`` with
@@ -291,20 +297,49 @@ def _ring_ports(group: tuple, topo: Topology, nics: int) -> tuple:
 
 def ring_demand(op: str, group: Sequence[int], topo: Topology, profile, nbytes: int) -> Demand:
     """Ring all-gather / reduce-scatter / all-reduce over ``group`` (:func:`ring_channels`: node-major,
-    one channel per NIC across nodes): every edge of a channel carries per-edge bytes / channels."""
+    one channel per NIC across nodes): every edge of a channel carries per-edge bytes / channels. An
+    NCCL profile's all-reduce may take :func:`_halving_doubling_ports` instead (module doc)."""
     group = sorted(group)
     n = len(group)
     if n <= 1:
         return Demand(0.0, {})
     per_edge, steps = _RING[op]
-    channels, ports = _ring_ports(tuple(group), topo, nic_count(profile, topo))
+    nics = nic_count(profile, topo)
+    channels, ports = _ring_ports(tuple(group), topo, nics)
     v = per_edge(n, nbytes) / channels
     links: dict = {}
     get = links.get
     for port in ports:  # the same additions, in the same order, as sending edge by edge
         links[port] = get(port, 0) + v
-    d = Demand(steps(n) * _class_latency(group, topo, profile), links)
+    lat = _class_latency(group, topo, profile)
+    d = Demand(steps(n) * lat, links)
+    if op == "all_reduce" and getattr(profile, "allreduce", "ring") == "nccl" and n > 2 and not n & (n - 1):
+        m, shares = _halving_doubling_ports(tuple(group), topo, nics)
+        hd = Demand(2 * m * lat, {port: share * nbytes for port, share in shares})
+        if _alone_time(hd, profile, nics) < _alone_time(d, profile, nics):
+            d = hd
     return _fitted(op, d, group, topo, profile, lambda: sent_bytes(op, group, topo, nbytes))
+
+
+@functools.lru_cache(maxsize=256)
+def _halving_doubling_ports(group: tuple, topo: Topology, nics: int) -> tuple:
+    """``(m, ((port, share of nbytes), ...))`` of an all-reduce over ``group`` (2^m members, sorted) by
+    recursive halving (reduce-scatter) then doubling (all-gather): step k pairs members ``2^k`` apart,
+    who exchange ``nbytes / 2^(k+1)`` each way in each half, so every member sends ``2(n-1)/n`` of
+    ``nbytes`` (the ring's) with the largest pieces to its nearest partners."""
+    links: dict = {}
+    m = len(group).bit_length() - 1
+    for k in range(m):
+        for i, a in enumerate(group):
+            _send(links, topo, a, group[i ^ (1 << k)], 2.0 / (2 << k), nics)
+    return m, tuple(links.items())
+
+
+def _alone_time(d: Demand, profile, nics: int) -> float:
+    """:meth:`Demand.time` with the capacities of the ports it uses (no per-rank capacity table)."""
+    intra, nic = profile.bandwidth("intra"), profile.bandwidth("inter") / nics
+    return d.alpha + max((b / (intra if port[0].startswith("intra") else nic) for port, b in d.links.items() if b > 0),
+                         default=0.0)
 
 
 def broadcast_demand(group: Sequence[int], root: int, topo: Topology, profile, nbytes: int,

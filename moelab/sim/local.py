@@ -124,6 +124,7 @@ def emulation_profile(cfg: RunConfig, base):
         base, name=f"{base.name}+EMULATED", intra_bw_GBps=e.intra_bw_GBps, intra_latency_us=e.intra_latency_us,
         inter_bw_GBps=e.inter_bw_GBps * rpn, inter_latency_us=e.inter_latency_us, nics_per_node=rpn, fits=fits,
         one_host=False,  # emulated nodes are apart: the in-node fits stay in the node
+        allreduce="ring",  # the emulator runs gloo's ring
         sources={**base.sources, "intra_bw_GBps": "emulation.intra_bw_GBps (EMULATED, per rank)",
                  "inter_bw_GBps": f"emulation.inter_bw_GBps x {rpn} ranks per node (EMULATED: one NIC per rank)",
                  "nics_per_node": f"{rpn}: the emulator gives every rank its own NIC (EMULATED)",

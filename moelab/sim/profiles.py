@@ -46,6 +46,7 @@ class ClusterProfile:
     shared_cores: float = 0  # >0: all ranks run on one host with this many cores, compute shares them
     op_overhead_s: float = 0.0  # fixed seconds per compute op (interpreter / kernel launch), fitted where measured
     call_overhead_s: float = 0.0  # fixed seconds per collective call beyond its alpha-beta line, fitted where measured
+    allreduce: str = "ring"  # "ring" (gloo, the emulator) | "nccl": per message the faster of ring and a latency-optimal schedule (sim/costs.py)
     extra: dict = field(default_factory=dict)  # paper constants that are not link/compute numbers
     sources: dict = field(default_factory=dict)  # field -> spec section / paper sentence / [assumption]
     notes: str = ""
@@ -87,13 +88,16 @@ def _eff(peak: float, eff: float) -> float:
 
 
 _ASSUMED_LAT = "[assumption] typical NCCL per-step latency; fit it where a measurement exists"
+_NCCL_ALLREDUCE = ("[assumption] the paper's runs use NCCL, whose tuner picks between its ring and its tree "
+                   "(log-depth latency, hierarchical across nodes); priced as the faster of ring and halving-doubling")
 
 HECATE_A = ClusterProfile(
     name="hecate_A", nodes=4, gpus_per_node=8, gpu="V100-SXM2-32GB",
     peak_flops=125e12, achieved_flops=_eff(125e12, 0.5),
     intra_bw_GBps=300.0, intra_latency_us=5.0, inter_bw_GBps=12.5, inter_latency_us=20.0,
-    mem_GB=32.0, nics_per_node=1, elem_bytes=2,
+    allreduce="nccl", mem_GB=32.0, nics_per_node=1, elem_bytes=2,
     sources={
+        "allreduce": _NCCL_ALLREDUCE,
         "nodes": "hecate.md §4: 'Cluster A = 4x AWS p3dn.24xlarge: 8x V100-32GB per node'",
         "peak_flops": "hecate.md §4 calibration plan: dense fp16 peak 125 TFLOPs (V100)",
         "achieved_flops": "[assumption] 50% of peak until calibrated (hecate.md §4 step 1)",
@@ -108,8 +112,9 @@ HECATE_B = ClusterProfile(
     name="hecate_B", nodes=4, gpus_per_node=8, gpu="A100-SXM4-40GB",
     peak_flops=312e12, achieved_flops=_eff(312e12, 0.5),
     intra_bw_GBps=600.0, intra_latency_us=5.0, inter_bw_GBps=50.0, inter_latency_us=20.0,
-    mem_GB=40.0, nics_per_node=4, elem_bytes=2,
+    allreduce="nccl", mem_GB=40.0, nics_per_node=4, elem_bytes=2,
     sources={
+        "allreduce": _NCCL_ALLREDUCE,
         "nodes": "hecate.md §4: 'Cluster B = 4x p4d.24xlarge: 8x A100-40GB'",
         "peak_flops": "hecate.md §4 calibration plan: dense fp16 peak 312 TFLOPs (A100)",
         "achieved_flops": "[assumption] 50% of peak until calibrated",
@@ -127,11 +132,12 @@ JOHNNY = ClusterProfile(
     name="fastermoe_johnny", nodes=2, gpus_per_node=8, gpu="V100-PCIe",
     peak_flops=14e12, achieved_flops=11.5e12,
     intra_bw_GBps=7 * 22.5 / 16, intra_latency_us=10.0, inter_bw_GBps=6.25, inter_latency_us=20.0,
-    mem_GB=16.0, nics_per_node=1, elem_bytes=4,
+    allreduce="nccl", mem_GB=16.0, nics_per_node=1, elem_bytes=4,
     links={"gpu-socket (PCIe)": 11.0, "socket1-nic (QPI)": 22.5, "socket0-nic": float("inf"),
            "nic-switch": 6.25},
     extra={"P_code": 11.5e12},
     sources={
+        "allreduce": _NCCL_ALLREDUCE,
         "nodes": "fastermoe.md §2.2 johnny: 2 nodes under a root switch, 4 GPUs per socket x 2 sockets",
         "peak_flops": "V100-PCIe fp32 vendor peak 14 TFLOP/s",
         "achieved_flops": "fastermoe.md §2.2: code uses P = 11.5e12 FLOP/s for V100-PCIe fp32",
@@ -152,8 +158,9 @@ TREVOR = ClusterProfile(
     name="fastermoe_trevor", nodes=16, gpus_per_node=4, gpu="V100-SXM2",
     peak_flops=15.7e12, achieved_flops=0.9 * 15.7e12,
     intra_bw_GBps=3 * 88 / 8, intra_latency_us=5.0, inter_bw_GBps=62 / 8, inter_latency_us=20.0,
-    mem_GB=16.0, nics_per_node=1, elem_bytes=4, links=_TREVOR_LINKS,
+    allreduce="nccl", mem_GB=16.0, nics_per_node=1, elem_bytes=4, links=_TREVOR_LINKS,
     sources={
+        "allreduce": _NCCL_ALLREDUCE,
         "nodes": "fastermoe.md §2.2/§4 trevor: 16 nodes x 4 V100-SXM2 = 64 GPUs",
         "peak_flops": "V100-SXM2 fp32 vendor peak 15.7 TFLOP/s",
         "achieved_flops": "fastermoe.md §2.2 [R]: 0.9 x 15.7 TFLOP/s",
@@ -170,9 +177,10 @@ PARM_A = ClusterProfile(
     peak_flops=82.6e12, achieved_flops=_eff(82.6e12, 0.5),
     intra_bw_GBps=0.75 * 4 / 5.38e-10 / GB, intra_latency_us=6.64e-4 / 3 * 1e6,
     inter_bw_GBps=0.75 * 4 / 5.38e-10 / GB, inter_latency_us=6.64e-4 / 3 * 1e6,
-    mem_GB=24.0, nics_per_node=0, elem_bytes=4,
+    allreduce="nccl", mem_GB=24.0, nics_per_node=0, elem_bytes=4,
     extra={"AG_MP_fit": {"alpha_s": 6.64e-4, "beta_s_per_elem": 5.38e-10}},
     sources={
+        "allreduce": _NCCL_ALLREDUCE,
         "nodes": "parm.md §4 Table II: one server with 8x RTX 4090 on PCIe 4.0 x16, no network",
         "peak_flops": "parm.md §2.10(c): RTX4090 fp32 82.6 TFLOPS",
         "achieved_flops": "parm.md §2.10(c): eff default 0.5",
@@ -189,9 +197,10 @@ PARM_B = ClusterProfile(
     peak_flops=13.4e12, achieved_flops=_eff(13.4e12, 0.5),
     intra_bw_GBps=0.75 * 4 / 7.14e-10 / GB, intra_latency_us=1.09e-4 / 3 * 1e6,
     inter_bw_GBps=12.5 * 0.9, inter_latency_us=20.0,
-    mem_GB=11.0, nics_per_node=1, elem_bytes=4,
+    allreduce="nccl", mem_GB=11.0, nics_per_node=1, elem_bytes=4,
     extra={"AG_MP_fit": {"alpha_s": 1.09e-4, "beta_s_per_elem": 7.14e-10}},
     sources={
+        "allreduce": _NCCL_ALLREDUCE,
         "nodes": "parm.md §4 Table II: 8 nodes x 4 RTX 2080Ti on PCIe 3.0 x16 (used at 2, 4, 8 nodes: with_nodes)",
         "peak_flops": "parm.md §2.10(c): 2080Ti fp32 13.4 TFLOPS",
         "achieved_flops": "parm.md §2.10(c): eff default 0.5",
@@ -207,8 +216,9 @@ LINA = ClusterProfile(
     name="lina", nodes=4, gpus_per_node=4, gpu="A100-40GB",
     peak_flops=312e12, achieved_flops=_eff(312e12, 0.5),
     intra_bw_GBps=300.0, intra_latency_us=5.0, inter_bw_GBps=12.5, inter_latency_us=20.0,
-    mem_GB=40.0, nics_per_node=1, elem_bytes=2,
+    allreduce="nccl", mem_GB=40.0, nics_per_node=1, elem_bytes=2,
     sources={
+        "allreduce": _NCCL_ALLREDUCE,
         "nodes": "lina.md §4: 'Testbed: 4 nodes x 4 A100-40GB, 100 Gb/s InfiniBand per node'",
         "peak_flops": "A100 dense fp16 vendor peak 312 TFLOP/s",
         "achieved_flops": "[assumption] 50% of peak until calibrated",
@@ -223,8 +233,9 @@ LSH_V100 = ClusterProfile(
     name="lsh_v100", nodes=2, gpus_per_node=8, gpu="V100-32GB",
     peak_flops=125e12, achieved_flops=_eff(125e12, 0.4),
     intra_bw_GBps=150.0, intra_latency_us=5.0, inter_bw_GBps=12.5, inter_latency_us=20.0,
-    mem_GB=32.0, nics_per_node=1, elem_bytes=2,
+    allreduce="nccl", mem_GB=32.0, nics_per_node=1, elem_bytes=2,
     sources={
+        "allreduce": _NCCL_ALLREDUCE,
         "nodes": "lsh-moe.md §4: 'V100 cluster: 2 servers x 8 V100-32GB, NVLink 2.0, one RDMA NIC with 100 Gb/s'",
         "peak_flops": "lsh-moe.md §4 Fig. 3: V100 125 TFLOP/s fp16",
         "achieved_flops": "lsh-moe.md §2.9 worked example: 40% MFU [assumption until calibrated]",
@@ -238,8 +249,9 @@ LSH_A100 = ClusterProfile(
     name="lsh_a100", nodes=4, gpus_per_node=8, gpu="A100-40GB",
     peak_flops=312e12, achieved_flops=_eff(312e12, 0.4),
     intra_bw_GBps=300.0, intra_latency_us=5.0, inter_bw_GBps=25.0, inter_latency_us=20.0,
-    mem_GB=40.0, nics_per_node=2, elem_bytes=2,
+    allreduce="nccl", mem_GB=40.0, nics_per_node=2, elem_bytes=2,
     sources={
+        "allreduce": _NCCL_ALLREDUCE,
         "nodes": ("lsh-moe.md §4: 'A100 cluster: 4 servers x 8 A100-40GB, NVLink 3.0, two RDMA NICs "
                   "with 200 Gb/s total'"),
         "peak_flops": "lsh-moe.md §4 Fig. 3: A100 312 TFLOP/s fp16",

@@ -119,8 +119,10 @@ def zero_layer_time(stage: int, m: PaperLayerModel, overlap: Optional[float] = N
     same bytes in this model."""
     from moelab.sim import costs
 
+    import dataclasses
+
     overlap = assumptions(overrides).value("zero_overlap") if overlap is None else overlap
-    prof = sim_profile(m.cluster, overrides)
+    prof = dataclasses.replace(sim_profile(m.cluster, overrides), allreduce="ring")  # the spec's volume model: rings
     topo = prof.topology()
     N = prof.world_size
     Sp = m.experts * 2 * m.h * m.h_ff * 4
