@@ -29,7 +29,9 @@ EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4}),  # the same policy, fo
          "lina_nowait": ("lina", {"a2a_waits_for_inflight": False}),  # an all-to-all does not wait for the one in flight
          "lina_pipe_nowait": ("lina_pipe", {"a2a_waits_for_inflight": False}),
          "lina_leader": ("lina", {"launch_agreement": "leader"}),  # the first rank decides every launch
-         "lina_pipe_leader": ("lina_pipe", {"launch_agreement": "leader"})}
+         "lina_pipe_leader": ("lina_pipe", {"launch_agreement": "leader"}),
+         # the packing controller from q = 1: a decision at steps 3, 5, 7 from the measured micro-op times
+         "lina_full_ctl": ("lina_full", {"pack_controller": True, "pack_start_step": 3, "pack_every": 2})}
 
 
 def config(a, policy, q=0, **opts):
@@ -135,12 +137,20 @@ def main(argv=None) -> int:
             lm is not None and len(lm) and "sched_stalls" in lm) else 0.0
         print(f"{pol:17s} {1e3 * step:8.1f} {base_step / step:8.2f} {1e3 * bwd:10.1f} "
               f"{base_bwd / bwd if bwd else float('nan'):6.2f} {100 * share:8.1f}% {stalls:20.1f}")
+    lm = runs[names.index("lina_full_ctl")].layer_metrics
+    if lm is not None and "pack_decision" in lm:
+        d = lm[(lm["rank"] == 0) & (lm.layer == 0) & lm.pack_decision.notna()]
+        print("lina_full_ctl decisions (step: decision, block of ranks after it): " + "; ".join(
+            f"{int(r.iter)}: {r.pack_decision}, {int(r.block)}" for r in d.itertuples()))
     ctrl = [measured(r, a.warmup)[0] for r in runs[-2:]]
     print(f"control (q = E = 4: every rank holds every expert, no all-to-all leaves a rank): "
           f"lina/ddp_overlap step = {ctrl[1] / ctrl[0]:.3f} (target within 5 %)", flush=True)
     print(f"held-out fixed cost per collective call (all ranks busy): {1e3 * call_s:.2f} ms")
     sims, simf = {}, {}
     for pol, c, r in zip(names, cfgs, runs):
+        if c.parallel.strategy_options.get("pack_controller"):
+            print(f"simulator: {pol}: not priced (the simulator prices a static q; the controller changed it)")
+            continue
         try:
             sims[pol], simf[pol] = predicted(c, r), predicted(c, r, call_s)
         except Exception as e:  # noqa: BLE001 - a policy the simulator cannot price is said, not hidden
