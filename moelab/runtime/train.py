@@ -4,6 +4,7 @@ ranks, or a single process.
 Per iteration: batch (rank-disjoint windows of the corpus) -> forward -> loss/N -> backward ->
 gradient sync -> Adam step, the sync and step being the run's :class:`~moelab.runtime.update.Update`
 (``parallel.grad_sync``, or a strategy's own). Metrics per iteration: global mean loss, step time,
+``cpu_main_s`` (the main thread's CPU seconds in the step: on a CPU rank its compute, waits excluded),
 per-layer global expert loads, bytes by link class (from the comm door's records), and memory by
 category (:mod:`moelab.runtime.memory`): ``mem_params_bytes`` / ``mem_optim_bytes`` after the step,
 ``mem_grads_bytes`` after the sync, ``mem_activations_bytes`` the bytes autograd holds for backward
@@ -143,7 +144,7 @@ class Trainer:
         n_rec = len(comm.rec.comm)
         update, mem = self.update, self.update.memory
         mem.reset()
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.thread_time()
         with comm.rec.tagged(iter=it), comm.rec.span(f"iter {it}", "iteration"):
             update.before_forward()
             with comm.rec.span("forward", "forward"), mem.saving():
@@ -161,13 +162,13 @@ class Trainer:
                 update.step()
                 update.zero_grad()
             after = mem.sample(optim=True)
-        step_time = time.time() - t0
+        step_time, cpu_main = time.time() - t0, time.thread_time() - cpu0
 
         stats = lm.detach().double().reshape(1).clone()  # no .item() before the reduce: one host sync below
         with comm.rec.paused():  # metric traffic is not training traffic
             comm.all_reduce_(stats)
         bytes_cls = comm.rec.bytes_by_class(n_rec)
-        row = dict(iter=it, loss=float(stats[0]) / world, step_time_s=step_time,
+        row = dict(iter=it, loss=float(stats[0]) / world, step_time_s=step_time, cpu_main_s=cpu_main,
                    **{f"bytes_{c}": bytes_cls[c] for c in LINK_CLASSES},
                    mem_params_bytes=after["params"], mem_grads_bytes=mem_grads, mem_optim_bytes=after["optim"],
                    mem_activations_bytes=mem_acts,

@@ -72,7 +72,7 @@ class PipelinedExperts(torch.autograd.Function):
                 comb.append(_a2a(comm, sends[j + 1], {**tags, "chunk": j + 1}))
             c = b - a
             gy = comb[j].wait().view(N, El, c, d).transpose(0, 1).reshape(-1, d)  # expert-side layout
-            with torch.enable_grad():
+            with torch.enable_grad(), comm.rec.span(f"experts bwd chunk {j}", "expert"):
                 torch.autograd.backward(ctx.outs[j], gy)
             gr = ctx.recvs[j].grad.view(El, N, c, d).transpose(0, 1).contiguous()
             disp.append(_a2a(comm, gr, {**tags, "chunk": j}))

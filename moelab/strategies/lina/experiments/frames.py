@@ -8,6 +8,7 @@ import pandas as pd
 
 from moelab.placement.lina import top_set
 from moelab.placement.popularity import pattern_share
+from moelab.sim.result import interval_union, overlap_seconds
 
 from .common import scale_spec
 from .runs import inference_suite, policy_runs
@@ -47,6 +48,56 @@ def backward_timeline(scale, policy: str, seed=0, ranks=(0, 1)) -> pd.DataFrame:
     df = pd.DataFrame({"rank": c["rank"], "lane": np.where(c.op == "all_to_all", "a2a", "all-reduce"),
                        "name": c.op + " " + c.phase.astype(str), "start": c.t_start - t0, "end": c.t_end - t0})
     return _labelled(df.reset_index(drop=True), pr["comm"].attrs["label"] + f"; policy {policy}, last iteration")
+
+
+def a2a_share(scale, seed=0) -> pd.DataFrame:
+    """Table 1 analog (EMULATED): the all-to-all share of the step without overlap (``after_backward``) and
+    under the baseline (``ddp_overlap``): all-to-all busy time over the median step."""
+    pr = policy_runs(scale, seed)
+    df = pr["summary"][pr["summary"].policy.isin(["after_backward", "ddp_overlap"])][["policy", "step_s", "a2a_s",
+                                                                                        "a2a_share"]]
+    return _labelled(df.reset_index(drop=True), pr["summary"].attrs["label"])
+
+
+def pipelining_efficiency(scale, seed=0, policies=("lina_pipe", "lina_full")) -> pd.DataFrame:
+    """Table 3 analog (EMULATED): the paper's pipelining efficiency - the share of all-to-all time during which
+    the rank's experts compute (forward and backward chunks) - per rank and iteration, averaged, for the
+    pipelined policies without (``lina_pipe``, q = 1) and with packing (``lina_full``, q = 2)."""
+    pr = policy_runs(scale, seed)
+    c, sp = pr["comm"], pr["spans"]
+    rows = []
+    for pol in policies:
+        a = c[(c.policy == pol) & (c.op == "all_to_all")]
+        e = sp[(sp.policy == pol) & (sp.cat == "expert")]
+        eff = []
+        for (rank, it), g in a.groupby(["rank", "iter"]):
+            A = interval_union(zip(g.t_start, g.t_end))
+            x = e[(e["rank"] == rank) & (e.iter == it)]
+            total = sum(b - a_ for a_, b in A)
+            if total > 0:
+                eff.append(overlap_seconds(A, interval_union(zip(x.t_start, x.t_end))) / total)
+        rows.append({"policy": pol, "experts_per_rank": 2 if pol == "lina_full" else 1,
+                     "pipelining_eff": float(np.mean(eff)) if eff else np.nan, "samples": len(eff)})
+    return _labelled(pd.DataFrame(rows), pr["comm"].attrs["label"])
+
+
+def busy_and_memory(scale, seed=0, policies=("ddp_overlap", "lina_full")) -> pd.DataFrame:
+    """Table 4 analog (REAL storages, EMULATED links): rank 0's compute-busy fraction of the step (its main
+    thread's CPU seconds over the step's wall seconds: waits use no CPU) and its peak memory (params, grads,
+    Adam, activations: live storages), per policy; no DRAM offload is modelled (the paper offloads for two
+    of its models)."""
+    pr = policy_runs(scale, seed)
+    m = pr["metrics"]
+    rows = []
+    for pol in policies:
+        g = m[m.policy == pol]
+        rows.append({"policy": pol, "busy_fraction": float(np.median(g.cpu_main_s / g.step_time_s)),
+                     "peak_mem_bytes": int(g.mem_total_peak_bytes.max())})
+    df = pd.DataFrame(rows)
+    base = df.set_index("policy").loc[policies[0]]
+    df["busy_gain"] = df.busy_fraction - base.busy_fraction
+    df["mem_ratio"] = df.peak_mem_bytes / base.peak_mem_bytes
+    return _labelled(df, pr["metrics"].attrs["label"] + "; rank 0's CPU time and live storages")
 
 
 # ---- inference (REAL) ---------------------------------------------------------------------------------

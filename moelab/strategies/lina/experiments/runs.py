@@ -58,16 +58,19 @@ def links_label(s) -> str:
 
 @cached
 def policy_runs(scale: str, seed: int = 0) -> dict:
-    """``{"summary": frame per policy, "comm": every rank's call records with a policy column}``."""
+    """``{"summary": frame per policy, "comm": every rank's call records, "spans": every rank's compute
+    spans, "metrics": rank 0's per-iteration metrics rows}``, each with a policy column, warm-up dropped."""
     from moelab.sim.realruns import run_real_many
 
     s = scale_spec(scale)
     runs = run_real_many([train_config(s, p, seed) for p in POLICIES], timeout=1800)
-    rows, comms = [], []
+    rows, comms, spans, metrics = [], [], [], []
     for pol, r in zip(POLICIES, runs):
         keep = r.comm[r.comm.iter >= s.t_warmup].copy()
         keep["policy"] = pol
         comms.append(keep)
+        spans.append(r.spans[r.spans.iter >= s.t_warmup].assign(policy=pol))
+        metrics.append(pd.DataFrame(r.metrics).query(f"iter >= {s.t_warmup}").assign(policy=pol))
         step = float(np.median([max(row) for row in r.step_times[s.t_warmup:]]))
         rows.append({"policy": pol, "step_s": step, "bwd_a2a_s": a2a_times(keep, "bwd"), "a2a_s": a2a_times(keep),
                      "allreduce_calls": int((keep.op == "all_reduce").sum() / WORLD / max(1, keep.iter.nunique()))})
@@ -77,9 +80,11 @@ def policy_runs(scale: str, seed: int = 0) -> dict:
     df["bwd_a2a_speedup"] = base.bwd_a2a_s / df.bwd_a2a_s
     df["a2a_share"] = df.a2a_s / df.step_s
     df.attrs["label"] = links_label(s)
-    comm = pd.concat(comms, ignore_index=True)
-    comm.attrs["label"] = links_label(s)
-    return {"summary": df, "comm": comm}
+    out = {"summary": df, "comm": pd.concat(comms, ignore_index=True), "spans": pd.concat(spans, ignore_index=True),
+           "metrics": pd.concat(metrics, ignore_index=True)}
+    for v in out.values():
+        v.attrs["label"] = links_label(s)
+    return out
 
 
 def infer_config(s, seed: int = 0, dataset: str = "pydocs", **serve) -> RunConfig:
