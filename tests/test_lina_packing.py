@@ -87,9 +87,11 @@ def test_controller_halves_the_block_and_trains_the_model_of_a_run_without_switc
     """4 ranks, E = 4, emulated all-to-all latency so the FFN micro-op is the faster: blocks 4 → 2 → 1 at
     steps 1 and 2 (then frozen: no smaller block), every switch moving parameters and Adam moments. Losses,
     dense and expert parameters and Adam moments equal the plain-EP run's; the copies of an expert are
-    identical; every rank logged the same decisions. A memory budget below one doubling freezes at once."""
-    emu = {"emulation.enabled": True, "emulation.intra_latency_us": 3000.0, "emulation.inter_latency_us": 3000.0}
-    runs = {"ref": ({"policy": "ddp_overlap"}, {}), "ctl": (CTL, emu),
+    identical; every rank logged the same decisions (GShard's random second expert on: its draws do not depend
+    on the block). A memory budget below one doubling freezes at once."""
+    rnd = {"model.moe.gate": "gshard", "model.moe.random_routing": True}  # draws keyed by the global rank
+    emu = {**rnd, "emulation.enabled": True, "emulation.intra_latency_us": 3000.0, "emulation.inter_latency_us": 3000.0}
+    runs = {"ref": ({"policy": "ddp_overlap"}, rnd), "ctl": (CTL, emu),
             "mem": ({**CTL, "pack_memory_mb": 1e-4}, emu)}
     res = run_ranks(_run, 4, runs, timeout=300)
     ref = res[0]["ref"]

@@ -73,10 +73,12 @@ class MoELayer(nn.Module):
         self._call_materialized: dict = {}  # this call's materialized slots (reset after each forward)
 
     def route_rng(self) -> Optional[torch.Generator]:
-        """Random routing draws from (seed, layer, call, rank): reproducible and rank-distinct."""
+        """Random routing draws from (seed, layer, call, global rank): reproducible and rank-distinct, the
+        same whatever group the layer runs its experts over (a :class:`~moelab.comm.view.GroupView`'s base)."""
         if not self.cfg.random_routing:
             return None
-        return seeded_generator("route", self.seed, self.layer_id, self.forward_calls, self.comm.rank)
+        rank = getattr(self.comm, "base", self.comm).rank
+        return seeded_generator("route", self.seed, self.layer_id, self.forward_calls, rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
