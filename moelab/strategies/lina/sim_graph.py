@@ -49,8 +49,10 @@ def _units(ready, partitioned: bool, cap_bytes: float, part_bytes: float, eb: in
 
 def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *,
                          elem_bytes: Optional[int] = None, policy: Optional[str] = None,
-                         partition_bytes: Optional[float] = None, bucket_mb: Optional[float] = None):
-    """One training iteration under Lina's ``policy`` (default: the run's strategy options)."""
+                         partition_bytes: Optional[float] = None, bucket_mb: Optional[float] = None,
+                         hierarchical_a2a: bool = False):
+    """One training iteration under Lina's ``policy`` (default: the run's strategy options);
+    ``hierarchical_a2a``: all-to-alls intra-node first, then across nodes (Tutel's 2D all-to-all)."""
     from moelab.strategies import get
 
     import dataclasses
@@ -146,8 +148,8 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         return tuple(ends)
 
     g, ctx, prev = transformer_iteration_graph(
-        cfg, profile, loads, placement, fwd, moe_backward, elem_bytes=elem_bytes,
-        meta={"strategy": "lina", "policy": policy}, dense_sync=dense_sync)
+        cfg, profile, loads, placement, fwd, moe_backward, elem_bytes=elem_bytes, hierarchical_a2a=hierarchical_a2a,
+        meta={"strategy": "lina", "policy": policy, "hierarchical_a2a": hierarchical_a2a}, dense_sync=dense_sync)
     return g
 
 
