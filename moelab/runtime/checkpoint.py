@@ -109,8 +109,7 @@ def resume_errors(cfg) -> list:
                     "depends on it)")
     from moelab.strategies import get_update
 
-    upd = get_update(cfg.parallel.strategy) if cfg.parallel.strategy != "ep" else None
-    if upd is not None and getattr(upd, "saves_params", False):
+    if getattr(get_update(cfg.parallel.strategy), "saves_params", False):
         p, was = cfg.parallel, saved["parallel"]
         if (p.nproc, p.strategy_options) != (was["nproc"], was["strategy_options"]):
             errs.append(f"train.resume_from: a {p.strategy} checkpoint holds each rank's own shards: resume with its "

@@ -78,12 +78,16 @@ def nic_of(rank: int, topo: Topology, nics: int) -> int:
     return node * nics + (rank - node * topo.ranks_per_node) * nics // topo.ranks_per_node
 
 
+def _port_capacities(profile, nics: int) -> tuple:
+    """(bytes/s of an intra port, of one NIC): the node's inter bandwidth shared by its ``nics`` NICs."""
+    return profile.bandwidth("intra"), profile.bandwidth("inter") / nics
+
+
 def link_capacities(profile, topo: Topology) -> dict:
     """Bytes/s of every link of ``topo`` under ``profile``: per-rank intra ports, ``nic_count`` NICs
     per node sharing the node's inter bandwidth equally."""
-    intra = profile.bandwidth("intra")
     k = nic_count(profile, topo)
-    nic = profile.bandwidth("inter") / k
+    intra, nic = _port_capacities(profile, k)
     caps = {}
     for r in range(topo.world_size):
         caps[("intra_out", r)] = caps[("intra_in", r)] = intra
@@ -337,7 +341,7 @@ def _halving_doubling_ports(group: tuple, topo: Topology, nics: int) -> tuple:
 
 def _alone_time(d: Demand, profile, nics: int) -> float:
     """:meth:`Demand.time` with the capacities of the ports it uses (no per-rank capacity table)."""
-    intra, nic = profile.bandwidth("intra"), profile.bandwidth("inter") / nics
+    intra, nic = _port_capacities(profile, nics)
     return d.alpha + max((b / (intra if port[0].startswith("intra") else nic) for port, b in d.links.items() if b > 0),
                          default=0.0)
 

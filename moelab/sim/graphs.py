@@ -398,7 +398,7 @@ def ep_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = Non
 
 
 
-_RULE_EXTRAS = ("sub", "combine")  # comm-record keys an op's own byte rule takes (SAA)
+_RECORD_KEYS = ("op", "group", "nbytes", "splits", "root", "peer")  # the rest of a record: the op's own rule's (SAA)
 
 
 def replay_bytes(graph: OpGraph, topo: Topology):
@@ -414,7 +414,7 @@ def replay_bytes(graph: OpGraph, topo: Topology):
         for i, me in enumerate(group):
             row = None if splits is None else [int(x) for x in splits[i]]
             per = peer_bytes(c["op"], group, me, int(c.get("nbytes", 0)), splits=row, root=c.get("root"),
-                             peer=c.get("peer"), **{k: c[k] for k in _RULE_EXTRAS if k in c})
+                             peer=c.get("peer"), **{k: v for k, v in c.items() if k not in _RECORD_KEYS})
             yield me, c["op"], op.category, by_link_class(topo, me, per)
 
 

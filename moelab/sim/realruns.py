@@ -130,6 +130,7 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
     """
     import pandas as pd
 
+    from moelab.strategies import get
     from moelab.testing import run_ranks
 
     cfgs = list(cfgs)
@@ -150,13 +151,12 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
                                      "emulated_s", *[f"bytes_{c}" for c in LINK_CLASSES]])
         spans = pd.DataFrame([row for x in res for row in x["spans"]],
                              columns=["rank", "name", "cat", "t_start", "t_end", "iter", "layer"])
-        from moelab.strategies import get
-
-        shared = get(RunConfig.from_dict(d).parallel.strategy).shared_loads
+        cfg = RunConfig.from_dict(d)
+        shared = get(cfg.parallel.strategy).shared_loads
         for r in range(1, nproc if shared else 1):  # the count exchange made every rank's loads the same matrix
             if not np.array_equal(res[r]["loads"], res[0]["loads"]):
                 raise AssertionError(f"rank {r} recorded other loads than rank 0: the count exchange is broken")
-        runs.append(RealRun(RunConfig.from_dict(d), np.array([x["step_times"] for x in res]).T,
+        runs.append(RealRun(cfg, np.array([x["step_times"] for x in res]).T,
                             res[0]["loads"], comm, spans, wall_s=max(x["wall"] for x in res),
                             plans=res[0]["plans"], metrics=res[0]["metrics"],
                             layer_metrics=pd.DataFrame([{"rank": r, **row} for r, x in enumerate(res)

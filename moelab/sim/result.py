@@ -97,10 +97,8 @@ class SimResult:
                 win = list(zip(w.start, w.end))
             else:
                 win = list(windows)
-            W = interval_union(win)
             c = comp[comp["rank"] == r]
-            total = sum(b - a for a, b in W)
-            out[r] = overlap_seconds(interval_union(list(zip(c.start, c.end))), W) / total if total > 0 else float("nan")
+            out[r] = covered_fraction(win, zip(c.start, c.end))
         return pd.Series(out, name="compute_busy").rename_axis("rank")
 
     def breakdown(self, by: str = "category") -> dict:
@@ -172,6 +170,13 @@ def union_seconds(starts, ends) -> float:
     """Length of the union of intervals: the time some op of a set was running (pipelined or
     concurrent calls overlap each other, so their durations must not be summed)."""
     return sum(b - a for a, b in interval_union(zip(starts, ends)))
+
+
+def covered_fraction(windows, intervals) -> float:
+    """The share of the union of ``windows`` that the union of ``intervals`` covers (nan: no window time)."""
+    W = interval_union(windows)
+    total = sum(b - a for a, b in W)
+    return overlap_seconds(interval_union(intervals), W) / total if total > 0 else float("nan")
 
 
 def overlap_seconds(U, V) -> float:

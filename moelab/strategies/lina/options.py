@@ -156,15 +156,27 @@ class LinaOptions(StrategyOptions):
     def groups(self, nproc: int, num_experts: int) -> dict:
         """The process groups of every block size this run may use (:meth:`block_groups`), plus the
         control groups of ``launch_agreement: leader``."""
-        out = {"lina_ctl": [list(range(nproc))]} if self.launch_agreement == "leader" else {}
+        out = {}
         for P in self.block_sizes(nproc, num_experts):
             if P == nproc:
                 continue
             ep, edp = self.block_groups(P, nproc)
             out[ep] = [list(range(b, b + P)) for b in range(0, nproc, P)]
             out[edp] = [list(range(i, nproc, P)) for i in range(P)]
-            if self.launch_agreement == "leader":
-                out[edp + "_ctl"] = out[edp]
+        for group, ctl in (self.control_groups(nproc, num_experts) or {}).items():
+            out[ctl] = [list(range(nproc))] if group == "dp" else out[group]
+        return out
+
+    def control_groups(self, nproc: int, num_experts: int):
+        """``launch_agreement: leader``: ``{scheduled group: its control group}`` (``dp``, and the expert-dp
+        group of every block size), else None."""
+        if self.launch_agreement != "leader":
+            return None
+        out = {"dp": "lina_ctl"}
+        for P in self.block_sizes(nproc, num_experts):
+            edp = self.block_groups(P, nproc)[1]
+            if edp is not None:
+                out[edp] = edp + "_ctl"
         return out
 
 

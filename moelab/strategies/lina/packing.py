@@ -66,7 +66,7 @@ class PackingController:
     """Held by Lina's update; :meth:`at_step` runs before each forward."""
 
     def __init__(self, options, model, comm):
-        self.opts, self.model, self.comm = options, model, comm
+        self.opts, self.comm = options, comm
         self.layers = model.moe_layers()
         self.E = self.layers[0].cfg.num_experts if self.layers else 0
         self.blocks = options.block_sizes(comm.world_size, self.E)

@@ -48,7 +48,7 @@ class LinaUpdate(OverlappedDataParallelUpdate):
             waits_for_inflight=o.a2a_waits_for_inflight, block_on_imminent=o.block_on_combine_backward,
             stall_s=o.stall_ms / 1e3 if o.stall_ms else None, jitter_s=o.launch_jitter_ms / 1e3,
             seed=cfg.train.seed * 1009 + comm.rank,
-            agreement=self._agreement(o, comm.world_size, cfg.model.moe.num_experts))
+            agreement=o.control_groups(comm.world_size, cfg.model.moe.num_experts))
         comm.scheduler = self.sched
         self.iteration = 0
         self.packing = None
@@ -61,18 +61,6 @@ class LinaUpdate(OverlappedDataParallelUpdate):
         self.micro_ops: list = []  # this step's (param index, start, stop), in submission order
         self.last_micro_ops: list = []  # the last synchronised step's
         self.before_backward()
-
-    @staticmethod
-    def _agreement(o, nproc: int, num_experts: int):
-        """``launch_agreement: leader``: each scheduled group's control group (every packing block size's)."""
-        if o.launch_agreement != "leader":
-            return None
-        out = {"dp": "lina_ctl"}
-        for P in o.block_sizes(nproc, num_experts):
-            edp = o.block_groups(P, nproc)[1]
-            if edp is not None:
-                out[edp] = edp + "_ctl"
-        return out
 
     def before_forward(self) -> None:
         super().before_forward()

@@ -8,7 +8,8 @@ import pandas as pd
 
 from moelab.placement.lina import top_set
 from moelab.placement.popularity import pattern_share
-from moelab.sim.result import interval_union, overlap_seconds
+from moelab.sim.result import covered_fraction
+from moelab.strategies.lina.options import LinaOptions
 
 from .common import scale_spec
 from .runs import inference_suite, policy_runs
@@ -71,12 +72,10 @@ def pipelining_efficiency(scale, seed=0, policies=("lina_pipe", "lina_full")) ->
         e = sp[(sp.policy == pol) & (sp.cat == "expert")]
         eff = []
         for (rank, it), g in a.groupby(["rank", "iter"]):
-            A = interval_union(zip(g.t_start, g.t_end))
             x = e[(e["rank"] == rank) & (e.iter == it)]
-            total = sum(b - a_ for a_, b in A)
-            if total > 0:
-                eff.append(overlap_seconds(A, interval_union(zip(x.t_start, x.t_end))) / total)
-        rows.append({"policy": pol, "experts_per_rank": 2 if pol == "lina_full" else 1,
+            eff.append(covered_fraction(zip(g.t_start, g.t_end), zip(x.t_start, x.t_end)))
+        eff = [v for v in eff if not np.isnan(v)]
+        rows.append({"policy": pol, "experts_per_rank": LinaOptions(policy=pol).q,
                      "pipelining_eff": float(np.mean(eff)) if eff else np.nan, "samples": len(eff)})
     return _labelled(pd.DataFrame(rows), pr["comm"].attrs["label"])
 
