@@ -142,3 +142,51 @@ def test_union_seconds_counts_overlaps_once():
 
     assert union_seconds([0.0, 1.0, 5.0, 5.5], [2.0, 3.0, 6.0, 5.7]) == pytest.approx(4.0)
     assert union_seconds([], []) == 0 and union_seconds([1.0], [1.0]) == 0
+
+
+def test_interference_slows_both_streams_by_gamma_while_both_move():
+    """Lina's gamma: an all-to-all and an all-reduce on one link each move at capacity/(2 gamma)."""
+    def run(gamma, priority=None, b_delay=0.0, streams=("grad", "a2a")):
+        g = OpGraph(2, {LINK: GB}, stream_priority=priority)
+        a = g.add("allreduce", 0, stream="grad", links={LINK: 2 * GB})
+        w = g.compute(1, "wait", b_delay)
+        b = g.add("a2a", 1, stream="a2a", links={LINK: GB}, deps=(w,))
+        g.interfere(streams, gamma)
+        return simulate(g), a, b
+
+    r, a, b = run(1.0)  # gamma 1 is fair sharing, as without interference
+    assert r.end[b] == pytest.approx(2.0) and r.end[a] == pytest.approx(3.0)
+    r, a, b = run(2.0)  # both at GB/4 until b is done (4 s), then a's last GB alone
+    assert r.end[b] == pytest.approx(4.0) and r.end[a] == pytest.approx(5.0)
+    r, a, b = run(2.0, b_delay=1.0)  # a alone for 1 s (1 GB), then both at GB/4: 4 s more for each
+    assert r.end[b] == pytest.approx(5.0) and r.end[a] == pytest.approx(5.0)
+    r, a, b = run(2.0, priority={"a2a": 1})  # a preempted does not move, so it does not interfere
+    assert r.end[b] == pytest.approx(1.0) and r.end[a] == pytest.approx(3.0)
+    r, a, b = run(2.0, streams=("grad", "other"))  # a2a not an interfering stream: fair sharing
+    assert r.end[b] == pytest.approx(2.0) and r.end[a] == pytest.approx(3.0)
+    r, a, b = run(lambda o: 3.0 if o.stream == "a2a" else 1.0)  # per op: b at GB/6, a at GB/2 ...
+    assert r.end[a] == pytest.approx(4.0)  # ... until a's 2 GB are done; then b's last third alone
+    assert r.end[b] == pytest.approx(4.0 + 1 / 3)
+
+
+def test_interference_with_a_pinned_flow_and_within_one_stream():
+    """A started non-preemptive flow moves beside the top level, so the two interfere; two flows of one
+    stream only share fairly."""
+    g = OpGraph(2, {LINK: GB}, stream_priority={"a2a": 1})
+    g.nonpreemptive.add("grad")
+    a = g.add("allreduce", 0, stream="grad", links={LINK: 2 * GB})
+    w = g.compute(1, "wait", 0.5)
+    b = g.add("a2a", 1, stream="a2a", links={LINK: GB}, deps=(w,))
+    g.interfere(("grad", "a2a"), 2.0)
+    r = simulate(g)  # a: 0.5 GB alone; then both at GB/4: b done at 4.5 s, a has 1.5 - 1 = 0.5 GB left
+    assert r.end[b] == pytest.approx(4.5) and r.end[a] == pytest.approx(5.0)
+    g = OpGraph(2, {LINK: GB})
+    a = g.add("x", 0, stream="grad", links={LINK: GB})
+    b = g.add("y", 1, stream="grad", links={LINK: GB})
+    g.interfere(("grad", "a2a"), 2.0)
+    r = simulate(g)
+    assert r.end[a] == pytest.approx(2.0) and r.end[b] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="gamma"):
+        g.interfere(("grad", "a2a"), 0.5)
+    with pytest.raises(ValueError, match="two streams"):
+        g.interfere(("grad",), 2.0)

@@ -28,6 +28,10 @@ Two refinements of the sharing rule, both off unless a graph asks for them:
   pool of C CPU cores shared by single-threaded ranks is a link of capacity C with limit 1: k ranks
   computing at once each run at ``min(1, C/k)`` of their own speed (the local profile's
   ``shared_cores``).
+- **Interference** (:meth:`OpGraph.interfere`: streams, gamma >= 1). A flow of one of those streams
+  that shares a link with a *moving* flow of another of them gets 1/gamma of its share there (so two
+  such flows alone on a link each move at capacity/(2 gamma)): NCCL's channel and SM contention beyond
+  fair sharing, Lina's gamma. A preempted flow does not move, so it does not interfere.
 
 Events go through one heap. A flow is re-rated only when a flow sharing one of its links joins or
 leaves (once per instant however many do), and re-scheduled only if its rate changed, so the cost
@@ -88,6 +92,17 @@ class OpGraph:
         self.cpu_pool = None  # set by share_cores(): compute ops then draw on this shared link
         self.op_overhead_s = 0.0  # fixed seconds added to every compute op (launch / interpreter cost)
         self.call_overhead_s = 0.0  # fixed seconds added to every collective call (transfer)
+        self.interference: Optional[tuple] = None  # (streams, gamma): see interfere()
+
+    def interfere(self, streams, gamma) -> None:
+        """Flows of different streams among ``streams`` slow each other by ``gamma`` (a number >= 1, or
+        op -> number: a per-op draw) wherever both move on one link; see the module docstring."""
+        streams = tuple(dict.fromkeys(streams))
+        if len(streams) < 2:
+            raise ValueError(f"interference needs two streams or more, got {streams}")
+        if not callable(gamma) and not gamma >= 1:
+            raise ValueError(f"gamma must be >= 1 (interference cannot speed a flow up), got {gamma}")
+        self.interference = (streams, gamma)
 
     def share_cores(self, cores: float, op_overhead_s: float = 0.0, pool=("cpu", 0)) -> None:
         """Make every later :meth:`compute` op run on a pool of ``cores`` shared by all ranks (one
@@ -152,9 +167,10 @@ class _Crowding:
 
     A flow's rate on a link is an equal share among the flows of the highest priority present and
     the started non-preemptive ones (0 when it is preempted there), capped by the link's per-flow
-    limit; its rate is the smallest over its links."""
+    limit, divided by its gamma where a moving flow of another interfering stream shares the link;
+    its rate is the smallest over its links."""
 
-    def __init__(self, ops, caps: dict, limits: dict, prio: list, holds: list):
+    def __init__(self, ops, caps: dict, limits: dict, prio: list, holds: list, interference=None):
         levels = sorted(set(prio))
         self.prioritised = len(levels) > 1
         self.level = [levels.index(p) for p in prio] if self.prioritised else [0] * len(ops)
@@ -175,6 +191,15 @@ class _Crowding:
         self.users = [set() for _ in index]
         self.count = np.zeros((len(levels), len(index)), dtype=np.int64)  # flows per (level, link)
         self.pinned_count = np.zeros((len(levels), len(index)), dtype=np.int64) if any(holds) else None
+        self.klass = None  # interference: per op its stream's index among the interfering ones, or -1
+        if interference is not None:
+            streams, gamma = interference
+            self.klass = [streams.index(o.stream) if o.stream in streams else -1 for o in ops]
+            self.gamma = [(gamma(o) if callable(gamma) else gamma) if k >= 0 else 1.0 for o, k in zip(ops, self.klass)]
+            if min(self.gamma) < 1:
+                raise ValueError(f"gamma must be >= 1, an op drew {min(self.gamma)}")
+            shape = (len(streams), len(levels), len(index))
+            self.kcount, self.kpinned = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
 
     def has_links(self, i) -> bool:
         return self.of[i] is not None
@@ -186,6 +211,8 @@ class _Crowding:
 
     def join(self, i):
         self.count[self.level[i], self.of[i][0]] += 1
+        if self.klass is not None and self.klass[i] >= 0:
+            self.kcount[self.klass[i], self.level[i], self.of[i][0]] += 1
         for c in self.of[i][3]:
             self.users[c].add(i)
 
@@ -194,6 +221,10 @@ class _Crowding:
         self.count[lv, cols] -= 1
         if self.pinned[i]:
             self.pinned_count[lv, cols] -= 1
+        if self.klass is not None and self.klass[i] >= 0:
+            self.kcount[self.klass[i], lv, cols] -= 1
+            if self.pinned[i]:
+                self.kpinned[self.klass[i], lv, cols] -= 1
         for c in self.of[i][3]:
             self.users[c].discard(i)
 
@@ -202,11 +233,15 @@ class _Crowding:
         if self.holds[i] and not self.pinned[i]:
             self.pinned[i] = True
             self.pinned_count[self.level[i], self.of[i][0]] += 1
+            if self.klass is not None and self.klass[i] >= 0:
+                self.kpinned[self.klass[i], self.level[i], self.of[i][0]] += 1
 
     def rate(self, i) -> float:
         cols, cb, lim, _ = self.of[i]
         if not self.prioritised:
-            return float(np.minimum(cb / self.count[0, cols], lim).min())
+            if self.klass is None or self.klass[i] < 0:
+                return float(np.minimum(cb / self.count[0, cols], lim).min())
+            return float(np.minimum(cb / (self.count[0, cols] * self._slowdown(i, self.kcount[:, 0, cols])), lim).min())
         sub = self.count[:, cols]
         P = len(sub)
         top = P - 1 - np.argmax(sub[::-1] > 0, axis=0)  # highest level present on each link
@@ -217,7 +252,18 @@ class _Crowding:
         if self.pinned_count is not None:  # started non-preemptive flows below the top level count too
             below = np.cumsum(self.pinned_count[:, cols], axis=0)
             n = n + np.where(top > 0, below[np.maximum(top - 1, 0), k], 0)
+        if self.klass is not None and self.klass[i] >= 0:  # moving flows per interfering stream: top + pinned below
+            kc = self.kcount[:, top, cols]
+            below = np.cumsum(self.kpinned[:, :, cols], axis=1)
+            moving = kc + np.where(top > 0, below[:, np.maximum(top - 1, 0), k], 0)
+            n = n * self._slowdown(i, moving)
         return float(np.minimum(cb / n, lim).min())
+
+    def _slowdown(self, i, moving):
+        """Per link of i: its gamma where a moving flow of another interfering stream is there, else 1
+        (``moving``: flows per interfering stream and link)."""
+        other = moving.sum(0) - moving[self.klass[i]] > 0
+        return np.where(other, self.gamma[i], 1.0)
 
 
 def simulate(graph: OpGraph) -> SimResult:
@@ -261,7 +307,7 @@ def simulate(graph: OpGraph) -> SimResult:
     active: dict = {}
     version = [0] * n
     flows = _Crowding(ops, caps, graph.flow_limits, [graph.stream_priority.get(o.stream, 0) for o in ops],
-                      [o.stream in graph.nonpreemptive for o in ops])
+                      [o.stream in graph.nonpreemptive for o in ops], graph.interference)
 
     def rerate(dirty, t):
         """Bring each flow's progress to t at its old rate, then give it its new fair-share rate."""
