@@ -143,3 +143,14 @@ def test_refresh_params_follows_parameters_swapped_by_set_placement():
     assert any(p is layer.experts.w1 for p in seen)  # the new stack's gradient-ready hook fires
     with pytest.raises(ValueError, match="stacks 1 experts"):
         layer.set_placement(layer.placement, [p[:1] if p is not None else None for p in layer.experts.stacked()])
+
+
+def test_ddp_bucket_rule_first_bucket_is_one_mib():
+    """PyTorch DDP's default caps: the first bucket closes at 1 MiB, the others at the cap; an item
+    larger than its cap gets a bucket of its own; a cap below 1 MiB applies to the first bucket too."""
+    from moelab.runtime.update import DDP_FIRST_BUCKET_BYTES as F, bucket_groups
+
+    mib = 2**20
+    assert bucket_groups([F // 2, F // 2, 10 * mib, 10 * mib, 5 * mib, 1], 25 * mib) == [[0, 1], [2, 3, 4], [5]]
+    assert bucket_groups([3 * mib, mib, mib], 25 * mib) == [[0], [1, 2]]
+    assert bucket_groups([100, 100, 100], 150) == [[0, 1], [2]]

@@ -19,8 +19,8 @@ Updates here:
   grads summed over their holders, then Adam on every local parameter.
 - :class:`OverlappedDataParallelUpdate` (``parallel.grad_sync: ddp_overlap``): PyTorch DDP's
   schedule, what a user of ``DistributedDataParallel`` runs: dense params in buckets of
-  ``parallel.bucket_mb`` MiB (reverse parameter order, as DDP fills them, since backward produces
-  the last parameters' grads first); a bucket is all-reduced from the gradient-ready hook of its
+  ``parallel.bucket_mb`` MiB, the first one at most DDP's 1 MiB (reverse parameter order, as DDP
+  fills them, since backward produces the last parameters' grads first); a bucket is all-reduced from the gradient-ready hook of its
   last parameter, *during* backward, buckets launched in index order on every rank.
 
 Strategies that change *how parameters and their optimizer state live* (ZeRO-1/2/3, FSSDP, Lina)
@@ -158,17 +158,22 @@ class DataParallelUpdate(Update):
         self.optimizer.zero_grad(set_to_none=True)
 
 
+DDP_FIRST_BUCKET_BYTES = 2**20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES: DDP's first bucket (default caps)
+
+
 def bucket_groups(nbytes, cap_bytes: float) -> list:
     """DDP's bucket rule on sizes in issue order: ``[[indices of bucket 0], ...]``, a bucket closed once
-    it reaches ``cap_bytes`` (an item larger than the cap gets a bucket of its own). The simulator
-    prices Lina's buckets with the same rule."""
+    it reaches its cap (an item larger than the cap gets a bucket of its own). The first bucket's cap
+    is DDP's 1 MiB (or ``cap_bytes`` if smaller), so the first gradients of backward go out early, as
+    with PyTorch's defaults. The simulator prices Lina's buckets with the same rule."""
     buckets, cur, size = [], [], 0
+    cap = min(DDP_FIRST_BUCKET_BYTES, cap_bytes)
     for i, n in enumerate(nbytes):
         cur.append(i)
         size += n
-        if size >= cap_bytes:
+        if size >= cap:
             buckets.append(cur)
-            cur, size = [], 0
+            cur, size, cap = [], 0, cap_bytes
     if cur:
         buckets.append(cur)
     return buckets
