@@ -17,9 +17,11 @@ points; this module turns them into the all-reduces each policy issues, on strea
   :mod:`moelab.strategies.lina.pipeline`); ``lina_full`` also packs q experts per rank: all-to-alls
   inside blocks of E/q ranks, then the copies' expert gradients all-reduced over the ranks holding them.
 
+``gamma`` (spec §2.4): where an all-to-all and an all-reduce both move on one link, each gets
+1/gamma of its fair share (:meth:`moelab.sim.engine.OpGraph.interfere`; 1 = fair sharing, no worse).
+
 Not modelled: the combine-backward block (the DES knows the all-to-all's time, so nothing is
-launched "just before" it by accident), the bounded wait's releases, and the paper's NCCL
-interference factor gamma (links are shared fairly, no worse).
+launched "just before" it by accident) and the bounded wait's releases.
 """
 from __future__ import annotations
 
@@ -50,9 +52,10 @@ def _units(ready, partitioned: bool, cap_bytes: float, part_bytes: float, eb: in
 def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *,
                          elem_bytes: Optional[int] = None, policy: Optional[str] = None,
                          partition_bytes: Optional[float] = None, bucket_mb: Optional[float] = None,
-                         hierarchical_a2a: bool = False):
+                         hierarchical_a2a: bool = False, gamma=1.0):
     """One training iteration under Lina's ``policy`` (default: the run's strategy options);
-    ``hierarchical_a2a``: all-to-alls intra-node first, then across nodes (Tutel's 2D all-to-all)."""
+    ``hierarchical_a2a``: all-to-alls intra-node first, then across nodes (Tutel's 2D all-to-all);
+    ``gamma``: the all-to-all / all-reduce interference factor (a number >= 1, or op -> number)."""
     from moelab.strategies import get
 
     import dataclasses
@@ -150,6 +153,8 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     g, ctx, prev = transformer_iteration_graph(
         cfg, profile, loads, placement, fwd, moe_backward, elem_bytes=elem_bytes, hierarchical_a2a=hierarchical_a2a,
         meta={"strategy": "lina", "policy": policy, "hierarchical_a2a": hierarchical_a2a}, dense_sync=dense_sync)
+    if callable(gamma) or gamma != 1.0:
+        g.interfere((A2A, AR), gamma)
     return g
 
 

@@ -41,6 +41,35 @@ def fig4e(ctx):
                 tables={"table_fig04e": (value, "Fig. 4 analog: backward all-to-all slowdown per policy")}, notes=notes)
 
 
+@product(P, "fig4s", quantities={"slowdown": Quantity("backward all-to-all slowdown under overlapping all-reduce, "
+                                                       "over the same op alone", "x")})
+def fig4s(ctx):
+    fit = paper_scale.fitted_gamma()
+    parts = []
+    for name, g in (("fitted", None), ("1 (fair sharing)", 1.0)):
+        d = paper_scale.a2a_slowdown(ctx.scale.name, g)
+        parts.append(d.assign(gamma=name, gamma_value=d.gamma))
+    df = pd.concat(parts, ignore_index=True)
+    df.attrs["label"] = parts[0].attrs["label"]
+    over = df[df.overlapped]
+    stats = over.groupby("gamma").slowdown.agg(["count", "median", "max"])
+    table = stats.reset_index()
+    table.attrs["label"] = df.attrs["label"]
+    notes = [f"gamma = {fit['gamma']:.3g} is FITTED (bisection over the paper's 3 models x E = 2..16, "
+             f"{fit['overlapped_ops']} overlapped backward all-to-alls) to the paper's median slowdown "
+             f"{fit['target_median']:.2f}x: a fit, not a result" + ("" if fit["reached"] else " — the fit did NOT reach it"),
+             "Fig. 4's population: backward all-to-alls of ddp_overlap during which an all-reduce runs; this scale: "
+             + ", ".join(f"gamma {k}: {int(r['count'])} ops, median {r['median']:.2f}x, max {r['max']:.2f}x"
+                         for k, r in stats.iterrows()) + " (the max is a check, not fitted; paper 4.14x over 1,500 ops)"]
+    if over.empty:
+        notes.append("no backward all-to-all overlaps an all-reduce at this scale: the CDF is empty")
+    return Made(df, figures={"fig04s_slowdown_cdf": F.cdf({f"gamma {k}": g.slowdown for k, g in over.groupby("gamma")},
+                                                          label=df.attrs["label"], xtitle="slowdown (x)",
+                                                          title="Fig. 4: backward all-to-all slowdown under all-reduce")},
+                tables={"table_fig04s": (table, "Fig. 4: slowdown of overlapped backward all-to-alls")},
+                notes=notes)
+
+
 @product(P, "fig5e", needs_real=True)
 def fig5e(ctx):
     out = {}
