@@ -73,6 +73,17 @@ def predicted(cfg, run, call_overhead_s: float = 0.0):
     return float(sim.makespan[0])
 
 
+def final_block(cfg, run):
+    """``cfg`` with the controller off and q fixed at the block the run ended on (None: no block logged)."""
+    lm = run.layer_metrics
+    if lm is None or "block" not in lm or lm.block.dropna().empty:
+        return None
+    E = cfg.model.moe.num_experts
+    block = int(lm[lm.iter == lm.iter.max()].block.dropna().iloc[0])
+    opts = {**cfg.parallel.strategy_options, "pack_controller": False, "experts_per_device": E // block}
+    return cfg.with_overrides({"parallel.strategy_options": opts}).validate()
+
+
 def _call_cost(rank, world, a):
     """Held-out fixed cost of one collective call on this machine: a 1-element all-reduce over every
     rank through the emulated door, all ranks calling at once, minus its emulated time alone; the
@@ -149,8 +160,12 @@ def main(argv=None) -> int:
     sims, simf = {}, {}
     for pol, c, r in zip(names, cfgs, runs):
         if c.parallel.strategy_options.get("pack_controller"):
-            print(f"simulator: {pol}: not priced (the simulator prices a static q; the controller changed it)")
-            continue
+            c = final_block(c, r)
+            if c is None:
+                print(f"simulator: {pol}: not priced (no block recorded)")
+                continue
+            print(f"simulator: {pol} priced at the block it ended on, as a static q = "
+                  f"{c.parallel.strategy_options['experts_per_device']} (its earlier steps ran other blocks)")
         try:
             sims[pol], simf[pol] = predicted(c, r), predicted(c, r, call_s)
         except Exception as e:  # noqa: BLE001 - a policy the simulator cannot price is said, not hidden
