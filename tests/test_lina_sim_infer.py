@@ -55,7 +55,41 @@ def test_every_token_crosses_each_all_to_all_once():
     table = PathTable.fit(t, E, SV.path_len)
     src = np.arange(len(t)) % N
     for v in ("baseline", "lina", "lina_no_estimation"):
-        for devs, how, replanned, counts in plans_for_batch(t, src, v, SV, table, N, E):
+        for devs, how, replanned, counts, _ in plans_for_batch(t, src, v, SV, table, N, E):
             from moelab.moe.serve import route_table
 
             assert route_table(counts, devs).sum() == len(t)
+
+
+def test_phase_one_loads_overlap_the_previous_layer_and_phase_two_swaps_block():
+    """Spec §2.4: phase 1 plans and loads layer l's experts while layer l-1 runs (its experts wait for
+    the load); without a re-plan nothing is swapped on the critical path; a re-plan's extra experts are."""
+    from moelab.sim.engine import simulate as run_graph
+    from moelab.strategies.lina.sim_infer import batch_graph
+
+    t = markov_traces(8192, L, E, order=1, seed=5, sharpness=6.0)
+    table, src, _ = setup(t)
+    static = [[set(range(d * (E // N), (d + 1) * (E // N))) for d in range(N)] for _ in range(L)]
+    for v in ("lina_no_finetune", "lina"):
+        plans = plans_for_batch(t[:4096], src[:4096], v, SV, table, N, E)
+        g = batch_graph(plans, get_profile("lina"), Topology(N, 4), InferShape(), {"o_check_s": 0.0},
+                        [[set(s) for s in layer] for layer in static])
+        res = run_graph(g)
+        df = res.ops_frame()
+        for j, (devs, how, replanned, counts, early) in enumerate(plans):
+            if j < SV.path_len:
+                assert early is None and not len(df[(df.layer == j) & (df.name.str.endswith("prefetch"))])
+                continue
+            plan = df[df.name == f"L{j}.phase1"].sort_values("id")
+            pre = df[df.name == f"L{j}.prefetch"].sort_values("id")
+            att = df[df.name == f"L{j}.attn"].sort_values("id")
+            exp = df[df.name == f"L{j}.experts"].sort_values("id")
+            assert len(plan) == len(pre) == N
+            assert (plan.start.values < att.start.values).all()  # phase 1 runs during layer j-1
+            assert (pre.start.values >= plan.end.values - 1e-15).all() and pre.duration.sum() > 0  # then the load
+            assert (exp.start.values >= pre.end.values - 1e-15).all()  # layer j's experts wait for it
+            crit = df[(df.layer == j) & (df.name == f"L{j}.phase2+swap")]
+            if not replanned:
+                assert (crit.duration == 0).all()
+            else:
+                assert (crit.duration > 0).all()

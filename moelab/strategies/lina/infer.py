@@ -37,6 +37,11 @@ from moelab.placement.lina import allocate, needs_replan
 SCHEDULED = ("lina", "lina_no_estimation", "lina_no_finetune")
 
 
+def phase1_plan(sv, pop_hat, N: int, seed: int) -> list:
+    """Phase 1's placement from the estimate alone (what can be loaded before the gate has run)."""
+    return allocate(N * np.asarray(pop_hat), N, sv.max_pack, seed)
+
+
 def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int) -> tuple:
     """This (batch, layer)'s placement by the variant: ``(devs, planned_from, replanned)``. ``pop``: the
     actual popularity (after the gate), ``pop_hat``: phase 1's estimate (None where there is none).
@@ -45,7 +50,7 @@ def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int) ->
         return static, "static", False
     if sv.variant == "lina_no_estimation":
         return allocate(N * np.asarray(pop), N, sv.max_pack, seed), "actual", False
-    devs = allocate(N * np.asarray(pop_hat), N, sv.max_pack, seed)
+    devs = phase1_plan(sv, pop_hat, N, seed)
     if sv.variant == "lina" and needs_replan(pop_hat, pop, sv.k_cmp):
         return allocate(N * np.asarray(pop), N, sv.max_pack, seed + 1), "estimate", True
     return devs, "estimate", False

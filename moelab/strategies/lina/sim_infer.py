@@ -6,10 +6,15 @@ rank each token sits on, and the path table fitted on the profiling split. Every
 plan comes from the same pure functions the runtime runs (:func:`.infer.choose_plan`); the
 replica-aware split is :func:`moelab.moe.serve.route_table`. Per MoE layer the graph holds, on every
 rank: attention and gate compute; the count exchange; phase 2 (``o_check`` when Lina compares and
-keeps its plan, ``o_plan`` when it re-plans or plans from counts); the swap of experts newly put on a
-rank (their bytes over ``h2d_GBps``); the dispatch all-to-all (bytes from the split), the rank's
-experts one after another (``ffn_flops`` + a per-expert launch cost), the combine all-to-all. Phase 1
-is assumed hidden behind layer l's compute (the paper's claim; ``o_plan`` is not charged for it).
+keeps its plan, ``o_plan`` when it re-plans or plans from counts) and the swap of the experts it newly
+puts on a rank (their bytes over ``h2d_GBps``), on the critical path; the dispatch all-to-all (bytes
+from the split), the rank's experts one after another (``ffn_flops`` + a per-expert launch cost), the
+combine all-to-all. Phase 1 of layer l (Lina, ``lina_no_finetune``) runs while layer l-1 does (spec
+§2.4: ``T_p1 = max(0, o_plan - T_hide)``, swaps "if not prefetched"): ``o_plan`` on the rank's ``plan``
+stream from layer l-1's start, then the load of the experts phase 1 newly places on the rank's ``h2d``
+stream; layer l's experts wait for that load, so a plan or a load longer than layer l-1 shows.
+(The REAL serving path exchanges the estimates during layer l-1 but plans and copies at layer l: on a
+CPU the copy is a memory copy.)
 
 Constants (data with sources, :data:`PAPER_OVERHEADS`): ``o_check`` = 1.45 ms and ``o_plan`` = 6.2 ms
 are the paper's measured scheduler costs (§7.3, "Overheads"); ``h2d_GBps`` = 25 [assumption: PCIe 4.0
@@ -43,9 +48,9 @@ class InferShape:
 
 
 def plans_for_batch(traces, src, variant: str, sv, table, N: int, E: int, seed: int = 0, batch: int = 0) -> list:
-    """``[(devs, planned_from, replanned, counts [N, E])]`` per MoE layer of one batch, as the runtime
-    decides them (phase 1 from the paths, phase 2 from the counts)."""
-    from moelab.strategies.lina.infer import choose_plan
+    """``[(devs, planned_from, replanned, counts [N, E], phase-1 devs or None)]`` per MoE layer of one
+    batch, as the runtime decides them (phase 1 from the paths, phase 2 from the counts)."""
+    from moelab.strategies.lina.infer import choose_plan, phase1_plan
 
     t = np.asarray(traces, dtype=np.int64)
     src = np.asarray(src, dtype=np.int64)
@@ -67,9 +72,9 @@ def plans_for_batch(traces, src, variant: str, sv, table, N: int, E: int, seed: 
         pop_hat = None
         if scheduled and variant != "lina_no_estimation":
             pop_hat = table.estimate(t[:, j - sv.path_len:j], j, sv.k_est)
-        devs, how, replanned = choose_plan(sv, scheduled, pop, pop_hat, N, static,
-                                           hash((seed, batch, j)) & 0x7FFFFFFF)
-        out.append((devs, how, replanned, counts))
+        plan_seed = hash((seed, batch, j)) & 0x7FFFFFFF
+        devs, how, replanned = choose_plan(sv, scheduled, pop, pop_hat, N, static, plan_seed)
+        out.append((devs, how, replanned, counts, phase1_plan(sv, pop_hat, N, plan_seed) if how == "estimate" else None))
     return out
 
 
@@ -86,9 +91,21 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
     d, f, s, eb = shape.d_model, shape.d_ff, shape.seq_len, shape.elem_bytes
     expert_bytes = (2 * d * f + d + f) * eb
     last = [g.compute(r, "start", 0.0) for r in ranks]
-    for j, (devs, how, replanned, counts) in enumerate(plans):
+    began = last  # per rank: what layer l-1 started after (phase 1 of layer l runs from there)
+    for j, (devs, how, replanned, counts, early) in enumerate(plans):
         tok = counts.sum(1)
         E = counts.shape[1]
+        have = [loaded[j][r] if loaded is not None else set(devs[r]) for r in ranks]
+        loads = [None] * N  # phase 1's expert loads, overlapped with layer l-1
+        if early is not None:
+            for r in ranks:
+                new = [e for e in early[r] if e not in have[r]]
+                plan = g.compute(r, f"L{j}.phase1", o["o_plan_s"], deps=(began[r],), category="schedule", layer=j,
+                                 stream="plan")
+                loads[r] = g.compute(r, f"L{j}.prefetch", len(new) * expert_bytes / (o["h2d_GBps"] * 1e9),
+                                     deps=(plan,), category="swap", layer=j, stream="h2d", swapped=len(new))
+                have[r] = have[r] | set(new)
+        began = last
         att = [g.compute(r, f"L{j}.attn", ct(costs.attention_flops(int(tok[r]), d, s) + costs.gate_flops(int(tok[r]), d, E)),
                          deps=(last[r],), category="attention", layer=j) for r in ranks]
         cnt = g.transfer(f"L{j}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile,
@@ -97,8 +114,7 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
         p2 = 0.0 if how == "static" else o["o_plan_s"] if (how == "actual" or replanned) else o["o_check_s"]
         pre = []
         for r in ranks:
-            have = loaded[j][r] if loaded is not None else set(devs[r])
-            new = [e for e in devs[r] if e not in have]
+            new = [e for e in devs[r] if e not in have[r]]
             if loaded is not None:
                 loaded[j][r] = set(devs[r])
             pre.append(g.compute(r, f"L{j}.phase2+swap", p2 + len(new) * expert_bytes / (o["h2d_GBps"] * 1e9),
@@ -109,7 +125,7 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
                         category="a2a", layer=j, comm={"op": "all_to_all", "group": ranks, "splits": mat})
         ffn = [g.compute(r, f"L{j}.experts", sum(ct(costs.ffn_flops(int(table[:, e, r].sum()), d, f)) +
                                                 o["expert_launch_s"] for e in devs[r]),
-                         deps=(a1,), category="expert", layer=j) for r in ranks]
+                         deps=(a1,) if loads[r] is None else (a1, loads[r]), category="expert", layer=j) for r in ranks]
         a2 = g.transfer(f"L{j}.combine", ranks, costs.alltoall_demands(mat.T, ranks, topo, profile), deps=ffn,
                         category="a2a", layer=j, comm={"op": "all_to_all", "group": ranks, "splits": mat.T})
         last = [a2] * N
