@@ -17,7 +17,7 @@ paper's GPUs: the ratios check mechanisms.
 
 Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04]
                                  [--intra 0.2] [--inter 0.05] [--d 128] [--layers 4]
-       python benchmarks/lina.py --serve default     # the inference variants (REAL, 4 ranks)
+       python benchmarks/lina.py --serve default     # the inference variants (4 ranks, EMULATED links)
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--serve", metavar="SCALE", help="instead: the inference variants of the reproduction at SCALE "
-                   "(experiments/lina/scales.yaml), trained and served on 4 ranks")
+                   "(experiments/lina/scales.yaml), trained on 4 ranks, served over EMULATED links")
     a = p.parse_args(argv)
     if a.serve:
         return serve_rows(a.serve)
@@ -184,13 +184,14 @@ def main(argv=None) -> int:
 
 def serve_rows(scale: str) -> int:
     """Inference: p50/p95/p99 request latency and p95 batch time of every variant over the baseline's, and
-    Lina's re-plan rate (REAL, 4 gloo ranks; no simulator prediction of this CPU serving run is made)."""
+    Lina's re-plan rate (4 gloo ranks serving over the scale's EMULATED links, 2 nodes x 2, so a hot
+    expert's rank pays for its bytes as on the paper's network; no simulator prediction of this run)."""
     import numpy as np
 
     from moelab.strategies.lina.experiments import frames
 
-    df = frames.serve_summary(scale).set_index("variant")
-    acc = frames.estimation_accuracy(scale)
+    df = frames.serve_summary(scale, emulated=True).set_index("variant")
+    acc = frames.estimation_accuracy(scale, emulated=True)
     base = df.loc["baseline"]
     print(df.attrs["label"])
     print(f"{'variant':20s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "

@@ -118,25 +118,31 @@ def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir):
 
 
 @cached
-def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs") -> dict:
+def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated: bool = False) -> dict:
     """Train, checkpoint and serve (see module doc). Returns rank 0's records per serve run (keys: the
     variants, and ``lina_Lp{n}`` per Table 5 path length; on another ``dataset`` ``ideal`` and ``lina``),
-    ``loads`` (training, last iterations), ``traces`` ([tokens, MoE layers] of the profiling split), ``losses``."""
+    ``loads`` (training, last iterations), ``traces`` ([tokens, MoE layers] of the profiling split), ``losses``.
+    ``emulated``: serve over the scale's contention-aware EMULATED links (2 nodes x 2; training stays REAL)."""
     from moelab.testing import run_ranks
 
     s = scale_spec(scale)
     cfg = infer_config(s, seed, dataset)
+    links = {"emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps, "emulation.inter_bw_GBps": s.inter_GBps,
+             "emulation.intra_latency_us": 20.0, "emulation.inter_latency_us": 50.0,
+             "parallel.topology.nodes": NODES} if emulated else {}
     if dataset == "pydocs":
-        runs = {v: {"serve.variant": v} for v in VARIANTS}
-        runs.update({f"lina_Lp{n}": {"serve.variant": "lina", "serve.path_len": int(n)} for n in s.path_lens})
+        runs = {v: {"serve.variant": v, **links} for v in VARIANTS}
+        runs.update({f"lina_Lp{n}": {"serve.variant": "lina", "serve.path_len": int(n), **links} for n in s.path_lens})
     else:
-        runs = {v: {"serve.variant": v} for v in ("ideal", "lina")}
+        runs = {v: {"serve.variant": v, **links} for v in ("ideal", "lina")}
     with tempfile.TemporaryDirectory(prefix="moelab-lina-") as d:
         res = run_ranks(_suite_rank, WORLD, cfg.to_dict(), runs, d, timeout=3600)
         out = res[0]
         out["traces"] = _traces(cfg, d) if dataset == "pydocs" else None  # Figs. 9, Table 2: the main domain
     out["label"] = (f"REAL: {WORLD} gloo ranks, a {s.i_layers}-layer MoE LM (d={s.i_d}, E={s.i_experts}, top-1) "
                     f"trained {s.i_iters} iterations here on {dataset}, served on held-out windows")
+    if emulated:
+        out["label"] = out["label"].replace("REAL: ", "EMULATED: ", 1) + " over " + links_label(s)
     return out
 
 
