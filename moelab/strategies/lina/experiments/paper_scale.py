@@ -250,11 +250,12 @@ def partition_sweep(scale: str, sizes_MB=(2, 5, 10, 30, 50, 100)) -> pd.DataFram
 
 
 @cached
-def inference(scale: str, seed: int = 0) -> pd.DataFrame:
+def inference(scale: str, seed: int = 0, tokens_per_batch=None) -> pd.DataFrame:
     """Fig. 16 at one device per expert: every variant's batch times from the REAL model's routing
     traces (its first half fits the path table, the second half is served), priced at paper scale: the
     served half cut into the REAL serving path's batches (B sequences), each tiled to the assumed paper
-    batch (``infer_tokens_per_batch``) so Lina's fixed scheduling costs meet a paper-size batch."""
+    batch (``tokens_per_batch``, default the assumption ``infer_tokens_per_batch``) so Lina's fixed
+    scheduling costs meet a paper-size batch."""
     from moelab.comm.topology import Topology
     from moelab.placement.popularity import PathTable
     from moelab.sim.profiles import get_profile
@@ -271,7 +272,7 @@ def inference(scale: str, seed: int = 0) -> pd.DataFrame:
     test = t[half:]
     real = min(s.serve_batch * s.i_seq, len(test))  # the tokens of one batch of the REAL serving path
     n_batches = max(1, len(test) // real)
-    k = max(1, ASSUMED["infer_tokens_per_batch"] // real)
+    k = max(1, int(tokens_per_batch or ASSUMED["infer_tokens_per_batch"]) // real)
     src = np.arange(len(test)) % E
     batches = [np.tile(np.arange(b * real, (b + 1) * real), k) for b in range(n_batches)]
     sv = ServeConfig(path_len=Lp)

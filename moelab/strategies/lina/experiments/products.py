@@ -349,11 +349,34 @@ def fig16s(ctx):
     df = frames.speedups_over_baseline(df)
     df.attrs["label"] = raw.attrs["label"]
     long = df.melt(id_vars="variant", value_vars=["median_batch_over_ideal", "p95_batch_over_ideal"])
+    sens = _batch_size_sensitivity(ctx)
     return Made(df, figures={"fig16s_inference": F.bars(long, "variant", "value", color="variable", line=1.0,
                                                         label=df.attrs["label"],
                                                         title="Fig. 16: batch time over Ideal, one device per expert")},
-                tables={"table_fig16s": (df, "Fig. 16 (simulated): batch time per variant")},
-                notes=_fired(df[df.variant == "lina"], "replans", "Lina's phase-2 re-plan"))
+                tables={"table_fig16s": (df, "Fig. 16 (simulated): batch time per variant"),
+                        "table_fig16s_batch_size": (sens, "Fig. 16 (simulated): Lina and Ideal over the baseline vs "
+                                                          "the assumed tokens per batch")},
+                notes=_fired(df[df.variant == "lina"], "replans", "Lina's phase-2 re-plan")
+                + ["the batch size is an assumption (infer_tokens_per_batch): Lina's scheduling costs are fixed per "
+                   "layer, so its speedup grows with the batch: " + ", ".join(
+                       f"{int(r.tokens_per_batch)} tokens: lina {r.lina_median_speedup:.2f}x, ideal "
+                       f"{r.ideal_median_speedup:.2f}x" for r in sens.itertuples())])
+
+
+def _batch_size_sensitivity(ctx) -> pd.DataFrame:
+    """fig16s at the ends of the batch-size assumption's range and at its value: median speedups over the baseline."""
+    from moelab.repro.assumptions import load_assumptions
+
+    a = load_assumptions("lina")["infer_tokens_per_batch"]
+    rows = []
+    for tokens in sorted({a.range[0], a.value, a.range[1]}):
+        g = paper_scale.inference(ctx.scale.name, ctx.seed, tokens).groupby("variant").batch_s.median()
+        rows.append({"tokens_per_batch": tokens, "lina_median_speedup": g["baseline"] / g["lina"],
+                     "ideal_median_speedup": g["baseline"] / g["ideal"]})
+    out = pd.DataFrame(rows)
+    out.attrs["label"] = paper_scale.inference(ctx.scale.name, ctx.seed).attrs["label"].split(", each tiled")[0] + \
+        "; each batch tiled to the tokens of the row (the assumption's range)"
+    return out
 
 
 @product(P, "fig17r", needs_real=True)
