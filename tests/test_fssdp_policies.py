@@ -3,7 +3,6 @@ papers/hecate.md §5.6 (Alg. 1), §5.8 (Alg. 2), §5.10 (load window), §5.11 (c
 No processes: every rank runs these same functions on the same integers."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

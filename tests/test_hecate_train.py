@@ -29,7 +29,7 @@ def _train(rank, world, variants):
         cfg = RunConfig().with_overrides({**BASE, "parallel.nproc": world, "parallel.strategy": "hecate" if opts is not None else "ep",
                                           "parallel.strategy_options": opts or {}, **over}).validate()
         tr = Trainer.build(cfg)
-        storage, orders = [], []
+        storage = []
         if opts is not None:
             layers = tr.model.moe_layers()
             tr.model.ln_f.register_forward_hook(  # all layers' forwards are done, no backward has started

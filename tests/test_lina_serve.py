@@ -4,7 +4,6 @@ iff the estimated and actual top sets differ; malformed requests are rejected, n
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moelab.config import RunConfig, serve_errors
 from moelab.placement.lina import needs_replan

@@ -3,7 +3,6 @@ every rank gets the same numbers, one-member groups are skipped, calibration tra
 and on EMULATED links the fitted slope is the emulator's own per-element time."""
 from __future__ import annotations
 
-import torch
 
 from moelab.testing import run_ranks
 

@@ -3,7 +3,6 @@ functions, and on gloo ranks 5 Adam steps with a re-placement at step 3 equal to
 (params + Adam state moved by the one migration routine); no collective when nothing moves; bad options."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

@@ -18,7 +18,7 @@ communicates: hashing is local to the source rank, so every rank computes its ow
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

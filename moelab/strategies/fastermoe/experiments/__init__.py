@@ -133,7 +133,6 @@ from .end_to_end import (  # noqa: F401
     fig13_breakdown_real,
 )
 from .sensitivity import (  # noqa: F401
-    CLUSTERS,
     clusters_of,
     fig10_speedups,
     fig10_sensitivity,

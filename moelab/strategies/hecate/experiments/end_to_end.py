@@ -17,7 +17,7 @@ import pandas as pd
 from moelab.repro.cache import cached
 
 from .common import PAPER_MODELS, assumptions, scale_spec  # noqa: F401
-from .paper_scale import CLUSTER_GPUS, frame_label, paper_config, paper_loads, paper_profile
+from .paper_scale import frame_label, paper_config, paper_loads, paper_profile
 from .replay import graph_kwargs, hecate_plans
 
 SYSTEMS = ("EP", "FasterMoE", "SmartMoE", "FlexMoE", "Hecate", "Hecate (t formula)")

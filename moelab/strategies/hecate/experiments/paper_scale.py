@@ -10,7 +10,6 @@ iteration order exactly as its runtime Update runs it (decisions from previous i
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
 from moelab.repro.cache import cached
 

@@ -10,7 +10,6 @@ NIC efficiency as fitted in Fig. 3 (on the A100 cluster; reused for the V100 one
 """
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 
 from moelab.repro.cache import cached
