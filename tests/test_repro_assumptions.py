@@ -157,3 +157,10 @@ def test_fig10_sensitivity_moves_only_with_its_assumption():
     assert p.speedup_low != p.speedup_base
     assert p.swing == pytest.approx(max(p.speedup_low, p.speedup_base, p.speedup_high)
                                     - min(p.speedup_low, p.speedup_base, p.speedup_high))
+
+
+@pytest.mark.parametrize("paper", sorted(p.parent.name for p in (project_root() / "experiments").glob("*/assumptions.yaml")))
+def test_every_papers_assumptions_file_loads(paper):
+    """Each paper's assumptions are valid data (numeric values, a kind, a source): a product may read any of them."""
+    a = load_assumptions(paper)
+    assert len(a) > 0 and all(a[n].kind in KINDS for n in a)
