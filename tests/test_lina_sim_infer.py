@@ -93,3 +93,24 @@ def test_phase_one_loads_overlap_the_previous_layer_and_phase_two_swaps_block():
                 assert (crit.duration == 0).all()
             else:
                 assert (crit.duration > 0).all()
+
+
+def test_batch_size_fit_reaches_table_one_all_to_all_per_layer(monkeypatch):
+    """fig16s's batch fit: the tokens it picks give the baseline the paper's all-to-all time per MoE layer
+    (Table 1, 16 GPUs: 102 ms / 12 layers) within 2 %, in whole served batches (synthetic traces stand in for
+    the REAL suite here)."""
+    from moelab.repro.compare import paper_value
+    from moelab.strategies.lina.experiments import paper_scale as ps
+    from moelab.strategies.lina.experiments import runs
+
+    traces = markov_traces(4096, 4, 8, order=1, seed=3)
+    monkeypatch.setattr(runs, "inference_suite", lambda scale, seed=0: {"traces": traces})
+    ps.inference.cache_clear(), ps.fitted_infer_tokens.cache_clear()
+    try:
+        fit = ps.fitted_infer_tokens("smoke")
+        assert fit["target_s"] == pytest.approx(paper_value("lina", "infer_a2a_16gpu_12L") / 1e3 / 12)
+        assert fit["a2a_per_layer_s"] == pytest.approx(fit["target_s"], rel=0.02)
+        assert fit["tokens"] % (8 * 32) == 0 and fit["tokens"] != fit["start_tokens"]  # whole batches of the smoke scale
+        assert ps.inference("smoke").attrs["batch_tokens"] == fit["tokens"]
+    finally:
+        ps.inference.cache_clear(), ps.fitted_infer_tokens.cache_clear()
