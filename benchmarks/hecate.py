@@ -39,7 +39,6 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0)
     a = p.parse_args(argv)
 
-
     from moelab.config import RunConfig
     from moelab.strategies import known_strategies
     from moelab.sim.validate import validate

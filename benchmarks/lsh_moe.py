@@ -46,7 +46,8 @@ def _rank(rank, world, a, cap, sources):
                           inter_latency_us=a.latency)
     w1, b1, w2, b2 = cap["experts"][a.layer]
     E, d = cap["gates"][a.layer].shape
-    out = [dict(fixed_a2a_s=_fixed_a2a_cost(Communicator(Topology(world, world // a.nodes), emulation=emu), world))]
+    fixed = _fixed_a2a_cost(Communicator(Topology(world, world // a.nodes), emulation=emu), world)
+    out = []
     for source in sources:
         x0 = cap["x"][a.layer][rank]
         if source == "random":
@@ -87,7 +88,7 @@ def _rank(rank, world, a, cap, sources):
             rec = layer.plan_record()
             out.append(dict(source=source, variant=name, reps=reps, counts=rec["counts"],
                             centroids=(rec.get("lsh") or {}).get("centroids", rec["counts"])))
-    return out
+    return {"fixed_a2a_s": fixed, "variants": out}
 
 
 def _fixed_a2a_cost(comm, world: int, reps: int = 25) -> float:
@@ -155,8 +156,8 @@ def main(argv=None) -> int:
         return 2
     sources = ("trained", "random")
     res = run_ranks(_rank, a.nproc, a, cap, sources, timeout=a.timeout)
-    fixed = float(np.median([r[0]["fixed_a2a_s"] for r in res]))
-    res = [r[1:] for r in res]
+    fixed = float(np.median([r["fixed_a2a_s"] for r in res]))
+    res = [r["variants"] for r in res]
     info = T.summary(a.scale)
     print(f"LSH-MoE layer benchmark: {a.nproc} gloo ranks as {a.nodes} nodes, EMULATED links {a.intra}/{a.inter} GB/s "
           f"intra/inter, {a.latency} us; MoE layer {a.layer} of the tiny bert-MoE trained {info['iters']} iterations "

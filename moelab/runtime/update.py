@@ -20,8 +20,9 @@ Updates here:
 - :class:`OverlappedDataParallelUpdate` (``parallel.grad_sync: ddp_overlap``): PyTorch DDP's
   schedule, what a user of ``DistributedDataParallel`` runs: dense params in buckets of
   ``parallel.bucket_mb`` MiB, the first one at most DDP's 1 MiB (reverse parameter order, as DDP
-  fills them, since backward produces the last parameters' grads first); a bucket is all-reduced from the gradient-ready hook of its
-  last parameter, *during* backward, buckets launched in index order on every rank.
+  fills them, since backward produces the last parameters' grads first); a bucket is all-reduced from
+  the gradient-ready hook of its last parameter, *during* backward, buckets launched in index order on
+  every rank.
 
 Strategies that change *how parameters and their optimizer state live* (ZeRO-1/2/3, FSSDP, Lina)
 provide another ``Update`` in their :class:`~moelab.strategies.Strategy` (``update=``).

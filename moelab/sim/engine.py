@@ -204,6 +204,9 @@ class _Crowding:
     def has_links(self, i) -> bool:
         return self.of[i] is not None
 
+    def _interferes(self, i) -> bool:
+        return self.klass is not None and self.klass[i] >= 0
+
     def sharing(self, i) -> set:
         """Flows on any link of i (i included once it has joined)."""
         users = self.users
@@ -211,7 +214,7 @@ class _Crowding:
 
     def join(self, i):
         self.count[self.level[i], self.of[i][0]] += 1
-        if self.klass is not None and self.klass[i] >= 0:
+        if self._interferes(i):
             self.kcount[self.klass[i], self.level[i], self.of[i][0]] += 1
         for c in self.of[i][3]:
             self.users[c].add(i)
@@ -221,7 +224,7 @@ class _Crowding:
         self.count[lv, cols] -= 1
         if self.pinned[i]:
             self.pinned_count[lv, cols] -= 1
-        if self.klass is not None and self.klass[i] >= 0:
+        if self._interferes(i):
             self.kcount[self.klass[i], lv, cols] -= 1
             if self.pinned[i]:
                 self.kpinned[self.klass[i], lv, cols] -= 1
@@ -233,15 +236,16 @@ class _Crowding:
         if self.holds[i] and not self.pinned[i]:
             self.pinned[i] = True
             self.pinned_count[self.level[i], self.of[i][0]] += 1
-            if self.klass is not None and self.klass[i] >= 0:
+            if self._interferes(i):
                 self.kpinned[self.klass[i], self.level[i], self.of[i][0]] += 1
 
     def rate(self, i) -> float:
         cols, cb, lim, _ = self.of[i]
         if not self.prioritised:
-            if self.klass is None or self.klass[i] < 0:
-                return float(np.minimum(cb / self.count[0, cols], lim).min())
-            return float(np.minimum(cb / (self.count[0, cols] * self._slowdown(i, self.kcount[:, 0, cols])), lim).min())
+            n = self.count[0, cols]
+            if self._interferes(i):
+                n = n * self._slowdown(i, self.kcount[:, 0, cols])
+            return float(np.minimum(cb / n, lim).min())
         sub = self.count[:, cols]
         P = len(sub)
         top = P - 1 - np.argmax(sub[::-1] > 0, axis=0)  # highest level present on each link
@@ -252,7 +256,7 @@ class _Crowding:
         if self.pinned_count is not None:  # started non-preemptive flows below the top level count too
             below = np.cumsum(self.pinned_count[:, cols], axis=0)
             n = n + np.where(top > 0, below[np.maximum(top - 1, 0), k], 0)
-        if self.klass is not None and self.klass[i] >= 0:  # moving flows per interfering stream: top + pinned below
+        if self._interferes(i):  # moving flows per interfering stream: top + pinned below
             kc = self.kcount[:, top, cols]
             below = np.cumsum(self.kpinned[:, :, cols], axis=1)
             moving = kc + np.where(top > 0, below[:, np.maximum(top - 1, 0), k], 0)

@@ -74,7 +74,8 @@ def plans_for_batch(traces, src, variant: str, sv, table, N: int, E: int, seed: 
             pop_hat = table.estimate(t[:, j - sv.path_len:j], j, sv.k_est)
         plan_seed = hash((seed, batch, j)) & 0x7FFFFFFF
         devs, how, replanned = choose_plan(sv, scheduled, pop, pop_hat, N, static, plan_seed)
-        out.append((devs, how, replanned, counts, phase1_plan(sv, pop_hat, N, plan_seed) if how == "estimate" else None))
+        early = (phase1_plan(sv, pop_hat, N, plan_seed) if replanned else devs) if how == "estimate" else None
+        out.append((devs, how, replanned, counts, early))
     return out
 
 
@@ -90,6 +91,7 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
     ct = lambda f: costs.compute_time(f, profile)  # noqa: E731
     d, f, s, eb = shape.d_model, shape.d_ff, shape.seq_len, shape.elem_bytes
     expert_bytes = (2 * d * f + d + f) * eb
+    swap_s = lambda n: n * expert_bytes / (o["h2d_GBps"] * 1e9)  # noqa: E731 - n experts from the host bank
     last = [g.compute(r, "start", 0.0) for r in ranks]
     began = last  # per rank: what layer l-1 started after (phase 1 of layer l runs from there)
     for j, (devs, how, replanned, counts, early) in enumerate(plans):
@@ -102,7 +104,7 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
                 new = [e for e in early[r] if e not in have[r]]
                 plan = g.compute(r, f"L{j}.phase1", o["o_plan_s"], deps=(began[r],), category="schedule", layer=j,
                                  stream="plan")
-                loads[r] = g.compute(r, f"L{j}.prefetch", len(new) * expert_bytes / (o["h2d_GBps"] * 1e9),
+                loads[r] = g.compute(r, f"L{j}.prefetch", swap_s(len(new)),
                                      deps=(plan,), category="swap", layer=j, stream="h2d", swapped=len(new))
                 have[r] = have[r] | set(new)
         began = last
@@ -117,7 +119,7 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
             new = [e for e in devs[r] if e not in have[r]]
             if loaded is not None:
                 loaded[j][r] = set(devs[r])
-            pre.append(g.compute(r, f"L{j}.phase2+swap", p2 + len(new) * expert_bytes / (o["h2d_GBps"] * 1e9),
+            pre.append(g.compute(r, f"L{j}.phase2+swap", p2 + swap_s(len(new)),
                                  deps=(cnt,), category="schedule", layer=j, swapped=len(new)))
         table = route_table(counts, devs).numpy()  # [src, e, dst] rows
         mat = table.sum(1) * d * eb

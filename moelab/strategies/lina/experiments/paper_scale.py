@@ -250,7 +250,6 @@ def partition_sweep(scale: str, sizes_MB=(2, 5, 10, 30, 50, 100)) -> pd.DataFram
 
 
 @cached
-@cached
 def fitted_infer_tokens(scale: str, seed: int = 0) -> dict:
     """Tokens per inference batch FITTED (a fit, not a result) so that the baseline's all-to-all time per MoE
     layer equals Table 1's inference measurement (16 GPUs, 12 layers: ``infer_a2a_16gpu_12L`` ms in paper.yaml,
@@ -306,5 +305,6 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None) -
         f"SIMULATED: profile lina, {E} devices (one per expert), priced from the REAL routing traces of the model "
         f"trained here: {n_batches} batches of {real} served tokens, each tiled x{k} to {k * real} tokens per batch "
         + ("(FITTED: the baseline's all-to-all time per MoE layer = Table 1's inference all-to-all at 16 GPUs "
-           "/ its 12 layers)" if fit else "(given)") + "; a tiled batch keeps its expert mix, where a real batch that size would be smoother"))
+           "/ its 12 layers)" if fit else "(given)")
+        + "; a tiled batch keeps its expert mix, where a real batch that size would be smoother"))
     return out

@@ -33,11 +33,16 @@ def train_config(s, policy: str, seed: int = 0) -> RunConfig:
         "model.seq_len": s.t_seq, "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.gate": "topk",
         "model.moe.dispatcher": "dense", "model.moe.capacity_factor": 1.0,
         "train.iters": s.t_iters, "train.batch_size": s.t_batch, "train.trace": False, "train.seed": seed,
-        "parallel.nproc": WORLD, "parallel.topology.nodes": NODES, "parallel.strategy": "lina",
+        "parallel.nproc": WORLD, "parallel.strategy": "lina",
         "parallel.bucket_mb": s.t_bucket_mb,
         "parallel.strategy_options": {"policy": policy, "partition_bytes": s.t_S, "a2a_chunks": 4},
-        "emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps, "emulation.inter_bw_GBps": s.inter_GBps,
-        "emulation.intra_latency_us": 20.0, "emulation.inter_latency_us": 50.0}).validate()
+        **emulated_links(s)}).validate()
+
+
+def emulated_links(s) -> dict:
+    """Config overrides for the scale's contention-aware EMULATED links, 2 nodes x 2 (:func:`links_label`)."""
+    return {"emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps, "emulation.inter_bw_GBps": s.inter_GBps,
+            "emulation.intra_latency_us": 20.0, "emulation.inter_latency_us": 50.0, "parallel.topology.nodes": NODES}
 
 
 def a2a_times(comm, phase=None) -> float:
@@ -127,9 +132,7 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
 
     s = scale_spec(scale)
     cfg = infer_config(s, seed, dataset)
-    links = {"emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps, "emulation.inter_bw_GBps": s.inter_GBps,
-             "emulation.intra_latency_us": 20.0, "emulation.inter_latency_us": 50.0,
-             "parallel.topology.nodes": NODES} if emulated else {}
+    links = emulated_links(s) if emulated else {}
     if dataset == "pydocs":
         runs = {v: {"serve.variant": v, **links} for v in VARIANTS}
         runs.update({f"lina_Lp{n}": {"serve.variant": "lina", "serve.path_len": int(n), **links} for n in s.path_lens})
