@@ -208,17 +208,21 @@ class Communicator:
                         threading.current_thread().name)
             self.scheduler.admit(call)
         seq = next(self._seq[group]) if op != "p2p" else -1
+        emulate = self._ports is not None and self.rec.enabled  # unrecorded (metric) traffic is not emulated
+        if emulate:
+            peers = peers() if callable(peers) else peers
         t0 = time.time()
+        if emulate:  # the link model runs from the issue, beside the real call, even one that blocks (SAA)
+            if phases is not None and len(ranks) > 1:
+                flows = self._phase_flows(op, ranks, t0, phases())
+            else:
+                flows = [self._ports.add(t0 + lat, ports) for lat, ports in
+                         self.port_flows(op, ranks, self._fold(peers[0]), self._fold(peers[1]))]
         work = issue()
         h = Handle(self, op, group, ranks, work, result, peers, t0, dict(self.rec.tags),
                    threading.current_thread().name, seq, call)
-        if self._ports is not None and self.rec.enabled:  # unrecorded (metric) traffic is not emulated
-            h.peers = sent_to, recv_from = peers() if callable(peers) else peers
-            if phases is not None and len(ranks) > 1:
-                h.flows = self._phase_flows(op, ranks, t0, phases())
-            else:
-                h.flows = [self._ports.add(t0 + lat, ports) for lat, ports in
-                           self.port_flows(op, ranks, self._fold(sent_to), self._fold(recv_from))]
+        if emulate:
+            h.flows = flows
         return h if async_op else h.wait()
 
     def _phase_flows(self, op, ranks, t0: float, phases) -> list:
