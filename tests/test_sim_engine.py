@@ -190,3 +190,39 @@ def test_interference_with_a_pinned_flow_and_within_one_stream():
         g.interfere(("grad", "a2a"), 0.5)
     with pytest.raises(ValueError, match="two streams"):
         g.interfere(("grad",), 2.0)
+
+
+# ---- fixed software costs of a call: before its links (hardware) or beside them (EMULATED) ----------
+def _two_phase_call(**graph):
+    from moelab.sim.costs import Demand
+
+    g = OpGraph(2, {"L": 1.0})
+    for k, v in graph.items():
+        setattr(g, k, v)
+    phases = [Demand(0.1, {"L": 1.0}), Demand(0.1, {"L": 1.0})]  # 1.1 s each alone
+    return g, phases
+
+
+def test_a_call_pays_its_fixed_cost_once_before_its_links():
+    g, phases = _two_phase_call(call_overhead_s=0.5, phase_overhead_s=0.3)
+    g.transfer("a", [0, 1], phases)
+    assert simulate(g).makespan == pytest.approx(2.2 + 0.5)
+
+
+def test_a_phased_call_pays_the_phase_cost_per_phase():
+    g, phases = _two_phase_call(call_overhead_s=0.5, phase_overhead_s=0.3)
+    g.transfer("a", [0, 1], phases, phased=True)
+    assert simulate(g).makespan == pytest.approx(2.2 + 2 * 0.3)
+    g, phases = _two_phase_call(call_overhead_s=0.5)  # no phase cost declared: the call's, once
+    g.transfer("a", [0, 1], phases, phased=True)
+    assert simulate(g).makespan == pytest.approx(2.2 + 0.5)
+
+
+@pytest.mark.parametrize("fixed, expected", [(0.5, 2.2), (3.0, 3.0)])
+def test_emulated_fixed_costs_run_beside_the_links_then_sync(fixed, expected):
+    g, phases = _two_phase_call(call_overhead_s=fixed, emulated_sync_s=0.25)
+    last = g.transfer("a", [0, 1], phases)
+    g.compute(0, "after", 1.0, deps=(last,))
+    res = simulate(g)
+    assert res.makespan == pytest.approx(expected + 0.25 + 1.0)  # the longer of the two, the sync, then what follows
+    assert res.breakdown("kind")["comm"] == pytest.approx(expected + 0.25)

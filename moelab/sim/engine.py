@@ -92,6 +92,8 @@ class OpGraph:
         self.cpu_pool = None  # set by share_cores(): compute ops then draw on this shared link
         self.op_overhead_s = 0.0  # fixed seconds added to every compute op (launch / interpreter cost)
         self.call_overhead_s = 0.0  # fixed seconds added to every collective call (transfer)
+        self.phase_overhead_s = 0.0  # fixed seconds per phase of a phased call (each a batched p2p round), if > 0
+        self.emulated_sync_s: Optional[float] = None  # not None: fixed costs run beside the links (see transfer)
         self.interference: Optional[tuple] = None  # (streams, gamma): see interfere()
 
     def interfere(self, streams, gamma) -> None:
@@ -140,20 +142,40 @@ class OpGraph:
                         category=category, **kw)
 
     def transfer(self, name: str, ranks, demands, deps=(), category: str = "comm", stream: str = "comm",
-                 comm: Optional[dict] = None, call_overhead: bool = True, **kw) -> int:
-        """A collective as one op per demand phase, chained; returns the last op's id. The first
-        phase pays the graph's ``call_overhead_s`` (the per-call cost of a software stack, fitted),
-        unless ``call_overhead`` is False (a later step of one call priced as several transfers).
+                 comm: Optional[dict] = None, call_overhead: bool = True, phased: bool = False, **kw) -> int:
+        """A collective as one op per demand phase, chained; returns the last op's id.
+
+        Fixed software cost: the first phase pays the graph's ``call_overhead_s``, unless
+        ``call_overhead`` is False (a later step of one call priced as several transfers); a
+        ``phased`` call (each phase its own round of batched point-to-point, as Parm's SAA) pays
+        ``phase_overhead_s`` per phase instead where that is set. Where it goes:
+
+        - ``emulated_sync_s is None`` (hardware): before the phase's link time, added to it;
+        - a number (the comm door's EMULATED links, :mod:`moelab.comm.door`): the link model runs on
+          the wall clock from the call's issue, beside the real call, so the software cost and the
+          link time overlap (the call takes the longer of the two), then the members agree on the
+          finish (a shadow all-reduce): ``emulated_sync_s`` more.
 
         ``comm`` (the accounting record) goes on the first phase only, so bytes are counted once.
         """
+        fixed = [0.0] * len(demands)
+        if call_overhead and demands:
+            if phased and self.phase_overhead_s > 0:
+                fixed = [self.phase_overhead_s] * len(demands)
+            else:
+                fixed[0] = self.call_overhead_s
+        beside = self.emulated_sync_s is not None
         last = None
         for i, d in enumerate(demands):
             last = self.add(name if len(demands) == 1 else f"{name}#{i}", ranks, stream=stream,
-                            duration=d.alpha + (self.call_overhead_s if i == 0 and call_overhead else 0.0),
-                            links=d.links,
+                            duration=d.alpha + (0.0 if beside else fixed[i]), links=d.links,
                             deps=tuple(deps) if last is None else (last,), category=category,
                             comm=comm if i == 0 else None, kind="comm", **kw)
+        if beside and (sum(fixed) > 0 or self.emulated_sync_s > 0):
+            sw = self.add(f"{name}.software", ranks, stream=f"{stream}.software", duration=sum(fixed), deps=deps,
+                          category=category, kind="comm", **kw)
+            last = self.add(f"{name}.sync", ranks, stream=stream, duration=self.emulated_sync_s,
+                            deps=(sw,) if last is None else (last, sw), category=category, kind="comm", **kw)
         return last
 
 

@@ -199,10 +199,14 @@ class IterationContext:
 def new_graph(profile, topo: Topology, meta: Optional[dict] = None) -> OpGraph:
     """An empty graph on ``profile``'s links; on a profile of CPU ranks sharing a host
     (``shared_cores``) compute ops share those cores; every compute op pays ``op_overhead_s``, every
-    collective call ``call_overhead_s`` (both 0 on the paper testbeds)."""
+    collective call ``call_overhead_s`` (both 0 on the paper testbeds), a phased one
+    ``phase_overhead_s`` per phase where set; ``emulated_sync_s`` prices the door's EMULATED links
+    (:meth:`moelab.sim.engine.OpGraph.transfer`)."""
     g = OpGraph(topo.world_size, costs.link_capacities(profile, topo), meta=meta)
     g.share_cores(getattr(profile, "shared_cores", 0) or 0, getattr(profile, "op_overhead_s", 0.0) or 0.0)
     g.call_overhead_s = float(getattr(profile, "call_overhead_s", 0.0) or 0.0)
+    g.phase_overhead_s = float(getattr(profile, "phase_overhead_s", 0.0) or 0.0)
+    g.emulated_sync_s = getattr(profile, "emulated_sync_s", None)
     return g
 
 

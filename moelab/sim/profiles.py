@@ -46,6 +46,8 @@ class ClusterProfile:
     shared_cores: float = 0  # >0: all ranks run on one host with this many cores, compute shares them
     op_overhead_s: float = 0.0  # fixed seconds per compute op (interpreter / kernel launch), fitted where measured
     call_overhead_s: float = 0.0  # fixed seconds per collective call beyond its alpha-beta line, fitted where measured
+    phase_overhead_s: float = 0.0  # >0: a phased call (SAA) pays this per phase instead, measured where used
+    emulated_sync_s: Optional[float] = None  # a number: EMULATED links, fixed costs beside link time (OpGraph.transfer)
     allreduce: str = "ring"  # "ring" (gloo, the emulator) | "nccl": per message the faster of ring and a latency-optimal schedule (sim/costs.py)
     extra: dict = field(default_factory=dict)  # paper constants that are not link/compute numbers
     sources: dict = field(default_factory=dict)  # field -> spec section / paper sentence / [assumption]

@@ -53,7 +53,7 @@ def _build(g, layout: ParmLayout, topo: Topology, profile, plan) -> None:
             args, demands = priced[key]
             op = g.transfer(f"{s.name}.{s.phase}", inst, demands, deps=dep(inst),
                             category="saa" if s.op == "saa" else "comm",
-                            comm={"op": s.op, "group": list(inst), **args}, phase=s.phase)
+                            comm={"op": s.op, "group": list(inst), **args}, phase=s.phase, phased=s.op == "saa")
             for r in inst:
                 last[r] = op
 
