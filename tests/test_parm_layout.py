@@ -84,7 +84,6 @@ GOOD = {"parallel.nproc": 8, "parallel.strategy": "parm", "model.moe.dispatcher"
     ({"model.moe.gate": "topk"}, "gate='topk' with top_k=1 has a constant weight of 1: use gate='switch'"),
     ({"parallel.strategy_options": {"schedule": "s3"}}, "schedule must be one of"),
     ({"parallel.strategy_options": {"baseline_variant": "ds090"}}, "baseline_variant must be one of"),
-    ({"train.init_from": "runs/x"}, "train.init_from: parm cannot start from another run's checkpoint"),
     ({"parallel.strategy_options": {"saa_mode": "summed"}}, "saa_mode must be one of ['raw', 'combined']"),
 ])
 def test_bad_parm_configs_fail_before_launch(over, message):

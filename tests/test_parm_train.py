@@ -128,3 +128,53 @@ def test_a_parm_run_resumes_bit_for_bit_on_its_layout(tmp_path):
     with pytest.raises(ConfigError, match="holds each rank's own shards"):
         RunConfig().with_overrides({**BASE, "parallel.nproc": 4, "train.iters": 6, "train.resume_from": str(tmp_path / "s2"),
                                     "parallel.strategy_options": {**opts, "esp": 1}}).validate()
+
+
+def _ep_checkpoint(rank, world, out):
+    from moelab.config import RunConfig
+    from moelab.runtime.train import Trainer
+
+    over = {**BASE, "parallel.strategy": "ep", "parallel.nproc": world, "train.iters": 2, "train.checkpoint_every": 2}
+    tr = Trainer.build(RunConfig().with_overrides(over).validate())
+    tr.out_dir = out
+    tr.run()
+
+
+def _parm_from(rank, world, opts, ckpt):
+    from moelab.config import RunConfig
+    from moelab.runtime.train import Trainer
+
+    over = {**BASE, "parallel.nproc": world, "parallel.strategy_options": opts, "train.init_from": ckpt}
+    return _full_params(Trainer.build(RunConfig().with_overrides(over).validate()))
+
+
+def test_a_parm_run_starts_from_another_strategys_full_checkpoint(tmp_path):
+    """``train.init_from`` of an ``ep`` run: every rank's TP shards and ESP expert slices are cut from the
+    checkpoint's full tensors (reassembled: equal entry by entry, gate included); a parm run's own
+    checkpoint (per-rank shards, no full model) is refused before launch."""
+    from moelab.config import ConfigError, RunConfig
+    from moelab.runtime.checkpoint import latest_checkpoint
+
+    run_ranks(_ep_checkpoint, 2, str(tmp_path / "ep"), timeout=120)
+    ckpt = latest_checkpoint(tmp_path / "ep")
+    dense = torch.load(ckpt / "dense.pt", weights_only=False)["params"]
+    experts = {}
+    for f in ckpt.glob("rank*.pt"):
+        experts.update(torch.load(f, weights_only=False)["experts"])
+    got = run_ranks(_parm_from, 4, {"mp": 2, "esp": 2, "schedule": "s1"}, str(tmp_path / "ep"), timeout=120)
+    for r in range(4):
+        seen = 0
+        for name, t in got[r].items():
+            if name.endswith(".ffn.wg"):  # the one MoE layer (block 1): layer 0 of the checkpoint
+                want = dense[name[:-2] + "gate.wg.weight"]
+            elif name.endswith((".ffn.w1", ".ffn.w2")):
+                want = torch.stack([experts[(0, e)]["params"][name[-2:]] for e in range(4)])
+            else:
+                want = dense[name]
+            assert torch.equal(t, want), (r, name)
+            seen += 1
+        assert seen == len(got[r]) and any(n.endswith(".ffn.w1") for n in got[r])
+    run_ranks(_resumable, 4, {"mp": 2, "esp": 2, "schedule": "s2"}, 3, str(tmp_path / "parm"), False, timeout=240)
+    with pytest.raises(ConfigError, match="holds each rank's own shards"):
+        RunConfig().with_overrides({**BASE, "parallel.nproc": 4, "train.init_from": str(tmp_path / "parm"),
+                                    "parallel.strategy_options": {"mp": 2, "esp": 2}}).validate()

@@ -70,6 +70,35 @@ class ParmMoELayer(ParmMoE):
         self.aux_loss = self.balance_coef * self.aux
         return y.reshape(shape)
 
+    @torch.no_grad()
+    def load_full(self, own: dict, experts: dict) -> int:
+        """This rank's shard from a full model's checkpoint (``train.init_from``,
+        :func:`moelab.models.tasks.init_from_checkpoint`): the gate's weight, and per local expert the
+        ESP slice of w1's columns and of w2's rows. Parm's experts carry no b1, so a checkpoint with
+        expert biases is refused rather than half loaded."""
+        from moelab.runtime.checkpoint import CheckpointError
+
+        w = own.get("gate.wg.weight")
+        if w is None or w.shape != self.wg.shape:
+            raise CheckpointError(f"parm's gate is {tuple(self.wg.shape)}; the checkpoint's layer has "
+                                  f"{None if w is None else tuple(w.shape)} (gate.wg.weight)")
+        if self.b2 is not None:
+            raise CheckpointError("parm's experts have a b2 here (model.moe.expert_bias): a full checkpoint's experts "
+                                  "come with b1 as well, which parm's experts lack; fine-tune without expert biases")
+        self.wg.copy_(w)
+        h, j = self.w1.shape[-1], self.esp_index
+        full = (self.w1.shape[1], h * self.layout.n_esp)
+        for s, e in enumerate(self.layout.experts_of(self.comm.rank)):
+            p = experts[e]
+            if p.get("b1") is not None or p.get("b2") is not None:
+                raise CheckpointError(f"expert {e} has biases: parm's experts have no b1 (set model.moe.expert_bias "
+                                      "false in the run the checkpoint comes from)")
+            if tuple(p["w1"].shape) != full:
+                raise CheckpointError(f"expert {e}'s w1 is {tuple(p['w1'].shape)}, parm's layer needs {full}")
+            self.w1[s].copy_(p["w1"][:, j * h:(j + 1) * h])
+            self.w2[s].copy_(p["w2"][j * h:(j + 1) * h])
+        return 1 + 2 * self.w1.shape[0]
+
     def _gate(self, pool, cap):
         r = super()._gate(pool, cap)
         idx = r.idx[r.idx >= 0]

@@ -68,9 +68,6 @@ class ParmOptions(StrategyOptions):
                         "strategy_options.dispatcher picks einsum or index")
         if p.placement is not None:
             errs.append("parm places experts by its layout (ESP blocks, strided EP): parallel.placement must be unset")
-        if getattr(t, "init_from", None):
-            errs.append("train.init_from: parm cannot start from another run's checkpoint (its files hold each rank's "
-                        "tensor-parallel and expert shards; resume_from continues a parm run on the same layout)")
         if moe.gate == "topk" and moe.top_k == 1:
             errs.append("model.moe.gate='topk' with top_k=1 has a constant weight of 1: use gate='switch'")
         elif moe.gate not in ("switch", "gshard"):
