@@ -10,19 +10,29 @@ into several micro-ops. Printed per policy: median step time of the slowest rank
 ``ddp_overlap``; backward all-to-all time per step (mean over ranks) and its speedup; the all-to-all
 share of the step; the scheduler's bounded-wait releases; the simulator's step speedup on the same
 emulated links with this model's measured compute rate (``moelab.sim.local.machine_profile``, no
-fitted constant). Control: the same model packed q = E (every rank holds every expert, so no
-all-to-all byte leaves a rank) under ``lina`` vs ``ddp_overlap``. Targets (issue #13): backward all-to-all >= 1.3x faster; step >= 1.1x at an
-all-to-all share >= 30 %; control within 5 %; predictions within 25 %. CPU timings are not the
-paper's GPUs: the ratios check mechanisms.
+fitted constant), without and with the held-out fixed cost of a call (software beside the link time,
+then the emulator's sync, as the door emulates).
 
-Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04]
-                                 [--intra 0.2] [--inter 0.05] [--d 128] [--layers 4]
+Defaults: links slow enough that a micro-op's link time (48 KB: ~10 ms across nodes) exceeds a call's
+software cost on 4 ranks sharing 2 cores (~1.5 ms), and 2 sequences per rank so that the backward
+all-to-all and the gradient all-reduce move comparable bytes (1.6 vs 1.9 MB per rank and step): the
+baseline's overlap then slows its backward all-to-all as the paper's Fig. 2 shows. With 8 sequences the
+all-to-all carries 4x the all-reduce's bytes and there is little for priority to win.
+
+Control: the same model packed q = E (every rank holds every expert, so no all-to-all byte leaves a
+rank) under ``lina`` vs ``ddp_overlap``. Targets (issue #13): backward all-to-all >= 1.3x faster;
+step >= 1.1x at an all-to-all share >= 30 %; control within 5 %; predictions within 25 %. CPU timings
+are not the paper's GPUs: the ratios check mechanisms.
+
+Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04] [--batch 2]
+                                 [--intra 0.02] [--inter 0.005] [--d 128] [--layers 4] [--only POLICY ...]
        python benchmarks/lina.py --serve default     # the inference variants (4 ranks, EMULATED links)
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+from typing import Optional
 
 POLICIES = ("ddp_overlap", "after_backward", "fixed", "priority", "lina", "lina_pipe", "lina_full")
 EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4}),  # the same policy, four micro-ops in flight
@@ -38,11 +48,11 @@ def config(a, policy, q=0, **opts):
     from moelab.config import RunConfig
 
     return RunConfig().with_overrides({
-        "model.d_model": a.d, "model.d_ff": 4 * a.d, "model.n_layers": a.layers, "model.n_heads": 4,
+        "model.d_model": a.d, "model.d_ff": a.ff * a.d, "model.n_layers": a.layers, "model.n_heads": 4,
         "model.seq_len": 128, "model.moe_every": 1,
         "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.gate": "topk",
         "model.moe.dispatcher": "dense", "model.moe.capacity_factor": 1.0,
-        "train.iters": a.iters, "train.batch_size": 8, "train.trace": False,
+        "train.iters": a.iters, "train.batch_size": a.batch, "train.trace": False,
         "parallel.nproc": 4, "parallel.topology.nodes": 2, "parallel.strategy": "lina",
         "parallel.bucket_mb": a.bucket_mb,
         "parallel.strategy_options": {"policy": policy, "partition_bytes": a.S, "a2a_chunks": 4,
@@ -61,14 +71,19 @@ def measured(run, warmup):
     return step, a2a_times(c, "bwd"), a2a_times(c) / step
 
 
-def predicted(cfg, run, call_overhead_s: float = 0.0):
+def predicted(cfg, run, fixed: Optional[dict] = None):
+    """The simulator's step on the emulated links with this model's measured compute; ``fixed``
+    (:func:`_call_cost`): each call's held-out software cost beside its link time, then the
+    emulator's sync, as the door emulates (``ClusterProfile.emulated_sync_s``)."""
     import dataclasses
 
     from moelab.sim.local import machine_profile
     from moelab.sim.validate import simulate_real
 
     ep = cfg.with_overrides({"parallel.strategy": "ep", "parallel.strategy_options": {}})  # compute rate: the same model
-    prof = dataclasses.replace(machine_profile(ep, None, compute="model"), call_overhead_s=call_overhead_s)
+    prof = machine_profile(ep, None, compute="model")
+    if fixed:
+        prof = dataclasses.replace(prof, call_overhead_s=fixed["call_s"], emulated_sync_s=fixed["sync_s"])
     sim = simulate_real(cfg, run.loads[-1:], prof)
     return float(sim.makespan[0])
 
@@ -84,10 +99,11 @@ def final_block(cfg, run):
     return cfg.with_overrides({"parallel.strategy_options": opts}).validate()
 
 
-def _call_cost(rank, world, a):
-    """Held-out fixed cost of one collective call on this machine: a 1-element all-reduce over every
-    rank through the emulated door, all ranks calling at once, minus its emulated time alone; the
-    median of 40 (what one micro-op pays beyond its bytes)."""
+def _call_cost(rank, world, a) -> dict:
+    """Held-out fixed costs of one collective call on this machine, all ranks calling at once: a
+    1-element all-reduce over every rank through the emulated door, 40 calls after 5. ``sync_s``: what
+    the emulation adds after the real completion (the members agreeing on the finish); ``call_s``: the
+    rest, less the call's emulated time alone (its software cost, which the links overlap)."""
     import time
 
     import torch
@@ -102,12 +118,14 @@ def _call_cost(rank, world, a):
     x = torch.zeros(1)
     alone = comm.emulated_time({"inter": 4, "intra": 4}, {"inter": 4, "intra": 4}, op="all_reduce",
                                ranks=list(range(world)))
-    times = []
+    times, syncs = [], []
     for _ in range(45):
         t = time.perf_counter()
         comm.all_reduce_(x, group="dp")
         times.append(time.perf_counter() - t)
-    return max(0.0, statistics.median(times[5:]) - alone)
+        syncs.append(comm.rec.comm[-1].emulated_s)
+    sync = statistics.median(syncs[5:])
+    return {"call_s": max(0.0, statistics.median(times[5:]) - sync - alone), "sync_s": sync}
 
 
 def main(argv=None) -> int:
@@ -116,9 +134,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--S", type=float, default=49152, help="partition_bytes (the paper's 30 MB, scaled)")
     p.add_argument("--bucket-mb", type=float, default=0.04, help="DDP bucket MiB (the paper's 25, scaled)")
-    p.add_argument("--intra", type=float, default=0.2)
-    p.add_argument("--inter", type=float, default=0.05)
+    p.add_argument("--intra", type=float, default=0.02)
+    p.add_argument("--inter", type=float, default=0.005)
     p.add_argument("--d", type=int, default=128)
+    p.add_argument("--ff", type=int, default=4, help="expert hidden size as a multiple of --d (compute per token)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank and step (all-to-all bytes scale with it)")
+    p.add_argument("--only", nargs="*", help="run only these policies (ddp_overlap always; the control always)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--serve", metavar="SCALE", help="instead: the inference variants of the reproduction at SCALE "
                    "(experiments/lina/scales.yaml), trained on 4 ranks, served over EMULATED links")
@@ -129,10 +150,11 @@ def main(argv=None) -> int:
     from moelab.sim.realruns import run_real_many
     from moelab.testing import run_ranks
 
-    call_s = statistics.median(run_ranks(_call_cost, 4, a, timeout=300))
+    costs = run_ranks(_call_cost, 4, a, timeout=300)
+    fixed = {k: statistics.median(c[k] for c in costs) for k in ("call_s", "sync_s")}
 
-    names = POLICIES + tuple(EXTRA)
-    cfgs = [config(a, pol) for pol in POLICIES] + [config(a, p, **o) for p, o in EXTRA.values()]
+    names = tuple(n for n in POLICIES + tuple(EXTRA) if not a.only or n == "ddp_overlap" or n in a.only)
+    cfgs = [config(a, n) if n in POLICIES else config(a, EXTRA[n][0], **EXTRA[n][1]) for n in names]
     cfgs += [config(a, "ddp_overlap", 4), config(a, "lina", 4)]
     runs = run_real_many(cfgs, timeout=1800)
     res = {pol: measured(r, a.warmup) for pol, r in zip(names, runs)}
@@ -148,7 +170,7 @@ def main(argv=None) -> int:
             lm is not None and len(lm) and "sched_stalls" in lm) else 0.0
         print(f"{pol:17s} {1e3 * step:8.1f} {base_step / step:8.2f} {1e3 * bwd:10.1f} "
               f"{base_bwd / bwd if bwd else float('nan'):6.2f} {100 * share:8.1f}% {stalls:20.1f}")
-    lm = runs[names.index("lina_full_ctl")].layer_metrics
+    lm = runs[names.index("lina_full_ctl")].layer_metrics if "lina_full_ctl" in names else None
     if lm is not None and "pack_decision" in lm:
         d = lm[(lm["rank"] == 0) & (lm.layer == 0) & lm.pack_decision.notna()]
         print("lina_full_ctl decisions (step: decision, block of ranks after it): " + "; ".join(
@@ -156,7 +178,8 @@ def main(argv=None) -> int:
     ctrl = [measured(r, a.warmup)[0] for r in runs[-2:]]
     print(f"control (q = E = 4: every rank holds every expert, no all-to-all leaves a rank): "
           f"lina/ddp_overlap step = {ctrl[1] / ctrl[0]:.3f} (target within 5 %)", flush=True)
-    print(f"held-out fixed cost per collective call (all ranks busy): {1e3 * call_s:.2f} ms")
+    print(f"held-out fixed costs per collective call (all ranks busy): software {1e3 * fixed['call_s']:.2f} ms "
+          f"beside its link time, then the emulator's sync {1e3 * fixed['sync_s']:.2f} ms")
     sims, simf = {}, {}
     for pol, c, r in zip(names, cfgs, runs):
         if c.parallel.strategy_options.get("pack_controller"):
@@ -167,7 +190,7 @@ def main(argv=None) -> int:
             print(f"simulator: {pol} priced at the block it ended on, as a static q = "
                   f"{c.parallel.strategy_options['experts_per_device']} (its earlier steps ran other blocks)")
         try:
-            sims[pol], simf[pol] = predicted(c, r), predicted(c, r, call_s)
+            sims[pol], simf[pol] = predicted(c, r), predicted(c, r, fixed)
         except Exception as e:  # noqa: BLE001 - a policy the simulator cannot price is said, not hidden
             print(f"simulator: {pol}: {e}")
     if "ddp_overlap" in sims:
