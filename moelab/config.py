@@ -69,6 +69,9 @@ class EmulationConfig:
     intra_latency_us: float = 5.0
     inter_bw_GBps: float = 1.0  # inter-node bandwidth per rank, GB/s
     inter_latency_us: float = 20.0
+    # an all-to-all and an all-reduce moving on one port at once each get 1/gamma of their fair share
+    # (NCCL's channel/SM contention, Lina's gamma; moelab.comm.links); 1 = fair sharing
+    interference_gamma: float = 1.0
 
 
 @dataclass
@@ -337,6 +340,7 @@ class RunConfig:
             ("emulation.inter_bw_GBps", e.inter_bw_GBps, False, 0, False),
             ("emulation.intra_latency_us", e.intra_latency_us, False, 0, True),
             ("emulation.inter_latency_us", e.inter_latency_us, False, 0, True),
+            ("emulation.interference_gamma", e.interference_gamma, False, 1, True),
         ]
         if moe.capacity_factor is not None:
             checks.append(("model.moe.capacity_factor", moe.capacity_factor, False, 0, False))

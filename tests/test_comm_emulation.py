@@ -47,6 +47,25 @@ def test_ports_share_fluidly():
         P.add(t0, {"c": 1})
 
 
+
+def test_an_all_to_all_and_an_all_reduce_interfere_by_gamma():
+    """With gamma = 2, an all-to-all and an all-reduce sharing a port each move at half their fair share
+    (20 ms each alone, together 80 ms, not 40); two of one kind, or a kind outside the set, share fairly;
+    an interfering flow alone on its port is not slowed; gamma < 1 is refused."""
+    P = Ports({"a": 1e6, "b": 1e6}, gamma=2.0)
+    t0 = time.time()
+    i, j = P.add(t0, {"a": 20_000}, "all_to_all"), P.add(t0, {"a": 20_000}, "all_reduce")
+    k = P.add(t0, {"b": 20_000}, "all_reduce")  # alone on b
+    assert P.wait(i) - t0 == pytest.approx(0.080, abs=3e-3) and P.wait(j) - t0 == pytest.approx(0.080, abs=3e-3)
+    assert P.wait(k) - t0 == pytest.approx(0.020, abs=2e-3)
+    t0 = time.time()
+    i, j = P.add(t0, {"a": 20_000}, "all_to_all"), P.add(t0, {"a": 20_000}, "all_to_all")
+    k, m = P.add(t0, {"b": 20_000}, "all_reduce"), P.add(t0, {"b": 20_000}, "all_gather")
+    for f in (i, j, k, m):
+        assert P.wait(f) - t0 == pytest.approx(0.040, abs=3e-3)
+    with pytest.raises(ValueError, match="gamma must be >= 1"):
+        Ports({"a": 1.0}, gamma=0.5)
+
 def test_chained_flows_start_after_their_predecessors():
     """A phased collective's next phase starts ``delay`` after every flow of the previous one has
     ended, and shares ports with whatever else runs then."""

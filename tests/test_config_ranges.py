@@ -45,6 +45,7 @@ from moelab.config import ConfigError, RunConfig
     ({"emulation.intra_bw_GBps": 0}, "emulation.intra_bw_GBps must be > 0, got 0"),
     ({"emulation.inter_bw_GBps": -1}, "emulation.inter_bw_GBps must be > 0, got -1"),
     ({"emulation.intra_latency_us": -1}, "emulation.intra_latency_us must be >= 0, got -1"),
+    ({"emulation.interference_gamma": 0.5}, "emulation.interference_gamma must be >= 1, got 0.5"),
     ({"emulation.inter_latency_us": -0.5}, "emulation.inter_latency_us must be >= 0, got -0.5"),
     ({"train.batch_size": True}, "train.batch_size must be an integer, got True"),
     ({"train.resume_from": "/nonexistent/run"}, "train.resume_from: no checkpoint at /nonexistent/run"),

@@ -143,7 +143,8 @@ class Communicator:
         self._ports = None
         if self.emulation is not None:
             (bi, be), _ = _emulation_keys(self.emulation)
-            self._ports = Ports({("intra", "out"): bi, ("intra", "in"): bi, ("inter", "out"): be, ("inter", "in"): be})
+            self._ports = Ports({("intra", "out"): bi, ("intra", "in"): bi, ("inter", "out"): be, ("inter", "in"): be},
+                                gamma=getattr(self.emulation, "interference_gamma", 1.0))
 
     def _fold(self, per_peer: dict) -> dict:
         """:func:`moelab.comm.bytes.by_link_class` for this rank, with the peers' classes looked up once."""
@@ -216,7 +217,7 @@ class Communicator:
             if phases is not None and len(ranks) > 1:
                 flows = self._phase_flows(op, ranks, t0, phases())
             else:
-                flows = [self._ports.add(t0 + lat, ports) for lat, ports in
+                flows = [self._ports.add(t0 + lat, ports, op) for lat, ports in
                          self.port_flows(op, ranks, self._fold(peers[0]), self._fold(peers[1]))]
         work = issue()
         h = Handle(self, op, group, ranks, work, result, peers, t0, dict(self.rec.tags),
@@ -232,7 +233,7 @@ class Communicator:
             flows = self.port_flows(op, ranks, self._fold(sent), self._fold(recv))
             if not flows:
                 continue
-            cur = [self._ports.add_after(prev, lat, ports) if prev else self._ports.add(t0 + lat, ports)
+            cur = [self._ports.add_after(prev, lat, ports, op) if prev else self._ports.add(t0 + lat, ports, op)
                    for lat, ports in flows]
             ids += cur
             prev = cur

@@ -9,6 +9,11 @@ the rates are recomputed whenever a flow starts or ends. Alone, a flow takes ``l
 bytes_p / capacity_p``: exactly today's price of a call alone. The model runs on the wall clock and
 is advanced lazily (whenever a flow is added or someone waits), so a flow leaves its ports at its
 emulated finish even if nobody waits for it then.
+
+Interference (off unless ``gamma > 1``): a flow of one of the ``interfering`` kinds (by default an
+all-to-all and an all-reduce) that shares a port with a flow of another of those kinds gets 1/gamma
+of its fair share there, as the simulator's :meth:`moelab.sim.engine.OpGraph.interfere` (Lina's
+gamma: NCCL's channel and SM contention, which makes overlapping the two costlier than sharing).
 """
 from __future__ import annotations
 
@@ -18,16 +23,17 @@ import time
 
 
 class _Flow:
-    __slots__ = ("start", "bytes", "done", "finish", "after", "ready", "delay")
+    __slots__ = ("start", "bytes", "done", "finish", "after", "ready", "delay", "kind")
 
-    def __init__(self, start, nbytes: dict, after=(), ready: float = 0.0, delay: float = 0.0):
+    def __init__(self, start, nbytes: dict, after=(), ready: float = 0.0, delay: float = 0.0, kind=None):
         self.start, self.bytes = start, nbytes  # start None: waiting for the flows in ``after``
         self.done = 0.0  # fraction of the bytes moved
         self.finish = None  # absolute time, once finished
         self.after, self.ready, self.delay = set(after), ready, delay  # ready: latest finish among ``after``
+        self.kind = kind  # the call's op (interference)
 
     def copy(self) -> "_Flow":
-        f = _Flow(self.start, self.bytes, self.after, self.ready, self.delay)
+        f = _Flow(self.start, self.bytes, self.after, self.ready, self.delay, self.kind)
         f.done = self.done
         return f
 
@@ -35,8 +41,11 @@ class _Flow:
 class Ports:
     """The ports of one rank, shared by every thread that communicates on it."""
 
-    def __init__(self, capacity: dict):
+    def __init__(self, capacity: dict, gamma: float = 1.0, interfering=("all_to_all", "all_reduce")):
+        if not gamma >= 1:
+            raise ValueError(f"interference gamma must be >= 1 (it cannot speed a flow up), got {gamma}")
         self.capacity = dict(capacity)  # port -> bytes/s
+        self.gamma, self.interfering = float(gamma), frozenset(interfering)
         self._cv = threading.Condition()
         self._flows: dict = {}  # id -> _Flow, not yet finished
         self._finished: dict = {}  # id -> finish time, until collected
@@ -51,21 +60,22 @@ class Ports:
                 raise KeyError(f"unknown port {p!r}; ports: {sorted(self.capacity)}")
         return {p: float(b) for p, b in nbytes.items() if b > 0}
 
-    def add(self, start: float, nbytes: dict) -> int:
-        """A flow that starts at ``start`` (absolute seconds) and moves ``nbytes[port]`` on each port."""
+    def add(self, start: float, nbytes: dict, kind=None) -> int:
+        """A flow that starts at ``start`` (absolute seconds) and moves ``nbytes[port]`` on each port;
+        ``kind``: the call's op, for interference."""
         nb = self._bytes(nbytes)
         start -= self._origin
         with self._cv:
             self._advance(time.time() - self._origin)
             i = next(self._ids)
             if nb:
-                self._flows[i] = _Flow(start, nb)
+                self._flows[i] = _Flow(start, nb, kind=kind)
             else:
                 self._finished[i] = start
             self._cv.notify_all()  # waiters' predicted finishes move
             return i
 
-    def add_after(self, after, delay: float, nbytes: dict) -> int:
+    def add_after(self, after, delay: float, nbytes: dict, kind=None) -> int:
         """A flow that starts ``delay`` seconds after every flow in ``after`` (ids of this rank's
         flows, added earlier) has finished: the next phase of a phased collective (Parm's SAA)."""
         nb = self._bytes(nbytes)
@@ -74,7 +84,7 @@ class Ports:
         with self._cv:
             self._advance(time.time() - self._origin)
             i = next(self._ids)
-            f = _Flow(None, nb, delay=float(delay))
+            f = _Flow(None, nb, delay=float(delay), kind=kind)
             for k in after:
                 if k in self._flows:
                     f.after.add(k)
@@ -101,10 +111,15 @@ class Ports:
     # ---- the fluid model ------------------------------------------------------------------------
     def _rates(self, active: list) -> dict:
         users: dict = {}
+        kinds: dict = {}  # port -> interfering kinds moving on it
         for f in active:
             for p in f.bytes:
                 users[p] = users.get(p, 0) + 1
-        return {id(f): min(self.capacity[p] / users[p] / b for p, b in f.bytes.items()) for f in active}
+                if f.kind in self.interfering:
+                    kinds.setdefault(p, set()).add(f.kind)
+        slow = (lambda f, p: self.gamma if f.kind in self.interfering and len(kinds.get(p, ())) > 1 else 1.0) \
+            if self.gamma > 1 else (lambda f, p: 1.0)
+        return {id(f): min(self.capacity[p] / users[p] / b / slow(f, p) for p, b in f.bytes.items()) for f in active}
 
     def _step(self, flows: dict, t: float, until: float, stop=None) -> float:
         """Run ``flows`` from ``t`` to ``until`` (or until flow ``stop`` ends); return the time reached."""
