@@ -6,7 +6,9 @@ they route the same tokens: one skewed, drifting load trace for all — the real
 corpus), fp32, attention + MoE blocks, systems run one after another (not interleaved: say so when
 comparing small differences). An iteration's time is the slowest rank's; the table shows medians after
 ``--warmup``. Predictions: ``moelab.sim`` on the emulated network with each run's own recorded plans
-(:meth:`moelab.sim.realruns.RealRun.graph_plans`) and this machine's measured compute rate.
+(:meth:`moelab.sim.realruns.RealRun.graph_plans`) and this machine's measured compute rate, with and
+without the door's held-out fixed costs per call (``moelab.sim.local.emulated_call_costs``: a call's
+software beside its link time, then the emulator's sync).
 
 Printed: iteration time and speedup over EP (measured / simulated) of Hecate (full, sharding only,
 materialization only, RM, no calibration) and every baseline present (FasterMoE, FlexMoE, FSDP, SmartMoE);
@@ -20,6 +22,7 @@ Usage: python benchmarks/hecate.py [--nproc 8] [--nodes 2] [--d 64] [--experts 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 
@@ -41,7 +44,7 @@ def main(argv=None) -> int:
 
     from moelab.config import RunConfig
     from moelab.strategies import known_strategies
-    from moelab.sim.validate import validate
+    from moelab.sim.validate import compare, machine_profile, measure_emulated_call_costs, simulate_real, validate
 
     base = {"model.d_model": a.d, "model.d_ff": 2 * a.d, "model.n_layers": a.layers, "model.n_heads": 4,
             "model.seq_len": a.seq, "model.moe.num_experts": a.experts, "model.moe.top_k": 2,
@@ -60,13 +63,24 @@ def main(argv=None) -> int:
              for n, (s, o) in systems.items() if s in have]
     print(f"# {len(named)} systems on {a.nproc} gloo ranks as {a.nodes} nodes, EMULATED links intra {a.intra} GB/s, "
           f"inter {a.inter} GB/s per rank; d={a.d}, {a.layers} layers, {a.experts} experts, {a.iters} iterations")
-    comp, reals, sims = validate(named, warmup=a.warmup, timeout=a.timeout, warn=False)
+    comp0, reals, _ = validate(named, warmup=a.warmup, timeout=a.timeout, warn=False)
+    fixed = measure_emulated_call_costs(named[0][1], timeout=a.timeout)
+    comp = compare(reals, [simulate_real(c, r.loads, dataclasses.replace(
+        machine_profile(c, None, compute="model"), call_overhead_s=fixed["call_s"], emulated_sync_s=fixed["sync_s"]),
+        plans=r.graph_plans()) for (_, c), r in zip(named, reals)], warmup=a.warmup, names=[n for n, _ in named],
+        warn=False)
+    print(f"held-out fixed costs of a call through the emulated door (1-element all-to-all, all ranks at once): "
+          f"software {1e3 * fixed['call_s']:.2f} ms beside its link time, then sync {1e3 * fixed['sync_s']:.2f} ms")
+    t0 = comp0.iters[~comp0.iters.warmup].groupby("config", sort=False)[["real_s", "sim_s"]].median()
     t = comp.iters[~comp.iters.warmup].groupby("config", sort=False)[["real_s", "sim_s"]].median()
-    ep = t.loc["EP"]
-    print(f"\n{'system':30s} {'iter ms real':>12s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} {'pred err':>8s}")
+    ep, ep0 = t.loc["EP"], t0.loc["EP"]
+    print(f"\n{'system':30s} {'iter ms real':>12s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} {'pred err':>8s}"
+          f" | {'sim w/o fixed':>13s} {'speedup':>7s} {'err':>5s}")
     for name, row in t.iterrows():
+        s0 = t0.loc[name].sim_s
         print(f"{name:30s} {1e3 * row.real_s:12.1f} {1e3 * row.sim_s:8.1f} {ep.real_s / row.real_s:12.2f} "
-              f"{ep.sim_s / row.sim_s:6.2f} {(row.sim_s - row.real_s) / row.real_s:+8.0%}")
+              f"{ep.sim_s / row.sim_s:6.2f} {(row.sim_s - row.real_s) / row.real_s:+8.0%} | {1e3 * s0:13.1f} "
+              f"{ep0.sim_s / s0:7.2f} {(s0 - row.real_s) / row.real_s:+5.0%}")
 
     def inter_a2a(r):
         c = r.comm[(r.comm.op == "all_to_all") & r.comm.phase.isin(["fwd", "bwd"]) & (r.comm.iter >= a.warmup)]

@@ -109,32 +109,17 @@ def final_block(cfg, run):
 
 
 def _call_cost(rank, world, a) -> dict:
-    """Held-out fixed costs of one collective call on this machine, all ranks calling at once: a
-    1-element all-reduce over every rank through the emulated door, 40 calls after 5. ``sync_s``: what
-    the emulation adds after the real completion (the members agreeing on the finish); ``call_s``: the
-    rest, less the call's emulated time alone (its software cost, which the links overlap)."""
-    import time
-
-    import torch
-
+    """Held-out fixed costs of one collective call on this machine, all ranks calling at once: 1-element
+    all-reduces over every rank through the emulated door (``moelab.sim.local.emulated_call_costs``:
+    the software cost, which the links overlap, and the emulator's end-of-call sync)."""
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
     from moelab.config import EmulationConfig
+    from moelab.sim.local import emulated_call_costs
 
     emu = EmulationConfig(enabled=True, intra_bw_GBps=a.intra, inter_bw_GBps=a.inter, intra_latency_us=20.0,
                           inter_latency_us=50.0)
-    comm = Communicator(Topology(world, world // 2), emulation=emu)
-    x = torch.zeros(1)
-    alone = comm.emulated_time({"inter": 4, "intra": 4}, {"inter": 4, "intra": 4}, op="all_reduce",
-                               ranks=list(range(world)))
-    times, syncs = [], []
-    for _ in range(45):
-        t = time.perf_counter()
-        comm.all_reduce_(x, group="dp")
-        times.append(time.perf_counter() - t)
-        syncs.append(comm.rec.comm[-1].emulated_s)
-    sync = statistics.median(syncs[5:])
-    return {"call_s": max(0.0, statistics.median(times[5:]) - sync - alone), "sync_s": sync}
+    return emulated_call_costs(Communicator(Topology(world, world // 2), emulation=emu), "dp", "all_reduce", reps=40)
 
 
 def main(argv=None) -> int:
@@ -167,8 +152,7 @@ def main(argv=None) -> int:
     from moelab.sim.realruns import run_real_many
     from moelab.testing import run_ranks
 
-    costs = run_ranks(_call_cost, 4, a, timeout=300)
-    fixed = {k: statistics.median(c[k] for c in costs) for k in ("call_s", "sync_s")}
+    fixed = run_ranks(_call_cost, 4, a, timeout=300)[0]  # the slowest rank's, on every rank
 
     names = tuple(n for n in POLICIES + tuple(EXTRA) if not a.only or n == "ddp_overlap" or n in a.only)
     cfgs = [config(a, n) if n in POLICIES else config(a, EXTRA[n][0], **EXTRA[n][1]) for n in names]

@@ -65,36 +65,24 @@ def _overheads(comm, world, a) -> dict:
     """Held-out fixed costs on this cell's live groups, all ranks busy at once (the oversubscription
     included), slowest rank, median of 25 calls of one element each (no link time to speak of):
 
-    - ``sync_s``: what the door's emulation adds after a call's real completion (the members agree
-      on the emulated finish with a shadow all-reduce: :mod:`moelab.comm.door`);
-    - ``call_s``: a 1-element all-to-all over the EP x ESP group, less ``sync_s``: the software cost
-      of a call, which the EMULATED links overlap (``ClusterProfile.emulated_sync_s``);
+    - ``call_s``, ``sync_s``: a call's software cost and the emulator's end-of-call sync, from
+      1-element all-to-alls over the EP x ESP group (``moelab.sim.local.emulated_call_costs``);
     - ``phase_s``: a 1-element SAA (P phases of batched point-to-point), less ``sync_s``, per phase;
     - ``op_s``: the local pipeline (gate, dispatch, experts, combine) forward + backward on 8
       tokens, per each of the plan's 8 compute steps."""
     import torch
 
     from moelab.comm.saa import saa
-    from moelab.repro.timing import gather_floats, timed
+    from moelab.repro.timing import timed
+    from moelab.sim.local import emulated_call_costs
     from moelab.strategies.parm import gating
     from moelab.strategies.parm.layout import EPESP, MP, SAA
 
     def worst_median(fn):
         return statistics.median(timed(comm, fn)[1].slowest_s for _ in range(25))
 
-    def sync_of(fn):
-        reps = []
-        for _ in range(25):
-            timed(comm, fn)
-            reps.append(comm.rec.comm[-1].emulated_s)
-        return max(gather_floats(comm, statistics.median(reps)))  # the slowest rank's
-
-    n = len(comm.group(EPESP)[1])
-    one = [1] * n
-    a2a = lambda: comm.all_to_all_raw(torch.zeros(n, 1), one, one, EPESP)  # noqa: E731
-    sync = sync_of(a2a)
-    call = worst_median(a2a) - sync
-    phase = (worst_median(lambda: saa(comm, torch.zeros(world, 1), SAA, MP)) - sync) / world
+    fixed = emulated_call_costs(comm, EPESP)
+    phase = (worst_median(lambda: saa(comm, torch.zeros(world, 1), SAA, MP)) - fixed["sync_s"]) / world
     wg = torch.randn(world, 4, requires_grad=True)
     w1, w2 = torch.randn(1, 4, 8, requires_grad=True), torch.randn(1, 8, 4, requires_grad=True)
 
@@ -105,7 +93,7 @@ def _overheads(comm, world, a) -> dict:
         Y = gating.expert_partials(G.view(world, 1, r.capacity, 4), w1, w2, None).reshape(G.shape)
         gating.combine(Y, r, r.capacity, a.dispatcher).sum().backward()
 
-    out = {"sync_s": sync, "call_s": max(call, 0.0), "phase_s": max(phase, 0.0), "op_s": worst_median(tiny) / 8}
+    out = {**fixed, "phase_s": max(phase, 0.0), "op_s": worst_median(tiny) / 8}
     comm.rec.comm.clear()
     return out
 

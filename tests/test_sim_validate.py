@@ -343,3 +343,16 @@ def test_simfigs_builders_need_a_label_and_show_it():
     for builder, arg in ((simfigs.sim_gantt, res), (simfigs.critical_path_breakdown, res)):
         with pytest.raises(ValueError, match="label"):
             builder(arg, label="a figure")
+
+
+def test_emulated_call_costs_leave_the_links_out():
+    """A 1-element all-to-all on links with 30 ms of latency takes >= 30 ms; neither the emulator's sync
+    (the sleep for the links' own time left out) nor the software cost (what remains after the sync and
+    the call's emulated time alone) holds those 30 ms."""
+    from moelab.config import RunConfig
+    from moelab.sim.local import measure_emulated_call_costs
+
+    cfg = RunConfig().with_overrides({"parallel.nproc": 2, "emulation.enabled": True, "emulation.intra_latency_us": 30_000.0,
+                                      "emulation.inter_latency_us": 30_000.0}).validate()
+    got = measure_emulated_call_costs(cfg, timeout=60)
+    assert 0.0 <= got["call_s"] < 0.015 and 0.0 <= got["sync_s"] < 0.015

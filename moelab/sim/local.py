@@ -203,3 +203,55 @@ def quick_calibration(nproc: int = 2, sizes=(1 << 12, 1 << 16, 1 << 19, 1 << 21,
     return calibrate_local(nproc, sizes=sizes, gemm_sizes=((64, 64, 64), (128, 128, 128), (256, 256, 256)),
                            ops=ops, reps=reps, timeout_s=timeout_s, compute_models=compute_models,
                            train_models=train_models)
+
+
+# ---- the EMULATED door's fixed costs per call, held out (what a simulator of an EMULATED run adds) -----
+def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps: int = 25) -> dict:
+    """Fixed costs of one call through ``comm``'s emulated door, measured on 1-element calls of ``op``
+    over ``group`` with every member calling at once (run it on every member; the slowest member's
+    medians): ``sync_s``, what the emulation adds after a call's real completion (the members agree on
+    the emulated finish with a shadow all-reduce), and ``call_s``, the rest less the call's emulated time
+    alone: its software cost, which the emulated links overlap. A simulator of an EMULATED run prices
+    them as ``ClusterProfile(call_overhead_s=call_s, emulated_sync_s=sync_s)``
+    (:meth:`moelab.sim.engine.OpGraph.transfer`). Held out: nothing here is fitted to the run's times."""
+    import statistics
+
+    import torch
+
+    from moelab.repro.timing import gather_floats, timed
+
+    n = len(comm.group_ranks(group))
+    if op == "all_to_all":
+        one = [1] * n
+        call = lambda: comm.all_to_all_raw(torch.zeros(n, 1), one, one, group)  # noqa: E731
+    elif op == "all_reduce":
+        call = lambda: comm.all_reduce_(torch.zeros(1), group=group)  # noqa: E731
+    else:
+        raise ValueError(f"emulated_call_costs measures all_to_all or all_reduce, got {op!r}")
+    walls, syncs, alone = [], [], 0.0
+    for _ in range(reps + 2):
+        walls.append(timed(comm, call, group)[1].slowest_s)
+        r = comm.rec.comm[-1]
+        alone = comm.emulated_time(r.bytes, r.recv, op, comm.group_ranks(group))
+        real = r.t_end - r.t_start - r.emulated_s
+        syncs.append(max(0.0, r.emulated_s - max(0.0, alone - real)))  # less the sleep for the links' own time
+    comm.rec.comm.clear()
+    sync = max(gather_floats(comm, statistics.median(syncs[2:]), group))
+    return {"call_s": max(0.0, statistics.median(walls[2:]) - sync - alone), "sync_s": sync}
+
+
+def _emulated_call_costs_rank(rank, world, cfg):
+    from moelab.comm.door import Communicator
+    from moelab.runtime.train import topology_for
+
+    return emulated_call_costs(Communicator(topology_for(cfg, world), cfg.emulation))
+
+
+def measure_emulated_call_costs(cfg: RunConfig, timeout: float = 120.0) -> dict:
+    """:func:`emulated_call_costs` of an all-to-all over the world on ``cfg``'s ranks, topology and
+    emulated links (one spawn of ``cfg.parallel.nproc`` ranks)."""
+    from moelab.testing import run_ranks
+
+    if not cfg.emulation.enabled:
+        raise ValueError("measure_emulated_call_costs needs cfg.emulation.enabled")
+    return run_ranks(_emulated_call_costs_rank, cfg.parallel.nproc, cfg, timeout=timeout)[0]

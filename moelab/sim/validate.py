@@ -437,7 +437,8 @@ def validate(named_cfgs, calibration: Optional[dict] = None, *, warmup: int = 3,
 
 # real runs and this machine's profile live beside this module; their names stay importable from here
 from moelab.sim.local import (BASE_MODEL, GRID_4, emulation_profile, machine_profile,  # noqa: E402,F401
-                              quick_calibration, validation_configs, validation_configs_4)
+                              measure_emulated_call_costs, quick_calibration, validation_configs,
+                              validation_configs_4)
 from moelab.sim.realruns import (RealRun, measure_compute, measure_compute_concurrent, real_label,  # noqa: E402,F401
                                  run_real, run_real_many)
 
