@@ -201,6 +201,47 @@ def _contention(rank, world):
     return dict(alone=alone, both=both, target=target, rows=rows)
 
 
+
+def _a2a_beside_allreduce(rank, world, gamma):
+    """An all-to-all (thread 1, 40 ms alone) and an all-reduce (thread 2) on the same port at once."""
+    import dataclasses
+
+    from moelab.comm.door import Communicator
+
+    comm = Communicator(Topology(world, world), dataclasses.replace(_emu(), interference_gamma=gamma))
+    _warm(comm, ("ep", "dp", "world"))
+    both = []
+    for _ in range(REPS):
+        barrier, ends = threading.Barrier(2), {}
+
+        def a2a():
+            barrier.wait()
+            _a2a(comm, world, "ep", 4)  # 4 rows of 20 kB to the peer: 40 ms
+            ends["a2a"] = time.time()
+
+        def allreduce():
+            barrier.wait()
+            comm.all_reduce_(torch.ones(4 * ROWS // 4), group="dp")  # a ring of 2 over 80 kB
+            ends["ar"] = time.time()
+
+        _line_up(comm)
+        ts = [threading.Thread(target=f) for f in (a2a, allreduce)]
+        t0 = time.time()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        both.append(max(ends.values()) - t0)
+    return min(both)
+
+
+def test_the_door_slows_an_all_to_all_beside_an_all_reduce_by_gamma():
+    """Through the door each call's op is its flows' kind: at gamma = 2 the pair takes clearly longer than
+    with fair sharing (the port model's own arithmetic: 100 vs 60 ms; a door that dropped the kinds: equal)."""
+    fair = max(run_ranks(_a2a_beside_allreduce, 2, 1.0, timeout=60))
+    slowed = max(run_ranks(_a2a_beside_allreduce, 2, 2.0, timeout=60))
+    assert slowed > 1.3 * fair, (fair, slowed)
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_two_concurrent_all_to_alls_share_the_ports(world):
     for r in run_ranks(_contention, world, timeout=120):
