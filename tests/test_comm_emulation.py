@@ -203,7 +203,7 @@ def _contention(rank, world):
 
 
 def _a2a_beside_allreduce(rank, world, gamma):
-    """An all-to-all (thread 1, 40 ms alone) and an all-reduce (thread 2) on the same port at once."""
+    """An all-to-all (thread 1, 80 ms alone) and an all-reduce (thread 2) on the same port at once."""
     import dataclasses
 
     from moelab.comm.door import Communicator
@@ -216,12 +216,12 @@ def _a2a_beside_allreduce(rank, world, gamma):
 
         def a2a():
             barrier.wait()
-            _a2a(comm, world, "ep", 4)  # 4 rows of 20 kB to the peer: 40 ms
+            _a2a(comm, world, "ep", 8)  # 8 rows of 20 kB to the peer: 80 ms alone
             ends["a2a"] = time.time()
 
         def allreduce():
             barrier.wait()
-            comm.all_reduce_(torch.ones(4 * ROWS // 4), group="dp")  # a ring of 2 over 80 kB
+            comm.all_reduce_(torch.ones(8 * ROWS // 4), group="dp")  # a ring of 2 over 160 kB
             ends["ar"] = time.time()
 
         _line_up(comm)
@@ -236,11 +236,12 @@ def _a2a_beside_allreduce(rank, world, gamma):
 
 
 def test_the_door_slows_an_all_to_all_beside_an_all_reduce_by_gamma():
-    """Through the door each call's op is its flows' kind: at gamma = 2 the pair takes clearly longer than
-    with fair sharing (the port model's own arithmetic: 100 vs 60 ms; a door that dropped the kinds: equal)."""
+    """Through the door each call's op is its flows' kind: at gamma = 2 the pair takes 80 ms longer than
+    with fair sharing by the port model's own arithmetic (200 vs 120 ms); a door that dropped the kinds:
+    no longer. Asserted: at least half of that gap (the host's fixed costs add to both runs alike)."""
     fair = max(run_ranks(_a2a_beside_allreduce, 2, 1.0, timeout=60))
     slowed = max(run_ranks(_a2a_beside_allreduce, 2, 2.0, timeout=60))
-    assert slowed > 1.3 * fair, (fair, slowed)
+    assert slowed - fair > 0.040, (fair, slowed)
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_two_concurrent_all_to_alls_share_the_ports(world):
