@@ -167,6 +167,26 @@ def _line_up(comm):
 REPS = 3  # timings keep the least disturbed repetition: 4 ranks share 2 busy cores
 
 
+def _together(comm, *calls) -> float:
+    """Seconds from lining the ranks up until the last of ``calls`` ends, each on its own thread, all
+    released at once."""
+    barrier, ends = threading.Barrier(len(calls)), {}
+
+    def go(i, call):
+        barrier.wait()
+        call()
+        ends[i] = time.time()
+
+    _line_up(comm)
+    ts = [threading.Thread(target=go, args=(i, c)) for i, c in enumerate(calls)]
+    t0 = time.time()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return max(ends.values()) - t0
+
+
 def _contention(rank, world):
     from moelab.comm.door import Communicator
 
@@ -180,26 +200,10 @@ def _contention(rank, world):
         _a2a(comm, world, "ep", rows)
         alone.append(time.time() - t0)
     for _ in range(REPS):
-        barrier = threading.Barrier(2)
-        ends = {}
-
-        def go(group):
-            barrier.wait()
-            _a2a(comm, world, group, rows)
-            ends[group] = time.time()
-
-        _line_up(comm)
-        ts = [threading.Thread(target=go, args=(g,)) for g in ("ep", "dp")]
-        t0 = time.time()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-        both.append(max(ends.values()) - t0)
+        both.append(_together(comm, *(lambda g=g: _a2a(comm, world, g, rows) for g in ("ep", "dp"))))
     r = comm.rec.comm[0]
     target = comm.emulated_time(r.bytes, r.recv, "all_to_all", list(range(world)))
     return dict(alone=alone, both=both, target=target, rows=rows)
-
 
 
 def _a2a_beside_allreduce(rank, world, gamma):
@@ -210,29 +214,9 @@ def _a2a_beside_allreduce(rank, world, gamma):
 
     comm = Communicator(Topology(world, world), dataclasses.replace(_emu(), interference_gamma=gamma))
     _warm(comm, ("ep", "dp", "world"))
-    both = []
-    for _ in range(REPS):
-        barrier, ends = threading.Barrier(2), {}
-
-        def a2a():
-            barrier.wait()
-            _a2a(comm, world, "ep", 8)  # 8 rows of 20 kB to the peer: 80 ms alone
-            ends["a2a"] = time.time()
-
-        def allreduce():
-            barrier.wait()
-            comm.all_reduce_(torch.ones(8 * ROWS // 4), group="dp")  # a ring of 2 over 160 kB
-            ends["ar"] = time.time()
-
-        _line_up(comm)
-        ts = [threading.Thread(target=f) for f in (a2a, allreduce)]
-        t0 = time.time()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-        both.append(max(ends.values()) - t0)
-    return min(both)
+    a2a = lambda: _a2a(comm, world, "ep", 8)  # noqa: E731 - 8 rows of 20 kB to the peer: 80 ms alone
+    allreduce = lambda: comm.all_reduce_(torch.ones(8 * ROWS // 4), group="dp")  # noqa: E731 - a ring of 2, 160 kB
+    return min(_together(comm, a2a, allreduce) for _ in range(REPS))
 
 
 def test_the_door_slows_an_all_to_all_beside_an_all_reduce_by_gamma():
@@ -242,6 +226,7 @@ def test_the_door_slows_an_all_to_all_beside_an_all_reduce_by_gamma():
     fair = max(run_ranks(_a2a_beside_allreduce, 2, 1.0, timeout=60))
     slowed = max(run_ranks(_a2a_beside_allreduce, 2, 2.0, timeout=60))
     assert slowed - fair > 0.040, (fair, slowed)
+
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_two_concurrent_all_to_alls_share_the_ports(world):
