@@ -144,20 +144,16 @@ class ParmMoE(nn.Module):
         self.k = gating.GATE_K[gate]
         c = layout.coords(comm.rank)
         self.esp_index = c["esp"]
-        E, h = layout.num_experts, d_ff // layout.n_esp
+        E = layout.num_experts
         g = seeded_generator("parm_gate", seed, layer_id)
         bound = 1 / math.sqrt(d_model)
         self.wg = nn.Parameter(((torch.rand(E, d_model, generator=g, dtype=torch.float64) * 2 - 1) * bound).to(dtype))
-        w1, w2, b2 = [], [], []
-        for e in layout.experts_of(comm.rank):
-            W1, _, W2, B2 = init_expert(d_model, d_ff, seed, layer_id, e, dtype=dtype)
-            j = self.esp_index
-            w1.append(W1[:, j * h:(j + 1) * h])
-            w2.append(W2[j * h:(j + 1) * h, :])
-            b2.append(B2)
-        self.w1 = nn.Parameter(torch.stack(w1).contiguous())
-        self.w2 = nn.Parameter(torch.stack(w2).contiguous())
-        self.b2 = nn.Parameter(torch.stack(b2)) if expert_bias and self.esp_index == 0 else None
+        W1, _, W2, B2 = (torch.stack(t) for t in zip(*(init_expert(d_model, d_ff, seed, layer_id, e, dtype=dtype)
+                                                        for e in layout.experts_of(comm.rank))))
+        w1, w2 = gating.expert_shards(W1, W2, layout.n_esp, self.esp_index)
+        self.w1 = nn.Parameter(w1.contiguous())
+        self.w2 = nn.Parameter(w2.contiguous())
+        self.b2 = nn.Parameter(B2) if expert_bias and self.esp_index == 0 else None
         self.aux = None
         self.last: dict = {}
 

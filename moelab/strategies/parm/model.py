@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from moelab.models.tensor_parallel import shard_dense
+from moelab.strategies.parm import gating
 from moelab.strategies.parm.layer import ParmMoE
 from moelab.strategies.parm.layout import DENSE_DP, MP, ParmLayout
 from moelab.strategies.parm.options import ParmOptions
@@ -86,17 +87,19 @@ class ParmMoELayer(ParmMoE):
             raise CheckpointError("parm's experts have a b2 here (model.moe.expert_bias): a full checkpoint's experts "
                                   "come with b1 as well, which parm's experts lack; fine-tune without expert biases")
         self.wg.copy_(w)
-        h, j = self.w1.shape[-1], self.esp_index
-        full = (self.w1.shape[1], h * self.layout.n_esp)
-        for s, e in enumerate(self.layout.experts_of(self.comm.rank)):
+        full = (self.w1.shape[1], self.w1.shape[2] * self.layout.n_esp)
+        mine = self.layout.experts_of(self.comm.rank)
+        for e in mine:
             p = experts[e]
             if p.get("b1") is not None or p.get("b2") is not None:
                 raise CheckpointError(f"expert {e} has biases: parm's experts have no b1 (set model.moe.expert_bias "
                                       "false in the run the checkpoint comes from)")
             if tuple(p["w1"].shape) != full:
                 raise CheckpointError(f"expert {e}'s w1 is {tuple(p['w1'].shape)}, parm's layer needs {full}")
-            self.w1[s].copy_(p["w1"][:, j * h:(j + 1) * h])
-            self.w2[s].copy_(p["w2"][j * h:(j + 1) * h])
+        w1, w2 = gating.expert_shards(torch.stack([experts[e]["w1"] for e in mine]),
+                                      torch.stack([experts[e]["w2"] for e in mine]), self.layout.n_esp, self.esp_index)
+        self.w1.copy_(w1)
+        self.w2.copy_(w2)
         return 1 + 2 * self.w1.shape[0]
 
     def _gate(self, pool, cap):
