@@ -111,15 +111,18 @@ class Ports:
     # ---- the fluid model ------------------------------------------------------------------------
     def _rates(self, active: list) -> dict:
         users: dict = {}
-        kinds: dict = {}  # port -> interfering kinds moving on it
+        kinds: dict = {}  # port -> interfering kinds moving on it (only kept when gamma > 1)
         for f in active:
             for p in f.bytes:
                 users[p] = users.get(p, 0) + 1
-                if f.kind in self.interfering:
+                if self.gamma > 1 and f.kind in self.interfering:
                     kinds.setdefault(p, set()).add(f.kind)
-        slow = (lambda f, p: self.gamma if f.kind in self.interfering and len(kinds.get(p, ())) > 1 else 1.0) \
-            if self.gamma > 1 else (lambda f, p: 1.0)
-        return {id(f): min(self.capacity[p] / users[p] / b / slow(f, p) for p, b in f.bytes.items()) for f in active}
+
+        def share(f, p, b):
+            slowed = f.kind in self.interfering and len(kinds.get(p, ())) > 1
+            return self.capacity[p] / users[p] / b / (self.gamma if slowed else 1.0)
+
+        return {id(f): min(share(f, p, b) for p, b in f.bytes.items()) for f in active}
 
     def _step(self, flows: dict, t: float, until: float, stop=None) -> float:
         """Run ``flows`` from ``t`` to ``until`` (or until flow ``stop`` ends); return the time reached."""
