@@ -72,6 +72,19 @@ def test_phase_two_replans_iff_the_top_sets_differ(served):
             assert len(devs) == 4 and {e for d in devs for e in d} == {0, 1, 2, 3}
 
 
+def test_phase_one_loads_the_next_layers_experts_ahead_and_a_kept_plan_swaps_nothing(served):
+    four, _ = served
+    for v in ("lina", "lina_no_finetune"):
+        for rank in range(4):
+            rows = [r for r in four[rank][v]["layers"] if r["batch"] >= 0 and r["planned_from"] == "estimate"]
+            assert rows and sum(r["prefetched"] for r in rows) > 0, (v, rank)  # phase 1 loaded experts
+            for r in rows:
+                if not r["replanned"]:  # phase 1's plan stands: its experts were loaded during the layer before
+                    assert r["swapped"] == 0 and r["swap_s"] < r["prefetch_s"] + 0.05, (v, rank, r)
+    static = [r for r in four[0]["lina"]["layers"] if r["batch"] >= 0 and r["planned_from"] == "static"]
+    assert static and all(r["prefetched"] == 0 for r in static)
+
+
 def test_malformed_requests_are_rejected_not_fatal(tmp_path):
     p = tmp_path / "requests.csv"
     p.write_text("id,arrival_s,text\n0,0.0,hello world\nx,0.1,bad id\n2,-1,negative\n3,0.2,\n4,0.001,more text\n")

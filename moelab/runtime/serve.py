@@ -229,7 +229,10 @@ def run(cfg: RunConfig, out_dir=None) -> dict:
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank))
+    from moelab.strategies.lina.infer import ServeContext
+
+    comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank),
+                        groups={ServeContext.PLAN_GROUP: [list(range(world))]})
     model, ctx = build(cfg, comm)
     with comm.rec.paused():
         traces = profile(cfg, model, ctx, comm)
@@ -237,7 +240,10 @@ def run(cfg: RunConfig, out_dir=None) -> dict:
     if rank == 0:
         requests, rejected = read_requests(cfg.serve.requests_file, cfg) if cfg.serve.requests_file else \
             (draw_requests(cfg), [])
-    res = serve(cfg, model, ctx, comm, requests)
+    try:
+        res = serve(cfg, model, ctx, comm, requests)
+    finally:
+        ctx.close()
     if out_dir is not None:
         write_outputs(out_dir, comm, res, rejected, traces)
     res["rejected"] = rejected

@@ -7,22 +7,27 @@ Per call it picks this batch's placement by the variant, then runs :func:`moelab
 - ``baseline``: the static placement (expert block of rank r on rank r);
 - ``ideal``: the gate's choice replaced by a perfectly balanced one (timing only: other outputs);
 - ``lina``: phase 1 - right after layer l's gate, every rank sums ``pop_hat`` for layer l+1 over its
-  tokens' paths (:class:`moelab.placement.popularity.PathTable`) and all-gathers it asynchronously
-  while layer l dispatches and computes; at layer l+1 every rank plans ``allocate(N * pop_hat)``
-  from the same numbers (no scheduler rank: the same plan everywhere without a broadcast). Phase 2 -
-  after layer l+1's gate the count exchange gives the actual popularity; if its top-``k_cmp`` set
-  differs from the estimate's, every rank re-plans from it (blocking);
+  tokens' paths (:class:`moelab.placement.popularity.PathTable`) and all-gathers it asynchronously on
+  its own group (``plan``); a loader thread then waits for it, plans ``allocate(N * pop_hat)`` from
+  the same numbers on every rank (no scheduler rank: the same plan everywhere without a broadcast) and
+  loads layer l+1's newly placed experts from the bank, all while layer l dispatches and computes
+  (the paper's prefetch; on a CPU the load is a memory copy). Phase 2 - after layer l+1's gate the
+  count exchange gives the actual popularity; if its top-``k_cmp`` set differs from the estimate's,
+  every rank re-plans from it and loads what the new plan adds on the critical path (blocking);
 - ``lina_no_estimation``: no phase 1; every scheduled layer plans from the actual counts (blocking);
 - ``lina_no_finetune``: phase 1 only.
 
 Layers before MoE layer ``path_len`` (no full path yet) use the static placement. Experts a plan puts
-on a rank are copied from the bank into its working slots before the dispatch (the swap, timed).
+on a rank are copied from the bank into its working slots: by phase 1's loader during the previous
+layer (``prefetched``, ``prefetch_s``), or before the dispatch (``swapped``, ``swap_s``: the critical
+path); ``p1_wait_s``: how long layer l+1 waited for phase 1 (planning that outlasted layer l).
 :class:`ServeContext` is shared by one model's serve layers: the batch's paths, the pending phase-1
-estimates, and one record per (batch, layer).
+work, and one record per (batch, layer).
 """
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -57,13 +62,28 @@ def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int) ->
 
 
 class ServeContext:
+    PLAN_GROUP = "plan"  # phase 1's estimate exchange: its own process group, waited on the loader thread
+
     def __init__(self, sv, num_experts: int, num_layers: int, comm, table=None, seed: int = 0):
         self.sv, self.E, self.L, self.comm, self.table, self.seed = sv, num_experts, num_layers, comm, table, seed
         self.capture = False  # profiling: record routing only, static placement
+        self.layers: dict = {}  # MoE layer index -> its serve layer (phase 1 loads the next layer's experts)
+        self._loader = None
         self.new_batch(-1)
 
     def new_batch(self, batch: int) -> None:
         self.batch, self.paths, self.pending, self.records = batch, [], {}, []
+
+    def loader(self) -> ThreadPoolExecutor:
+        """One worker: phase 1's jobs run in layer order, beside the serving thread."""
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lina-phase1")
+        return self._loader
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
 
     def static(self) -> list:
         N, per = self.comm.world_size, self.E // self.comm.world_size
@@ -89,6 +109,8 @@ class LinaServeLayer(nn.Module):
                                activation=moe_cfg.activation, bias=moe_cfg.expert_bias, dtype=dtype)
         self.aux_loss = torch.zeros(())
         self._loaded: set = set()  # experts in this rank's working slots (the last plan's)
+        if context is not None:
+            context.layers[layer_id] = self
 
     @torch.no_grad()
     def forward(self, x):
@@ -108,16 +130,19 @@ class LinaServeLayer(nn.Module):
         rec = {"batch": ctx.batch, "layer": j, "variant": ctx.sv.variant, "tokens": int(counts.sum()),
                "pop": pop.tolist(), "replanned": False, "planned_from": "static"}
         t = time.perf_counter()
-        pop_hat = self._phase1_result(j) if ctx.scheduled(j) and ctx.sv.variant != "lina_no_estimation" else None
+        phase1 = ctx.pending.pop(j, None)
+        pop_hat, prefetched, prefetch_s = phase1.result() if phase1 is not None else (None, 0, 0.0)
+        t_p1 = time.perf_counter() - t
+        t = time.perf_counter()
         devs, how, replanned = choose_plan(ctx.sv, ctx.scheduled(j), pop.numpy(), pop_hat, comm.world_size,
                                            ctx.static(), ctx.plan_seed(j))
         t_p2 = time.perf_counter() - t
-        rec.update(planned_from=how, replanned=replanned)
+        rec.update(planned_from=how, replanned=replanned, p1_wait_s=t_p1, prefetched=prefetched, prefetch_s=prefetch_s)
         if pop_hat is not None:
             rec["pop_hat"] = pop_hat.tolist()
         self._phase1_issue(j + 1)
         t = time.perf_counter()
-        swapped = self._swap(devs[comm.rank])
+        swapped = self._swap(devs[comm.rank])  # nothing when phase 1's plan stands: its experts are loaded
         t_swap = time.perf_counter() - t
         t = time.perf_counter()
         parts: dict = {}
@@ -143,7 +168,9 @@ class LinaServeLayer(nn.Module):
         return len(new)
 
     def _phase1_issue(self, nxt: int) -> None:
-        """Estimate layer ``nxt``'s popularity from this rank's tokens' paths; all-gather it async."""
+        """Phase 1 for layer ``nxt``: estimate its popularity from this rank's tokens' paths, all-gather
+        the estimates async, and hand the rest (wait, plan, load ``nxt``'s experts) to the loader thread,
+        which runs it while this layer dispatches and computes."""
         ctx = self.ctx
         if nxt >= ctx.L or not ctx.scheduled(nxt) or ctx.sv.variant == "lina_no_estimation":
             return
@@ -151,9 +178,14 @@ class LinaServeLayer(nn.Module):
         paths = torch.stack(ctx.paths[nxt - Lp:nxt], dim=1).numpy()
         est = ctx.table.estimate(paths, nxt, ctx.sv.k_est) * len(paths) if len(paths) else np.zeros(ctx.E)
         msg = torch.tensor(list(est) + [len(paths)], dtype=torch.float64)
-        ctx.pending[nxt] = self.comm.all_gather(msg, group="world", async_op=True)
+        handle = self.comm.all_gather(msg, group=ctx.PLAN_GROUP, async_op=True)
+        N, rank, seed, layer = self.comm.world_size, self.comm.rank, ctx.plan_seed(nxt), ctx.layers[nxt]
 
-    def _phase1_result(self, j: int) -> np.ndarray:
-        got = self.ctx.pending.pop(j).wait()
-        total = float(got[:, -1].sum())
-        return (got[:, :-1].sum(0) / max(total, 1.0)).numpy()
+        def phase1():
+            got = handle.wait()
+            pop_hat = (got[:, :-1].sum(0) / max(float(got[:, -1].sum()), 1.0)).numpy()
+            t = time.perf_counter()
+            loaded = layer._swap(phase1_plan(ctx.sv, pop_hat, N, seed)[rank])
+            return pop_hat, loaded, time.perf_counter() - t
+
+        ctx.pending[nxt] = ctx.loader().submit(phase1)
