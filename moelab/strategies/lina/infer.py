@@ -7,11 +7,11 @@ Per call it picks this batch's placement by the variant, then runs :func:`moelab
 - ``baseline``: the static placement (expert block of rank r on rank r);
 - ``ideal``: the gate's choice replaced by a perfectly balanced one (timing only: other outputs);
 - ``lina``: phase 1 - right after layer l's gate, every rank sums ``pop_hat`` for layer l+1 over its
-  tokens' paths (:class:`moelab.placement.popularity.PathTable`) and all-gathers it asynchronously on
-  its own group (``plan``); a loader thread then waits for it, plans ``allocate(N * pop_hat)`` from
-  the same numbers on every rank (no scheduler rank: the same plan everywhere without a broadcast) and
-  loads layer l+1's newly placed experts from the bank, all while layer l dispatches and computes
-  (the paper's prefetch; on a CPU the load is a memory copy). Phase 2 - after layer l+1's gate the
+  tokens' paths (:class:`moelab.placement.popularity.PathTable`) on a loader thread, which all-gathers
+  the estimates on their own group (``plan``), plans ``allocate(N * pop_hat)`` from the same numbers on
+  every rank (no scheduler rank: the same plan everywhere without a broadcast) and loads layer l+1's
+  newly placed experts from the bank, all while layer l dispatches and computes (the paper's
+  prefetch; on a CPU the load is a memory copy). Phase 2 - after layer l+1's gate the
   count exchange gives the actual popularity; if its top-``k_cmp`` set differs from the estimate's,
   every rank re-plans from it and loads what the new plan adds on the critical path (blocking);
 - ``lina_no_estimation``: no phase 1; every scheduled layer plans from the actual counts (blocking);
@@ -168,21 +168,22 @@ class LinaServeLayer(nn.Module):
         return len(new)
 
     def _phase1_issue(self, nxt: int) -> None:
-        """Phase 1 for layer ``nxt``: estimate its popularity from this rank's tokens' paths, all-gather
-        the estimates async, and hand the rest (wait, plan, load ``nxt``'s experts) to the loader thread,
-        which runs it while this layer dispatches and computes."""
+        """Phase 1 for layer ``nxt``, handed to the loader thread while this layer dispatches and
+        computes: estimate its popularity from this rank's tokens' paths, all-gather the estimates, plan,
+        load ``nxt``'s newly placed experts."""
         ctx = self.ctx
         if nxt >= ctx.L or not ctx.scheduled(nxt) or ctx.sv.variant == "lina_no_estimation":
             return
         Lp = ctx.sv.path_len
         paths = torch.stack(ctx.paths[nxt - Lp:nxt], dim=1).numpy()
-        est = ctx.table.estimate(paths, nxt, ctx.sv.k_est) * len(paths) if len(paths) else np.zeros(ctx.E)
-        msg = torch.tensor(list(est) + [len(paths)], dtype=torch.float64)
-        handle = self.comm.all_gather(msg, group=ctx.PLAN_GROUP, async_op=True)
-        N, rank, seed, layer = self.comm.world_size, self.comm.rank, ctx.plan_seed(nxt), ctx.layers[nxt]
+        comm, tags = self.comm, dict(self.comm.rec.tags)  # record tags are per thread: the loader takes ours
+        N, rank, seed, layer = comm.world_size, comm.rank, ctx.plan_seed(nxt), ctx.layers[nxt]
 
-        def phase1():
-            got = handle.wait()
+        def phase1():  # on the loader thread, in layer order on every rank (the plan group's calls match)
+            est = ctx.table.estimate(paths, nxt, ctx.sv.k_est) * len(paths) if len(paths) else np.zeros(ctx.E)
+            with comm.rec.tagged(**tags):
+                got = comm.all_gather(torch.tensor(list(est) + [len(paths)], dtype=torch.float64),
+                                      group=ctx.PLAN_GROUP)
             pop_hat = (got[:, :-1].sum(0) / max(float(got[:, -1].sum()), 1.0)).numpy()
             t = time.perf_counter()
             loaded = layer._swap(phase1_plan(ctx.sv, pop_hat, N, seed)[rank])

@@ -112,7 +112,14 @@ def infer_config(s, seed: int = 0, dataset: str = "pydocs", **serve) -> RunConfi
         "train.lr": 3e-3, "parallel.nproc": WORLD,
         "serve.requests": s.requests, "serve.batch_size": s.serve_batch, "serve.rate_per_s": s.rate_per_s,
         "serve.profile_batches": s.profile_batches, "serve.path_len": s.path_lens[min(1, len(s.path_lens) - 1)],
-        **{f"serve.{k}": v for k, v in serve.items()}}).validate()
+        "serve.max_pack": max_pack(s), **{f"serve.{k}": v for k, v in serve.items()}}).validate()
+
+
+def max_pack(s) -> int:
+    """Experts a device may hold when serving: the paper's 4 per device at one expert per device (N = E),
+    scaled to this world's E / N experts per device, so Lina keeps the paper's room to pack cold experts
+    and replicate hot ones (at max_pack = E / N every device is full and no plan can replicate)."""
+    return 4 * max(1, s.i_experts // WORLD)
 
 
 def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir):
@@ -137,10 +144,15 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     """Train, checkpoint and serve (see module doc). Returns rank 0's records per serve run (keys: the
     variants, and ``lina_Lp{n}`` per Table 5 path length; on another ``dataset`` ``ideal`` and ``lina``),
     ``loads`` (training, last iterations), ``traces`` ([tokens, MoE layers] of the profiling split), ``losses``.
-    ``emulated``: serve over the scale's contention-aware EMULATED links (2 nodes x 2; training stays REAL)."""
+    ``emulated``: serve over the scale's contention-aware EMULATED links (2 nodes x 2; training stays REAL),
+    or over links of ``(intra, inter)`` GB/s per rank when a pair is given."""
+    import dataclasses
+
     from moelab.testing import run_ranks
 
     s = scale_spec(scale)
+    if isinstance(emulated, (tuple, list)):
+        s = dataclasses.replace(s, intra_GBps=float(emulated[0]), inter_GBps=float(emulated[1]))
     cfg = infer_config(s, seed, dataset)
     links = emulated_links(s) if emulated else {}
     if dataset == "pydocs":
@@ -153,7 +165,8 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
         out = res[0]
         out["traces"] = _traces(cfg, d) if dataset == "pydocs" else None  # Figs. 9, Table 2: the main domain
     out["label"] = (f"REAL: {WORLD} gloo ranks, a {s.i_layers}-layer MoE LM (d={s.i_d}, E={s.i_experts}, top-1) "
-                    f"trained {s.i_iters} iterations here on {dataset}, served on held-out windows")
+                    f"trained {s.i_iters} iterations here on {dataset}, served on held-out windows, "
+                    f"max_pack {max_pack(s)} (the paper's 4 at one expert per device, x E/N)")
     if emulated:
         out["label"] = out["label"].replace("REAL: ", "EMULATED: ", 1) + " over " + links_label(s)
     return out
