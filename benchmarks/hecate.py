@@ -25,6 +25,8 @@ import argparse
 import dataclasses
 import sys
 
+import numpy as np
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -65,10 +67,10 @@ def main(argv=None) -> int:
           f"inter {a.inter} GB/s per rank; d={a.d}, {a.layers} layers, {a.experts} experts, {a.iters} iterations")
     comp0, reals, _ = validate(named, warmup=a.warmup, timeout=a.timeout, warn=False)
     fixed = measure_emulated_call_costs(named[0][1], timeout=a.timeout)
-    comp = compare(reals, [simulate_real(c, r.loads, dataclasses.replace(
+    sims = [simulate_real(c, r.loads, dataclasses.replace(
         machine_profile(c, None, compute="model"), call_overhead_s=fixed["call_s"], emulated_sync_s=fixed["sync_s"]),
-        plans=r.graph_plans()) for (_, c), r in zip(named, reals)], warmup=a.warmup, names=[n for n, _ in named],
-        warn=False)
+        plans=r.graph_plans()) for (_, c), r in zip(named, reals)]
+    comp = compare(reals, sims, warmup=a.warmup, names=[n for n, _ in named], warn=False)
     print(f"held-out fixed costs of a call through the emulated door (1-element all-to-all, all ranks at once): "
           f"software {1e3 * fixed['call_s']:.2f} ms beside its link time, then sync {1e3 * fixed['sync_s']:.2f} ms")
     t0 = comp0.iters[~comp0.iters.warmup].groupby("config", sort=False)[["real_s", "sim_s"]].median()
@@ -87,7 +89,9 @@ def main(argv=None) -> int:
         return c.bytes_inter.sum()
 
     runs = dict(zip([n for n, _ in named], reals))
-    print(f"\ninter-node token all-to-all bytes EP / Hecate: {inter_a2a(runs['EP']) / max(1, inter_a2a(runs['Hecate'])):.2f}")
+    ih = inter_a2a(runs["Hecate"])
+    print("\ninter-node token all-to-all bytes EP / Hecate: " + (f"{inter_a2a(runs['EP']) / ih:.2f}" if ih else
+                                                               "inf (Hecate's tokens never cross nodes)"))
     h = runs["Hecate"].comm
     sparse = h[h.phase.isin(["spag", "sprs", "calibrate"]) & (h.iter >= a.warmup)]
     print(f"Hecate spAG+spRS bytes per iteration (sent, all links): "
@@ -106,9 +110,50 @@ def main(argv=None) -> int:
             for n, r in runs.items()}
     for n, (pp, tt) in peak.items():
         print(f"{n:30s} {pp / 1e6:14.3f} {tt / 1e6:14.3f} {tt / peak['EP'][1]:10.2f}")
+    moe = {n: (real_moe_s(r, a.warmup), sim_moe_s(sm, c, a.warmup)) for (n, c), r, sm in zip(named, reals, sims)}
+    print(f"\n{'MoE layers alone (ms/iter)':30s} {'real':>8s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s}")
+    for n, (mr, ms) in moe.items():
+        print(f"{n:30s} {1e3 * mr:8.1f} {1e3 * ms:8.1f} {moe['EP'][0] / mr:12.2f} {moe['EP'][1] / ms:6.2f}"
+              + ("  (no token exchange to bound the layer: not measured)" if np.isnan(mr) else ""))
+    spag = h[(h.phase == "spag") & (h.iter >= a.warmup)]
+    exposed = sum(r["hecate"].get("spag_exposed_s", 0.0) for it in plans[a.warmup:] for r in it)
+    total = (spag.t_end - spag.t_start)[spag["rank"] == 0].sum()
+    print(f"Hecate spAG exposed / total (rank 0, the wait before dispatch over issue-to-done): "
+          f"{exposed / total if total else float('nan'):.2f} ({1e3 * exposed:.1f} of {1e3 * total:.1f} ms)")
+    if "Hecate-RM" in runs:
+        rep = {n: peak[n][0] - peak["EP"][0] for n in ("Hecate", "Hecate-RM")}
+        print(f"Hecate-RM: replica params at the peak {1e-6 * rep['Hecate-RM']:.3f} vs Hecate {1e-6 * rep['Hecate']:.3f} MB "
+              f"({1 - rep['Hecate-RM'] / rep['Hecate'] if rep['Hecate'] > 0 else float('nan'):.0%} lower), "
+              f"iteration {t.loc['Hecate-RM'].real_s / t.loc['Hecate'].real_s:.2f}x Hecate's")
     print(f"\nsimulated bytes == measured bytes: {comp.metrics['bytes_exact']} ({comp.metrics['bytes_cells']} cells); "
           f"median prediction error {comp.metrics['median_rel_err']:.0%}")
     return 0
+
+
+def real_moe_s(run, warmup: int) -> float:
+    """Median over iterations of the slowest rank's MoE-layer time, summed over layers: forward from the gate's
+    start to the layer's last forward token exchange (the exposed gather in between), backward from its first to
+    its last backward token exchange (the experts' backward in between); token exchanges: the layer's calls
+    tagged fwd / bwd (all-to-alls, or a system's point-to-point exchanges). NaN without any."""
+    c = run.comm[run.comm.phase.isin(["fwd", "bwd"]) & (run.comm.iter >= warmup) & (run.comm.layer >= 0)]
+    if c.empty:
+        return float("nan")
+    g = run.spans[(run.spans.name == "gate") & (run.spans.iter >= warmup)]
+    key = ["rank", "iter", "layer"]
+    fwd = c[c.phase == "fwd"].groupby(key).t_end.max() - g.groupby(key).t_start.min()
+    b = c[c.phase == "bwd"].groupby(key)
+    per = fwd.add(b.t_end.max() - b.t_start.min(), fill_value=0.0)
+    return float(per.groupby(["rank", "iter"]).sum().groupby("iter").max().median())
+
+
+def sim_moe_s(sim, cfg, warmup: int) -> float:
+    """The simulator's MoE-layer time (critical path, :func:`moelab.strategies.hecate.experiments.end_to_end.layer_times`),
+    summed over layers, median over the iterations after ``warmup``."""
+    from moelab.sim.graphs import moe_layer_ids
+    from moelab.strategies.hecate.experiments.end_to_end import layer_times
+
+    ids = moe_layer_ids(cfg.model)
+    return float(np.median([layer_times(r, ids).sum() for r in sim.results[warmup:]]))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ Tokens go to holders by Hecate's rule (local, else same node, else any holder:
 """
 from __future__ import annotations
 
+import time
+
 from typing import Optional
 
 import torch
@@ -158,7 +160,9 @@ class HecateMoELayer(MoELayer):
         holders, handle = self._prefetch
         self._prefetch = None
         final = self.record["holders"]
+        t = time.perf_counter()
         flats = handle.wait() if handle is not None else {}
+        self.record["spag_exposed_s"] = time.perf_counter() - t  # the gather's part not hidden by attention
         if final != holders:  # calibration accepted: a blocking gather of the added copies only
             delta = tuple((h[0],) + tuple(d for d in f[1:] if d not in h) for h, f in zip(holders, final))
             extra = self._gather(delta, "calibrate")
@@ -231,5 +235,5 @@ class HecateMoELayer(MoELayer):
             "calibrated": final != prefetch, "calibration": r.get("calibration", "off"),
             "rm": bool(self.options.rm and self.driver is not None and not self.is_last),
             "t": self.t, "m": self.m, "backend": self.backend,
-            "moved": [list(mv) for mv in self.moved]}
+            "moved": [list(mv) for mv in self.moved], "spag_exposed_s": r.get("spag_exposed_s", 0.0)}
         return rec
