@@ -61,7 +61,7 @@ def _run(scale, specs) -> pd.DataFrame:
 
     s = scale_spec(scale)
     cfgs = [run_config(scale, task, opts, seed, iters, init) for _, task, opts, seed, iters, init in specs]
-    runs = run_real_many(cfgs, s.q_nproc, timeout=300 + 60 * len(cfgs))
+    runs = run_real_many(cfgs, s.q_nproc, timeout=600 + 180 * len(cfgs))  # generous: a hang should fail, not a busy machine
     return _rows([k for k, *_ in specs], runs)
 
 

@@ -62,7 +62,8 @@ def convergence(scale, task: str = "lm") -> pd.DataFrame:
     keys = [(v, seed) for seed in range(s.q_seeds) for v in vs]
     vs[COMPRESSED_EVAL] = {**vs["LSH-MoE"], "eval_mode": "compressed"}  # the same training, evaluated compressed
     keys.append((COMPRESSED_EVAL, 0))
-    runs = run_real_many([run_config(scale, vs[v], seed, task) for v, seed in keys], s.q_nproc, timeout=300 + 60 * len(keys))
+    runs = run_real_many([run_config(scale, vs[v], seed, task) for v, seed in keys], s.q_nproc,
+                         timeout=600 + 180 * len(keys))  # generous: a hang should fail, not a busy machine
     rows = []
     for (v, seed), run in zip(keys, runs):
         lm = run.layer_metrics
