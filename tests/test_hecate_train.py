@@ -84,6 +84,8 @@ def test_resharding_moved_experts_and_kept_equal_counts(runs):
         assert per_rank == [2 * 8 // 4] * 4  # L*E/N each, in total over the layers
         assert all(sum(r[variant]["owned"]) == 4 for r in got)
         assert any(p["hecate"]["prefetch"] for p in plans if p["iter"] > 0), variant  # replicas were materialized
+        assert all(p["hecate"]["spag_exposed_s"] >= 0 for p in plans)  # the wait for the gather, for the benchmark
+        assert any(p["hecate"]["spag_exposed_s"] > 0 for p in plans if p["hecate"]["prefetch"])
 
 
 def test_rm_frees_replica_storage_between_forward_and_backward(runs):

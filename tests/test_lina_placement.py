@@ -150,3 +150,19 @@ def test_pattern_metric_is_one_for_deterministic_and_k_over_e_for_uniform_routin
 def test_estimation_accuracy_scores_top_sets():
     assert estimation_accuracy([[0.5, 0.3, 0.2]], [[0.3, 0.5, 0.2]], 2) == 1.0
     assert estimation_accuracy([[0.5, 0.3, 0.2], [0.1, 0.2, 0.7]], [[0.5, 0.3, 0.2], [0.7, 0.2, 0.1]], 2) == 0.5
+
+
+def test_the_reproductions_serving_max_pack_leaves_room_to_replicate_a_hot_expert():
+    from moelab.strategies.lina.experiments.common import scale_spec
+    from moelab.strategies.lina.experiments.runs import WORLD, max_pack
+
+    s = scale_spec("default")
+    E = s.i_experts
+    pop = np.full(E, 0.5 / (E - 1))
+    pop[3] = 0.5  # half the tokens: it wants two of the four devices
+
+    def holders(mp):
+        return sum(3 in d for d in allocate(WORLD * pop, WORLD, mp, seed=0))
+
+    assert holders(E // WORLD) == 1  # max_pack = E/N: every device is full, no plan can replicate
+    assert holders(max_pack(s)) == 2
