@@ -15,7 +15,6 @@ Tokens go to holders by Hecate's rule (local, else same node, else any holder:
 from __future__ import annotations
 
 import time
-
 from typing import Optional
 
 import torch

@@ -47,18 +47,18 @@ def phase1_plan(sv, pop_hat, N: int, seed: int) -> list:
     return allocate(N * np.asarray(pop_hat), N, sv.max_pack, seed)
 
 
-def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int) -> tuple:
+def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int, planned=None) -> tuple:
     """This (batch, layer)'s placement by the variant: ``(devs, planned_from, replanned)``. ``pop``: the
-    actual popularity (after the gate), ``pop_hat``: phase 1's estimate (None where there is none).
+    actual popularity (after the gate), ``pop_hat``: phase 1's estimate (None where there is none);
+    ``planned``: phase 1's placement if it was already made (:func:`phase1_plan` of ``pop_hat``).
     Pure: the runtime's serve layer and the simulator (:mod:`.sim_infer`) both call it."""
     if not scheduled:
         return static, "static", False
     if sv.variant == "lina_no_estimation":
         return allocate(N * np.asarray(pop), N, sv.max_pack, seed), "actual", False
-    devs = phase1_plan(sv, pop_hat, N, seed)
     if sv.variant == "lina" and needs_replan(pop_hat, pop, sv.k_cmp):
         return allocate(N * np.asarray(pop), N, sv.max_pack, seed + 1), "estimate", True
-    return devs, "estimate", False
+    return (planned if planned is not None else phase1_plan(sv, pop_hat, N, seed)), "estimate", False
 
 
 class ServeContext:
@@ -131,11 +131,11 @@ class LinaServeLayer(nn.Module):
                "pop": pop.tolist(), "replanned": False, "planned_from": "static"}
         t = time.perf_counter()
         phase1 = ctx.pending.pop(j, None)
-        pop_hat, prefetched, prefetch_s = phase1.result() if phase1 is not None else (None, 0, 0.0)
+        pop_hat, planned, prefetched, prefetch_s = phase1.result() if phase1 is not None else (None, None, 0, 0.0)
         t_p1 = time.perf_counter() - t
         t = time.perf_counter()
         devs, how, replanned = choose_plan(ctx.sv, ctx.scheduled(j), pop.numpy(), pop_hat, comm.world_size,
-                                           ctx.static(), ctx.plan_seed(j))
+                                           ctx.static(), ctx.plan_seed(j), planned)
         t_p2 = time.perf_counter() - t
         rec.update(planned_from=how, replanned=replanned, p1_wait_s=t_p1, prefetched=prefetched, prefetch_s=prefetch_s)
         if pop_hat is not None:
@@ -185,8 +185,9 @@ class LinaServeLayer(nn.Module):
                 got = comm.all_gather(torch.tensor(list(est) + [len(paths)], dtype=torch.float64),
                                       group=ctx.PLAN_GROUP)
             pop_hat = (got[:, :-1].sum(0) / max(float(got[:, -1].sum()), 1.0)).numpy()
+            devs = phase1_plan(ctx.sv, pop_hat, N, seed)
             t = time.perf_counter()
-            loaded = layer._swap(phase1_plan(ctx.sv, pop_hat, N, seed)[rank])
-            return pop_hat, loaded, time.perf_counter() - t
+            loaded = layer._swap(devs[rank])
+            return pop_hat, devs, loaded, time.perf_counter() - t
 
         ctx.pending[nxt] = ctx.loader().submit(phase1)
