@@ -58,3 +58,9 @@ def tiny_overrides(s: ScaleSpec, *, iters: int, seed: int = 0) -> dict:
             "model.n_heads": s.heads, "model.seq_len": s.seq, "model.moe_every": 2, "model.moe.num_experts": s.experts,
             "model.moe.top_k": 2, "train.batch_size": s.batch, "train.iters": iters, "train.seed": seed,
             "train.trace": False}
+
+
+def runs_timeout(n_runs: int) -> float:
+    """Seconds a spawn of ``n_runs`` short trainings may take before it counts as hung: generous, so a busy
+    machine is not mistaken for a hang (a default reproduce beside other jobs needed more than 300 + 60 s a run)."""
+    return 600.0 + 180.0 * n_runs

@@ -19,7 +19,7 @@ import pandas as pd
 from moelab.repro.cache import cached
 
 from . import rates, tokens
-from .common import scale_spec, tiny_overrides
+from .common import runs_timeout, scale_spec, tiny_overrides
 
 TEXT_TASKS = ("topic", "acceptability", "paraphrase")
 ORIGIN = {"hash_family": "none"}
@@ -61,7 +61,7 @@ def _run(scale, specs) -> pd.DataFrame:
 
     s = scale_spec(scale)
     cfgs = [run_config(scale, task, opts, seed, iters, init) for _, task, opts, seed, iters, init in specs]
-    runs = run_real_many(cfgs, s.q_nproc, timeout=600 + 180 * len(cfgs))  # generous: a hang should fail, not a busy machine
+    runs = run_real_many(cfgs, s.q_nproc, timeout=runs_timeout(len(cfgs)))
     return _rows([k for k, *_ in specs], runs)
 
 

@@ -17,7 +17,7 @@ import pandas as pd
 from moelab.repro.cache import cached
 
 from . import rates
-from .common import scale_spec, tiny_overrides
+from .common import runs_timeout, scale_spec, tiny_overrides
 
 VARIANTS = {"Origin": {"hash_family": "none"}, "LSH-MoE": {}, "LSH-MoE w/o EC": {"error_compensation": False}}
 COMPRESSED_EVAL = "LSH-MoE, compressed eval"  # every other variant is evaluated with the exact forward (the headline)
@@ -63,7 +63,7 @@ def convergence(scale, task: str = "lm") -> pd.DataFrame:
     vs[COMPRESSED_EVAL] = {**vs["LSH-MoE"], "eval_mode": "compressed"}  # the same training, evaluated compressed
     keys.append((COMPRESSED_EVAL, 0))
     runs = run_real_many([run_config(scale, vs[v], seed, task) for v, seed in keys], s.q_nproc,
-                         timeout=600 + 180 * len(keys))  # generous: a hang should fail, not a busy machine
+                         timeout=runs_timeout(len(keys)))
     rows = []
     for (v, seed), run in zip(keys, runs):
         lm = run.layer_metrics
