@@ -5,7 +5,8 @@ simulator predictions.
 One spawn. Every rank builds the trained layer (its gate and its experts, sliced by expert parallelism) as
 ``ep`` (the core layer), ``identity`` (LSH-MoE with every row alone: the overhead of the machinery), CP with
 L in {2, 4, 6} (r = 2) and CP L = 6 without residual compensation, and runs forward + backward on its own
-captured batch ``--reps`` times after ``--warmup``; variants run one after another (not interleaved).
+captured batch ``--reps`` times after ``--warmup``; variants interleave within each repetition, so drift
+on this shared host hits them alike.
 A repetition's wall time is the slowest rank's; CPU time is the process's (emulated sleeps excluded).
 
 Printed, per input (trained / random) and variant, as ratios over ``ep``:
@@ -60,6 +61,7 @@ def _rank(rank, world, a, cap, sources):
             g = torch.Generator().manual_seed(1000 + rank)
             z = torch.randn(x0.shape, generator=g)
             x0 = z / z.norm(dim=1, keepdim=True) * x0.norm(dim=1).mean()
+        built = {}
         for name, opts in VARIANTS.items():
             comm = Communicator(Topology(world, world // a.nodes), emulation=emu)
             cfg = MoEConfig(num_experts=E, top_k=2)
@@ -71,9 +73,10 @@ def _rank(rank, world, a, cap, sources):
                 for p, full in zip(layer.experts.stacked(), (w1, b1, w2, b2)):
                     if p is not None:
                         p.copy_(full[mine])
-            gy = torch.randn(x0.shape, generator=torch.Generator().manual_seed(rank))
-            reps = []
-            for i in range(a.warmup + a.reps):
+            built[name] = (comm, layer, [])
+        gy = torch.randn(x0.shape, generator=torch.Generator().manual_seed(rank))
+        for i in range(a.warmup + a.reps):  # variants interleaved within each repetition: drift hits them alike
+            for name, (comm, layer, reps) in built.items():
                 with comm.rec.paused():
                     comm.all_reduce_(torch.zeros(1))  # line the ranks up
                 n_rec, n_span = len(comm.rec.comm), len(comm.rec.spans)
@@ -91,6 +94,7 @@ def _rank(rank, world, a, cap, sources):
                                  lsh_s=lsh_s, A=m.get("A"), M=m.get("M"), A_remote=m.get("A_remote"), M_remote=m.get("M_remote"),
                                  lsh_cpu=sum(m.get(f"{st}_cpu_s", 0.0) for st in ("hash", "centroid", "decompress")),
                                  warm=i >= a.warmup))
+        for name, (comm, layer, reps) in built.items():
             rec = layer.plan_record()
             out.append(dict(source=source, variant=name, reps=reps, counts=rec["counts"],
                             centroids=(rec.get("lsh") or {}).get("centroids", rec["counts"])))
