@@ -20,7 +20,7 @@ class ScaleSpec:
     heads: int
     seq: int
     batch: int
-    capture_iters: int  # training iterations before capturing (REAL, 1 rank)
+    capture_iters: int  # pretraining iterations before capturing (REAL, 1 rank, at q_nproc x batch sequences)
     capture_batches: int  # batches captured, each one source rank's rows (groups = (batch, expert), as in a run)
     # rate sweeps (Fig. 7 middle)
     Ls: tuple
@@ -35,6 +35,7 @@ class ScaleSpec:
     q_lr: float
     # fine-tuning from the pretrained capture model (Table 2, Fig. 7 left/right) and digits (Table 3)
     ft_iters: int
+    ft_lr: float  # fine-tuning's learning rate (below pretraining's, as usual for fine-tuning)
     ft_eval_every: int
     f7_seeds: int  # Fig. 7's sweeps (12 fine-tunings per seed)
     v_iters: int

@@ -32,7 +32,7 @@ def run_config(scale, task: str, opts: dict, seed: int, iters: int, init_from=No
     s = scale_spec(scale)
     over = {**tiny_overrides(s, iters=iters, seed=seed), "paper": "lsh_moe", "name": f"ft-{task}",
             "parallel.nproc": s.q_nproc, "parallel.topology.nodes": s.q_nodes, "parallel.strategy": "lsh_moe",
-            "parallel.strategy_options": {"error_sample": 0, **opts}, "train.lr": s.q_lr, "train.task": task,
+            "parallel.strategy_options": {"error_sample": 0, **opts}, "train.lr": s.q_lr if task == "digits" else s.ft_lr, "train.task": task,
             "train.eval_every": s.ft_eval_every, "train.eval_batches": 2 * max(2, s.q_eval_batches), "train.init_from": init_from,
             "emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps, "emulation.inter_bw_GBps": s.inter_GBps,
             "emulation.intra_latency_us": s.latency_us, "emulation.inter_latency_us": s.latency_us}
@@ -68,7 +68,8 @@ def _run(scale, specs) -> pd.DataFrame:
 def _label(scale, what: str) -> str:
     s = scale_spec(scale)
     return (f"SUBSTITUTE ({what}): tiny bert-MoE (d={s.d}, {s.layers} layers, {s.experts} experts, top-2) pretrained "
-            f"uncompressed {s.capture_iters} iterations on the stdlib's text, fine-tuned {s.ft_iters} iterations on "
+            f"uncompressed {s.capture_iters} iterations of {s.q_nproc * s.batch} sequences on the stdlib's text, fine-tuned "
+            f"{s.ft_iters} iterations (lr {s.ft_lr}) on "
             f"{s.q_nproc} gloo ranks as {s.q_nodes} nodes (EMULATED links {s.intra_GBps}/{s.inter_GBps} GB/s), "
             f"{s.q_seeds} seed(s); accuracy from the exact forward on held-out windows")
 

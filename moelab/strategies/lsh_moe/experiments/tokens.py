@@ -1,5 +1,6 @@
 """The tokens LSH-MoE hashes, from a real model: a tiny RoBERTa-like masked-LM MoE trained on the stdlib's
-text (REAL, one rank, in this process), then its MoE layers' inputs and routings on held-out batches.
+text (REAL, one rank, in this process, at the global batch of a quality run: ``q_nproc × batch``
+sequences), then its MoE layers' inputs and routings on held-out batches.
 
 Each captured batch plays one source rank (``batch × seq`` tokens, as a rank of a quality run has), so a
 group is (batch, expert) as in Alg. 1. Two controls test the spec's "similarity comes from training /
@@ -29,10 +30,12 @@ def capture(scale, seed: int = 0, trained: bool = True) -> dict:
     from moelab.runtime.train import Trainer
 
     s = scale_spec(scale)
-    cfg = RunConfig().with_overrides({**tiny_overrides(s, iters=s.capture_iters, seed=seed),
-                                      "parallel.nproc": 1}).validate()
+    # pretrain at a quality run's global batch (q_nproc ranks x batch), capture at one rank's batch
+    train_cfg = RunConfig().with_overrides({**tiny_overrides(s, iters=s.capture_iters, seed=seed), "parallel.nproc": 1,
+                                            "train.batch_size": s.batch * s.q_nproc}).validate()
+    cfg = train_cfg.with_overrides({"train.batch_size": s.batch}).validate()
     torch.manual_seed(seed)
-    tr = Trainer.build(cfg)
+    tr = Trainer.build(train_cfg)
     rows = tr.run() if trained else []  # untrained: the seeded initialisation
     layers = tr.model.moe_layers()
     xs = [[] for _ in layers]
