@@ -81,6 +81,10 @@ def convergence(frame, *, label: str, x: str = "time_s", x_title: str = "trainin
         fig.add_trace(go.Scatter(x=list(g.x) + list(g.x[::-1]), y=list(g.hi) + list(g.lo[::-1]), fill="toself",
                                  line={"width": 0}, fillcolor=colour, opacity=0.15, showlegend=False, hoverinfo="skip"))
         fig.add_trace(go.Scatter(x=g.x, y=g.ppl, mode="lines+markers", name=v, line={"color": colour}))
+    ref = frame.attrs.get("reference_ppl")
+    if ref:  # the same model trained longer: how early these runs stop
+        fig.add_hline(y=ref, line={"dash": "dash", "color": "grey"},
+                      annotation_text=f"same model, {frame.attrs.get('reference_iters')} iterations: {ref:.1f}")
     fig.update_xaxes(title_text=x_title)
     fig.update_yaxes(title_text="validation perplexity")
     return finish(fig, title, label, height=440, width=820)

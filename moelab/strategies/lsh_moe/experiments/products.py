@@ -62,6 +62,11 @@ def _convergence(ctx, task: str, stem: str, panel: str):
     s = quality.summary(df)
     label = df.attrs["label"]
     notes = [f"target = Origin's final smoothed perplexity {s.attrs['target_ppl']:.2f}"]
+    ref = s.attrs.get("reference_ppl")
+    if ref:
+        notes.append(f"reference (dashed): the same model uncompressed on 1 rank, {s.attrs['reference_iters']} iterations of the "
+                     f"same global batch (the fine-tuning checkpoint), held-out ppl {ref:.2f}; runs ending far above it "
+                     "compare early training only")
     for r in s.itertuples():
         notes.append(f"{r.variant}: final ppl {r.final_ppl:.2f} ({r.ppl_vs_origin:+.2f} vs Origin), measured rho {r.rho:.3f}, "
                      f"step {r.step_s * 1e3:.0f} ms ({r.step_speedup:.2f}x Origin's), "

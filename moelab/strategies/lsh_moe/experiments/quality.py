@@ -76,6 +76,11 @@ def convergence(scale, task: str = "lm") -> pd.DataFrame:
                              time_s=t, rho=float(rho.loc[it]) if rho is not None else 1.0))
     df = pd.DataFrame(rows)
     df["eval_ppl"] = pd.to_numeric(df.eval_ppl, errors="coerce")
+    if task == "lm":  # how far these runs are from a longer-trained model of the same shape
+        from . import tokens
+
+        cap = tokens.capture(scale)
+        df.attrs["reference_ppl"], df.attrs["reference_iters"] = cap["eval_ppl"], cap["iters"]
     df.attrs["label"] = (f"SUBSTITUTE ({PANELS[task]}): tiny bert-MoE {'masked LM' if task == 'lm' else 'span corruption (encoder-only)'} "
                          f"(d={s.d}, {s.layers} layers, {s.experts} experts, top-2) on the stdlib's text; REAL training on "
                          f"{s.q_nproc} gloo ranks as {s.q_nodes} nodes, EMULATED links {s.intra_GBps}/{s.inter_GBps} GB/s "
@@ -120,5 +125,6 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
     out["time_speedup_to_target"] = [o.time_to_target_s / t if t else None for t in out.time_to_target_s]
     out["step_speedup"] = o.step_s / out.step_s
     out.attrs["target_ppl"] = target
+    out.attrs["reference_ppl"], out.attrs["reference_iters"] = df.attrs.get("reference_ppl"), df.attrs.get("reference_iters")
     out.attrs["label"] = df.attrs.get("label", "")
     return out

@@ -24,9 +24,11 @@ SOURCES = ("trained", "untrained", "random")
 def capture(scale, seed: int = 0, trained: bool = True) -> dict:
     """``{"x": [layer][batch] -> [T, d], "idx": [layer][batch] -> [T, k], "experts": [layer] -> (w1, b1, w2, b2),
     "gates": [layer] -> the gate's weight [E, d], "ckpt": a checkpoint of the trained model (None untrained),
-    "act": activation name, "cfg": the run config (dict), "loss": last training loss}`` (numpy / torch CPU)."""
+    "act": activation name, "cfg": the run config (dict), "loss": last training loss, "eval_ppl": held-out
+    perplexity on the captured batches}`` (numpy / torch CPU)."""
     from moelab.config import RunConfig
     from moelab.models.data import make_eval_batch
+    from moelab.models.transformer import lm_loss
     from moelab.runtime.train import Trainer
 
     s = scale_spec(scale)
@@ -42,10 +44,12 @@ def capture(scale, seed: int = 0, trained: bool = True) -> dict:
     hooks = [layer.register_forward_pre_hook(lambda mod, args, j=j: xs[j].append(args[0].detach().reshape(-1, args[0].shape[-1]).clone()))
              for j, layer in enumerate(layers)]
     idx = [[] for _ in layers]
+    losses = []
     try:
         with torch.no_grad():
             for b in range(s.capture_batches):
-                tr.model(make_eval_batch(cfg, 0, 1, b)["inputs"])
+                batch = make_eval_batch(cfg, 0, 1, b)
+                losses.append(float(lm_loss(tr.model, batch)))
                 for j, layer in enumerate(layers):
                     idx[j].append(layer.last_routing.idx.clone())
     finally:
@@ -61,7 +65,7 @@ def capture(scale, seed: int = 0, trained: bool = True) -> dict:
 
         ckpt = str(save(tr, tempfile.mkdtemp(prefix=f"moelab-lsh-pretrained-{s.name}-"), len(rows)))
     return dict(x=xs, idx=idx, experts=experts, gates=gates, act=cfg.model.moe.activation, cfg=cfg.to_dict(), ckpt=ckpt,
-                loss=rows[-1]["loss"] if rows else None, iters=len(rows))
+                loss=rows[-1]["loss"] if rows else None, iters=len(rows), eval_ppl=float(np.exp(np.mean(losses))))
 
 
 def pretrained(scale, seed: int = 0) -> str:
