@@ -79,8 +79,9 @@ def table2(scale) -> pd.DataFrame:
     """Per (task, variant, seed): accuracy (exact eval), the compressed-eval accuracy of LSH-MoE seed 0, rho."""
     s = scale_spec(scale)
     ckpt = tokens.pretrained(scale)
+    variants = {"Origin": ORIGIN, "LSH-MoE": LSH, **rates.low_rate_variant(scale)}
     specs = [(dict(task=t, variant=v, seed=seed, eval="exact"), t, opts, seed, s.ft_iters, ckpt)
-             for t in TEXT_TASKS for seed in range(s.q_seeds) for v, opts in (("Origin", ORIGIN), ("LSH-MoE", LSH))]
+             for t in TEXT_TASKS for seed in range(s.q_seeds) for v, opts in variants.items()]
     specs += [(dict(task=t, variant="LSH-MoE", seed=0, eval="compressed"), t, {**LSH, "eval_mode": "compressed"}, 0,
                s.ft_iters, ckpt) for t in TEXT_TASKS]
     df = _run(scale, specs)
@@ -90,17 +91,23 @@ def table2(scale) -> pd.DataFrame:
 
 def table2_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per task: mean accuracy of each variant over seeds (exact eval), the compressed-eval accuracy, the
-    delta LSH − Origin and its absolute value, LSH's measured rho, the chance level."""
+    delta LSH − Origin and its absolute value, LSH's measured rho, the low-rate setting's accuracy and
+    rho (when one was added), the chance level."""
+    from moelab.config import TrainConfig
+
     ex = df[df["eval"] == "exact"]
     rows = []
     for t, sub in ex.groupby("task", sort=False):
         o, l = sub[sub.variant == "Origin"], sub[sub.variant == "LSH-MoE"]
         comp = df[(df.task == t) & (df["eval"] == "compressed")]
-        chance = {"acceptability": 0.5, "paraphrase": 0.5}.get(t)
+        chance = {"acceptability": 0.5, "paraphrase": 0.5}.get(t, 1 / TrainConfig.task_classes)
+        low = sub[sub.variant.str.startswith("LSH-MoE (L=")]  # the low-rate setting, when one was added
         rows.append(dict(task=t, origin_acc=o.acc.mean(), origin_std=o.acc.std(ddof=0), lsh_acc=l.acc.mean(),
                          lsh_std=l.acc.std(ddof=0), lsh_acc_compressed_eval=float(comp.acc.mean()) if len(comp) else None,
                          acc_delta=l.acc.mean() - o.acc.mean(), abs_acc_delta=abs(l.acc.mean() - o.acc.mean()),
-                         lsh_rho=l.rho.mean(), chance=chance, seeds=len(o)))
+                         lsh_rho=l.rho.mean(), low_rate_variant=low.variant.iloc[0] if len(low) else None,
+                         low_rate_acc=low.acc.mean() if len(low) else None,
+                         low_rate_rho=low.rho.mean() if len(low) else None, chance=chance, seeds=len(o)))
     out = pd.DataFrame(rows)
     out.attrs["label"] = df.attrs.get("label", "")
     return out

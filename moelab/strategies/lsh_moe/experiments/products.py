@@ -171,6 +171,7 @@ def table2(ctx):
         at_chance = r.chance is not None and max(r.origin_acc, r.lsh_acc) <= r.chance + 0.05
         notes.append(f"{r.task}: Origin {r.origin_acc:.3f}±{r.origin_std:.3f}, LSH-MoE {r.lsh_acc:.3f}±{r.lsh_std:.3f} "
                      f"(compressed eval {r.lsh_acc_compressed_eval:.3f}), rho {r.lsh_rho:.3f}"
+                     + (f"; {r.low_rate_variant} {r.low_rate_acc:.3f} at rho {r.low_rate_rho:.3f}" if r.low_rate_variant else "")
                      + (" — both at chance: this task tells nothing here" if at_chance else ""))
     return Made(t, tables={"table2_accuracy": (t, "Table 2 (substitute): fine-tuning accuracy per task, Origin vs LSH-MoE"),
                            "table2_runs": (df, "Table 2 (substitute): every fine-tuning run")}, notes=notes)

@@ -25,12 +25,7 @@ COMPRESSED_EVAL = "LSH-MoE, compressed eval"  # every other variant is evaluated
 
 def variants(scale) -> dict:
     """Fig. 6's variants, plus ``LSH-MoE (L=n)`` at the calibrated L when L=6 is above rho 0.25."""
-    out = dict(VARIANTS)
-    sweep = rates.rate_sweep(scale)
-    at6 = sweep[(sweep.source == "trained") & (sweep.family == "cross_polytope") & (sweep.r == 2) & (sweep.L == 6)]
-    if len(at6) and float(at6.rho.iloc[0]) > 0.25:
-        out[f"LSH-MoE (L={rates.calibrated_L(scale)})"] = {"num_hashes": rates.calibrated_L(scale)}
-    return out
+    return {**VARIANTS, **rates.low_rate_variant(scale)}
 
 
 PANELS = {"lm": "Fig. 6 left: RoBERTa-MoE masked LM on BooksCorpus+Wikipedia",
