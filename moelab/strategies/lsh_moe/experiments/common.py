@@ -36,6 +36,7 @@ class ScaleSpec:
     # fine-tuning from the pretrained capture model (Table 2, Fig. 7 left/right) and digits (Table 3)
     ft_iters: int
     ft_lr: float  # fine-tuning's learning rate (below pretraining's, as usual for fine-tuning)
+    ft_low_L: object  # Table 2's low-rate setting: L calibrated on fine-tuning runs (data, see scales.yaml); null: none
     ft_eval_every: int
     f7_seeds: int  # Fig. 7's sweeps (12 fine-tunings per seed)
     v_iters: int

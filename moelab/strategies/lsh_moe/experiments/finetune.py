@@ -79,7 +79,8 @@ def table2(scale) -> pd.DataFrame:
     """Per (task, variant, seed): accuracy (exact eval), the compressed-eval accuracy of LSH-MoE seed 0, rho."""
     s = scale_spec(scale)
     ckpt = tokens.pretrained(scale)
-    variants = {"Origin": ORIGIN, "LSH-MoE": LSH, **rates.low_rate_variant(scale)}
+    low = {} if s.ft_low_L is None else {f"LSH-MoE (L={s.ft_low_L})": {"num_hashes": int(s.ft_low_L)}}
+    variants = {"Origin": ORIGIN, "LSH-MoE": LSH, **low}
     specs = [(dict(task=t, variant=v, seed=seed, eval="exact"), t, opts, seed, s.ft_iters, ckpt)
              for t in TEXT_TASKS for seed in range(s.q_seeds) for v, opts in variants.items()]
     specs += [(dict(task=t, variant="LSH-MoE", seed=0, eval="compressed"), t, {**LSH, "eval_mode": "compressed"}, 0,
