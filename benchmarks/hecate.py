@@ -35,6 +35,13 @@ import sys
 import numpy as np
 
 
+# FlexMoE prices a step's gain with the hecate_A profile; at that profile's migration cost (params + Adam state
+# over a 100 Gb/s NIC) a step never pays back within K iterations on these tiny experts, its policy makes no
+# replica and FlexMoE is EP. A free migration (its documented option for tiny CPU models) lets the mechanism
+# fire: every step that balances the window is kept, and its replicas' own Adam state is what it costs.
+FLEXMOE_OPTIONS = {"migration_cost_s": 0.0}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=8)
@@ -48,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--intra", type=float, default=0.025, help="emulated intra-node GB/s per rank")
     p.add_argument("--inter", type=float, default=0.005, help="emulated inter-node GB/s per rank")
+    p.add_argument("--spag-backend", default="hier", choices=("a2a", "p2p", "hier"),
+                   help="Hecate's sparse collectives (t is sized on the node's links with hier, a rank's otherwise)")
     p.add_argument("--timeout", type=float, default=1800.0)
     a = p.parse_args(argv)
 
@@ -60,13 +69,13 @@ def main(argv=None) -> int:
             "model.moe.balance_loss_coef": 0.0, "parallel.nproc": a.nproc, "parallel.topology.nodes": a.nodes,
             "train.iters": a.iters, "train.batch_size": a.batch, "train.trace": False,
             "emulation.enabled": True, "emulation.intra_bw_GBps": a.intra, "emulation.inter_bw_GBps": a.inter}
-    hec = {"reshard_interval": max(2, a.warmup), "spag_backend": "hier"}
+    hec = {"reshard_interval": max(2, a.warmup), "spag_backend": a.spag_backend}
     systems = {"EP": ("ep", {}), "Hecate": ("hecate", hec),
                "Hecate sharding only": ("hecate", {**hec, "materialize": False, "calibration": False}),
                "Hecate materialization only": ("hecate", {**hec, "shard": False}),
                "Hecate-RM": ("hecate", {**hec, "rm": True}), "Hecate no calibration": ("hecate", {**hec, "calibration": False}),
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": a.nproc // a.nodes}),
-               "FlexMoE": ("flexmoe", {}), "FSDP": ("fsdp_expert", {}), "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
+               "FlexMoE": ("flexmoe", FLEXMOE_OPTIONS), "FSDP": ("fsdp_expert", {}), "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
     have = known_strategies()
     named = [(n, RunConfig().with_overrides({**base, "parallel.strategy": s, "parallel.strategy_options": o}).validate())
              for n, (s, o) in systems.items() if s in have]
@@ -107,7 +116,8 @@ def main(argv=None) -> int:
         f = runs["FlexMoE"].comm
         ar = f[(f.phase == "replica_sync") & (f.iter >= a.warmup)]
         print(f"FlexMoE replica all-reduce bytes per iteration: {ar[['bytes_intra', 'bytes_inter']].sum().sum() / (a.iters - a.warmup):.0f}"
-              " (its replicas differ from Hecate's plan: not the same-plan identity of spec §2.2, see tests)")
+              " (its replicas differ from Hecate's plan: not the same-plan identity of spec §2.2, see tests; "
+              f"0: its policy made no replica; options {FLEXMOE_OPTIONS})")
     plans = runs["Hecate"].plans
     print(f"Hecate overlap degree t = {plans[-1][0]['hecate']['t']}, m = {plans[-1][0]['hecate']['m']}; "
           f"calibrations: {[r['hecate']['calibration'] for it in plans for r in it].count('accepted')} accepted; "
