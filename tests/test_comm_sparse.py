@@ -142,3 +142,17 @@ def test_plans_are_validated():
     p = sparse_plan(((0,), (1,)), ((0, 1), (1, 0)), 0, 2)
     assert p.send == {1: (0,)} and p.recv == {1: (1,)} and p.replicas_here == (1,)
     assert p.bytes_in(10, 4) == p.bytes_out(10, 4) == 40 and sparse_plan(((0,), (1,)), ((0, 1), (1, 0)), 0, 2) is p
+
+
+def test_hier_leaders_rotate_so_a_nodes_crossings_use_all_its_links():
+    """Four experts owned on node 0, each newly held by every rank of node 1: each crosses once, to a
+    different rank of node 1 (the t experts of a node arrive over G links, as t's sizing assumes), and every
+    holder still gets each expert exactly once."""
+    G, E = 4, 4
+    P = tuple((e,) for e in range(E))
+    Pp = tuple((e, 4, 5, 6, 7) for e in range(E))
+    first, second = sparse_plan(P, Pp, 0, 8, G).gather_stages("hier")
+    assert sorted(d for _, d, _ in first) == [4, 5, 6, 7]  # one crossing per expert, one per link
+    got = sorted((d, e) for _, d, e in first + second)
+    assert got == sorted((d, e) for e in range(E) for d in (4, 5, 6, 7))
+    assert all(s // G == d // G for s, d, _ in second)  # the fan-out stays inside the node

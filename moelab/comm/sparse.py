@@ -16,8 +16,10 @@ another group). Backends (:data:`BACKENDS`):
 - ``a2a`` (default): one uneven all-to-all (rows = experts), the paper's group of broadcasts/reduces
   as one collective call;
 - ``p2p``: batched point-to-point sends/receives;
-- ``hier``: two stages — an expert crosses to each other node once (to that node's lowest-ranked new
-  holder, its *leader*), then the leader fans it out inside its node; spRS mirrors it (replicas reduce
+- ``hier``: two stages — an expert crosses to each other node once (to one of that node's new holders,
+  its *leader*; leaders rotate over the new holders from one crossing expert to the next, so t experts
+  crossing into a node arrive over up to G ranks' links at once, as t's node-NIC sizing assumes), then
+  the leader fans it out inside its node; spRS mirrors it (replicas reduce
   into the leader, leaders and same-node replicas into the owner). Stage 2 is issued by ``wait()``.
 
 A plan without any new copy issues nothing (every rank sees the same plan, so all agree).
@@ -96,6 +98,7 @@ class SparsePlan:
         if self.world_size // self.ranks_per_node < 2:
             raise ValueError("the hier sparse backend needs more than one node (parallel.topology.nodes > 1)")
         first, second = [], []
+        crossings: dict = {}  # node -> experts crossed into it so far: the leaders rotate over its new holders
         for e, (a, b) in enumerate(zip(self.holders_from, self.holders_to)):
             owner, new = a[0], [d for d in sorted(b) if d not in a]
             by_node: dict = {}
@@ -105,8 +108,11 @@ class SparsePlan:
                 if n == self.node(owner):
                     first += [(owner, d, e) for d in ds]
                 else:
-                    first.append((owner, ds[0], e))
-                    second += [(ds[0], d, e) for d in ds[1:]]
+                    k = crossings.get(n, 0)
+                    crossings[n] = k + 1
+                    lead = ds[k % len(ds)]
+                    first.append((owner, lead, e))
+                    second += [(lead, d, e) for d in ds if d != lead]
         return tuple(s for s in (tuple(first), tuple(second)) if s)
 
 
