@@ -1,6 +1,8 @@
 """The LSH-MoE reproduction's captured model: pretrained at a quality run's global batch, captured at one
 rank's batch, and its held-out perplexity reported (the reference line of Fig. 6 left)."""
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -15,9 +17,6 @@ def test_capture_trains_at_the_global_batch_and_reports_held_out_perplexity():
     torch.set_num_threads(1)
     trained, untrained = tokens.capture("smoke"), tokens.capture("smoke", trained=False)
     assert trained["iters"] == s.capture_iters
-    import json
-    from pathlib import Path
-
     meta = json.loads(next(Path(trained["ckpt"]).glob("meta.json")).read_text())
     assert meta["config"]["train"]["batch_size"] == s.q_nproc * s.batch  # a quality run's global batch
     rows = s.batch * s.seq  # each captured batch plays one source rank of a quality run

@@ -42,7 +42,10 @@ def run_config(scale, task: str, opts: dict, seed: int, iters: int, init_from=No
 
 
 def _rows(keys, runs) -> pd.DataFrame:
-    """One row per run: final exact-eval top-1/top-2, measured rho, median step time (after iteration 0)."""
+    """One row per run: final exact-eval top-1/top-2, measured rho, median step time (after iteration 0),
+    the task's number of classes."""
+    from moelab.models.tasks import num_classes
+
     rows = []
     for key, run in zip(keys, runs):
         ev = [m for m in run.metrics if m.get("eval_acc") is not None]
@@ -51,7 +54,7 @@ def _rows(keys, runs) -> pd.DataFrame:
         steps = run.step_times[1:].max(axis=1) if len(run.step_times) > 1 else run.step_times.max(axis=1)
         rows.append(dict(**key, acc=ev[-1]["eval_acc"] if ev else None, top2=ev[-1]["eval_top2_acc"] if ev else None,
                          rho=rho, step_s=float(np.median(steps)), final_loss=run.metrics[-1]["loss"],
-                         samples_per_step=run.cfg.train.batch_size * run.cfg.parallel.nproc))
+                         samples_per_step=run.cfg.train.batch_size * run.cfg.parallel.nproc, classes=num_classes(run.cfg)))
     return pd.DataFrame(rows)
 
 
@@ -79,8 +82,7 @@ def table2(scale) -> pd.DataFrame:
     """Per (task, variant, seed): accuracy (exact eval), the compressed-eval accuracy of LSH-MoE seed 0, rho."""
     s = scale_spec(scale)
     ckpt = tokens.pretrained(scale)
-    low = {} if s.ft_low_L is None else {f"LSH-MoE (L={s.ft_low_L})": {"num_hashes": int(s.ft_low_L)}}
-    variants = {"Origin": ORIGIN, "LSH-MoE": LSH, **low}
+    variants = {"Origin": ORIGIN, "LSH-MoE": LSH, **({} if s.ft_low_L is None else rates.lsh_at(s.ft_low_L))}
     specs = [(dict(task=t, variant=v, seed=seed, eval="exact"), t, opts, seed, s.ft_iters, ckpt)
              for t in TEXT_TASKS for seed in range(s.q_seeds) for v, opts in variants.items()]
     specs += [(dict(task=t, variant="LSH-MoE", seed=0, eval="compressed"), t, {**LSH, "eval_mode": "compressed"}, 0,
@@ -93,16 +95,14 @@ def table2(scale) -> pd.DataFrame:
 def table2_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per task: mean accuracy of each variant over seeds (exact eval), the compressed-eval accuracy, the
     delta LSH − Origin and its absolute value, LSH's measured rho, the low-rate setting's accuracy and
-    rho (when one was added), the chance level."""
-    from moelab.config import TrainConfig
-
+    rho (when one was added), the chance level (1 / classes)."""
     ex = df[df["eval"] == "exact"]
     rows = []
     for t, sub in ex.groupby("task", sort=False):
         o, l = sub[sub.variant == "Origin"], sub[sub.variant == "LSH-MoE"]
         comp = df[(df.task == t) & (df["eval"] == "compressed")]
-        chance = {"acceptability": 0.5, "paraphrase": 0.5}.get(t, 1 / TrainConfig.task_classes)
-        low = sub[sub.variant.str.startswith("LSH-MoE (L=")]  # the low-rate setting, when one was added
+        chance = 1 / int(sub.classes.iloc[0])
+        low = sub[sub.variant.str.startswith(rates.AT_L)]  # the low-rate setting, when one was added
         rows.append(dict(task=t, origin_acc=o.acc.mean(), origin_std=o.acc.std(ddof=0), lsh_acc=l.acc.mean(),
                          lsh_std=l.acc.std(ddof=0), lsh_acc_compressed_eval=float(comp.acc.mean()) if len(comp) else None,
                          acc_delta=l.acc.mean() - o.acc.mean(), abs_acc_delta=abs(l.acc.mean() - o.acc.mean()),
@@ -133,7 +133,7 @@ def table3(scale) -> pd.DataFrame:
     s = scale_spec(scale)
     rows_per_group = s.batch * num_patches(s.v_patch) * 2 / s.experts
     Lb = bounded_L(rows_per_group)
-    variants = [("Origin", ORIGIN), ("LSH-MoE", LSH), (f"LSH-MoE (L={Lb})", {"num_hashes": Lb})]
+    variants = [("Origin", ORIGIN), ("LSH-MoE", LSH), *rates.lsh_at(Lb).items()]
     specs = [(dict(variant=v, seed=seed), "digits", opts, seed, s.v_iters, None)
              for seed in range(s.q_seeds) for v, opts in variants]
     df = _run(scale, specs)

@@ -110,15 +110,22 @@ def calibrated_L(scale, target: float = 0.25, r: int = 2, seed: int = 0) -> int:
     return int(ok.L.max()) if len(ok) else 1
 
 
+AT_L = "LSH-MoE (L="  # how the quality experiments name LSH-MoE at a non-default L
+
+
+def lsh_at(L: int) -> dict:
+    """``{"LSH-MoE (L=n)": {"num_hashes": n}}``: the variant every quality experiment adds at another L."""
+    return {f"{AT_L}{int(L)})": {"num_hashes": int(L)}}
+
+
 def low_rate_variant(scale, target: float = 0.25) -> dict:
-    """``{"LSH-MoE (L=n)": {"num_hashes": n}}`` at :func:`calibrated_L` when the paper's L = 6 keeps more than
-    ``target`` of the captured rows, else ``{}``: the setting each quality task adds so that one of its
-    runs compresses to rho <= ``target`` (each run still logs the rate it really reached)."""
+    """:func:`lsh_at` the :func:`calibrated_L` when the paper's L = 6 keeps more than ``target`` of the
+    captured rows, else ``{}``: the setting Fig. 6 adds so that one of its runs compresses to rho <=
+    ``target`` (each run still logs the rate it really reached)."""
     sweep = rate_sweep(scale)
     at6 = sweep[(sweep.source == "trained") & (sweep.family == "cross_polytope") & (sweep.r == 2) & (sweep.L == 6)]
     if len(at6) and float(at6.rho.iloc[0]) > target:
-        L = calibrated_L(scale, target)
-        return {f"LSH-MoE (L={L})": {"num_hashes": L}}
+        return lsh_at(calibrated_L(scale, target))
     return {}
 
 
