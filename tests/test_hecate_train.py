@@ -158,3 +158,37 @@ def _diverge(rank, world):
 def test_rank_divergent_plans_fail_clearly_under_debug_plan_hash():
     out = run_ranks(_diverge, 2, timeout=60)
     assert all("different Hecate plans" in o for o in out), out
+
+
+def _measured_t(rank, world, t_iters):
+    import time
+
+    from moelab.runtime.train import Trainer
+
+    torch.set_num_threads(1)
+    cfg = RunConfig().with_overrides({
+        **BASE, "parallel.nproc": world, "parallel.strategy": "hecate",
+        "parallel.strategy_options": {"t_iters": t_iters, "calibration": False},
+        "emulation.enabled": True, "emulation.inter_bw_GBps": 1e-4, "emulation.intra_bw_GBps": 1.0}).validate()
+    tr = Trainer.build(cfg)
+    slow = [True]  # iteration 0's attention is slow (a warm-up), later ones are not
+    for block in tr.model.blocks:  # registered after Hecate's pre-hook, so inside its attention timing
+        block.attn.register_forward_pre_hook(lambda m, a: time.sleep(0.4) if slow[0] else None)
+    tr.step(0)
+    slow[0] = False
+    for it in range(1, BASE["train.iters"]):
+        tr.step(it)
+    return [p["hecate"]["t"] for p in tr.plans if p["layer"] == 0]
+
+
+def test_measured_t_takes_the_median_of_the_first_iterations():
+    """t = ⌊T_nonMoE · bw / s_e⌋ from the median attention time of the first t_iters iterations: one slow
+    first iteration sets a large t for iteration 1 only; with t_iters = 1 it stays."""
+    median3 = run_ranks(_measured_t, 2, 3, timeout=120)
+    first = run_ranks(_measured_t, 2, 1, timeout=120)
+    for ts in median3 + first:
+        assert ts[0] == 0 and ts[1] >= 2, ts  # 0.4 s at 1e5 B/s carries >= 2 experts of ~9 KB
+    for ts in median3:
+        assert ts[2] >= 1 and ts[3] == ts[4] == 0, ts  # the median of (slow, fast): half; of (slow, fast, fast): fast
+    for ts in first:
+        assert ts[1] == ts[2] == ts[3] == ts[4], ts

@@ -2,7 +2,8 @@
 
 | option | default | meaning (spec ``papers/hecate.md``) |
 |---|---|---|
-| ``t`` | null | overlap degree (§2.3); null: ⌊T_nonMoE · bw / s_e⌋ from ``t_nonmoe_s`` (or the attention forward time measured at iteration 0, max over ranks), the emulated links (else ``cost_profile``) |
+| ``t`` | null | overlap degree (§2.3); null: ⌊T_nonMoE · bw / s_e⌋ from ``t_nonmoe_s`` (or the measured attention forward time, see ``t_iters``), the emulated links (else ``cost_profile``) |
+| ``t_iters`` | 3 | measured T_nonMoE: the median of the first ``t_iters`` iterations' mean attention forward time (max over ranks); t is re-decided before each of iterations 1..``t_iters`` from the iterations so far, then fixed (1: iteration 0 alone) |
 | ``m`` | null | replica slots per device (§2.3); null: from ``replica_budget_bytes``, else m = t |
 | ``replica_budget_bytes`` | null | free bytes for replicas → m = ⌊budget / (live layers · (param + grad bytes of an expert))⌋ |
 | ``t_nonmoe_s`` | null | T_nonMoE in seconds (identical on every rank) instead of measuring it |
@@ -50,6 +51,7 @@ class HecateOptions(StrategyOptions):
     m: Optional[int] = field(default=None, metadata={"type": int})
     replica_budget_bytes: Optional[float] = field(default=None, metadata={"type": float})
     t_nonmoe_s: Optional[float] = field(default=None, metadata={"type": float})
+    t_iters: int = 3
     assign: str = field(default="proportional", metadata={"choices": ASSIGN})
     window: int = 5
     reshard_interval: int = 100
@@ -70,7 +72,7 @@ class HecateOptions(StrategyOptions):
             v = getattr(self, name)
             if v is not None and v < 0:
                 errs.append(f"{name} must be >= 0, got {v}")
-        for name in ("window", "reshard_window"):
+        for name in ("window", "reshard_window", "t_iters"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 errs.append(f"{name} must be >= 1, got {v}")

@@ -13,13 +13,15 @@ Per iteration, on every rank, from all-reduced integers only (so every rank comp
   sync of the dense parameters; every owned expert gets a gradient (zeros without tokens);
 - ``step``: Adam on what the rank owns (owned experts + dense); the window takes this iteration's loads.
 
-The overlap degree ``t`` (unless given) is ⌊T_nonMoE · bw / s_e⌋ with T_nonMoE the attention forward time
-measured in iteration 0 (max over ranks, exchanged unrecorded) or ``t_nonmoe_s``, bw the emulated
+The overlap degree ``t`` (unless given) is ⌊T_nonMoE · bw / s_e⌋ with T_nonMoE the median over the first
+``t_iters`` iterations of the attention forward time (max over ranks, exchanged unrecorded; re-decided before
+each of iterations 1..t_iters, so one slow first iteration does not fix t) or ``t_nonmoe_s``, bw the emulated
 per-node inter-node bandwidth (hier) or its per-rank share (flat), else ``cost_profile``'s NIC.
 """
 from __future__ import annotations
 
 import copy
+import statistics
 import threading
 import time
 from typing import Optional
@@ -58,7 +60,7 @@ class HecateUpdate(DataParallelUpdate):
         self.iteration = 0
         self.t: Optional[int] = o.t
         self.m: Optional[int] = None
-        self._attn_s: list = []
+        self._attn_s: list = []  # per measured iteration: its attention forward times, one per layer
         self._hooks = []
         for block in getattr(model, "blocks", []):
             if block.ffn in self.layers:
@@ -76,8 +78,10 @@ class HecateUpdate(DataParallelUpdate):
     def _after_attention(self, layer):
         def hook(module, args, output):
             t1 = time.time()
-            if self.iteration == 0 and torch.is_grad_enabled():
-                self._attn_s.append(t1 - self._t_attn)
+            if self._measuring() and torch.is_grad_enabled():
+                while len(self._attn_s) <= self.iteration:
+                    self._attn_s.append([])
+                self._attn_s[self.iteration].append(t1 - self._t_attn)
             rec = self.comm.rec
             if rec.enabled:  # attention on the trace, so the overlap with the gather is visible
                 rec.spans.append(Span("attention", "attention", self._t_attn, t1,
@@ -94,14 +98,22 @@ class HecateUpdate(DataParallelUpdate):
         return hook
 
     # ---- t and m ----------------------------------------------------------------------------------------
+    def _measured(self) -> bool:
+        """Whether t comes from the measured attention time (neither t nor T_nonMoE given)."""
+        return self.options.t is None and self.options.t_nonmoe_s is None
+
+    def _measuring(self) -> bool:
+        """Whether this iteration's attention time feeds t."""
+        return self._measured() and self.iteration < self.options.t_iters
+
     def _decide_t_m(self) -> None:
         o, layer = self.options, self.layers[0]
         s_e = layer.numel * torch.empty(0, dtype=layer.dtype).element_size()
         E = self.cfg.model.moe.num_experts
-        if self.t is None:
+        if o.t is None:
             T = o.t_nonmoe_s
             if T is None:
-                mine = sum(self._attn_s) / max(1, len(self._attn_s))
+                mine = statistics.median([sum(a) / len(a) for a in self._attn_s if a] or [0.0])
                 with self.comm.rec.paused():  # metric traffic: every rank takes the same (max) time
                     T = float(self.comm.all_gather(torch.tensor([mine], dtype=torch.float64)).max())
             em = self.cfg.emulation
@@ -120,7 +132,7 @@ class HecateUpdate(DataParallelUpdate):
     # ---- the Update interface -------------------------------------------------------------------------------
     def before_forward(self) -> None:
         o = self.options
-        if self.m is None and (self.iteration > 0 or self.t is not None):
+        if (self.m is None and (self.iteration > 0 or o.t is not None)) or (self._measured() and 0 < self.iteration <= o.t_iters):
             self._decide_t_m()
         t, m = self.t or 0, self.m or 0
         moved = []
@@ -158,7 +170,8 @@ class HecateUpdate(DataParallelUpdate):
     def restore_state(self, state: dict) -> None:
         self.iteration, self.t, self.m = int(state["iteration"]), state["t"], state["m"]
         self.window, self.reshard_window = state["window"], state["reshard_window"]
-        self._attn_s = list(state["attn_s"])
+        a = list(state["attn_s"])
+        self._attn_s = a if all(isinstance(x, list) for x in a) else [a]  # older checkpoints: iteration 0's, flat
 
     def sync(self) -> None:
         for layer in reversed(self.layers):  # spRS were issued last layer first: wait in that order
