@@ -13,7 +13,8 @@ software beside its link time, then the emulator's sync).
 Printed: iteration time and speedup over EP (measured / simulated) of Hecate (full, sharding only,
 materialization only, RM, no calibration) and every baseline present (FasterMoE, FlexMoE, FSDP, SmartMoE);
 inter-node all-to-all bytes EP / Hecate; spAG + spRS bytes vs FlexMoE's replica all-reduce bytes;
-memory at the iteration peak (params / total) per system; the computed overlap degree t; the MoE layers alone
+memory at the iteration peak per category (params, grads, optim, activations) and in total, with the iteration of
+the total peak, per system; the computed overlap degree t; the MoE layers alone
 (real: gate to last token exchange forward, first to last backward; sim: the critical path's MoE ops); exposed /
 total spAG time; RM's replica bytes and time. CPU timings are not paper numbers (spec §6.15): the ratios check
 mechanisms, the simulator carries the paper scale.
@@ -119,14 +120,24 @@ def main(argv=None) -> int:
               " (its replicas differ from Hecate's plan: not the same-plan identity of spec §2.2, see tests; "
               f"0: its policy made no replica; options {FLEXMOE_OPTIONS})")
     plans = runs["Hecate"].plans
-    print(f"Hecate overlap degree t = {plans[-1][0]['hecate']['t']}, m = {plans[-1][0]['hecate']['m']}; "
-          f"calibrations: {[r['hecate']['calibration'] for it in plans for r in it].count('accepted')} accepted; "
+    print(f"Hecate m = {plans[-1][0]['hecate']['m']}; calibrations: "
+          f"{[r['hecate']['calibration'] for it in plans for r in it].count('accepted')} accepted; "
           f"experts migrated: {sum(len(r['hecate']['moved']) for it in plans for r in it)}")
-    print(f"\n{'system':30s} {'params peak MB':>14s} {'total peak MB':>14s} {'total / EP':>10s}")
-    peak = {n: (max(m['mem_params_peak_bytes'] for m in r.metrics), max(m['mem_total_peak_bytes'] for m in r.metrics))
-            for n, r in runs.items()}
-    for n, (pp, tt) in peak.items():
-        print(f"{n:30s} {pp / 1e6:14.3f} {tt / 1e6:14.3f} {tt / peak['EP'][1]:10.2f}")
+    print("overlap degree t (T_nonMoE·bw/s_e, each run measures its own T_nonMoE): " + ", ".join(
+        f"{n} {r.plans[-1][0]['hecate']['t']} ({r.plans[-1][0]['hecate'].get('t_quotient') or 0:.2f})"
+        for n, r in runs.items() if n.startswith("Hecate")))
+    cats = ("params", "grads", "optim", "activations", "total")
+    print(f"\n{'memory peak MB (max over iterations)':36s}" + "".join(f"{c:>12s}" for c in cats)
+          + f" {'total / EP':>10s} {'peak iter':>9s}")
+    peak = {}
+    for n, r in runs.items():
+        peak[n] = [max(m[f"mem_{c}_peak_bytes"] for m in r.metrics) for c in cats]
+        at = max(r.metrics, key=lambda m: m["mem_total_peak_bytes"])["iter"]
+        print(f"{n:36s}" + "".join(f"{v / 1e6:12.3f}" for v in peak[n]) + f" {peak[n][-1] / peak['EP'][-1]:10.2f} {at:9d}")
+    dev = {n: max_device_tokens(r.plans[a.warmup:], a.nproc) for n, r in runs.items()
+           if n == "EP" or n.startswith("Hecate")}
+    print("tokens the busiest device computes per MoE layer over EP's (median over iterations; a replicated "
+          "expert's tokens split evenly over its holders): " + ", ".join(f"{n} {v / dev['EP']:.2f}" for n, v in dev.items()))
     moe = {n: (real_moe_s(r, a.warmup), sim_moe_s(sm, c, a.warmup)) for (n, c), r, sm in zip(named, reals, sims)}
     print(f"\n{'MoE layers alone (ms/iter)':30s} {'real':>8s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s}")
     for n, (mr, ms) in moe.items():
@@ -145,6 +156,24 @@ def main(argv=None) -> int:
     print(f"\nsimulated bytes == measured bytes: {comp.metrics['bytes_exact']} ({comp.metrics['bytes_cells']} cells); "
           f"median prediction error {comp.metrics['median_rel_err']:.0%}")
     return 0
+
+
+def max_device_tokens(plans, N: int) -> float:
+    """Median over iterations of the mean over layers of the busiest device's tokens: EP's owners are
+    e // (E / N); Hecate's come from its plan records (holders per expert, tokens split evenly over them)."""
+    per_iter = []
+    for it in plans:
+        worst = []
+        for rec in it:
+            counts = np.asarray(rec["counts"], dtype=float).reshape(-1, len(rec["counts"][-1])).sum(0)
+            E = len(counts)
+            holders = rec["hecate"]["holders"] if "hecate" in rec else [[e // (E // N)] for e in range(E)]
+            load = np.zeros(N)
+            for e, hs in enumerate(holders):
+                load[list(hs)] += counts[e] / len(hs)
+            worst.append(load.max())
+        per_iter.append(np.mean(worst))
+    return float(np.median(per_iter))
 
 
 def real_moe_s(run, warmup: int) -> float:

@@ -134,8 +134,11 @@ class FSSDPCost:
     def overlap_degree(self, t_nonmoe_s: float, E: int) -> int:
         """t for this cluster: the node's NIC bandwidth with the hierarchical collectives, its per-device
         share (NIC / G) with flat ones (spec §2.3 [choice])."""
-        bw = self.nic_Bps if self.hier else self.nic_Bps / self.ranks_per_node
-        return _overlap_degree(t_nonmoe_s, bw, self.expert_bytes, E)
+        return _overlap_degree(t_nonmoe_s, self.overlap_bw_Bps(), self.expert_bytes, E)
+
+    def overlap_bw_Bps(self) -> float:
+        """The bandwidth t is sized on (see :meth:`overlap_degree`)."""
+        return self.nic_Bps if self.hier else self.nic_Bps / self.ranks_per_node
 
 
 def cost_for_run(cfg, profile, ranks_per_node: Optional[int] = None) -> FSSDPCost:

@@ -121,7 +121,10 @@ class HecateUpdate(DataParallelUpdate):
                 bw = em.inter_bw_GBps * 1e9 * (self.G if o.spag_backend == "hier" else 1)
                 self.t = overlap_degree(T, bw, s_e, E)
             else:
+                bw, s_e = layer.cost.overlap_bw_Bps(), layer.cost.expert_bytes
                 self.t = layer.cost.overlap_degree(T, E)
+            for lay in self.layers:  # how near an integer t's quotient was (the benchmark prints it)
+                lay.t_quotient = T * bw / s_e
         if o.m is not None:
             self.m = o.m
         elif o.replica_budget_bytes is not None:
