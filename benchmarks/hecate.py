@@ -127,13 +127,15 @@ def main(argv=None) -> int:
         f"{n} {r.plans[-1][0]['hecate']['t']} ({r.plans[-1][0]['hecate'].get('t_quotient') or 0:.2f})"
         for n, r in runs.items() if n.startswith("Hecate")))
     cats = ("params", "grads", "optim", "activations", "total")
-    print(f"\n{'memory peak MB (max over iterations)':36s}" + "".join(f"{c:>12s}" for c in cats)
-          + f" {'total / EP':>10s} {'peak iter':>9s}")
+    print(f"\n{'memory peak MB (max over ranks, iterations)':44s}" + "".join(f"{c:>12s}" for c in cats)
+          + f" {'total / EP':>10s} {'at rank, iter':>14s}")
     peak = {}
     for n, r in runs.items():
-        peak[n] = [max(m[f"mem_{c}_peak_bytes"] for m in r.metrics) for c in cats]
-        at = max(r.metrics, key=lambda m: m["mem_total_peak_bytes"])["iter"]
-        print(f"{n:36s}" + "".join(f"{v / 1e6:12.3f}" for v in peak[n]) + f" {peak[n][-1] / peak['EP'][-1]:10.2f} {at:9d}")
+        mem = r.memory
+        peak[n] = [float(mem[f"mem_{c}_peak_bytes"].max()) for c in cats]
+        at = mem.loc[mem.mem_total_peak_bytes.idxmax()]
+        print(f"{n:44s}" + "".join(f"{v / 1e6:12.3f}" for v in peak[n])
+              + f" {peak[n][-1] / peak['EP'][-1]:10.2f} {int(at['rank']):>8d}, {int(at['iter']):d}")
     dev = {n: max_device_tokens(r.plans[a.warmup:], a.nproc) for n, r in runs.items()
            if n == "EP" or n.startswith("Hecate")}
     print("tokens the busiest device computes per MoE layer over EP's (median over iterations; a replicated "

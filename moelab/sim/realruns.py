@@ -42,6 +42,7 @@ class RealRun:
     plans: list = field(default_factory=list)
     metrics: list = field(default_factory=list)  # rank 0's per-iteration metrics rows (memory peaks, bytes)
     layer_metrics: object = None  # every rank's per-(iteration, layer) ``layer.last_metrics`` rows (DataFrame)
+    memory: object = None  # every rank's per-iteration memory peaks (DataFrame: rank, iter, mem_<cat>_peak_bytes)
 
     @property
     def nproc(self) -> int:
@@ -117,7 +118,9 @@ def _real_worker(rank, world, cfg_dicts):
             plans[rec["iter"]].append(rec)
         out.append(dict(step_times=[m["step_time_s"] for m in tr.metrics], loads=np.stack(loads),
                         comm=comm, spans=spans, wall=time.time() - t0, plans=plans, metrics=list(tr.metrics),
-                        layer_metrics=list(tr.layer_metrics)))
+                        layer_metrics=list(tr.layer_metrics),
+                        memory=[{"iter": m["iter"], **{k: v for k, v in m.items() if k.endswith("_peak_bytes")}}
+                                for m in tr.metrics]))
         del tr
     return out
 
@@ -160,7 +163,8 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
                             res[0]["loads"], comm, spans, wall_s=max(x["wall"] for x in res),
                             plans=res[0]["plans"], metrics=res[0]["metrics"],
                             layer_metrics=pd.DataFrame([{"rank": r, **row} for r, x in enumerate(res)
-                                                        for row in x["layer_metrics"]])))
+                                                        for row in x["layer_metrics"]]),
+                            memory=pd.DataFrame([{"rank": r, **row} for r, x in enumerate(res) for row in x["memory"]])))
     return runs
 
 
