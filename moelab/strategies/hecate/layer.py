@@ -84,7 +84,8 @@ class HecateMoELayer(MoELayer):
         self.prev_layer: Optional["HecateMoELayer"] = None
         self.is_last = True
         self.t, self.m = self.options.t or 0, self.options.m if self.options.m is not None else (self.options.t or 0)
-        self.t_quotient: Optional[float] = None  # T_nonMoE · bw / s_e before the floor, when t was computed
+        self.t_nonmoe_s: Optional[float] = None  # T_nonMoE t was computed from, and T_nonMoE · bw / s_e (unfloored)
+        self.t_quotient: Optional[float] = None
         self._plan: Optional[tuple] = None  # P' set by the driver for this iteration
         self._prefetch = None  # (holders, handle) issued beside attention
         self._call: Optional[HecateCall] = None
@@ -234,6 +235,6 @@ class HecateMoELayer(MoELayer):
             "holders": [list(h) for h in final],
             "calibrated": final != prefetch, "calibration": r.get("calibration", "off"),
             "rm": bool(self.options.rm and self.driver is not None and not self.is_last),
-            "t": self.t, "t_quotient": self.t_quotient, "m": self.m, "backend": self.backend,
+            "t": self.t, "t_nonmoe_s": self.t_nonmoe_s, "t_quotient": self.t_quotient, "m": self.m, "backend": self.backend,
             "moved": [list(mv) for mv in self.moved], "spag_exposed_s": r.get("spag_exposed_s", 0.0)}
         return rec

@@ -118,13 +118,13 @@ class HecateUpdate(DataParallelUpdate):
                     T = float(self.comm.all_gather(torch.tensor([mine], dtype=torch.float64)).max())
             em = self.cfg.emulation
             if em.enabled:
-                bw = em.inter_bw_GBps * 1e9 * (self.G if o.spag_backend == "hier" else 1)
-                self.t = overlap_degree(T, bw, s_e, E)
+                bw, size = em.inter_bw_GBps * 1e9 * (self.G if o.spag_backend == "hier" else 1), s_e
+                self.t = overlap_degree(T, bw, size, E)
             else:
-                bw, s_e = layer.cost.overlap_bw_Bps(), layer.cost.expert_bytes
+                bw, size = layer.cost.overlap_bw_Bps(), layer.cost.expert_bytes
                 self.t = layer.cost.overlap_degree(T, E)
-            for lay in self.layers:  # how near an integer t's quotient was (the benchmark prints it)
-                lay.t_quotient = T * bw / s_e
+            for lay in self.layers:  # T_nonMoE, and how near an integer t's quotient was (the benchmark prints them)
+                lay.t_nonmoe_s, lay.t_quotient = T, T * bw / size
         if o.m is not None:
             self.m = o.m
         elif o.replica_budget_bytes is not None:
