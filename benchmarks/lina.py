@@ -33,7 +33,8 @@ are not the paper's GPUs: the ratios check mechanisms.
 
 Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04] [--batch 2]
                                  [--intra 0.02] [--inter 0.005] [--gamma fitted] [--d 128] [--layers 4] [--only POLICY ...]
-       python benchmarks/lina.py --serve default [--serve-links 0.01 0.002]   # the inference variants (4 ranks, EMULATED)
+       python benchmarks/lina.py --serve default [--serve-links 0.01 0.002] [--replica-rounding nearest]
+                                 # the inference variants (4 ranks, EMULATED)
 """
 from __future__ import annotations
 
@@ -142,9 +143,11 @@ def main(argv=None) -> int:
     p.add_argument("--serve-links", nargs=2, type=float, default=(0.01, 0.002), metavar=("INTRA", "INTER"),
                    help="with --serve: the emulated links' GB/s per rank (default 0.01 0.002: a batch's bytes, "
                    "not each call's fixed cost, set its time; the scale's own: 0.2 0.05 at default)")
+    p.add_argument("--replica-rounding", default="floor", choices=("floor", "nearest"),
+                   help="with --serve: dedicated replicas of a hot expert, floor(n(e)) (the spec's) or n(e) rounded")
     a = p.parse_args(argv)
     if a.serve:
-        return serve_rows(a.serve, tuple(a.serve_links))
+        return serve_rows(a.serve, tuple(a.serve_links), a.replica_rounding)
     gamma_src = "given"
     if a.gamma == "fitted":
         from moelab.strategies.lina.experiments.paper_scale import fitted_gamma
@@ -210,7 +213,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def serve_rows(scale: str, links: tuple) -> int:
+def serve_rows(scale: str, links: tuple, rounding: str = "floor") -> int:
     """Inference: p50/p95/p99 request latency and p95 batch time of every variant over the baseline's, and
     Lina's re-plan rate (4 gloo ranks serving over EMULATED ``links`` = (intra, inter) GB/s, 2 nodes x 2,
     so a hot expert's rank pays for its bytes as on the paper's network; no simulator prediction of this
@@ -220,8 +223,8 @@ def serve_rows(scale: str, links: tuple) -> int:
 
     from moelab.strategies.lina.experiments import frames
 
-    df = frames.serve_summary(scale, emulated=links).set_index("variant")
-    acc = frames.estimation_accuracy(scale, emulated=links)
+    df = frames.serve_summary(scale, emulated=links, rounding=rounding).set_index("variant")
+    acc = frames.estimation_accuracy(scale, emulated=links, rounding=rounding)
     base = df.loc["baseline"]
     print(df.attrs["label"])
     print(f"{'variant':20s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "

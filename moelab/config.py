@@ -134,6 +134,7 @@ class ServeConfig:
     k_est: int = 2  # per-token experts kept from the path distribution
     k_cmp: int = 2  # top experts compared by phase 2
     max_pack: int = 4  # experts per device at most
+    replica_rounding: str = "floor"  # dedicated replicas of an expert wanting n(e) >= 1 devices: floor (spec [R]) | nearest
     profile_batches: int = 4  # training-split batches per rank traced to fit the path table
 
 
@@ -453,6 +454,8 @@ def serve_errors(cfg: "RunConfig") -> list:
     errs = []
     if sv.variant not in SERVE_VARIANTS:
         errs.append(f"serve.variant must be one of {list(SERVE_VARIANTS)}, got {sv.variant!r}")
+    if sv.replica_rounding not in ("floor", "nearest"):
+        errs.append(f"serve.replica_rounding must be 'floor' or 'nearest', got {sv.replica_rounding!r}")
     if sv.arrival not in ("poisson", "closed"):
         errs.append(f"serve.arrival must be 'poisson' or 'closed', got {sv.arrival!r}")
     for name, v, lo in (("requests", sv.requests, 1), ("batch_size", sv.batch_size, 1), ("max_pack", sv.max_pack, 1),

@@ -18,12 +18,13 @@ def random_n(rng, E, N):
     return N * pop * rng.uniform(0.6, 1.0)  # estimated mass < 1
 
 
+@pytest.mark.parametrize("rounding", ["floor", "nearest"])
 @pytest.mark.parametrize("E,N,max_pack", [(4, 4, 4), (8, 4, 4), (16, 16, 4), (16, 4, 4), (16, 8, 2), (6, 3, 2)])
-def test_allocation_places_every_expert_within_max_pack_on_exactly_n_devices(E, N, max_pack):
+def test_allocation_places_every_expert_within_max_pack_on_exactly_n_devices(E, N, max_pack, rounding):
     rng = np.random.default_rng(E * 100 + N)
     for _ in range(200):
         n = random_n(rng, E, N)
-        devs = allocate(n, N, max_pack, seed=1)
+        devs = allocate(n, N, max_pack, seed=1, rounding=rounding)
         assert len(devs) == N
         assert all(1 <= len(d) <= max_pack for d in devs)
         assert {e for d in devs for e in d} == set(range(E))
@@ -43,6 +44,21 @@ def test_allocation_edge_cases():
     with pytest.raises(ValueError, match="cannot hold"):
         allocate([1] * 9, 2, 4)
     assert allocate([0.5, 0.3, 0.2, 0.0], 2, 4, seed=3) == allocate([0.5, 0.3, 0.2, 0.0], 2, 4, seed=3)
+
+
+def _max_device_load(devs, n):
+    reps = {e: sum(e in d for d in devs) for d in devs for e in d}
+    return max(sum(n[e] / reps[e] for e in d) for d in devs)
+
+
+def test_nearest_rounding_replicates_a_hot_experts_fraction():
+    n = [1.64, 0.9, 0.8, 0.66]  # 4 devices; expert 0 wants 1.64 of them
+    floor, nearest = allocate(n, 4, 4), allocate(n, 4, 4, rounding="nearest")
+    assert sum(0 in d for d in floor) == 1 and sum(0 in d for d in nearest) == 2
+    assert _max_device_load(nearest, n) < _max_device_load(floor, n) == pytest.approx(1.64)
+    assert allocate([1.3, 0.9, 0.9, 0.9], 4, 4, rounding="nearest") == allocate([1.3, 0.9, 0.9, 0.9], 4, 4)  # rounds down
+    with pytest.raises(ValueError, match="rounding"):
+        allocate(n, 4, 4, rounding="ceil")
 
 
 def _bins_opt(sizes):

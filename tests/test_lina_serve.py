@@ -100,6 +100,7 @@ def test_malformed_requests_are_rejected_not_fatal(tmp_path):
     ({"serve.max_pack": 1, "parallel.nproc": 2}, "cannot hold 4 experts"),
     ({"model.moe.capacity_factor": 1.0}, "no drops"),
     ({"serve.variant": "magic"}, "serve.variant must be one of"),
+    ({"serve.replica_rounding": "ceil"}, "replica_rounding must be"),
 ])
 def test_bad_serve_config_is_reported_before_launch(over, msg):
     cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 4, **over})

@@ -4,7 +4,8 @@ replica split every rank applies to its tokens.
 Every rank runs these on the same all-gathered inputs and gets the same plan without talking.
 
 - :func:`allocate`: ``n(e)`` devices wanted per expert (Eq. 1, ``n = N * pop_hat``) -> one expert list
-  per device: ``floor(n(e))`` dedicated replicas for popular experts, first-fit-decreasing packing of
+  per device: ``floor(n(e))`` dedicated replicas for popular experts (``rounding="nearest"``: ``n(e)``
+  rounded half up, so an expert wanting 1.6 devices gets 2, not 1), first-fit-decreasing packing of
   the fractional ones (bins of capacity 1.0, at most ``max_pack`` experts), experts nobody ranked
   spread over free devices (else a seeded device with room), leftover devices to the expert with the
   highest load per replica. Every expert is placed, no device exceeds ``max_pack``.
@@ -24,9 +25,14 @@ import numpy as np
 from moelab.placement import Placement
 
 
-def allocate(n, N: int, max_pack: int = 4, seed: int = 0, log: list = None) -> list:
+ROUNDING = ("floor", "nearest")
+
+
+def allocate(n, N: int, max_pack: int = 4, seed: int = 0, log: list = None, rounding: str = "floor") -> list:
     """Device -> experts for ``n[e]`` wanted devices (see module doc). ``log`` (a list) receives a
-    note for every forced overflow of a bin past capacity 1.0."""
+    note for every forced overflow of a bin past capacity 1.0. ``rounding``: dedicated replicas of an
+    expert with ``n(e) >= 1``, ``floor`` (the spec's [R] default) or ``nearest`` (half up): with few
+    devices per expert (N < E) the floor leaves a hot expert's fraction on one device."""
     n = np.asarray(n, dtype=np.float64)
     E = len(n)
     if N < 1 or max_pack < 1:
@@ -35,8 +41,11 @@ def allocate(n, N: int, max_pack: int = 4, seed: int = 0, log: list = None) -> l
         raise ValueError(f"max_pack={max_pack} x N={N} devices cannot hold E={E} experts")
     if (n < 0).any() or not np.isfinite(n).all():
         raise ValueError("wanted devices n(e) must be finite and >= 0")
+    if rounding not in ROUNDING:
+        raise ValueError(f"rounding must be one of {ROUNDING}, got {rounding!r}")
     order = sorted(range(E), key=lambda e: (-n[e], e))
-    reps = {e: int(math.floor(n[e])) for e in order if n[e] >= 1}
+    half = 0.5 if rounding == "nearest" else 0.0
+    reps = {e: int(math.floor(n[e] + half)) for e in order if n[e] >= 1}
     def short() -> bool:  # too many replica devices, or too little room left for every other expert
         R = sum(reps.values())
         rest = E - sum(1 for r in reps.values() if r > 0)
