@@ -28,7 +28,7 @@ each run measuring its own moved t by one or two between variants on this shared
 (``--batch 4 --d 64 --intra 0.1 --inter 0.02``) the fixed costs of Hecate's extra collectives dominate and it
 trails EP.
 
-Usage: python benchmarks/hecate.py [--nproc 8] [--nodes 2] [--d 128] [--experts 16] [--batch 16] [--iters 8]
+Usage: python benchmarks/hecate.py [--nproc 8] [--nodes 2] [--d 128] [--ff 2] [--experts 16] [--batch 16] [--iters 8]
                                    [--warmup 3] [--intra 0.5] [--inter 0.01] [--t-nonmoe S]
 """
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=8)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--d", type=int, default=128)
+    p.add_argument("--ff", type=int, default=2, help="expert hidden size as a multiple of --d")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     from moelab.strategies import known_strategies
     from moelab.sim.validate import compare, machine_profile, measure_emulated_call_costs, simulate_real, validate
 
-    base = {"model.d_model": a.d, "model.d_ff": 2 * a.d, "model.n_layers": a.layers, "model.n_heads": 4,
+    base = {"model.d_model": a.d, "model.d_ff": a.ff * a.d, "model.n_layers": a.layers, "model.n_heads": 4,
             "model.seq_len": a.seq, "model.moe.num_experts": a.experts, "model.moe.top_k": 2,
             "model.moe.balance_loss_coef": 0.0, "parallel.nproc": a.nproc, "parallel.topology.nodes": a.nodes,
             "train.iters": a.iters, "train.batch_size": a.batch, "train.trace": False,
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     named = [(n, RunConfig().with_overrides({**base, "parallel.strategy": s, "parallel.strategy_options": o}).validate())
              for n, (s, o) in systems.items() if s in have]
     print(f"# {len(named)} systems on {a.nproc} gloo ranks as {a.nodes} nodes, EMULATED links intra {a.intra} GB/s, "
-          f"inter {a.inter} GB/s per rank; d={a.d}, {a.layers} layers, {a.experts} experts, {a.iters} iterations")
+          f"inter {a.inter} GB/s per rank; d={a.d}, d_ff={a.ff * a.d}, {a.layers} layers, {a.experts} experts, {a.iters} iterations")
     comp0, reals, _ = validate(named, warmup=a.warmup, timeout=a.timeout, warn=False)
     fixed = measure_emulated_call_costs(named[0][1], timeout=a.timeout)
     sims = [simulate_real(c, r.loads, dataclasses.replace(
