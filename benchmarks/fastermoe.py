@@ -10,8 +10,8 @@ variants interleaved round-robin, a barrier before each iteration; an iteration'
 rank's, the table shows the median (min-max) after ``--warmup``.
 
 Rows: ``fastmoe`` (synchronous sparse EP), ``shadow`` (the shadow policy, constants calibrated here:
-P = the measured per-rank FFN rate, W_net = the emulated NIC, c = N_inter + 1 for the emulator's
-flat-tree broadcast), ``shadow[e]`` (the hot expert forced), ``smart`` (Gs = 2, two streams),
+P = the measured per-rank FFN rate, W_net = the emulated NIC, c = 2: a broadcast and a reduce, each a
+pipelined chain), ``shadow[e]`` (the hot expert forced), ``smart`` (Gs = 2, two streams),
 ``smart seq`` (same steps on one thread), ``both`` (policy + smart).
 
 Predictions: ``model`` = the paper's performance model on the emulated network
@@ -20,9 +20,9 @@ the two-stream pipeline for the smart schedule), ``sim`` = ``moelab.sim`` on the
 (``experiments.simulate_layer_variants``), both with the measured per-rank FLOP/s and the shadow sets the
 run used (``smart seq``: the model's sequential sum; the simulator has no sequential smart plan). Neither
 models Python / gloo overheads or the CPU contention of N ranks on few cores (spec §6.7: never read CPU
-timings as paper numbers). Known model difference: the emulator prices a broadcast as a flat tree from the
-owner (N_inter copies through its NIC) and so does ``model``; the simulator prices a pipelined chain, so its
-shadowing predictions are optimistic on this network.
+timings as paper numbers). The emulator, ``model`` and the simulator price a broadcast / reduce alike, as a
+pipelined chain from / to the owner (before 2026-11-27 the emulator and ``model`` priced a flat tree, N_inter
+copies through the owner's NIC, and the simulator's shadowing predictions were optimistic here).
 
 Usage: python benchmarks/fastermoe.py [--nproc 8] [--nodes 2] [--d 256] [--tokens 512] [--iters 10]
                                       [--warmup 2] [--intra 0.1] [--inter 0.02] [--trace hot|t2]

@@ -65,6 +65,8 @@ def main(argv=None) -> int:
                    help="Hecate's sparse collectives (t is sized on the node's links with hier, a rank's otherwise)")
     p.add_argument("--t-nonmoe", type=float, default=None,
                    help="T_nonMoE in seconds for every Hecate variant (default: measured by Hecate in a short run first)")
+    p.add_argument("--only", nargs="*", metavar="SYSTEM",
+                   help="run only these systems besides EP and Hecate (also: 'FasterMoE shadowing only')")
     p.add_argument("--timeout", type=float, default=1800.0)
     a = p.parse_args(argv)
 
@@ -93,6 +95,12 @@ def main(argv=None) -> int:
                "Hecate-RM": ("hecate", {**hec, "rm": True}), "Hecate no calibration": ("hecate", {**hec, "calibration": False}),
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": a.nproc // a.nodes}),
                "FlexMoE": ("flexmoe", FLEXMOE_OPTIONS), "FSDP": ("fsdp_expert", {}), "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
+    extra = {"FasterMoE shadowing only": ("fastermoe", {"shadow": True, "smart": False})}  # with --only
+    if a.only:
+        unknown = set(a.only) - set(systems) - set(extra)
+        if unknown:
+            p.error(f"--only: unknown systems {sorted(unknown)}; known: {sorted(systems) + sorted(extra)}")
+        systems = {n: c for n, c in {**systems, **extra}.items() if n in ("EP", "Hecate") or n in a.only}
     have = known_strategies()
     named = [(n, RunConfig().with_overrides({**base, "parallel.strategy": s, "parallel.strategy_options": o}).validate())
              for n, (s, o) in systems.items() if s in have]

@@ -107,16 +107,20 @@ def test_parts_table_scores_each_part_and_flags_what_it_cannot():
 
 def _emulated(fake, op, group, topo, nbytes=0, splits=None, root=None):
     """The emulator's time for one call: the max over members (each sleeps until its own target)."""
-    from moelab.comm.bytes import by_link_class, peer_bytes
+    from moelab.comm.bytes import by_link_class, peer_bytes, recv_bytes
+    from moelab.comm.door import chain_edges
 
     t = []
     for i, me in enumerate(group):
         if op == "all_to_all":
             sent = by_link_class(topo, me, peer_bytes(op, group, me, splits=[int(x) for x in splits[i]]))
             recv = by_link_class(topo, me, peer_bytes(op, group, me, splits=[int(x) for x in splits[:, i]]))
+        elif op in ("broadcast", "reduce"):  # the chain's edges of this member, from the recorded flat tree
+            out, inn = chain_edges(op, group, me, peer_bytes(op, group, me, nbytes, root=root),
+                                   recv_bytes(op, group, me, nbytes, root=root))
+            sent, recv = by_link_class(topo, me, out), by_link_class(topo, me, inn)
         else:
-            sent = by_link_class(topo, me, peer_bytes(op, group, me, nbytes, root=root))
-            recv = (by_link_class(topo, me, {root: nbytes}) if op == "broadcast" and me != root else sent)
+            sent = recv = by_link_class(topo, me, peer_bytes(op, group, me, nbytes, root=root))
         t.append(Communicator.emulated_time(fake, sent, recv, op, group))
     return max(t)
 
@@ -169,6 +173,10 @@ def test_emulation_profile_reproduces_the_emulator_across_nodes(nodes, rpn):
             _emulated(fake, "all_gather", group, topo, S), rel=1e-4)
         assert reduce_scatter_time(S, topo, prof, group=group) == pytest.approx(
             _emulated(fake, "reduce_scatter", group, topo, S), rel=1e-4)
+        for op in ("broadcast", "reduce"):  # the pipelined chain on both sides (was a flat tree in the emulator)
+            for root in (group[0], group[-1]):
+                assert broadcast_time(S, topo, prof, root=root, group=group, op=op) == pytest.approx(
+                    _emulated(fake, op, group, topo, S, root=root), rel=1e-6)
 
 
 def test_emulated_ring_time_2x2():
@@ -191,7 +199,7 @@ def test_emulation_profile_multi_node_nic_is_per_rank_times_ranks():
     c = cfg(4, **{"parallel.topology.nodes": 2, "emulation.enabled": True, "emulation.inter_bw_GBps": 0.01})
     prof = emulation_profile(c, dataclasses.replace(_profile(cfg(4, **{"parallel.topology.nodes": 2})), fits={}))
     assert prof.inter_bw_GBps == pytest.approx(0.02) and prof.nics_per_node == 2
-    assert set(prof.fits) == {"broadcast", "reduce"}  # the ring ops need no fit: both sides run the same rings
+    assert not prof.fits  # no fit: both sides run the same rings and chains
     with pytest.raises(ValueError, match="calibration"):
         machine_profile(cfg(2), None)
 

@@ -7,8 +7,9 @@ price or account it:
   bytes a member sends to / receives from each global rank. By construction
   ``received(.., me)[j] == sent(.., j)[me]``, which the tests check on real records.
 - ``pricing``: how the link emulator prices it alone and loads the rank's ports
-  (:meth:`moelab.comm.door.Communicator.port_flows`): ``"ring"`` (the simulator's rings) or
-  ``"direct"`` (per link class, own port, sent out / received in).
+  (:meth:`moelab.comm.door.Communicator.port_flows`): ``"ring"`` (the simulator's rings),
+  ``"chain"`` (the simulator's pipelined chain from the root: broadcast, reduce) or ``"direct"``
+  (per link class, own port, sent out / received in).
 - ``demands``: the simulator's link demands (:mod:`moelab.sim.costs`), one per phase.
 - ``phases`` (optional): a collective that runs as phases one after the other (Parm's SAA) says what
   each phase moves; the link emulator then prices the phases in order, not one direct transfer.
@@ -31,13 +32,13 @@ class Collective:
     name: str
     sent: Callable  # (group, me, **args) -> {global rank: bytes me sends it}
     received: Callable  # (group, me, **args) -> {global rank: bytes me receives from it}
-    pricing: str  # "ring" | "direct": the link emulator's model
+    pricing: str  # "ring" | "chain" | "direct": the link emulator's model
     demands: Callable  # (group, topo, profile, **args) -> [moelab.sim.costs.Demand, ...]
     phases: Optional[Callable] = None  # (group, me, **args) -> [(sent, received) per peer] per phase, run in order
 
     def __post_init__(self):
-        if self.pricing not in ("ring", "direct"):
-            raise ValueError(f"collective {self.name!r}: pricing must be 'ring' or 'direct', got {self.pricing!r}")
+        if self.pricing not in ("ring", "chain", "direct"):
+            raise ValueError(f"collective {self.name!r}: pricing must be 'ring', 'chain' or 'direct', got {self.pricing!r}")
 
 
 _COLLECTIVES: dict = {}
@@ -82,8 +83,9 @@ def _ring(op: str, sent_per_member: Callable) -> Collective:
 
 
 def _chain(op: str) -> Collective:
-    """broadcast (root -> every member) / reduce (every non-root -> root), pipelined chains in the
-    simulator, a flat tree for the byte rule and the emulator."""
+    """broadcast (root -> every member) / reduce (every non-root -> root): a flat tree for the byte
+    rule (what the root ships logically), priced as a pipelined chain from the root by the simulator
+    and the link emulator alike (:func:`moelab.comm.door.chain_edges`), as NCCL runs them."""
     def sent(group, me, nbytes=0, root=None, **_):
         if op == "broadcast":
             return {r: int(nbytes) for r in group} if me == root else {}
@@ -94,7 +96,7 @@ def _chain(op: str) -> Collective:
             return {root: int(nbytes)}
         return {r: int(nbytes) for r in group if r != root or len(group) == 1} if me == root else {}
 
-    return Collective(op, sent, received, "direct",
+    return Collective(op, sent, received, "chain",
                       lambda group, topo, profile, nbytes=0, root=None, **_: [
                           _costs().broadcast_demand(group, root, topo, profile, nbytes, op=op)])
 

@@ -98,6 +98,32 @@ def _ring_shape(topo: Topology, op: str, ranks: tuple, bw: tuple, lat: tuple):
     return latency, share, max(f / bws[cls] for (_, cls, _), f in share.items())
 
 
+def chain_edges(op: str, ranks, me: int, sent: dict, recv: dict) -> tuple:
+    """A broadcast / reduce as the simulator's pipelined chain (:func:`moelab.sim.costs.broadcast_demand`:
+    ranks in order from the root, every edge carrying S once): ``me``'s own edges, ``(sent, received)``
+    per peer - S to its successor and from its predecessor (reduce: the other way). Root and S come from
+    the call's flat-tree byte rule (``sent`` / ``recv`` per peer, what the record keeps)."""
+    if len(ranks) <= 1:
+        return {}, {}
+    sends_out = any(r != me for r in sent)
+    if op == "broadcast":
+        root = me if sends_out else next(iter(recv))
+    else:
+        root = next(iter(sent)) if sends_out else me
+    S = max([*sent.values(), *recv.values()])
+    order = sorted(ranks)
+    k = order.index(root)
+    order = order[k:] + order[:k]
+    i = order.index(me)
+    nxt = {order[i + 1]: S} if i + 1 < len(order) else {}
+    prev = {order[i - 1]: S} if i > 0 else {}
+    return (nxt, prev) if op == "broadcast" else (prev, nxt)
+
+
+def _group_latency(topo: Topology, ranks, lat: tuple) -> float:
+    return lat[1 if len({topo.node_of(r) for r in ranks}) > 1 else 0]
+
+
 def _emulation_keys(e):
     return (e.intra_bw_GBps * 1e9, e.inter_bw_GBps * 1e9), (e.intra_latency_us * 1e-6, e.inter_latency_us * 1e-6)
 
@@ -217,8 +243,10 @@ class Communicator:
             if phases is not None and len(ranks) > 1:
                 flows = self._phase_flows(op, ranks, t0, phases())
             else:
+                sent, recv = (chain_edges(op, ranks, self.rank, *peers) if collective(op).pricing == "chain"
+                              else peers)
                 flows = [self._ports.add(t0 + lat, ports, op) for lat, ports in
-                         self.port_flows(op, ranks, self._fold(peers[0]), self._fold(peers[1]))]
+                         self.port_flows(op, ranks, self._fold(sent), self._fold(recv))]
         work = issue()
         h = Handle(self, op, group, ranks, work, result, peers, t0, dict(self.rec.tags),
                    threading.current_thread().name, seq, call)
@@ -255,10 +283,12 @@ class Communicator:
                 return []
             latency, share, _ = _ring_shape(self.topo, op, tuple(ranks), bw, lat)
             return [(latency, {(cls, d): v * f for (r, cls, d), f in share.items() if r == self.rank})]
+        chain = collective(op).pricing == "chain" and len(ranks) > 1  # sent / recv: the chain's edges
         flows = []
         for i, cls in enumerate(("intra", "inter")):
             if max(sent.get(cls, 0), recv.get(cls, 0)) > 0:
-                flows.append((lat[i], {(cls, "out"): sent.get(cls, 0), (cls, "in"): recv.get(cls, 0)}))
+                latency = (len(ranks) - 1) * _group_latency(self.topo, ranks, lat) if chain else lat[i]
+                flows.append((latency, {(cls, "out"): sent.get(cls, 0), (cls, "in"): recv.get(cls, 0)}))
         return flows
 
     def _emulate(self, h: Handle) -> float:
@@ -293,8 +323,10 @@ class Communicator:
           (:func:`_ring_shape`). Time = steps x latency (``n-1``, all-reduce ``2(n-1)``; inter latency
           if the group spans nodes) + the ring's bytes per rank (= this rank's recorded non-local
           bytes) times the slowest link's share / bandwidth. Every member gets the same time.
+        - ``broadcast`` / ``reduce``: the pipelined chain from the root; pass this member's chain
+          edges (:func:`chain_edges`), priced as below with ``(n-1)`` latencies of the group's class.
         - every other call: per link class, ``max(sent, received) / bandwidth + latency`` of this
-          rank's own port/NIC, the larger class wins (broadcast/reduce as a flat tree).
+          rank's own port/NIC, the larger class wins.
 
         - a phased call (``phases``: per phase, the class-folded ``(sent, received)``): the sum of
           its phases' times, each priced as above.
@@ -311,11 +343,12 @@ class Communicator:
                 return 0.0
             latency, _, per_byte = _ring_shape(self.topo, op, tuple(ranks), bw, lat)
             return latency + v * per_byte
+        chain = op is not None and collective(op).pricing == "chain" and ranks is not None and len(ranks) > 1
         t = 0.0
         for i, cls in enumerate(("intra", "inter")):
             b = max(sent.get(cls, 0), recv.get(cls, 0))
             if b > 0:
-                t = max(t, b / bw[i] + lat[i])
+                t = max(t, b / bw[i] + ((len(ranks) - 1) * _group_latency(self.topo, ranks, lat) if chain else lat[i]))
         return t
 
     # ---- any declared collective ----------------------------------------------------------------

@@ -109,21 +109,17 @@ def emulation_profile(cfg: RunConfig, base):
     or NIC, tested; a call spanning nodes pays the inter latency in the simulator even where an
     intra port binds, the emulator that port's latency: at most their difference apart),
     all-reduce / all-gather / reduce-scatter as the same rings (``costs.ring_channels``: one channel
-    per NIC across nodes; steps x latency + slowest link, tested). Broadcast and reduce are priced
-    differently (the emulator a flat tree from/to the root, the simulator a pipelined chain): inside
-    one node a fitted line ``(latency, 1/bw)`` over the bytes a rank sends reproduces the emulator;
-    across nodes the chain stays (the EP baseline issues neither). No number here is fitted to
-    measured times.
+    per NIC across nodes; steps x latency + slowest link, tested), broadcast and reduce as the same
+    pipelined chain from the root (tested). No number here is fitted to measured times.
     """
     e = cfg.emulation
     if not e.enabled:
         return base
     rpn = base.gpus_per_node
-    fits = {op: (e.intra_latency_us * 1e-6, 1.0 / (e.intra_bw_GBps * GB)) for op in ("broadcast", "reduce")}
     return dataclasses.replace(
         base, name=f"{base.name}+EMULATED", intra_bw_GBps=e.intra_bw_GBps, intra_latency_us=e.intra_latency_us,
-        inter_bw_GBps=e.inter_bw_GBps * rpn, inter_latency_us=e.inter_latency_us, nics_per_node=rpn, fits=fits,
-        one_host=False,  # emulated nodes are apart: the in-node fits stay in the node
+        inter_bw_GBps=e.inter_bw_GBps * rpn, inter_latency_us=e.inter_latency_us, nics_per_node=rpn, fits={},
+        one_host=False,  # emulated nodes are apart
         allreduce="ring",  # the emulator runs gloo's ring
         sources={**base.sources, "intra_bw_GBps": "emulation.intra_bw_GBps (EMULATED, per rank)",
                  "inter_bw_GBps": f"emulation.inter_bw_GBps x {rpn} ranks per node (EMULATED: one NIC per rank)",

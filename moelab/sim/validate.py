@@ -29,8 +29,8 @@ and price every collective with the same algorithm: all-to-all and p2p direct, m
 port or NIC; all-reduce / all-gather / reduce-scatter as rings with one channel per NIC across
 nodes (``moelab.sim.costs.ring_channels``), ``steps x latency`` plus the slowest link. Both are
 tested equal call by call, inside one node and across nodes (``tests/test_sim_validate.py``);
-broadcast/reduce still differ across nodes (flat tree vs pipelined chain; the EP baseline uses
-neither). Per-layer communication is read as each call's span from its last member's start to its
+broadcast/reduce run as the same pipelined chain from the root on both sides (since 2026-11-27; before,
+the emulator priced a flat tree, 8x slower for 8 ranks across 2 nodes). Per-layer communication is read as each call's span from its last member's start to its
 last member's end, the quantity the simulator times.
 
 Measured on this 2-core machine (shared with other jobs, load average 4-12), smoke set, 6 configs x

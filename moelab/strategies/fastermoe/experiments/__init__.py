@@ -51,10 +51,9 @@ Every guessed constant (ZeRO's overlap, trevor's P, BERT-Wide's sizes, ...) is r
 speedup over ZeRO-3. BASE Layers (Fig. 14, Table 3) joins the
 convergence comparison when moelab has the ``base`` gate.
 
-Known model differences (reported, not tuned away): the link emulator prices a broadcast as a flat tree
-from the owner, the simulator as a pipelined chain (so simulated shadowing is optimistic on emulated
-links); the runtime shadow policy is priced with ``c = N_inter + 1`` for that reason
-(:func:`run_layer_suite`).
+The link emulator and the simulator price a broadcast / reduce alike, as a pipelined chain from / to the
+owner (since 2026-11-27; before, the emulator priced a flat tree and the runtime shadow policy used
+``c = N_inter + 1``); the policy now runs with the paper's ``c = 2`` (:func:`run_layer_suite`).
 """
 
 from __future__ import annotations

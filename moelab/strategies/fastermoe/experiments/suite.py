@@ -119,8 +119,9 @@ def run_layer_suite(trace, variants: dict, *, nodes: int = 2, d: int = 128, f: O
     ``variants``: name -> fastermoe options; ``{"_policy": True}`` turns on the shadow policy with
     constants calibrated here: ``P`` = the measured per-rank FFN rate (all ranks computing at once,
     averaged, identical on every rank), ``W_net`` = the emulated per-rank NIC bandwidth, ``c`` =
-    ``policy_c`` (default ``N_inter + 1``: the emulator prices a broadcast as a flat tree from the
-    owner, ``N_inter`` copies through its NIC, plus one reduce hop; spec §2.4 exposes ``c``).
+    ``policy_c`` (default 2, the paper's: one broadcast and one reduce, each a pipelined chain that
+    moves the expert's bytes once over the slowest link, as the emulator and the simulator price them;
+    spec §2.4 exposes ``c``).
     Iterations ``>= all_iters`` run only ``long_variants`` (Fig. 11's long replay).
     Returns ``{"times": frame, "timeline": frame, "P_eff": FLOP/s, "label": str, ...}``.
     """
@@ -130,13 +131,12 @@ def run_layer_suite(trace, variants: dict, *, nodes: int = 2, d: int = 128, f: O
     iters, N, E = trace.shape
     f = f or 2 * d
     rpn = N // nodes
-    n_inter = N - rpn
     a = dict(trace=trace, variants=variants, nodes=nodes, d=d, f=f, k=k, E=E, emulate=emulate, intra=intra_GBps,
              inter=inter_GBps, lat=latency_us, tokens=int(trace[0, 0].sum() // k), seed=seed,
              all_iters=iters if all_iters is None else all_iters, long_variants=tuple(long_variants),
              timeline_iter=-1 if timeline_iter is None else timeline_iter, timeline_variants=tuple(timeline_variants),
              timeline_only=tuple(timeline_only), policy_W=inter_GBps * 1e9,
-             policy_c=int(policy_c if policy_c is not None else n_inter + 1))
+             policy_c=int(policy_c if policy_c is not None else 2))
     t0 = time.time()
     per_rank = run_ranks(_layer_rank, N, a, timeout=timeout)
     rows = pd.DataFrame([r for x in per_rank for r in x["rows"]])
@@ -182,12 +182,11 @@ class EmulatedCluster(pm.Cluster):
         return t + self.latency_s if t > 0 else 0.0
 
     def shadow_time(self, nbytes: float) -> float:
-        """Broadcast (flat tree from the owner, as the emulator prices it: the owner ships a copy to every
-        peer) plus reduce (every peer sends one copy to the owner) of one expert's ``nbytes``."""
+        """Broadcast plus reduce of one expert's ``nbytes``, each a pipelined chain from / to the owner
+        (as the emulator and the simulator price them): the bytes once over the slowest link, N - 1 latencies."""
         rpn, N = self.ranks_per_node, self.world_size
-        bc = max((rpn - 1) * nbytes / self.intra_Bps, (N - rpn) * nbytes / self.inter_Bps)
-        red = nbytes / (self.inter_Bps if N > rpn else self.intra_Bps)
-        return bc + red + 2 * self.latency_s
+        one = nbytes / (self.inter_Bps if N > rpn else self.intra_Bps) + (N - 1) * self.latency_s
+        return 2 * one
 
 
 def _shadow_comm(cl, S, h, f, s=pm.ELEM_BYTES, E_local: int = 1):
