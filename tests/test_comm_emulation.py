@@ -332,3 +332,28 @@ def test_a_replica_group_is_emulated_with_its_late_member():
     late = res[-1]["start"] + res[-1]["alone"]
     assert res[-1]["alone"] > 0.005  # 20 kB over 3 ranks: 2 x 2/3 of it on a 2 MB/s port
     assert min(r["end"] for r in res) >= late - 1e-3
+
+
+def _broadcast_chain(rank, world):
+    """A broadcast of 40 kB from rank 0 over 2 nodes x 2: a pipelined chain 0 -> 1 -> 2 -> 3 (every port
+    carries the bytes once: 20 ms at 2 MB/s), not a flat tree (rank 0's port would carry 3 copies: 60 ms)."""
+    from moelab.comm.door import Communicator
+
+    comm = Communicator(Topology(world, 2), _emu())
+    _warm(comm, ("world",))
+    took = []
+    for _ in range(REPS):
+        _line_up(comm)
+        t = time.time()
+        comm.broadcast_(torch.ones(2 * ROWS // 4), root=0, group="world")
+        took.append(time.time() - t)
+    r = comm.rec.comm[-1]
+    return dict(took=took, recorded=r.bytes)
+
+
+def test_a_broadcast_is_emulated_as_the_simulators_chain():
+    res = run_ranks(_broadcast_chain, 4, timeout=60)
+    chain = 2 * ROWS / (BW * 1e9) + 3 * 100e-6
+    assert res[0]["recorded"]["inter"] == 4 * ROWS  # the record keeps the flat tree's logical bytes
+    assert min(max(r["took"][i] for r in res) for i in range(REPS)) >= chain - 2e-3
+    assert min(max(r["took"][i] for r in res) for i in range(REPS)) <= 2 * chain  # a flat tree: 3x the chain
