@@ -454,8 +454,10 @@ def serve_errors(cfg: "RunConfig") -> list:
     errs = []
     if sv.variant not in SERVE_VARIANTS:
         errs.append(f"serve.variant must be one of {list(SERVE_VARIANTS)}, got {sv.variant!r}")
-    if sv.replica_rounding not in ("floor", "nearest"):
-        errs.append(f"serve.replica_rounding must be 'floor' or 'nearest', got {sv.replica_rounding!r}")
+    from moelab.placement.lina import ROUNDING
+
+    if sv.replica_rounding not in ROUNDING:
+        errs.append(f"serve.replica_rounding must be one of {list(ROUNDING)}, got {sv.replica_rounding!r}")
     if sv.arrival not in ("poisson", "closed"):
         errs.append(f"serve.arrival must be 'poisson' or 'closed', got {sv.arrival!r}")
     for name, v, lo in (("requests", sv.requests, 1), ("batch_size", sv.batch_size, 1), ("max_pack", sv.max_pack, 1),

@@ -77,6 +77,19 @@ class Handle:
         return value
 
 
+def _group_latency(topo: Topology, ranks, lat: tuple) -> float:
+    """One step's latency of a collective over ``ranks``: inter-node if the group spans nodes."""
+    return lat[1 if len({topo.node_of(r) for r in ranks}) > 1 else 0]
+
+
+def _direct_latency(topo: Topology, op, ranks, lat: tuple, i: int) -> float:
+    """A non-ring flow's latency on link class ``i``: that class's, or a chain's (n-1) steps of the
+    group's class (sent / recv are then the chain's edges, :func:`chain_edges`)."""
+    if op is not None and ranks is not None and len(ranks) > 1 and collective(op).pricing == "chain":
+        return (len(ranks) - 1) * _group_latency(topo, ranks, lat)
+    return lat[i]
+
+
 @functools.lru_cache(maxsize=256)
 def _ring_shape(topo: Topology, op: str, ranks: tuple, bw: tuple, lat: tuple):
     """Latency and per-(rank, class, direction) byte shares of a ring collective over ``ranks``: the
@@ -94,7 +107,7 @@ def _ring_shape(topo: Topology, op: str, ranks: tuple, bw: tuple, lat: tuple):
             share[(b, cls, "in")] = share.get((b, cls, "in"), 0.0) + 1.0 / len(rings)
     steps = (2 if op == "all_reduce" else 1) * (len(ranks) - 1)
     bws = dict(zip(("intra", "inter"), bw))
-    latency = steps * lat[1 if len({topo.node_of(r) for r in ranks}) > 1 else 0]
+    latency = steps * _group_latency(topo, ranks, lat)
     return latency, share, max(f / bws[cls] for (_, cls, _), f in share.items())
 
 
@@ -118,10 +131,6 @@ def chain_edges(op: str, ranks, me: int, sent: dict, recv: dict) -> tuple:
     nxt = {order[i + 1]: S} if i + 1 < len(order) else {}
     prev = {order[i - 1]: S} if i > 0 else {}
     return (nxt, prev) if op == "broadcast" else (prev, nxt)
-
-
-def _group_latency(topo: Topology, ranks, lat: tuple) -> float:
-    return lat[1 if len({topo.node_of(r) for r in ranks}) > 1 else 0]
 
 
 def _emulation_keys(e):
@@ -283,12 +292,11 @@ class Communicator:
                 return []
             latency, share, _ = _ring_shape(self.topo, op, tuple(ranks), bw, lat)
             return [(latency, {(cls, d): v * f for (r, cls, d), f in share.items() if r == self.rank})]
-        chain = collective(op).pricing == "chain" and len(ranks) > 1  # sent / recv: the chain's edges
         flows = []
         for i, cls in enumerate(("intra", "inter")):
             if max(sent.get(cls, 0), recv.get(cls, 0)) > 0:
-                latency = (len(ranks) - 1) * _group_latency(self.topo, ranks, lat) if chain else lat[i]
-                flows.append((latency, {(cls, "out"): sent.get(cls, 0), (cls, "in"): recv.get(cls, 0)}))
+                flows.append((_direct_latency(self.topo, op, ranks, lat, i),
+                              {(cls, "out"): sent.get(cls, 0), (cls, "in"): recv.get(cls, 0)}))
         return flows
 
     def _emulate(self, h: Handle) -> float:
@@ -343,12 +351,11 @@ class Communicator:
                 return 0.0
             latency, _, per_byte = _ring_shape(self.topo, op, tuple(ranks), bw, lat)
             return latency + v * per_byte
-        chain = op is not None and collective(op).pricing == "chain" and ranks is not None and len(ranks) > 1
         t = 0.0
         for i, cls in enumerate(("intra", "inter")):
             b = max(sent.get(cls, 0), recv.get(cls, 0))
             if b > 0:
-                t = max(t, b / bw[i] + ((len(ranks) - 1) * _group_latency(self.topo, ranks, lat) if chain else lat[i]))
+                t = max(t, b / bw[i] + _direct_latency(self.topo, op, ranks, lat, i))
         return t
 
     # ---- any declared collective ----------------------------------------------------------------

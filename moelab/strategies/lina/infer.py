@@ -42,9 +42,14 @@ from moelab.placement.lina import allocate, needs_replan
 SCHEDULED = ("lina", "lina_no_estimation", "lina_no_finetune")
 
 
+def _plan(sv, pop, N: int, seed: int) -> list:
+    """``allocate(N * pop)`` with the serve config's packing limit and replica rounding."""
+    return allocate(N * np.asarray(pop), N, sv.max_pack, seed, rounding=sv.replica_rounding)
+
+
 def phase1_plan(sv, pop_hat, N: int, seed: int) -> list:
     """Phase 1's placement from the estimate alone (what can be loaded before the gate has run)."""
-    return allocate(N * np.asarray(pop_hat), N, sv.max_pack, seed, rounding=sv.replica_rounding)
+    return _plan(sv, pop_hat, N, seed)
 
 
 def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int, planned=None) -> tuple:
@@ -55,9 +60,9 @@ def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int, pl
     if not scheduled:
         return static, "static", False
     if sv.variant == "lina_no_estimation":
-        return allocate(N * np.asarray(pop), N, sv.max_pack, seed, rounding=sv.replica_rounding), "actual", False
+        return _plan(sv, pop, N, seed), "actual", False
     if sv.variant == "lina" and needs_replan(pop_hat, pop, sv.k_cmp):
-        return allocate(N * np.asarray(pop), N, sv.max_pack, seed + 1, rounding=sv.replica_rounding), "estimate", True
+        return _plan(sv, pop, N, seed + 1), "estimate", True
     return (planned if planned is not None else phase1_plan(sv, pop_hat, N, seed)), "estimate", False
 
 
