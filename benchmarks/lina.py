@@ -21,7 +21,7 @@ all-to-all carries 4x the all-reduce's bytes and there is little for priority to
 
 ``--gamma`` (default ``fitted``): the emulated ports' all-to-all / all-reduce interference
 (``emulation.interference_gamma``, :mod:`moelab.comm.links`), by default Lina's gamma FITTED in the
-simulator to the paper's Fig. 4 median (1.63; the simulator prices the same gamma). With gamma = 1 the
+simulator to the paper's Fig. 4 median (1.22 on the Table-1-calibrated profile; the simulator prices the same gamma). With gamma = 1 the
 links share fairly and are work-conserving: overlapping costs the two transfers nothing beyond their
 bytes, so on links this busy no ordering can shorten the step (measured: ``priority`` 0.99x step, 1.43x
 backward all-to-all); the paper's gain rests on the contention gamma stands for.
