@@ -36,6 +36,7 @@ def test_balanced_traces_make_baseline_equal_ideal():
     by = {v: [r["batch_s"] for r in rows if r["variant"] == v] for v in ("baseline", "ideal", "lina")}
     assert by["baseline"] == pytest.approx(by["ideal"], rel=1e-9)
     assert all(lin >= base - 1e-12 for lin, base in zip(by["lina"], by["baseline"]))
+    assert all(r["load_max_over_mean"] == pytest.approx(1.0) for r in rows if r["variant"] != "lina")
 
 
 def test_skewed_traces_make_lina_faster_than_the_baseline_before_its_overheads():
@@ -47,6 +48,8 @@ def test_skewed_traces_make_lina_faster_than_the_baseline_before_its_overheads()
                {"o_check_s": 0.0, "o_plan_s": 0.0, "h2d_GBps": 1e12}, batch=65536)
     med = {v: np.median([r["batch_s"] for r in rows if r["variant"] == v]) for v in ("baseline", "lina", "ideal")}
     assert med["ideal"] < med["lina"] < med["baseline"]
+    load = {v: np.median([r["load_max_over_mean"] for r in rows if r["variant"] == v]) for v in ("baseline", "lina", "ideal")}
+    assert load["ideal"] == pytest.approx(1.0) and 1.0 < load["lina"] < load["baseline"]  # the placement balances, not fully
     assert not any(r["replans"] for r in rows if r["variant"] == "lina_no_finetune")
 
 

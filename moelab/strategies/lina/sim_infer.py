@@ -136,8 +136,12 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
 
 def simulate_serving(traces, src, batches, variants, sv, table, profile, topo, shape: InferShape, seed: int = 0,
                      overheads: dict = None) -> list:
-    """Rows ``{variant, batch, batch_s, a2a_s, ffn_max_s, replans, swaps}`` for every batch (index
-    arrays into the traces) and variant, swaps carried across the batches of a variant."""
+    """Rows ``{variant, batch, batch_s, a2a_s, ffn_max_s, replans, swaps, load_max_over_mean}`` for every
+    batch (index arrays into the traces) and variant, swaps carried across the batches of a variant;
+    ``load_max_over_mean``: the busiest device's received tokens over the mean, median over the MoE layers
+    (1 = balanced; what a placement leaves of the routing's skew)."""
+    from moelab.moe.serve import route_table
+
     rows = []
     E = int(np.asarray(traces).max()) + 1 if table is None else table.E
     L = np.asarray(traces).shape[1]
@@ -156,5 +160,11 @@ def simulate_serving(traces, src, batches, variants, sv, table, profile, topo, s
                          "a2a_s": float(df[df.category == "a2a"].duration.sum()),
                          "ffn_max_s": float(df[df.category == "expert"].groupby("layer").duration.max().sum()),
                          "replans": sum(p[2] for p in plans),
-                         "swaps": int(sum(op.meta.get("swapped", 0) for op in g.ops))})
+                         "swaps": int(sum(op.meta.get("swapped", 0) for op in g.ops)),
+                         "load_max_over_mean": float(np.median([_max_over_mean(route_table(p[3], p[0]).numpy().sum((0, 1)))
+                                                                for p in plans]))})
     return rows
+
+
+def _max_over_mean(x) -> float:
+    return float(x.max() / x.mean()) if x.sum() > 0 else 1.0

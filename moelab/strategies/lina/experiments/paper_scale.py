@@ -336,12 +336,13 @@ def fitted_infer_tokens(scale: str, seed: int = 0) -> dict:
 
 
 @cached
-def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None) -> pd.DataFrame:
+def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, free_scheduling: bool = False) -> pd.DataFrame:
     """Fig. 16 at one device per expert: every variant's batch times from the REAL model's routing
     traces (its first half fits the path table, the second half is served), priced at paper scale: the
     served half cut into the REAL serving path's batches (B sequences), each tiled to the assumed paper
     batch (``tokens_per_batch``; default: :func:`fitted_infer_tokens`'s) so Lina's fixed scheduling costs
-    meet a paper-size batch; ``variants``: default all."""
+    meet a paper-size batch; ``variants``: default all; ``free_scheduling``: a what-if with the paper's
+    scheduler costs (``o_plan``, ``o_check``) set to zero, to separate them from the placement's quality."""
     from moelab.comm.topology import Topology
     from moelab.placement.popularity import PathTable
     from moelab.strategies.lina.sim_infer import InferShape, simulate_serving
@@ -363,7 +364,8 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None) -
     batches = [np.tile(np.arange(b * real, (b + 1) * real), k) for b in range(n_batches)]
     sv = ServeConfig(path_len=Lp)
     rows = simulate_serving(test, src, batches, variants or VARIANTS, sv, table, calibrated_profile(),
-                            Topology(E, min(4, E)), InferShape())
+                            Topology(E, min(4, E)), InferShape(),
+                            overheads={"o_plan_s": 0.0, "o_check_s": 0.0} if free_scheduling else None)
     out = pd.DataFrame(rows)
     out.attrs.update(batch_tokens=k * real, moe_layers=int(t.shape[1]), label=(
         f"SIMULATED: profile lina (calibrated to Table 1's training row), {E} devices (one per expert), priced from the REAL routing traces of the model "
