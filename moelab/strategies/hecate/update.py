@@ -133,9 +133,16 @@ class HecateUpdate(DataParallelUpdate):
             self.m = self.t
 
     # ---- the Update interface -------------------------------------------------------------------------------
+    def _decide_now(self) -> bool:
+        """Whether t and m are (re)decided before this iteration: once, as soon as they can be (at once when t
+        is given, else after iteration 0's attention time), and again before each iteration 1..t_iters while
+        the attention time is still being measured."""
+        first = self.m is None and (self.iteration > 0 or self.options.t is not None)
+        return first or (self._measured() and 0 < self.iteration <= self.options.t_iters)
+
     def before_forward(self) -> None:
         o = self.options
-        if (self.m is None and (self.iteration > 0 or o.t is not None)) or (self._measured() and 0 < self.iteration <= o.t_iters):
+        if self._decide_now():
             self._decide_t_m()
         t, m = self.t or 0, self.m or 0
         moved = []
