@@ -122,6 +122,9 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
             pre.append(g.compute(r, f"L{j}.phase2+swap", p2 + swap_s(len(new)),
                                  deps=(cnt,), category="schedule", layer=j, swapped=len(new)))
         table = route_table(counts, devs).numpy()  # [src, e, dst] rows
+        received = table.sum((0, 1))  # tokens each device serves in this layer
+        g.meta.setdefault("load_max_over_mean", []).append(float(received.max() / received.mean())
+                                                           if received.sum() > 0 else 1.0)
         mat = table.sum(1) * d * eb
         a1 = g.transfer(f"L{j}.dispatch", ranks, costs.alltoall_demands(mat, ranks, topo, profile), deps=pre,
                         category="a2a", layer=j, comm={"op": "all_to_all", "group": ranks, "splits": mat})
@@ -140,8 +143,6 @@ def simulate_serving(traces, src, batches, variants, sv, table, profile, topo, s
     batch (index arrays into the traces) and variant, swaps carried across the batches of a variant;
     ``load_max_over_mean``: the busiest device's received tokens over the mean, median over the MoE layers
     (1 = balanced; what a placement leaves of the routing's skew)."""
-    from moelab.moe.serve import route_table
-
     rows = []
     E = int(np.asarray(traces).max()) + 1 if table is None else table.E
     L = np.asarray(traces).shape[1]
@@ -161,10 +162,5 @@ def simulate_serving(traces, src, batches, variants, sv, table, profile, topo, s
                          "ffn_max_s": float(df[df.category == "expert"].groupby("layer").duration.max().sum()),
                          "replans": sum(p[2] for p in plans),
                          "swaps": int(sum(op.meta.get("swapped", 0) for op in g.ops)),
-                         "load_max_over_mean": float(np.median([_max_over_mean(route_table(p[3], p[0]).numpy().sum((0, 1)))
-                                                                for p in plans]))})
+                         "load_max_over_mean": float(np.median(g.meta["load_max_over_mean"]))})
     return rows
-
-
-def _max_over_mean(x) -> float:
-    return float(x.max() / x.mean()) if x.sum() > 0 else 1.0

@@ -101,10 +101,10 @@ def calibration(rounds: int = 6) -> dict:
         want = a * (1 - target["achieved_flops"]) / target["achieved_flops"]  # the non-all-to-all time the share asks
         flops *= (s - a) / want
     s16, g16 = step(16, batch)
+    reached = {"batch_per_gpu": 1e3 * g16, "intra_bw_GBps": 1e3 * step(4, batch)[1], "achieved_flops": g16 / s16}
     return {"batch_per_gpu": batch, "intra_bw_GBps": intra, "achieved_flops": flops,
             "targets": {CALIBRATION_TARGETS[k]: v for k, v in target.items()},
-            "reached": {"train_a2a_16gpu_12L": 1e3 * g16, "train_a2a_4gpu_12L": 1e3 * step(4, batch)[1],
-                        "train_a2a_share_16gpu_12L": g16 / s16},
+            "reached": {CALIBRATION_TARGETS[k]: v for k, v in reached.items()},
             "start": {"batch_per_gpu": ASSUMED["batch_per_gpu"], "intra_bw_GBps": base.intra_bw_GBps,
                       "achieved_flops": base.achieved_flops}}
 
