@@ -18,6 +18,7 @@ GATES = ("topk", "gshard", "switch", "base")  # built in; strategies may registe
 GRAD_SYNCS = ("after_backward", "ddp_overlap")
 DISPATCHERS = ("sparse", "dense")
 ARCHS = ("gpt", "bert")
+POSITIONS = ("learned", "alibi")
 STRATEGIES = ("ep",)  # strategies register more names through moelab.strategies
 
 
@@ -51,6 +52,10 @@ class ModelConfig:
     n_heads: int = 4
     seq_len: int = 64
     moe_every: int = 1  # 1: every layer is MoE; 2: every other layer (odd layers)
+    # learned: a learned absolute embedding (GPT/RoBERTa) | alibi: no embedding, attention scores biased by
+    # -slope_h * |i - j| (Press et al.), which tiny byte-level masked LMs learn from without the long early
+    # plateau absolute positions give them (moelab.models.transformer)
+    positions: str = "learned"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
@@ -191,6 +196,8 @@ class RunConfig:
             del d["model"]["moe"]["kernels"]
         if d["train"]["autocast"] == "none":  # ... and before autocast
             del d["train"]["autocast"]
+        if d["model"]["positions"] == "learned":  # ... and before ALiBi
+            del d["model"]["positions"]
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha1(blob).hexdigest()[:8]
 
@@ -214,6 +221,8 @@ class RunConfig:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
         if m.arch not in ARCHS:
             errs.append(f"model.arch must be one of {ARCHS}, got {m.arch!r}")
+        if m.positions not in POSITIONS:
+            errs.append(f"model.positions must be one of {POSITIONS}, got {m.positions!r}")
         from moelab.strategies import known_strategies
 
         if p.strategy not in known_strategies():

@@ -93,11 +93,13 @@ def test_paper_models_fields_and_validate():
         count_params(PAPER_MODELS["BERT-MoE"], convention="nope")
 
 
-@pytest.mark.parametrize("moe_every,expert_bias,arch", [(1, True, "gpt"), (2, False, "bert"), (2, True, "gpt")])
-def test_full_count_matches_built_model(moe_every, expert_bias, arch):
+@pytest.mark.parametrize("moe_every,expert_bias,arch,positions", [(1, True, "gpt", "learned"), (2, False, "bert", "learned"),
+                                                                 (2, True, "gpt", "learned"), (2, False, "bert", "alibi")])
+def test_full_count_matches_built_model(moe_every, expert_bias, arch, positions):
     """The closed-form 'full' count equals the real model's parameters, category by category."""
     layer = real_layer_cls()
-    cfg = tiny(arch, n_layers=3, moe_every=moe_every, moe=MoEConfig(num_experts=4, expert_bias=expert_bias))
+    cfg = tiny(arch, n_layers=3, moe_every=moe_every, moe=MoEConfig(num_experts=4, expert_bias=expert_bias),
+               positions=positions)
     model = build(cfg, layer=layer)
     c = count_params(cfg)
     assert c["total"] == sum(p.numel() for p in model.parameters())
@@ -168,6 +170,53 @@ def test_attention_masking(arch):
     else:
         assert not torch.allclose(la[:, :t], lb[:, :t])
     assert not torch.allclose(la[:, t:], lb[:, t:])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_attention_matches_an_explicit_fp64_reference(causal):
+    """attend(..., slopes): softmax(q k^T / sqrt(dh) - slope_h |i - j|) v, -inf above the diagonal when causal."""
+    from moelab.models.transformer import alibi_slopes, attend
+
+    g = torch.Generator().manual_seed(4)
+    B, H, S, dh = 2, 4, 7, 5
+    q, k, v = (torch.randn(B, H, S, dh, generator=g, dtype=torch.float64) for _ in range(3))
+    slopes = alibi_slopes(H)
+    assert torch.allclose(slopes, torch.tensor([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8], dtype=torch.float64))
+    i = torch.arange(S, dtype=torch.float64)
+    scores = q @ k.transpose(-1, -2) / dh ** 0.5 - slopes[:, None, None] * (i[:, None] - i[None, :]).abs()
+    if causal:
+        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.softmax(scores, -1) @ v
+    torch.testing.assert_close(attend(q, k, v, causal, slopes), ref, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(attend(q, k, v, causal, None), ref)  # the bias is what made the difference
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+def test_alibi_model_carries_position_in_attention_only(arch):
+    """An ALiBi model has no position embedding, yet a token's logits still depend on where it sits;
+    masking stays causal for gpt; a wrong ``positions`` is named at validation."""
+    model = build(tiny(arch, positions="alibi"), seed=3)
+    assert model.pos_emb is None and not any("pos_emb" in n for n, _ in model.named_parameters())
+    a = torch.randint(0, 255, (1, 16), generator=torch.Generator().manual_seed(1))
+    b = a.clone()
+    b[0, 3], b[0, 12] = a[0, 12], a[0, 3]  # swap two distant tokens: a bag-of-tokens model would not see it
+    with torch.no_grad():
+        la, lb = model(a), model(b)
+    assert not torch.allclose(la[0, 7], lb[0, 7])
+    if arch == "gpt":
+        c = a.clone()
+        c[0, 10] = (a[0, 10] + 7) % 255
+        with torch.no_grad():
+            assert torch.equal(model(c)[:, :10], la[:, :10])
+    with pytest.raises(Exception, match="model.positions must be one of"):
+        RunConfig().with_overrides({"model.positions": "rope"}).validate()
+
+
+def test_run_ids_from_before_alibi_are_kept():
+    """Learned positions (the default) add nothing to the id: these are the ids the configs had before."""
+    assert RunConfig().short_hash() == "e0112ddb"
+    assert RunConfig().with_overrides({"model.arch": "bert"}).short_hash() == "36665b57"
+    assert RunConfig().with_overrides({"model.positions": "alibi"}).short_hash() != "e0112ddb"
 
 
 def test_dense_init_depends_only_on_seed():

@@ -40,7 +40,7 @@ def count_params(cfg: ModelConfig, convention: str = "full") -> dict:
     n_dense = L - n_moe
     if convention == "full":
         out = {
-            "embedding": cfg.vocab_size * d + cfg.seq_len * d,
+            "embedding": cfg.vocab_size * d + (cfg.seq_len * d if cfg.positions == "learned" else 0),
             "attention": L * (4 * d * d + 4 * d),
             "dense_ffn": n_dense * (2 * d * f + f + d),
             "expert": n_moe * E * expert_params(cfg),

@@ -241,8 +241,7 @@ class TaskTransformer(MoETransformer):
             x = self.patch_emb(inputs.to(self.patch_emb.weight.dtype))
         else:
             x = self.tok_emb(inputs)
-        x = x + self.pos_emb(torch.arange(S, device=inputs.device))
-        return self.head(self.features(x).mean(1)).unsqueeze(1)
+        return self.head(self.features(self.with_positions(x)).mean(1)).unsqueeze(1)
 
 
 def build_model(cfg, **kw) -> MoETransformer:

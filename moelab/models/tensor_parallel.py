@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.comm import autograd as ag
-from moelab.models.transformer import DenseFFN, SelfAttention, is_moe_block
+from moelab.models.transformer import DenseFFN, SelfAttention, attend, is_moe_block
 
 
 def _param(t: torch.Tensor, sharded: bool) -> nn.Parameter:
@@ -52,6 +52,7 @@ class TPSelfAttention(_TPBase):
         dh, hn = D // H, H // self.n
         h0, h1 = self.me * hn, (self.me + 1) * hn
         self.n_heads, self.causal = hn, attn.causal
+        self.slopes = None if attn.slopes is None else attn.slopes[h0:h1]
         self.qkv_w = _param(attn.qkv.weight.view(3, H, dh, D)[:, h0:h1].reshape(3 * hn * dh, D), True)
         self.qkv_b = _param(attn.qkv.bias.view(3, H, dh)[:, h0:h1].reshape(-1), True)
         self.out_w = _param(attn.out.weight[:, h0 * dh:h1 * dh], True)
@@ -60,7 +61,7 @@ class TPSelfAttention(_TPBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape
         q, k, v = F.linear(self.f(x), self.qkv_w, self.qkv_b).view(B, S, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        y = attend(q, k, v, self.causal, self.slopes)
         return self.g(F.linear(y.transpose(1, 2).reshape(B, S, -1), self.out_w)) + self.out_b
 
 

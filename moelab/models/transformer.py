@@ -34,21 +34,42 @@ def is_moe_block(cfg: ModelConfig, i: int) -> bool:
     return cfg.moe_every == 1 or i % 2 == 1
 
 
-class SelfAttention(nn.Module):
-    """Multi-head self-attention through ``scaled_dot_product_attention`` (fused where available)."""
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes 2^(-8(h+1)/H), h = 0..H-1 (Press et al.'s geometric sequence; used for any H)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)], dtype=torch.float64)
 
-    def __init__(self, d_model: int, n_heads: int, causal: bool, dtype=torch.float32):
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, slopes=None) -> torch.Tensor:
+    """Scaled dot-product attention over [B, H, S, dh]; with ``slopes`` ([H], ALiBi) every score (i, j) gets
+    ``-slope_h * |i - j|`` added (and -inf above the diagonal when causal)."""
+    if slopes is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    S = q.shape[-2]
+    pos = torch.arange(S, device=q.device)
+    dist = (pos[:, None] - pos[None, :]).abs().to(torch.float64)
+    bias = -slopes.to(q.device)[:, None, None] * dist
+    if causal:
+        bias = bias.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through ``scaled_dot_product_attention`` (fused where available);
+    ``alibi``: position enters as ALiBi's distance bias instead of an embedding."""
+
+    def __init__(self, d_model: int, n_heads: int, causal: bool, dtype=torch.float32, alibi: bool = False):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.n_heads, self.causal = n_heads, causal
+        self.slopes = alibi_slopes(n_heads) if alibi else None  # a constant, not state: checkpoints keep their keys
         self.qkv = nn.Linear(d_model, 3 * d_model, dtype=dtype)
         self.out = nn.Linear(d_model, d_model, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape
         q, k, v = self.qkv(x).view(B, S, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        y = attend(q, k, v, self.causal, self.slopes)
         return self.out(y.transpose(1, 2).reshape(B, S, D))
 
 
@@ -67,10 +88,11 @@ class DenseFFN(nn.Module):
 class Block(nn.Module):
     """Pre-LN block: x + attn(ln1(x)), then x + ffn(ln2(x)); ffn is dense or an MoE layer."""
 
-    def __init__(self, d_model: int, n_heads: int, causal: bool, ffn: nn.Module, dtype=torch.float32):
+    def __init__(self, d_model: int, n_heads: int, causal: bool, ffn: nn.Module, dtype=torch.float32,
+                 alibi: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model, dtype=dtype)
-        self.attn = SelfAttention(d_model, n_heads, causal, dtype=dtype)
+        self.attn = SelfAttention(d_model, n_heads, causal, dtype=dtype, alibi=alibi)
         self.ln2 = nn.LayerNorm(d_model, dtype=dtype)
         self.ffn = ffn
 
@@ -109,7 +131,8 @@ class MoETransformer(nn.Module):
         # model leaves the caller's RNG stream untouched. The real init happens in _init_dense.
         with torch.random.fork_rng(devices=[]):
             self.tok_emb = nn.Embedding(cfg.vocab_size, d, dtype=dtype)
-            self.pos_emb = nn.Embedding(cfg.seq_len, d, dtype=dtype)
+            # ALiBi models carry no position embedding (config.ModelConfig.positions)
+            self.pos_emb = nn.Embedding(cfg.seq_len, d, dtype=dtype) if cfg.positions == "learned" else None
             blocks, moe_id = [], 0
             for i in range(cfg.n_layers):
                 if is_moe_block(cfg, i):
@@ -118,7 +141,7 @@ class MoETransformer(nn.Module):
                     moe_id += 1
                 else:
                     ffn = DenseFFN(d, cfg.d_ff, dtype=dtype)
-                blocks.append(Block(d, cfg.n_heads, causal, ffn, dtype=dtype))
+                blocks.append(Block(d, cfg.n_heads, causal, ffn, dtype=dtype, alibi=cfg.positions == "alibi"))
             self.blocks = nn.ModuleList(blocks)
             self.ln_f = nn.LayerNorm(d, dtype=dtype)
         self._moe = [b.ffn for b in self.blocks if not isinstance(b.ffn, DenseFFN)]
@@ -148,9 +171,14 @@ class MoETransformer(nn.Module):
         B, S = tokens.shape
         if S > self.cfg.seq_len:
             raise ValueError(f"sequence length {S} exceeds the model's seq_len={self.cfg.seq_len}")
-        pos = torch.arange(S, device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(pos)
-        return self.features(x) @ self.tok_emb.weight.t()  # LM head tied to the embedding
+        return self.features(self.with_positions(self.tok_emb(tokens))) @ self.tok_emb.weight.t()  # LM head tied to the embedding
+
+    def with_positions(self, x: torch.Tensor) -> torch.Tensor:
+        """Embedded input [B, S, d] plus the learned position embedding (ALiBi models: unchanged; the
+        attention adds position)."""
+        if self.pos_emb is None:
+            return x
+        return x + self.pos_emb(torch.arange(x.shape[1], device=x.device))
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Embedded input [B, S, d] -> final hidden states [B, S, d] (blocks, then ``ln_f``); task
