@@ -102,12 +102,20 @@ def test_pipelined_graph_conserves_bytes_and_is_the_plain_one_at_one_chunk():
 
 def test_packing_keeps_all_to_alls_inside_blocks_and_adds_the_expert_gradient_sync():
     """q = 2 on 16 ranks, E = 16: blocks of 8 ranks (two nodes), no all-to-all byte crosses a block;
-    the copies' expert gradients are all-reduced over groups of 2 (one rank per block)."""
-    cfg = paper_cfg(layers=2).with_overrides({"parallel.strategy_options": {"policy": "lina_full",
-                                                                            "experts_per_device": 2,
-                                                                            "partition_bytes": 4e6}})
-    g = lina_iteration_graph(cfg, get_profile("lina"), synthetic_loads(cfg), elem_bytes=2)
-    simulate(g)
+    the copies' expert gradients are all-reduced over groups of 2 (one rank per block); Lina queues them
+    as its layer's backward ends (some start during backward), a bucketed policy after backward."""
+    def graph(policy):
+        c = paper_cfg(layers=2).with_overrides({"parallel.strategy_options": {
+            "policy": policy, "experts_per_device": 2, "partition_bytes": 4e6}})
+        g = lina_iteration_graph(c, get_profile("lina"), synthetic_loads(c), elem_bytes=2)
+        df = simulate(g).ops_frame()
+        names = {o.name for o in g.ops if o.category == "allreduce" and len(o.comm["group"]) == 2}
+        return c, g, df[df.name.isin(names)].start, df[df.phase == "bwd"].end.max()
+
+    cfg, g, starts, bwd_end = graph("lina_full")
+    assert (starts < bwd_end).any()
+    _, _, bucketed, bwd_end = graph("priority")
+    assert len(bucketed) and (bucketed >= bwd_end - 1e-12).all()
     for o in g.ops:
         if o.category == "a2a":
             M = o.comm["splits"]

@@ -202,6 +202,41 @@ def test_packing_trains_the_unpacked_model_and_keeps_replicas_identical():
     assert len(res[0]["q4"]["experts"]) == 2 * 4 and len(res[0]["q2"]["experts"]) == 2 * 2
 
 
+def _packed_timing(rank, world):
+    """Per iteration: when this rank's backward all-to-alls and its packed experts' micro-ops started."""
+    from moelab.config import RunConfig
+    from moelab.runtime.train import Trainer
+
+    cfg = RunConfig().with_overrides({**TINY_TRAIN, **BASE, "parallel.nproc": world, "train.iters": 3,
+                                      "parallel.strategy_options": {"policy": "lina", "partition_bytes": S,
+                                                                    "experts_per_device": 2}}).validate()
+    tr = Trainer.build(cfg)
+    tr.run()
+    expert_groups = {layer.expert_dp_group for layer in tr.model.moe_layers()}
+    out = {}
+    for r in tr.comm.rec.comm:
+        it = r.tags.get("iter")
+        if r.op == "all_to_all" and r.tags.get("phase") == "bwd":
+            out.setdefault(it, {"a2a": [], "experts": []})["a2a"].append(r.t_start)
+        elif r.op == "all_reduce" and r.group in expert_groups:
+            out.setdefault(it, {"a2a": [], "experts": []})["experts"].append(r.t_start)
+    tr.update.sched.close()
+    return out
+
+
+def test_packed_expert_micro_ops_start_during_backward():
+    """Spec §2.5 item 1: packed experts' gradients join the queue from the gradient-ready hook, so their
+    micro-ops can launch between a layer's backward all-to-alls (before, they were queued after backward and
+    all started after the step's last all-to-all)."""
+    res = run_ranks(_packed_timing, 4, timeout=300)
+    early = 0
+    for per in res:
+        for it, t in per.items():
+            assert t["a2a"] and t["experts"], it
+            early += any(e < max(t["a2a"]) for e in t["experts"])
+    assert early >= 1
+
+
 def test_leader_agreement_trains_the_same_model_and_keeps_the_leaders_rules():
     """``launch_agreement: leader``: the first rank decides every micro-op's launch (followers are told by
     a broadcast and launch at once): same parameters as the baseline, bit for bit on 2 ranks (pipelined

@@ -15,7 +15,8 @@ points; this module turns them into the all-reduces each policy issues, on strea
   also cuts each MoE layer's all-to-alls into ``a2a_chunks`` along the capacity, chunk j's experts
   running while chunk j+1 moves (:func:`pipelined_stages`, the runtime's
   :mod:`moelab.strategies.lina.pipeline`); ``lina_full`` also packs q experts per rank: all-to-alls
-  inside blocks of E/q ranks, then the copies' expert gradients all-reduced over the ranks holding them.
+  inside blocks of E/q ranks, the copies' expert gradients all-reduced over the ranks holding them (the
+  partitioned policies: as micro-ops queued when the layer's backward ends, as the runtime's hook does).
 
 ``gamma`` (spec §2.4): where an all-to-all and an all-reduce both move on one link, each gets
 1/gamma of its fair share (:meth:`moelab.sim.engine.OpGraph.interfere`; 1 = fair sharing, no worse).
@@ -93,14 +94,33 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     else:
         fwd, bwd = token_stages(routes)
     between: list = []  # op ids of each MoE layer's backward dispatch all-to-all (between two MoE layers)
+    moe_done: dict = {}  # MoE layer -> its backward's last ops per rank (packed experts' gradients ready)
+    expert_groups = [list(range(pos, N, P)) for pos in range(P)]  # one expert-dp group per block position
+    # a packed layer's expert gradients in the runtime's reverse parameter order (b2, b1, w2, w1)
+    expert_sizes = [q * n for n in ([m.d_model, m.d_ff] if moe.expert_bias else []) + [m.d_ff * m.d_model, m.d_model * m.d_ff]]
 
     def moe_backward(ctx, i, j, deps):
         out = bwd(ctx, i, j, deps)
         between.append(max(out))
+        moe_done[i] = list(out)
+        return out
+
+    def with_packed_experts(ready):
+        """The partitioned policies queue packed experts' gradients from the same hook as the dense ones:
+        a ready point per MoE layer, when its backward ends, before its gate's (reverse parameter order)."""
+        out = []
+        for name, deps, sizes in ready:
+            i = int(name[1:].split(".")[0]) if name.endswith(".gate") else None
+            if i is not None:
+                out.append((f"L{i}.experts", moe_done[i], expert_sizes))
+            out.append((name, deps, sizes))
         return out
 
     def dense_sync(ctx, ready):
         g, ranks = ctx.g, ctx.ranks
+        hooked_experts = q > 1 and opts.partitioned
+        if hooked_experts:
+            ready = with_packed_experts(ready)
         if policy == "after_backward":
             units = [(sum(n for _, _, sizes in ready for n in sizes) * eb, len(ready) - 1)]
         else:
@@ -108,42 +128,35 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         if opts.scheduled and policy != "fixed":  # strict priority of the all-to-alls
             g.stream_priority[A2A] = 1
             g.nonpreemptive.add(AR)
-        last = None
+        last = ()
         for n, (nbytes, k) in enumerate(units):
             deps = list(ready[k][1])
             if policy == "fixed":
                 later = [b for b in between if b > max(ready[k][1])]
                 if later:
                     deps.append(min(later))
-            if last is not None:
-                deps.append(last)
-            last = g.transfer(f"grad.{policy}.{n}", ranks, [costs.ring_demand("all_reduce", ranks, ctx.topo, profile,
-                                                                               nbytes)],
-                              deps=deps, category="allreduce", stream=AR, phase="sync",
-                              comm={"op": "all_reduce", "group": ranks, "nbytes": nbytes})
-        last = (last,) if last is not None else tuple(ready[-1][1])
-        return packed_expert_sync(ctx, last) if q > 1 else last
+            deps += last  # a rank's queue sends its micro-ops one after another
+            groups = expert_groups if ready[k][0].endswith(".experts") else [ranks]
+            last = tuple(g.transfer(f"grad.{policy}.{n}" + (f".g{gi}" if len(groups) > 1 else ""), grp,
+                                    [costs.ring_demand("all_reduce", grp, ctx.topo, profile, nbytes)],
+                                    deps=deps, category="allreduce", stream=AR, phase="sync",
+                                    comm={"op": "all_reduce", "group": grp, "nbytes": nbytes})
+                         for gi, grp in enumerate(groups))
+        last = last or tuple(ready[-1][1])
+        return packed_expert_sync(ctx, last) if q > 1 and not hooked_experts else last
 
     def packed_expert_sync(ctx, deps):
-        """Packed experts: each copy's gradients all-reduced over the ranks holding the same experts,
-        after backward, on the same low-priority stream (the runtime's order: layer by layer)."""
-        from moelab.strategies.lina.update import partition
-
+        """Packed experts under the bucketed policies: each copy's gradients all-reduced over the ranks
+        holding the same experts, after backward, on the same low-priority stream (layer by layer)."""
         g = ctx.g
-        sizes = [m.d_model * m.d_ff, m.d_ff, m.d_ff * m.d_model, m.d_model] if moe.expert_bias else \
-            [m.d_model * m.d_ff, m.d_ff * m.d_model]
-        sizes = [q * n for n in sizes]
         ends = list(deps)
         for i in moe_layer_ids(m):
-            if opts.partitioned:
-                units = [(b - a) * eb for n in sizes for a, b in partition(n, eb, S)]
-            elif opts.scheduled:  # fixed, priority: one op per tensor, as the queue sends them
-                units = [n * eb for n in sizes]
+            if opts.scheduled:  # fixed, priority: one op per tensor, as the queue sends them
+                units = [n * eb for n in expert_sizes]
             else:
-                units = [sum(sizes) * eb]  # the core updates: one flat all-reduce per layer
+                units = [sum(expert_sizes) * eb]  # the core updates: one flat all-reduce per layer
             for n, nbytes in enumerate(units):  # a rank's stream keeps them in order
-                for pos in range(P):  # one expert-dp group per block position, side by side
-                    grp = list(range(pos, N, P))
+                for pos, grp in enumerate(expert_groups):  # side by side
                     ends.append(g.transfer(f"L{i}.experts.grad.{n}.g{pos}", grp,
                                            [costs.ring_demand("all_reduce", grp, ctx.topo, profile, nbytes)],
                                            deps=tuple(deps), category="allreduce", stream=AR, phase="sync", layer=i,

@@ -9,14 +9,16 @@
 - ``lina``, ``lina_pipe``, ``lina_full``: every dense gradient cut into views of at most
   ``partition_bytes`` (:func:`partition`), all-reduced in place, one gradient per micro-op.
 
-Packed experts (``experts_per_device`` > 1) are replicated over ``expert_dp``: their gradients go to
-the same low-priority queue after backward (every copy's partial sum, reduced over the copies). With
-``pack_controller`` the block shrinks during the run (:mod:`.packing`, before a forward).
+Packed experts (``experts_per_device`` > 1) are replicated over ``expert_dp``: with the partitioned
+policies their gradients (every copy's partial sum, reduced over the copies) join the same queue from
+the same gradient-ready hook as the dense ones, during backward (spec §2.5 item 1); the bucketed
+policies reduce them after backward, as the baseline does. With ``pack_controller`` the block shrinks
+during the run (:mod:`.packing`, before a forward).
 
 Micro-ops are queued in one fixed order on every rank - reverse parameter order, a gradient's
 micro-ops once it and every gradient before it in that order are ready - so all ranks issue the same
-sequence on ``dp`` even if their autograd finished gradients in another order (spec §6.16). The
-loss is already scaled by 1/N: the all-reduce is a SUM, nothing is divided afterwards.
+sequence on ``dp`` and ``expert_dp`` even if their autograd finished gradients in another order (spec
+§6.16). The loss is already scaled by 1/N: the all-reduce is a SUM, nothing is divided afterwards.
 """
 from __future__ import annotations
 
@@ -56,11 +58,25 @@ class LinaUpdate(OverlappedDataParallelUpdate):
             from moelab.strategies.lina.packing import PackingController
 
             self.packing = PackingController(o, model, comm)
-        self.order = list(reversed([p for p in model.dense_parameters() if p.requires_grad]))
-        self._pos = {id(p): i for i, p in enumerate(self.order)}
+        self._order_params()
         self.micro_ops: list = []  # this step's (param index, start, stop), in submission order
         self.last_micro_ops: list = []  # the last synchronised step's
         self.before_backward()
+
+    def _order_params(self) -> None:
+        """``order``: the gradients the hooks submit, in reverse parameter order - the dense ones (on ``dp``)
+        and, for the partitioned policies, packed experts' (on their layer's ``expert_dp``)."""
+        packed = {id(p): layer.expert_dp_group for layer in self.model.moe_layers() for p in packed_expert_params(layer)
+                  } if self.opts.partitioned else {}
+        params = [p for p in self.model.parameters() if p.requires_grad and
+                  (id(p) in packed or not getattr(p, "moelab_expert", False))]
+        self.order = list(reversed(params))
+        self._group_of = [packed.get(id(p), self.group) for p in self.order]
+        self._pos = {id(p): i for i, p in enumerate(self.order)}
+
+    def refresh_params(self) -> None:
+        super().refresh_params()
+        self._order_params()  # the packing controller swapped the expert stacks and their groups
 
     def before_forward(self) -> None:
         super().before_forward()
@@ -109,7 +125,7 @@ class LinaUpdate(OverlappedDataParallelUpdate):
         p = self.order[i]
         if p.grad is None:  # backward never reached it (same on every rank: same graph)
             p.grad = torch.zeros_like(p)
-        self._submit_tensor(p.grad, self.group, f"p{i}", i)
+        self._submit_tensor(p.grad, self._group_of[i], f"p{i}", i)
         self._next_param = i + 1
 
     def _submit_tensor(self, grad, group: str, name: str, index=None) -> None:
@@ -146,9 +162,10 @@ class LinaUpdate(OverlappedDataParallelUpdate):
             while self._next < len(self.buckets):
                 self._launch(self._next)
         fill_missing_grads(self.model.expert_parameters())
-        for layer in self.model.moe_layers():  # packed experts: their copies' partial sums, after backward
-            for k, p in enumerate(packed_expert_params(layer)):
-                self._submit_tensor(p.grad, layer.expert_dp_group, f"L{layer.layer_id}.experts{k}")
+        if not self.opts.partitioned:  # bucketed policies: packed experts' copies reduced after backward
+            for layer in self.model.moe_layers():
+                for k, p in enumerate(packed_expert_params(layer)):
+                    self._submit_tensor(p.grad, layer.expert_dp_group, f"L{layer.layer_id}.experts{k}")
         self.sched.drain()
         self.last_micro_ops, self.micro_ops = self.micro_ops, []
         for i, flat, _ in self._pending:
