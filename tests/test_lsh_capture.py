@@ -23,3 +23,28 @@ def test_capture_trains_at_the_global_batch_and_reports_held_out_perplexity():
     assert all(x.shape[0] == rows for layer in trained["x"] for x in layer)
     assert len(trained["x"][0]) == s.capture_batches
     assert math.isfinite(trained["eval_ppl"]) and trained["eval_ppl"] < untrained["eval_ppl"]
+
+
+def test_time_to_equal_perplexity_is_read_where_both_curves_reach_it():
+    """Fig. 6's metric on hand-made curves: LSH steps twice as fast but ends above Origin's final perplexity,
+    so the target is LSH's own final level; the times come from linear interpolation between evaluations."""
+    import pandas as pd
+
+    from moelab.strategies.lsh_moe.experiments import quality
+
+    assert quality.first_reach([0, 10, 20], [9.0, 5.0, 1.0], 3.0) == pytest.approx(15.0)
+    assert quality.first_reach([0, 10], [9.0, 5.0], 4.0) is None
+    rows = []
+    for v, step, ppl in (("Origin", 2.0, [40, 30, 20, 10]), ("LSH-MoE", 1.0, [40, 32, 24, 16])):
+        for it in range(40):
+            rows.append(dict(variant=v, seed=0, iter=it, loss=0.0, step_s=step, time_s=step * (it + 1), rho=1.0,
+                             eval_ppl=ppl[it // 10] if it % 10 == 9 else None))
+    df = pd.DataFrame(rows)
+    s = quality.summary(df).set_index("variant")
+    lsh = s.loc["LSH-MoE"]
+    assert not lsh.reached and lsh.equal_ppl == pytest.approx(lsh.final_ppl) and lsh.final_ppl > s.loc["Origin", "final_ppl"]
+    sm_o = quality.smooth([40, 30, 20, 10])
+    t_o = quality.first_reach([20, 40, 60, 80], sm_o, lsh.equal_ppl)
+    assert lsh.origin_time_to_equal_s == pytest.approx(t_o) and lsh.time_to_equal_s == pytest.approx(40.0)
+    assert lsh.time_speedup_to_target == pytest.approx(t_o / 40.0) and lsh.time_speedup_to_target > 1
+    assert lsh.iters_speedup_to_target == pytest.approx((t_o / 2) / 40.0) and lsh.iters_speedup_to_target < 1

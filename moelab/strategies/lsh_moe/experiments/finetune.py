@@ -36,8 +36,8 @@ def run_config(scale, task: str, opts: dict, seed: int, iters: int, init_from=No
             "train.eval_every": s.ft_eval_every, "train.eval_batches": 2 * max(2, s.q_eval_batches), "train.init_from": init_from,
             "emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps, "emulation.inter_bw_GBps": s.inter_GBps,
             "emulation.intra_latency_us": s.latency_us, "emulation.inter_latency_us": s.latency_us}
-    if task == "digits":
-        over.update({"train.patch_size": s.v_patch, "train.eval_every": max(1, iters // 4)})
+    if task == "digits":  # a ViT-like patch model: learned positions, as ViT's (no text plateau to avoid)
+        over.update({"train.patch_size": s.v_patch, "train.eval_every": max(1, iters // 4), "model.positions": "learned"})
     return RunConfig().with_overrides(over).validate()
 
 
@@ -70,7 +70,7 @@ def _run(scale, specs) -> pd.DataFrame:
 
 def _label(scale, what: str) -> str:
     s = scale_spec(scale)
-    return (f"SUBSTITUTE ({what}): tiny bert-MoE (d={s.d}, {s.layers} layers, {s.experts} experts, top-2) pretrained "
+    return (f"SUBSTITUTE ({what}): tiny bert-MoE (d={s.d}, {s.layers} layers, {s.experts} experts, top-2, ALiBi positions) pretrained "
             f"uncompressed {s.capture_iters} iterations of {s.q_nproc * s.batch} sequences on the stdlib's text, fine-tuned "
             f"{s.ft_iters} iterations (lr {s.ft_lr}) on "
             f"{s.q_nproc} gloo ranks as {s.q_nodes} nodes (EMULATED links {s.intra_GBps}/{s.inter_GBps} GB/s), "

@@ -61,7 +61,8 @@ def _convergence(ctx, task: str, stem: str, panel: str):
     df = quality.convergence(ctx.scale.name, task)
     s = quality.summary(df)
     label = df.attrs["label"]
-    notes = [f"target = Origin's final smoothed perplexity {s.attrs['target_ppl']:.2f}"]
+    notes = [f"target = Origin's final smoothed perplexity {s.attrs['target_ppl']:.2f}; time to equal perplexity (the "
+             "paper's metric, time_speedup_to_target) = to the level both the variant and Origin reach"]
     ref = s.attrs.get("reference_ppl")
     if ref:
         notes.append(f"reference (dashed): the same model uncompressed on 1 rank, {s.attrs['reference_iters']} iterations of the "
@@ -70,7 +71,10 @@ def _convergence(ctx, task: str, stem: str, panel: str):
     for r in s.itertuples():
         notes.append(f"{r.variant}: final ppl {r.final_ppl:.2f} ({r.ppl_vs_origin:+.2f} vs Origin), measured rho {r.rho:.3f}, "
                      f"step {r.step_s * 1e3:.0f} ms ({r.step_speedup:.2f}x Origin's), "
-                     + (f"target reached after {r.iters_to_target} iterations" if r.reached else "target NOT reached"))
+                     + (f"target reached after {r.iters_to_target} iterations" if r.reached else "target NOT reached")
+                     + (f"; to ppl {r.equal_ppl:.2f} in {r.time_to_equal_s:.0f} s against Origin's {r.origin_time_to_equal_s:.0f} s "
+                        f"({r.time_speedup_to_target:.2f}x time, {r.iters_speedup_to_target:.2f}x iterations)"
+                        if r.variant != "Origin" and r.time_speedup_to_target else ""))
     return Made(s, figures={f"{stem}_ppl_vs_time": F.convergence(df, label=label, title=f"{panel}: validation perplexity vs training time"),
                             f"{stem}_ppl_vs_iter": F.convergence(df, label=label, x="iter", x_title="iteration",
                                                                  title=f"{panel}: validation perplexity vs iteration")},

@@ -77,7 +77,7 @@ def convergence(scale, task: str = "lm") -> pd.DataFrame:
         cap = tokens.capture(scale)
         df.attrs["reference_ppl"], df.attrs["reference_iters"] = cap["eval_ppl"], cap["iters"]
     df.attrs["label"] = (f"SUBSTITUTE ({PANELS[task]}): tiny bert-MoE {'masked LM' if task == 'lm' else 'span corruption (encoder-only)'} "
-                         f"(d={s.d}, {s.layers} layers, {s.experts} experts, top-2) on the stdlib's text; REAL training on "
+                         f"(d={s.d}, {s.layers} layers, {s.experts} experts, top-2, ALiBi positions) on the stdlib's text; REAL training on "
                          f"{s.q_nproc} gloo ranks as {s.q_nodes} nodes, EMULATED links {s.intra_GBps}/{s.inter_GBps} GB/s "
                          f"intra/inter, {s.q_seeds} seed(s), {s.q_iters} iterations")
     return df
@@ -93,21 +93,44 @@ def smooth(y, sigma: float = 0.5) -> np.ndarray:
     return (w @ y) / w.sum(1)
 
 
+def first_reach(x, ppl, level: float):
+    """Where a (smoothed) perplexity curve first reaches ``level``: ``x`` linearly interpolated between the
+    two evaluations around the crossing (the first point if it starts there); None if it never does."""
+    x, ppl = np.asarray(x, dtype=float), np.asarray(ppl, dtype=float)
+    hit = np.nonzero(ppl <= level * (1 + 1e-9))[0]
+    if not len(hit):
+        return None
+    i = int(hit[0])
+    if i == 0 or ppl[i - 1] == ppl[i]:
+        return float(x[i])
+    f = (ppl[i - 1] - level) / (ppl[i - 1] - ppl[i])
+    return float(x[i - 1] + min(max(f, 0.0), 1.0) * (x[i] - x[i - 1]))
+
+
 def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Per variant (mean over seeds): final eval perplexity, measured rho, mean step time, and the steps and
-    time to reach Origin's final (smoothed) perplexity, with their ratios to Origin's (``reached`` says
-    whether the variant got there)."""
+    """Per variant (mean over seeds): final eval perplexity, measured rho, mean step time; whether it reached
+    Origin's final (smoothed) perplexity, and after how many iterations and seconds; and the paper's metric,
+    time (and iterations) to *equal* perplexity against Origin: to the level both this variant and Origin
+    reach (the higher of the two final smoothed perplexities), interpolated between evaluations."""
     ev = df.dropna(subset=["eval_ppl"])
     curves = ev.groupby(["variant", "iter"]).agg(ppl=("eval_ppl", "mean"), time_s=("time_s", "mean")).reset_index()
-    target = float(smooth(curves[curves.variant == "Origin"].ppl)[-1])
+    origin = curves[curves.variant == "Origin"]
+    o_sm = smooth(origin.ppl.to_numpy())
+    target = float(o_sm[-1])
     rows = []
     for v, c in curves.groupby("variant", sort=False):
         sm = smooth(c.ppl.to_numpy())
         hit = np.nonzero(sm <= target * (1 + 1e-9))[0]
         sub = df[(df.variant == v) & (df.iter > 0)]  # iteration 0 pays the warm-up
+        common = max(target, float(sm[-1]))
+        t_v, t_o = first_reach(c.time_s, sm, common), first_reach(origin.time_s, o_sm, common)
+        i_v, i_o = first_reach(c.iter + 1, sm, common), first_reach(origin.iter + 1, o_sm, common)
         rows.append(dict(variant=v, final_ppl=float(sm[-1]), rho=float(sub.rho.mean()), step_s=float(sub.step_s.mean()),
                          reached=bool(len(hit)), iters_to_target=int(c.iter.iloc[hit[0]]) + 1 if len(hit) else None,
-                         time_to_target_s=float(c.time_s.iloc[hit[0]]) if len(hit) else None))
+                         time_to_target_s=float(c.time_s.iloc[hit[0]]) if len(hit) else None,
+                         equal_ppl=common, time_to_equal_s=t_v, origin_time_to_equal_s=t_o,
+                         time_speedup_to_target=t_o / t_v if t_v and t_o else None,
+                         iters_speedup_to_target=i_o / i_v if i_v and i_o else None))
     out = pd.DataFrame(rows)
     out["ppl_gap_noec_equal_time"] = float("nan")
     if {"LSH-MoE", "LSH-MoE w/o EC"} <= set(curves.variant):  # the paper's "+0.3 ppl without EC at equal time"
@@ -117,7 +140,6 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
         out.loc[out.variant == "LSH-MoE w/o EC", "ppl_gap_noec_equal_time"] = at(b) - at(a)
     o = out[out.variant == "Origin"].iloc[0]
     out["ppl_vs_origin"] = out.final_ppl - o.final_ppl
-    out["time_speedup_to_target"] = [o.time_to_target_s / t if t else None for t in out.time_to_target_s]
     out["step_speedup"] = o.step_s / out.step_s
     out.attrs["target_ppl"] = target
     out.attrs["reference_ppl"], out.attrs["reference_iters"] = df.attrs.get("reference_ppl"), df.attrs.get("reference_iters")
