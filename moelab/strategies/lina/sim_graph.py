@@ -94,7 +94,7 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     else:
         fwd, bwd = token_stages(routes)
     between: list = []  # op ids of each MoE layer's backward dispatch all-to-all (between two MoE layers)
-    moe_done: dict = {}  # MoE layer -> its backward's last ops per rank (packed experts' gradients ready)
+    moe_done: dict = {}  # "L{i}.gate" (the layer's gate ready point) -> its MoE backward's last ops per rank
     expert_groups = [list(range(pos, N, P)) for pos in range(P)]  # one expert-dp group per block position
     # a packed layer's expert gradients in the runtime's reverse parameter order (b2, b1, w2, w1)
     expert_sizes = [q * n for n in ([m.d_model, m.d_ff] if moe.expert_bias else []) + [m.d_ff * m.d_model, m.d_model * m.d_ff]]
@@ -102,7 +102,7 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     def moe_backward(ctx, i, j, deps):
         out = bwd(ctx, i, j, deps)
         between.append(max(out))
-        moe_done[i] = list(out)
+        moe_done[f"L{i}.gate"] = list(out)
         return out
 
     def with_packed_experts(ready):
@@ -110,9 +110,8 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         a ready point per MoE layer, when its backward ends, before its gate's (reverse parameter order)."""
         out = []
         for name, deps, sizes in ready:
-            i = int(name[1:].split(".")[0]) if name.endswith(".gate") else None
-            if i is not None:
-                out.append((f"L{i}.experts", moe_done[i], expert_sizes))
+            if name in moe_done:
+                out.append((name.replace(".gate", ".experts"), moe_done[name], expert_sizes))
             out.append((name, deps, sizes))
         return out
 
