@@ -115,7 +115,7 @@ class TrainConfig:
     # span corruption) | acceptability | topic | paraphrase (bert: text classification) | digits (bert
     # blocks on image patches); classification runs report eval_acc (and eval_top2_acc)
     task: str = "lm"
-    task_classes: int = 4  # topic / paraphrase: the number of (largest) pydoc topics used as classes
+    task_classes: int = 4  # topic: the number of (largest) pydoc topics used as classes; paraphrase: drawn from
     patch_size: int = 2  # digits: square patch side in pixels (1, 2, 4 or 8) of the 8x8 images
     init_from: Optional[str] = None  # fine-tune: a checkpoint (or run folder) to copy parameters from; task heads it lacks start fresh
 

@@ -91,6 +91,20 @@ def test_text_splits_are_disjoint_and_evaluation_reads_held_out_windows():
     assert not any(r.tobytes() in held_rows for r in tr)
 
 
+def _restates(x: np.ndarray) -> bool:
+    """The second half begins with the first half's text from a shift of half/4..half/2 bytes on."""
+    h = len(x) // 2
+    return any(np.array_equal(x[s:h], x[h:2 * h - s]) for s in range(h // 4, h // 2 + 1))
+
+
+def test_paraphrase_positives_restate_the_first_half_and_negatives_do_not():
+    for split in ("train", "eval"):
+        b = (make_batch if split == "train" else make_eval_batch)(_cfg("paraphrase", **{"train.batch_size": 64}), 0, 1, 0)
+        x, y = b["inputs"].numpy(), b["targets"][:, 0].numpy()
+        hits = np.array([_restates(r) for r in x])
+        assert 0 < y.sum() < len(y) and np.array_equal(hits, y == 1), split
+
+
 def test_digits_split_patches_and_epoch_cover():
     train, held = train_heldout()
     images, labels = digits()
@@ -129,6 +143,23 @@ def test_task_model_shares_the_lm_backbone_init_and_adds_a_seeded_head():
     x = make_batch(cfg, 0, 1, 0)["inputs"]
     assert task(x).shape == (8, 1, 10)
     assert type(build_model(_cfg("span"), seed=5)) is MoETransformer
+
+
+def test_pair_task_head_reads_each_half_and_their_distance():
+    """paraphrase: the head reads [u, v, |u - v|] of the two halves' means, so swapping the halves
+    changes the logits (a single mean over the sequence would not see the order of its halves)."""
+    cfg = _cfg("paraphrase")
+    model = build_model(cfg, seed=5, dtype=torch.float64)
+    assert model.pair and model.head.in_features == 3 * cfg.model.d_model
+    assert not build_model(_cfg("topic"), seed=5).pair
+    x = make_batch(cfg, 0, 1, 0)["inputs"]
+    h = model.features(model.with_positions(model.tok_emb(x)))
+    u, v = h[:, :16].mean(1), h[:, 16:].mean(1)
+    ref = torch.cat([u, v, (u - v).abs()], -1) @ model.head.weight.t() + model.head.bias
+    torch.testing.assert_close(model(x)[:, 0], ref, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(model(x), model(torch.cat([x[:, 16:], x[:, :16]], 1)))
+    with pytest.raises(ValueError, match="even sequence length"):
+        model.pooled(h[:, :15])
 
 
 # ---- training on ranks -----------------------------------------------------------------------------
