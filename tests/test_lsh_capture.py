@@ -48,3 +48,29 @@ def test_time_to_equal_perplexity_is_read_where_both_curves_reach_it():
     assert lsh.origin_time_to_equal_s == pytest.approx(t_o) and lsh.time_to_equal_s == pytest.approx(40.0)
     assert lsh.time_speedup_to_target == pytest.approx(t_o / 40.0) and lsh.time_speedup_to_target > 1
     assert lsh.iters_speedup_to_target == pytest.approx((t_o / 2) / 40.0) and lsh.iters_speedup_to_target < 1
+
+
+def test_fine_tuning_runs_a_config_once_however_many_tables_ask(monkeypatch):
+    """Table 2's topic runs are Fig. 7's Origin and L = 6: ``finetune._run`` spawns each distinct run once
+    (options spelled out: ``{}`` is ``{"num_hashes": 6}``), and every asking row gets that run's values."""
+    import pandas as pd
+
+    from moelab.sim import realruns
+    from moelab.strategies.lsh_moe.experiments import finetune as ft
+
+    spawned = []
+
+    def fake_runs(cfgs, nproc, timeout):
+        spawned.extend(c.parallel.strategy_options.get("num_hashes", 6) for c in cfgs)
+        return list(cfgs)
+
+    monkeypatch.setattr(realruns, "run_real_many", fake_runs)
+    monkeypatch.setattr(ft, "_rows", lambda keys, cfgs: pd.DataFrame(
+        [dict(acc=c.parallel.strategy_options.get("num_hashes", 6) / 10) for c in cfgs]))
+    monkeypatch.setattr(ft, "_DONE", {})
+    a = ft._run("smoke", [(dict(v="LSH"), "topic", {}, 0, 6, None), (dict(v="L=6"), "topic", {"num_hashes": 6}, 0, 6, None),
+                          (dict(v="L=2"), "topic", {"num_hashes": 2}, 0, 6, None)])
+    assert spawned == [6, 2] and list(a.v) == ["LSH", "L=6", "L=2"] and list(a.acc) == [0.6, 0.6, 0.2]
+    b = ft._run("smoke", [(dict(v="again"), "topic", {"num_hashes": 2}, 0, 6, None),
+                          (dict(v="seed 1"), "topic", {"num_hashes": 2}, 1, 6, None)])
+    assert spawned == [6, 2, 2] and list(b.acc) == [0.2, 0.2]  # only the new seed ran
