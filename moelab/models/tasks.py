@@ -23,12 +23,14 @@ applies one linear layer: the byte vocabulary has no [CLS] token, and a mean giv
 expert output a gradient path. A pair task (``paraphrase``) pools each half apart, u and v, and
 classifies ``[u, v, |u - v|]`` (Sentence-BERT's classification head): one mean over both halves is
 their sum, from which no linear layer can tell "same" from "different". Attention still spans both
-halves. Measured on the default substitute (200 fine-tuning iterations, seed 0, Origin / LSH-MoE,
-2026-11-27): the earlier pair task (two passages of the same topic or not) stayed at chance with one
-mean (45 / 48 % over 3 seeds) and with the pair head (54 / 49 %); the restatement task reaches 73 / 73 %. Logits come back as ``[B, 1, C]`` with ``targets`` ``[B, 1]`` so the
-unchanged ``lm_loss`` is the classification cross entropy and the trainer's evaluation adds
-accuracy. Held-out data: for text, the last ``1/HELDOUT_DIVISOR`` (at least 2) of each topic's
-aligned windows; for digits, a fixed fifth of the images; training never draws them.
+halves. Measured on the default substitute (200 fine-tuning iterations, Origin / LSH-MoE, 2026-11-27):
+the earlier pair task (two passages of the same topic or not) stayed at chance with one mean (45 / 48 %,
+3 seeds) and with the pair head (54 / 49 %, seed 0); the restatement task reaches 73 / 73 % (seed 0).
+
+Logits come back as ``[B, 1, C]`` with ``targets`` ``[B, 1]`` so the unchanged ``lm_loss`` is the
+classification cross entropy and the trainer's evaluation adds accuracy. Held-out data: for text, the
+last ``1/HELDOUT_DIVISOR`` (at least 2) of each topic's aligned windows; for digits, a fixed fifth of
+the images; training never draws them.
 
 Fine-tuning: ``train.init_from`` names a checkpoint (or a run folder: its latest) of a run with the
 same ``model`` section, e.g. a ``task: lm`` pre-training; :func:`init_from_checkpoint` copies every

@@ -59,6 +59,7 @@ def _rows(keys, runs) -> pd.DataFrame:
 
 
 _DONE: dict = {}  # run identity (:func:`_identity`) -> its row: a run two tables ask for runs once per process
+# (``_DONE.clear()`` forgets them, e.g. after editing the code in a live kernel)
 
 
 def _identity(cfg) -> str:
