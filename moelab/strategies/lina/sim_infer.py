@@ -13,8 +13,8 @@ combine all-to-all. Phase 1 of layer l (Lina, ``lina_no_finetune``) runs while l
 §2.4: ``T_p1 = max(0, o_plan - T_hide)``, swaps "if not prefetched"): ``o_plan`` on the rank's ``plan``
 stream from layer l-1's start, then the load of the experts phase 1 newly places on the rank's ``h2d``
 stream; layer l's experts wait for that load, so a plan or a load longer than layer l-1 shows.
-(The REAL serving path exchanges the estimates during layer l-1 but plans and copies at layer l: on a
-CPU the copy is a memory copy.)
+(The REAL serving path does the same on a loader thread, :meth:`.infer.LinaServeLayer._phase1_issue`:
+estimate, exchange, plan and load beside layer l-1; on a CPU the load is a memory copy.)
 
 Constants (data with sources, :data:`PAPER_OVERHEADS`): ``o_check`` = 1.45 ms and ``o_plan`` = 6.2 ms
 are the paper's measured scheduler costs (§7.3, "Overheads"); ``h2d_GBps`` = 25 [assumption: PCIe 4.0
