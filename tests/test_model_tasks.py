@@ -105,6 +105,16 @@ def test_paraphrase_positives_restate_the_first_half_and_negatives_do_not():
         assert 0 < y.sum() < len(y) and np.array_equal(hits, y == 1), split
 
 
+def test_paraphrase_negatives_come_from_the_next_topic_when_a_split_has_two_windows():
+    """At 2048-byte halves a held-out split of three windows leaves no non-overlapping passage for some firsts."""
+    from moelab.models.tasks import _paraphrase_example
+
+    assert min(len(he) for _, _, he in topic_windows(2048)[:4]) <= 3
+    for n in range(40):
+        x, label = _paraphrase_example(np.random.default_rng(n), 2048, 4, col=2)
+        assert x.shape == (4096,) and _restates(x) == (label == 1)
+
+
 def test_digits_split_patches_and_epoch_cover():
     train, held = train_heldout()
     images, labels = digits()
