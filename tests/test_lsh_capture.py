@@ -53,8 +53,6 @@ def test_time_to_equal_perplexity_is_read_where_both_curves_reach_it():
 def test_fine_tuning_runs_a_config_once_however_many_tables_ask(monkeypatch):
     """Table 2's topic runs are Fig. 7's Origin and L = 6: ``finetune._run`` spawns each distinct run once
     (options spelled out: ``{}`` is ``{"num_hashes": 6}``), and every asking row gets that run's values."""
-    import pandas as pd
-
     from moelab.sim import realruns
     from moelab.strategies.lsh_moe.experiments import finetune as ft
 
@@ -65,8 +63,8 @@ def test_fine_tuning_runs_a_config_once_however_many_tables_ask(monkeypatch):
         return list(cfgs)
 
     monkeypatch.setattr(realruns, "run_real_many", fake_runs)
-    monkeypatch.setattr(ft, "_rows", lambda keys, cfgs: pd.DataFrame(
-        [dict(acc=c.parallel.strategy_options.get("num_hashes", 6) / 10) for c in cfgs]))
+    monkeypatch.setattr(ft, "_rows", lambda cfgs: [dict(acc=c.parallel.strategy_options.get("num_hashes", 6) / 10)
+                                                   for c in cfgs])
     monkeypatch.setattr(ft, "_DONE", {})
     a = ft._run("smoke", [(dict(v="LSH"), "topic", {}, 0, 6, None), (dict(v="L=6"), "topic", {"num_hashes": 6}, 0, 6, None),
                           (dict(v="L=2"), "topic", {"num_hashes": 2}, 0, 6, None)])

@@ -41,21 +41,21 @@ def run_config(scale, task: str, opts: dict, seed: int, iters: int, init_from=No
     return RunConfig().with_overrides(over).validate()
 
 
-def _rows(keys, runs) -> pd.DataFrame:
-    """One row per run: final exact-eval top-1/top-2, measured rho, median step time (after iteration 0),
+def _rows(runs) -> list:
+    """One dict per run: final exact-eval top-1/top-2, measured rho, median step time (after iteration 0),
     the task's number of classes."""
     from moelab.models.tasks import num_classes
 
     rows = []
-    for key, run in zip(keys, runs):
+    for run in runs:
         ev = [m for m in run.metrics if m.get("eval_acc") is not None]
         lm = run.layer_metrics
         rho = float(lm.M.sum() / lm.A.sum()) if lm is not None and len(lm) else 1.0
         steps = run.step_times[1:].max(axis=1) if len(run.step_times) > 1 else run.step_times.max(axis=1)
-        rows.append(dict(**key, acc=ev[-1]["eval_acc"] if ev else None, top2=ev[-1]["eval_top2_acc"] if ev else None,
+        rows.append(dict(acc=ev[-1]["eval_acc"] if ev else None, top2=ev[-1]["eval_top2_acc"] if ev else None,
                          rho=rho, step_s=float(np.median(steps)), final_loss=run.metrics[-1]["loss"],
                          samples_per_step=run.cfg.train.batch_size * run.cfg.parallel.nproc, classes=num_classes(run.cfg)))
-    return pd.DataFrame(rows)
+    return rows
 
 
 _DONE: dict = {}  # run identity (:func:`_identity`) -> its row: a run two tables ask for runs once per process
@@ -86,9 +86,9 @@ def _run(scale, specs) -> pd.DataFrame:
     ids = [_identity(c) for c in cfgs]
     todo = list(dict.fromkeys(i for i in ids if i not in _DONE))
     if todo:
-        first = {i: c for i, c in reversed(list(zip(ids, cfgs)))}
-        runs = run_real_many([first[i] for i in todo], s.q_nproc, timeout=runs_timeout(len(todo)))
-        _DONE.update(zip(todo, _rows([{}] * len(todo), runs).to_dict("records")))
+        by_id = dict(zip(ids, cfgs))  # configs of one identity are the same run
+        runs = run_real_many([by_id[i] for i in todo], s.q_nproc, timeout=runs_timeout(len(todo)))
+        _DONE.update(zip(todo, _rows(runs)))
     return pd.DataFrame([{**key, **_DONE[i]} for (key, *_), i in zip(specs, ids)])
 
 
