@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 POLL_S = 0.2
+TORCHRUN_PID = "pid_torchrun"
 
 
 def _orphaned(parent: int) -> bool:
@@ -52,6 +53,7 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         return 1
     proc = subprocess.Popen(command)  # inherits our stdout (the launcher's pipe), stderr and group
+    (side / TORCHRUN_PID).write_text(str(proc.pid))  # the launcher's _kill waits for it to be gone
     while proc.poll() is None:
         if _orphaned(parent):
             _stop_everything(proc, side)

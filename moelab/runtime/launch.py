@@ -377,9 +377,18 @@ def _kill(proc: subprocess.Popen, side: Path) -> None:
     groups += _rank_pids(side)  # a rank may have started meanwhile
     _signal_groups(groups, signal.SIGKILL)
     proc.wait()
+    # the guard is reaped, but torchrun (its child, in its group) and the ranks may still be dying
+    pids = [*groups[1:], *_torchrun_pid(side)]
     end = time.monotonic() + _GRACE_S
-    while any(_alive(pid) for pid in groups[1:]) and time.monotonic() < end:
+    while any(_alive(pid) for pid in pids) and time.monotonic() < end:
         time.sleep(0.02)
+
+
+def _torchrun_pid(side: Path) -> list[int]:
+    from moelab.runtime.guard import TORCHRUN_PID
+
+    path = side / TORCHRUN_PID
+    return [int(path.read_text())] if path.exists() else []
 
 
 def _alive(pid: int) -> bool:
