@@ -151,7 +151,7 @@ class PriorityScheduler(Scheduler):
         with self.cv:
             self._raise()
             self.queue.append((op, {"kind": "low", "enqueue": time.perf_counter(), "nbytes": op.nbytes,
-                                    "group": op.group, "name": op.name}))
+                                    "group": op.group, "name": op.name, "iter": op.tags.get("iter")}))
             self.cv.notify_all()
 
     def new_step(self) -> None:
