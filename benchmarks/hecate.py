@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     systems = {"EP": ("ep", {}), "Hecate": ("hecate", hec),
                "Hecate sharding only": ("hecate", {**hec, "materialize": False, "calibration": False}),
                "Hecate materialization only": ("hecate", {**hec, "shard": False}),
+               "Hecate hot owners spread": ("hecate", {**hec, "hot_owners": "spread"}),
                "Hecate-RM": ("hecate", {**hec, "rm": True}), "Hecate no calibration": ("hecate", {**hec, "calibration": False}),
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": a.nproc // a.nodes}),
                "FlexMoE": ("flexmoe", FLEXMOE_OPTIONS), "FSDP": ("fsdp_expert", {}), "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
@@ -172,11 +173,9 @@ def main(argv=None) -> int:
     for n, (mr, ms) in moe.items():
         print(f"{n:30s} {1e3 * mr:8.1f} {1e3 * ms:8.1f} {moe['EP'][0] / mr:12.2f} {moe['EP'][1] / ms:6.2f}"
               + ("  (no token exchange to bound the layer: not measured)" if np.isnan(mr) else ""))
-    spag = h[(h.phase == "spag") & (h.iter >= a.warmup)]
-    exposed = sum(r["hecate"].get("spag_exposed_s", 0.0) for it in plans[a.warmup:] for r in it)
-    total = (spag.t_end - spag.t_start)[spag["rank"] == 0].sum()
-    print(f"Hecate spAG exposed / total (rank 0, the wait before dispatch over issue-to-done): "
-          f"{exposed / total if total else float('nan'):.2f} ({1e3 * exposed:.1f} of {1e3 * total:.1f} ms)")
+    print("spAG exposed / total (rank 0, the wait before dispatch over issue-to-done): " + ", ".join(
+        "{} {:.2f} ({:.1f} of {:.1f} ms)".format(n, *spag_exposed(r, a.warmup)) for n, r in runs.items()
+        if n.startswith("Hecate") and n != "Hecate sharding only"))
     if "Hecate-RM" in runs:
         rep = {n: peak[n][0] - peak["EP"][0] for n in ("Hecate", "Hecate-RM")}
         print(f"Hecate-RM: replica params at the peak {1e-6 * rep['Hecate-RM']:.3f} vs Hecate {1e-6 * rep['Hecate']:.3f} MB "
@@ -185,6 +184,16 @@ def main(argv=None) -> int:
     print(f"\nsimulated bytes == measured bytes: {comp.metrics['bytes_exact']} ({comp.metrics['bytes_cells']} cells); "
           f"median prediction error {comp.metrics['median_rel_err']:.0%}")
     return 0
+
+
+def spag_exposed(run, warmup: int) -> tuple:
+    """Rank 0's spAG: (exposed / total, exposed ms, total ms); exposed = the wait before dispatch its plans
+    record, total = the gathers' issue-to-done time."""
+    c = run.comm
+    spag = c[(c.phase == "spag") & (c.iter >= warmup) & (c["rank"] == 0)]
+    exposed = sum(r["hecate"].get("spag_exposed_s", 0.0) for it in run.plans[warmup:] for r in it)
+    total = float((spag.t_end - spag.t_start).sum())
+    return (exposed / total if total else float("nan")), 1e3 * exposed, 1e3 * total
 
 
 def max_device_tokens(plans, N: int) -> float:
