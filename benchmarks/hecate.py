@@ -16,7 +16,10 @@ inter-node all-to-all bytes EP / Hecate; spAG + spRS bytes vs FlexMoE's replica 
 memory at the iteration peak per category (params, grads, optim, activations) and in total, with the iteration of
 the total peak, per system; the computed overlap degree t; the MoE layers alone
 (real: gate to last token exchange forward, first to last backward; sim: the critical path's MoE ops); exposed /
-total spAG time; RM's replica bytes and time. CPU timings are not paper numbers (spec §6.15): the ratios check
+total spAG time of every Hecate variant; RM's replica bytes and time. A second table: the same medians over the
+timed iterations in which no system re-sharded (the run re-shards every ``max(2, warmup)`` iterations so that Alg. 2
+runs inside it; the paper's interval is 100), and with each run's migration time per re-shard spread over 100
+iterations. CPU timings are not paper numbers (spec §6.15): the ratios check
 mechanisms, the simulator carries the paper scale.
 
 Defaults (d = 128, 16 sequences per rank, links 0.5 / 0.01 GB/s per rank): a token all-to-all's bytes, not its
@@ -92,7 +95,6 @@ def main(argv=None) -> int:
     systems = {"EP": ("ep", {}), "Hecate": ("hecate", hec),
                "Hecate sharding only": ("hecate", {**hec, "materialize": False, "calibration": False}),
                "Hecate materialization only": ("hecate", {**hec, "shard": False}),
-               "Hecate hot owners spread": ("hecate", {**hec, "hot_owners": "spread"}),
                "Hecate-RM": ("hecate", {**hec, "rm": True}), "Hecate no calibration": ("hecate", {**hec, "calibration": False}),
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": a.nproc // a.nodes}),
                "FlexMoE": ("flexmoe", FLEXMOE_OPTIONS), "FSDP": ("fsdp_expert", {}), "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
@@ -126,11 +128,13 @@ def main(argv=None) -> int:
               f"{ep.sim_s / row.sim_s:6.2f} {(row.sim_s - row.real_s) / row.real_s:+8.0%} | {1e3 * s0:13.1f} "
               f"{ep0.sim_s / s0:7.2f} {(s0 - row.real_s) / row.real_s:+5.0%}")
 
+    runs = dict(zip([n for n, _ in named], reals))
+    steady_state(comp, runs, a.warmup)
+
     def inter_a2a(r):
         c = r.comm[(r.comm.op == "all_to_all") & r.comm.phase.isin(["fwd", "bwd"]) & (r.comm.iter >= a.warmup)]
         return c.bytes_inter.sum()
 
-    runs = dict(zip([n for n, _ in named], reals))
     ih = inter_a2a(runs["Hecate"])
     print("\ninter-node token all-to-all bytes EP / Hecate: " + (f"{inter_a2a(runs['EP']) / ih:.2f}" if ih else
                                                                "inf (Hecate's tokens never cross nodes)"))
@@ -184,6 +188,35 @@ def main(argv=None) -> int:
     print(f"\nsimulated bytes == measured bytes: {comp.metrics['bytes_exact']} ({comp.metrics['bytes_cells']} cells); "
           f"median prediction error {comp.metrics['median_rel_err']:.0%}")
     return 0
+
+
+PAPER_R = 100  # the paper's re-sharding interval (spec §2.5)
+
+
+def steady_state(comp, runs: dict, warmup: int) -> None:
+    """The table above times a re-shard every ``max(2, warmup)`` iterations, in the timed window; the paper
+    re-shards every 100. Print the same medians over the timed iterations in which no system re-sharded,
+    and each sharding system's migration time per re-shard (slowest rank) spread over 100 iterations."""
+    resh = {it for r in runs.values() for it, recs in enumerate(r.plans) if it >= warmup
+            and any(rec.get("hecate", {}).get("moved") for rec in recs)}
+    it = comp.iters[~comp.iters.warmup & ~comp.iters["iter"].isin(resh)]
+    if resh == set() or it.empty:
+        print(f"\nre-sharding: {'none in the timed iterations' if not resh else 'in every timed iteration'}: "
+              "no steady-state table")
+        return
+    t = it.groupby("config", sort=False)[["real_s", "sim_s"]].median()
+    print(f"\nsteady state: timed iterations without a re-shard ({sorted(set(it['iter']))}; re-shards at "
+          f"{sorted(resh)}), medians; '+R={PAPER_R}': plus the run's migration time per re-shard / {PAPER_R}")
+    print(f"{'system':30s} {'iter ms real':>12s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} "
+          f"{'+R=' + str(PAPER_R) + ' real':>12s} {'speedup':>7s}")
+    ep = t.loc["EP"]
+    for name, row in t.iterrows():
+        c = runs[name].comm
+        mig = c[c.phase == "migrate"]
+        per = (mig.t_end - mig.t_start).groupby([mig.iter, mig["rank"]]).sum().groupby(level=0).max()
+        amort = row.real_s + (float(per.mean()) / PAPER_R if len(per) else 0.0)
+        print(f"{name:30s} {1e3 * row.real_s:12.1f} {1e3 * row.sim_s:8.1f} {ep.real_s / row.real_s:12.2f} "
+              f"{ep.sim_s / row.sim_s:6.2f} {1e3 * amort:12.1f} {ep.real_s / amort:7.2f}")
 
 
 def spag_exposed(run, warmup: int) -> tuple:

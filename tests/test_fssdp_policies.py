@@ -182,31 +182,6 @@ def test_alg2_can_leave_a_rank_without_experts_of_a_layer():
     assert np.bincount(sum(new, []), minlength=4).tolist() == [4] * 4
 
 
-def test_alg2_spread_puts_each_layers_hot_experts_on_distinct_devices():
-    """``hot_owners="spread"``: J is what spAG sends, so a layer's J experts get distinct devices (current
-    owners kept where distinct); "keep" fills J into the slots J' left, which can stack them on one device."""
-    rng = np.random.default_rng(5)
-    stacked = 0
-    for _ in range(80):
-        N, G, L = 8, 4, int(rng.integers(1, 4))
-        E, t = 16, int(rng.integers(1, 4))
-        F = rng.zipf(1.5, size=(L, E)).clip(max=5000)
-        cur = homogeneous_owners(L, E, N)
-        new = reshard_owners(F, t, cur, N, G, hot_owners="spread")
-        assert np.bincount(sum(new, []), minlength=N).tolist() == [L * E // N] * N
-        for l in range(L):
-            J = top_experts(F[l], t)
-            assert len({new[l][e] for e in J}) == len(J), (F[l], new[l])
-        keep = reshard_owners(F, t, cur, N, G)
-        stacked += any(len({keep[l][e] for e in top_experts(F[l], t)}) < t for l in range(L))
-    assert stacked > 0  # the default can stack them (the reason for the option)
-    F = np.array([[90, 80, 1, 2, 3, 4, 5, 6]])  # experts 0 and 1 share owner 0 under EP: one of them moves
-    new = reshard_owners(F, 2, homogeneous_owners(1, 8, 4), 4, 2, hot_owners="spread")
-    assert new[0][0] == 0 and new[0][1] != 0 and new[0][1] // 2 == 1  # the other node: it holds none of J
-    with pytest.raises(ValueError, match="hot_owners"):
-        reshard_owners(F, 2, homogeneous_owners(1, 8, 4), 4, 2, hot_owners="nowhere")
-
-
 # ---- load window, hash, t and m ---------------------------------------------------------------------------
 def test_load_window_sums_the_last_w_iterations_as_integers():
     w = LoadWindow(3, 1, 2)

@@ -179,26 +179,14 @@ def homogeneous_owners(L: int, E: int, N: int) -> list:
     return [[e // (E // N) for e in range(E)] for _ in range(L)]
 
 
-HOT_OWNERS = ("keep", "spread")
-
-
-def reshard_owners(F, t: int, owners, N: int, ranks_per_node: int, prefer_fewer_free: bool = True,
-                   hot_owners: str = "keep") -> list:
+def reshard_owners(F, t: int, owners, N: int, ranks_per_node: int, prefer_fewer_free: bool = True) -> list:
     """Alg. 2 (spec §2.5, §6.6): a new owner for every (layer, expert), ``L·E/N`` per device in total.
 
     Per layer the top-``t`` experts (J) are replicated by Alg. 1 anyway; the others (J') are placed greedily,
     layers by their hottest J' expert first, experts by load: the node with the least (per-layer) load
     among nodes with a free slot, then the least-loaded device in it (ties: fewer free slots first, as the
     paper writes — ``prefer_fewer_free=False`` inverts —, then the lower id). J experts then keep their
-    current owner where it has a free slot (less to migrate), else take free devices in rank order.
-
-    ``hot_owners="spread"`` places J first instead: each layer's J experts on distinct devices (a device
-    already holding one of the layer's J only when no other has a slot), the current owner where it
-    qualifies, else the node holding fewer of the layer's J, then the device holding fewer J in all. J
-    experts are what spAG sends: with "keep" two of them often share the one device left with free slots,
-    whose link then carries both, where t was sized on parallel senders. J' is then placed as above."""
-    if hot_owners not in HOT_OWNERS:
-        raise ValueError(f"hot_owners must be one of {HOT_OWNERS}, got {hot_owners!r}")
+    current owner where it has a free slot (less to migrate), else take free devices in rank order."""
     F = np.asarray(F, dtype=np.int64)
     L, E = F.shape
     G = int(ranks_per_node)
@@ -210,10 +198,8 @@ def reshard_owners(F, t: int, owners, N: int, ranks_per_node: int, prefer_fewer_
     J = [set(top_experts(F[l], t)) for l in range(L)]
     Jp = [[e for e in range(E) if e not in J[l]] for l in range(L)]
     sign = 1 if prefer_fewer_free else -1
-    new = [[-1] * E for _ in range(L)]
-    if hot_owners == "spread":
-        _spread_hot(F, J, owners, new, slots, G)
     order = sorted(range(L), key=lambda l: (-(max(int(F[l][e]) for e in Jp[l]) if Jp[l] else -1), l))
+    new = [[-1] * E for _ in range(L)]
     for l in order:
         node_load, dev_load = [0] * (N // G), [0] * N
         for e in sorted(Jp[l], key=lambda e: (-int(F[l][e]), e)):
@@ -225,8 +211,7 @@ def reshard_owners(F, t: int, owners, N: int, ranks_per_node: int, prefer_fewer_
             slots[d] -= 1
             node_load[n] += int(F[l][e])
             dev_load[d] += int(F[l][e])
-    rest = sorted(((l, e) for l in range(L) for e in J[l] if new[l][e] < 0),
-                  key=lambda le: (le[0], -int(F[le[0]][le[1]]), le[1]))
+    rest = sorted(((l, e) for l in range(L) for e in J[l]), key=lambda le: (le[0], -int(F[le[0]][le[1]]), le[1]))
     deferred = []
     for l, e in rest:
         d = int(owners[l][e])
@@ -240,23 +225,6 @@ def reshard_owners(F, t: int, owners, N: int, ranks_per_node: int, prefer_fewer_
         new[l][e] = d
         slots[d] -= 1
     return new
-
-
-def _spread_hot(F, J, owners, new, slots: list, G: int) -> None:
-    """``reshard_owners(hot_owners="spread")``'s first pass: every layer's J experts, hottest first, on
-    distinct devices with a free slot (see there); fills ``new`` and takes the slots."""
-    N = len(slots)
-    hot_on = [0] * N  # J experts (all layers) placed on each device
-    for l in range(len(J)):
-        mine: list = []  # devices holding this layer's J
-        for e in sorted(J[l], key=lambda e: (-int(F[l][e]), e)):
-            free = [d for d in range(N) if slots[d] > 0]
-            d = min(free, key=lambda d: (d in mine, d != int(owners[l][e]),
-                                         sum(x // G == d // G for x in mine), hot_on[d], d))
-            new[l][e] = d
-            slots[d] -= 1
-            hot_on[d] += 1
-            mine.append(d)
 
 
 # ---- load window, hashing, t and m ------------------------------------------------------------------------

@@ -12,7 +12,6 @@
 | ``reshard_interval`` | 100 | Alg. 2 every R iterations (0: never; §2.5) |
 | ``reshard_window`` | null | a longer window for Alg. 2 (§6.6); null: ``window`` |
 | ``prefer_fewer_free`` | true | Alg. 2's tie-break as written (false inverts it, §6.6) |
-| ``hot_owners`` | keep | where Alg. 2 puts each layer's top-t experts (J): ``keep`` their owners, J' first (§6.6), or ``spread`` them over distinct devices first, since spAG sends them (``moelab.placement.fssdp.reshard_owners``) |
 | ``calibration`` | true | re-plan after the gate when the cost model says it pays (§2.4) |
 | ``rm`` | false | re-materialization: free replicas after forward, re-gather them in backward (§2.8) |
 | ``spag_backend`` | a2a | ``a2a`` / ``p2p`` / ``hier`` (§2.2) |
@@ -29,7 +28,7 @@ from typing import Optional, Tuple
 
 from moelab.comm.sparse import BACKENDS
 from moelab.config import ConfigError
-from moelab.placement.fssdp import ASSIGN, HOT_OWNERS
+from moelab.placement.fssdp import ASSIGN
 from moelab.strategies.options import StrategyOptions
 
 
@@ -58,7 +57,6 @@ class HecateOptions(StrategyOptions):
     reshard_interval: int = 100
     reshard_window: Optional[int] = field(default=None, metadata={"type": int})
     prefer_fewer_free: bool = True
-    hot_owners: str = field(default="keep", metadata={"choices": HOT_OWNERS})
     calibration: bool = True
     rm: bool = False
     spag_backend: str = field(default="a2a", metadata={"choices": BACKENDS})

@@ -149,8 +149,7 @@ class HecateUpdate(DataParallelUpdate):
         if (o.shard and o.reshard_interval and self.iteration > 0 and self.iteration % o.reshard_interval == 0
                 and len(self.reshard_window)):
             owners = [layer.owners for layer in self.layers]
-            new = reshard_owners(self.reshard_window.estimate(), t, owners, self.N, self.G, o.prefer_fewer_free,
-                                 o.hot_owners)
+            new = reshard_owners(self.reshard_window.estimate(), t, owners, self.N, self.G, o.prefer_fewer_free)
             if new != owners:
                 moved = migrate_owners(self.comm, self.layers, new, self.optimizer)
                 self.refresh_params()

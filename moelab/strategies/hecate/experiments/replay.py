@@ -17,7 +17,7 @@ from moelab.placement.fssdp import (LoadWindow, calibrate_plan, holders_of, homo
 def hecate_plans(trace, *, t: int, m: int, ranks_per_node: int, cost=None, reshard_interval: int = 100,
                  window: int = 5, reshard_window: Optional[int] = None, calibration: bool = True, rm: bool = False,
                  assign: str = "proportional", materialize: bool = True, shard: bool = True,
-                 prefer_fewer_free: bool = True, hot_owners: str = "keep", backend: str = "a2a") -> list:
+                 prefer_fewer_free: bool = True, backend: str = "a2a") -> list:
     """Per iteration of ``trace`` (``[iters, layers, N, E]`` tokens per source and expert) the graph kwargs
     ``owners / prefetch / holders / moved / rm / backend`` plus ``calibration`` (per layer: off, nothing,
     rejected, accepted). ``cost``: a :class:`~moelab.placement.fssdp_cost.FSSDPCost` (needed for calibration)."""
@@ -30,7 +30,7 @@ def hecate_plans(trace, *, t: int, m: int, ranks_per_node: int, cost=None, resha
     for it in range(iters):
         moved = []
         if shard and reshard_interval and it > 0 and it % reshard_interval == 0 and len(rwin):
-            new = reshard_owners(rwin.estimate(), t, owners, N, G, prefer_fewer_free, hot_owners)
+            new = reshard_owners(rwin.estimate(), t, owners, N, G, prefer_fewer_free)
             moved = [(l, e, owners[l][e], new[l][e]) for l in range(L) for e in range(E) if new[l][e] != owners[l][e]]
             owners = new
         F = win.estimate()
