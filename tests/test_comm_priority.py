@@ -46,11 +46,19 @@ def low(seconds, name=""):
     return LowOp(lambda: Sleep(seconds), 8, "dp", name)
 
 
+def in_flight(sched, timeout=5.0):
+    """Wait until the launcher thread has a low op in flight (a fixed sleep races on a loaded machine)."""
+    end = time.perf_counter() + timeout
+    while sched.inflight < 1:
+        assert time.perf_counter() < end, "no low op was launched"
+        time.sleep(0.0005)
+
+
 def test_high_call_overtakes_queued_low_ops_and_waits_for_the_one_in_flight():
     s = PriorityScheduler(FakeComm(), stall_s=5.0)
     for i in range(4):
         s.submit(low(0.03, f"op{i}"))
-    time.sleep(0.005)  # op0 is in flight
+    in_flight(s)  # op0
     h = high(s, 0.02)
     s.drain()
     lows = [r for r in s.records if r["kind"] == "low"]
@@ -61,20 +69,20 @@ def test_high_call_overtakes_queued_low_ops_and_waits_for_the_one_in_flight():
 
 def test_without_waiting_the_call_starts_at_once():
     s = PriorityScheduler(FakeComm(), waits_for_inflight=False)
-    s.submit(low(0.05))
-    time.sleep(0.005)
+    s.submit(low(0.5))
+    in_flight(s)
     h = high(s, 0.0)
-    assert h["start"] - h["wait"] < 0.02
+    assert h["start"] - h["wait"] < 0.2  # waiting for the op in flight would take ~0.5 s
     s.drain()
     s.close()
 
 
 def test_wait_is_bounded_and_the_release_counted():
     s = PriorityScheduler(FakeComm(), stall_s=0.01)
-    s.submit(low(0.2))  # stalled on a peer, say
-    time.sleep(0.005)
+    s.submit(low(1.0))  # stalled on a peer, say
+    in_flight(s)
     h = high(s, 0.0)
-    assert h["released"] and s.stalls == 1 and h["start"] - h["wait"] < 0.1
+    assert h["released"] and s.stalls == 1 and h["start"] - h["wait"] < 0.5
     s.drain()
     s.close()
 
