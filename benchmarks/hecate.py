@@ -200,7 +200,7 @@ def steady_state(comp, runs: dict, warmup: int) -> None:
     resh = {it for r in runs.values() for it, recs in enumerate(r.plans) if it >= warmup
             and any(rec.get("hecate", {}).get("moved") for rec in recs)}
     it = comp.iters[~comp.iters.warmup & ~comp.iters["iter"].isin(resh)]
-    if resh == set() or it.empty:
+    if not resh or it.empty:
         print(f"\nre-sharding: {'none in the timed iterations' if not resh else 'in every timed iteration'}: "
               "no steady-state table")
         return

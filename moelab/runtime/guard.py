@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from moelab.runtime.results import atomic_write_text
+
 POLL_S = 0.2
 TORCHRUN_PID = "pid_torchrun"
 
@@ -53,7 +55,7 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         return 1
     proc = subprocess.Popen(command)  # inherits our stdout (the launcher's pipe), stderr and group
-    (side / TORCHRUN_PID).write_text(str(proc.pid))  # the launcher's _kill waits for it to be gone
+    atomic_write_text(side / TORCHRUN_PID, str(proc.pid))  # the launcher's _kill waits for it to be gone
     while proc.poll() is None:
         if _orphaned(parent):
             _stop_everything(proc, side)

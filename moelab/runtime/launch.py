@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moelab.config import RunConfig
+from moelab.runtime.guard import TORCHRUN_PID
 from moelab.runtime.progress import Progress, parse_progress
 from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text, backend_of, stale_version
 from moelab.runtime.runfolder import NODE_RANK_ENV
@@ -385,8 +386,6 @@ def _kill(proc: subprocess.Popen, side: Path) -> None:
 
 
 def _torchrun_pid(side: Path) -> list[int]:
-    from moelab.runtime.guard import TORCHRUN_PID
-
     path = side / TORCHRUN_PID
     return [int(path.read_text())] if path.exists() else []
 
