@@ -295,8 +295,9 @@ def _late_member(rank, world):
     return dict(reps=reps, alone=comm.emulated_time(r.bytes, r.recv, "all_to_all", list(range(world))))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_late_member_delays_every_member(world):
+@pytest.mark.parametrize("world,agreement", [(2, "auto"), (4, "auto"), (4, "allreduce")])
+def test_a_late_member_delays_every_member(world, agreement, monkeypatch):
+    monkeypatch.setenv("MOELAB_FINISH_AGREEMENT", agreement)  # the ranks inherit it
     res = run_ranks(_late_member, world, timeout=60)
     alone = res[0]["alone"]
     over = []
@@ -358,3 +359,67 @@ def test_a_broadcast_is_emulated_as_the_simulators_chain():
     assert res[0]["recorded"]["inter"] == 4 * ROWS  # the record keeps the flat tree's logical bytes
     assert min(max(r["took"][i] for r in res) for i in range(REPS)) >= chain - 2e-3
     assert min(max(r["took"][i] for r in res) for i in range(REPS)) <= 2 * chain  # a flat tree: 3x the chain
+
+
+# ---- the finish-time agreement: a shared-memory board on one host, the all-reduce otherwise -----------
+def test_board_members_agree_on_the_maximum(tmp_path):
+    from moelab.comm.board import SLOTS, Board
+
+    path, n, rounds = str(tmp_path / "board"), 3, 3 * SLOTS + 1  # wraps the slots three times
+    origin = time.time() - 1.0
+    boards = [Board(path, n, i, origin) for i in range(n)]
+    got = [[] for _ in range(n)]
+
+    def member(i):
+        for k in range(rounds):
+            if (i + k) % n == 0:
+                time.sleep(0.002)  # a different member is late each round
+            got[i].append(boards[i].agree(origin + 10.0 + k + i * 1e-3))
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i in range(n):
+        assert got[i] == pytest.approx([origin + 10.0 + k + (n - 1) * 1e-3 for k in range(rounds)], abs=2e-6)
+
+
+def test_a_member_alone_on_a_fresh_board_waits_and_names_the_missing(tmp_path):
+    """A fresh file is all zeros: the first agreement must not take them for the other members' words."""
+    from moelab.comm.board import Board
+
+    b = Board(str(tmp_path / "board"), 3, 1, time.time())
+    with pytest.raises(TimeoutError, match=r"members \[0, 2\]"):
+        b.agree(time.time(), timeout=0.05)
+
+
+def _board_files(rank, world, mode):
+    import os
+
+    from moelab.comm.board import Board
+    from moelab.comm.door import Communicator
+
+    comm = Communicator(Topology(world, world // 2), _emu(), finish_agreement=mode)
+    name = comm.replica_group([0, 1])
+    kinds = {g: type(comm._shadow[g]).__name__ for g in ("world", "ep", "node", name) if g in comm._shadow}
+    paths = [s.path for s in comm._shadow.values() if isinstance(s, Board)]
+    return dict(kinds=kinds, left=[p for p in paths if os.path.exists(p)])
+
+
+@pytest.mark.parametrize("mode", ["auto", "allreduce"])
+def test_the_agreement_uses_a_board_on_one_host_and_leaves_no_file(mode):
+    res = run_ranks(_board_files, 4, mode, timeout=60)
+    for r in res:
+        assert r["left"] == []  # unlinked once every member had mapped it
+        want = "Board" if mode == "auto" else "ProcessGroup"
+        assert r["kinds"]["world"] == want and r["kinds"]["ep"] == want
+    assert "replica:0,1" in res[0]["kinds"] and "replica:0,1" not in res[2]["kinds"]
+
+
+def test_groups_spanning_hosts_keep_the_all_reduce():
+    from moelab.comm.board import same_host
+
+    hosts = ["a", "a", "b", "b"]
+    assert same_host(hosts, [0, 1]) and same_host(hosts, [2, 3])
+    assert not same_host(hosts, [1, 2]) and not same_host(hosts, range(4))

@@ -21,13 +21,17 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
+import socket
 import threading
 import time
+import uuid
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from moelab.comm.board import Board, board_dir, same_host
 from moelab.comm.bytes import peer_bytes, recv_bytes
 from moelab.comm.collectives import collective
 from moelab.comm.groups import BUILTIN, default_groups, validate_groups
@@ -133,6 +137,9 @@ def chain_edges(op: str, ranks, me: int, sent: dict, recv: dict) -> tuple:
     return (nxt, prev) if op == "broadcast" else (prev, nxt)
 
 
+FINISH_AGREEMENTS = ("auto", "allreduce")  # auto: a shared-memory board for groups on one host
+
+
 def _emulation_keys(e):
     return (e.intra_bw_GBps * 1e9, e.inter_bw_GBps * 1e9), (e.intra_latency_us * 1e-6, e.inter_latency_us * 1e-6)
 
@@ -144,11 +151,13 @@ class Communicator:
     caller's node-local ranks) and every group of ``groups`` (``{name: [[ranks], [ranks], ..]}``,
     each a partition of the ranks, :func:`moelab.comm.groups.validate_groups`); ``group(name)`` is the
     caller's instance. With ``world_size == 1`` and no process group initialised, every op is a local
-    identity, so the same layer code runs single-process.
+    identity, so the same layer code runs single-process. ``finish_agreement`` (emulation only; default
+    ``$MOELAB_FINISH_AGREEMENT`` or ``auto``): how a collective's members agree on its emulated finish,
+    ``auto`` through shared memory for groups on one host, ``allreduce`` always with a MAX all-reduce.
     """
 
     def __init__(self, topo: Topology, emulation=None, recorder: Optional[Recorder] = None,
-                 groups: Optional[dict] = None):
+                 groups: Optional[dict] = None, finish_agreement: Optional[str] = None):
         self.topo = topo
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -165,15 +174,17 @@ class Communicator:
         decl = {**default_groups(topo), **declared}
         self._groups: dict = {}
         self._seq: dict = {}
-        self._shadow: dict = {}  # group -> process group for the emulator's finish-time reduction
+        self._shadow: dict = {}  # group -> what agrees on a call's emulated finish: a Board or a process group
         self._replica_names: dict = {}  # rank set -> name of its on-demand group (replica_group)
+        self._boards = self._board_setup(finish_agreement or os.environ.get("MOELAB_FINISH_AGREEMENT", "auto")) if self.emulation is not None else None
         for name in list(BUILTIN) + sorted(declared):  # new_group is collective: same order everywhere
             for inst in decl[name]:
                 pg = self._new_group(inst)
-                shadow = self._new_group(inst) if self.emulation is not None else None
+                shadow = self._agreement(name, inst)
                 if self.rank in inst:
                     self.add_group(name, inst, pg)
                     self._shadow[name] = shadow
+        self._boards_mapped()
         self._peer_class = [topo.link_class(self.rank, r) for r in range(self.world_size)]
         self._ports = None
         if self.emulation is not None:
@@ -192,6 +203,47 @@ class Communicator:
     def _new_group(self, ranks):
         # every rank creates every instance; a one-rank instance never communicates: none is made
         return dist.new_group(ranks) if self.distributed and len(ranks) > 1 else None
+
+    # ---- the emulator's finish-time agreement ------------------------------------------------
+    def _board_setup(self, mode: str):
+        """Every rank's host and the run's board token and origin (one collective at build), or None
+        when the all-reduce is asked for (``finish_agreement="allreduce"``) or there is no process group."""
+        if mode not in FINISH_AGREEMENTS:
+            raise ValueError(f"finish_agreement must be one of {FINISH_AGREEMENTS}, got {mode!r}")
+        if mode == "allreduce" or not self.distributed or self.world_size < 2:
+            return None
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        head = [uuid.uuid4().hex[:12], time.time() - 1.0]
+        dist.broadcast_object_list(head, src=0)
+        return {"hosts": hosts, "token": head[0], "origin": float(head[1]), "mapped": []}
+
+    def _agreement(self, name: str, inst):
+        """What the members of ``inst`` agree on a call's emulated finish with: a shared-memory
+        :class:`Board` when they all run on one host, else a shadow process group for a MAX all-reduce
+        (None without emulation). Collective like ``new_group``: every rank calls it for every instance."""
+        if self.emulation is None or not self.distributed or len(inst) < 2:
+            return None
+        b = self._boards
+        if b is None or not same_host(b["hosts"], inst):
+            return self._new_group(list(inst))
+        if self.rank not in inst:
+            return None
+        tag = "".join(c if c.isalnum() else "_" for c in f"{name}-{'-'.join(map(str, inst))}")
+        board = Board(os.path.join(board_dir(), f"moelab-{b['token']}-{tag}"), len(inst), list(inst).index(self.rank),
+                      b["origin"])
+        b["mapped"].append(board)
+        return board
+
+    def _boards_mapped(self) -> None:
+        """Once every rank has mapped its boards, remove their files (nothing stays behind a crash)."""
+        b = self._boards
+        if b is None:
+            return
+        dist.barrier()
+        for board in b["mapped"]:
+            board.unlink()
+        b["mapped"].clear()
 
     # ---- groups ------------------------------------------------------------------------------
     def add_group(self, name: str, ranks: Sequence[int], pg=None) -> None:
@@ -214,10 +266,11 @@ class Communicator:
         if key not in cache:
             name = "replica:" + ",".join(map(str, key))
             pg = self._new_group(list(key))
-            shadow = self._new_group(list(key)) if self.emulation is not None else None
+            shadow = self._agreement(name, list(key))
             if self.rank in key:
                 self.add_group(name, key, pg)
                 self._shadow[name] = shadow
+            self._boards_mapped()
             cache[key] = name
         return cache[key]
 
@@ -302,14 +355,16 @@ class Communicator:
     def _emulate(self, h: Handle) -> float:
         """Sleep until the call's emulated finish; return the seconds added after the real completion.
 
-        A collective's members agree on its finish with a MAX all-reduce of their own finishes on a
-        shadow process group of the same ranks (only with emulation; about one small all-reduce per
-        call, see ``benchmarks/comm_door.py``), so the calls of one group must be waited in the same
-        order on every member - as SPMD code does."""
+        A collective's members agree on its finish, the maximum of their own finishes: through a
+        shared-memory :class:`moelab.comm.board.Board` when they run on one host, else with a MAX
+        all-reduce on a shadow process group of the same ranks (see ``benchmarks/comm_door.py``), so
+        the calls of one group must be waited in the same order on every member - as SPMD code does."""
         t_real = time.time()
         finish = max((self._ports.wait(i) for i in h.flows), default=h.t0)
         shadow = self._shadow.get(h.group) if h.op != "p2p" else None
-        if shadow is not None:  # a collective ends on every member at its slowest member's finish
+        if isinstance(shadow, Board):  # a collective ends on every member at its slowest member's finish
+            finish = shadow.agree(finish)
+        elif shadow is not None:
             t = torch.tensor([finish], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=shadow)
             finish = float(t)
