@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--intra", type=float, default=0.5, help="emulated intra-node GB/s per rank")
     p.add_argument("--inter", type=float, default=0.01, help="emulated inter-node GB/s per rank")
-    p.add_argument("--spag-backend", default="hier", choices=("a2a", "p2p", "hier"),
+    p.add_argument("--spag-backend", default="hier", choices=("a2a", "p2p", "hier", "stripe"),
                    help="Hecate's sparse collectives (t is sized on the node's links with hier, a rank's otherwise)")
     p.add_argument("--t-nonmoe", type=float, default=None,
                    help="T_nonMoE in seconds for every Hecate variant (default: measured by Hecate in a short run first)")
@@ -98,7 +98,8 @@ def main(argv=None) -> int:
                "Hecate-RM": ("hecate", {**hec, "rm": True}), "Hecate no calibration": ("hecate", {**hec, "calibration": False}),
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": a.nproc // a.nodes}),
                "FlexMoE": ("flexmoe", FLEXMOE_OPTIONS), "FSDP": ("fsdp_expert", {}), "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
-    extra = {"FasterMoE shadowing only": ("fastermoe", {"shadow": True, "smart": False})}  # with --only
+    extra = {"FasterMoE shadowing only": ("fastermoe", {"shadow": True, "smart": False}),  # with --only
+             **{f"Hecate, {b}": ("hecate", {**hec, "spag_backend": b}) for b in ("a2a", "hier", "stripe") if b != a.spag_backend}}
     if a.only:
         unknown = set(a.only) - set(systems) - set(extra)
         if unknown:

@@ -39,7 +39,7 @@ def _checks(rank, world, G, E):
     torch.set_num_threads(1)
     comm = Communicator(Topology(world, G), groups={"sparse": [list(range(world))]})
     P, plans = random_plans(world, E, seed=world)
-    backends = [b for b in BACKENDS if b != "hier" or world // G > 1]
+    backends = [b for b in BACKENDS if b in ("a2a", "p2p") or world // G > 1]
     out = []
     for pi, Pp in enumerate(plans):
         for b in backends:
@@ -68,7 +68,7 @@ def _checks(rank, world, G, E):
     return out
 
 
-@pytest.fixture(scope="module", params=[(2, 1, 4), (4, 2, 8)], ids=["2ranks", "2x2ranks"])
+@pytest.fixture(scope="module", params=[(2, 1, 4), (4, 2, 8), (8, 4, 8)], ids=["2ranks", "2x2ranks", "2x4ranks"])
 def runs(request):
     world, G, E = request.param
     return world, G, E, run_ranks(_checks, world, G, E, timeout=120)
@@ -111,16 +111,46 @@ def test_bytes_of_the_records_are_the_formulas_of_section_2_2(runs):
             if sum(n) == 0:  # EP: no sparse collective at all
                 assert all(not c["ag"] and not c["rs"] for c in cases)
                 continue
-            assert sum(sent_ag) == sum(sent_rs) == s_e * sum(n)  # = ring all-reduce total / 2
-            if b != "hier":  # flat: every copy comes from its owner, straight
+            assert sum(sent_ag) == sum(sent_rs)
+            if b == "stripe":
+                assert sum(sent_ag) == stripe_bytes(P, Pp, G, s_e)
+            else:
+                assert sum(sent_ag) == s_e * sum(n)  # = ring all-reduce total / 2
+            if b in ("a2a", "p2p"):  # flat: every copy comes from its owner, straight
                 for r in range(world):
                     assert recv_ag[r] == s_e * sum(1 for e in range(E) if r in Pp[e] and P[e][0] != r)
                     assert sent_ag[r] == s_e * sum(n[e] for e in range(E) if P[e][0] == r)
             else:  # an expert crosses to each other node holding it once
-                inter = sum(v for c in cases for rec in c["ag"] for q, v in rec[1].items()
-                            if q // G != cases.index(c) // G)
+                inter = [sum(v for rec in c["ag"] for q, v in rec[1].items() if q // G != r // G)
+                         for r, c in enumerate(cases)]
                 pairs = sum(len({d // G for d in Pp[e][1:]} - {P[e][0] // G}) for e in range(E))
-                assert inter == s_e * pairs
+                assert sum(inter) == s_e * pairs
+                if b == "stripe":  # ... in G equal chunks, one over each NIC of the owner's node
+                    for r in range(world):
+                        away = [len({d // G for d in Pp[e][1:]} - {r // G}) for e in range(E) if P[e][0] // G == r // G]
+                        assert inter[r] == chunk_bytes(r % G, G) * sum(away)
+
+
+def stripe_bytes(P, Pp, G, s_e) -> int:
+    """All bytes of a striped spAG: same-node holders get the expert whole; for an expert leaving its node,
+    the owner scatters chunk i to rank i of its node (unless that rank holds it whole), each of those sends
+    its chunk to rank i of every other node holding the expert, which passes it to that node's other holders."""
+    total = 0
+    for e, (o,) in enumerate(P):
+        new = [d for d in Pp[e] if d != o]
+        local = [d for d in new if d // G == o // G]
+        away = {d // G for d in new} - {o // G}
+        total += s_e * len(local)
+        if away:
+            total += sum(chunk_bytes(i, G) for i in range(G) if o // G * G + i not in [o] + local)
+            total += s_e * len(away)
+            total += sum(chunk_bytes(i, G) for d in new if d // G in away for i in range(G) if d != d // G * G + i)
+    return total
+
+
+def chunk_bytes(i: int, G: int) -> int:
+    """Chunk i of G of an expert of NUMEL fp32 elements (uneven when G does not divide NUMEL)."""
+    return ((i + 1) * NUMEL // G - i * NUMEL // G) * 4
 
 
 def test_the_gather_is_issued_when_called_not_when_waited(runs):
@@ -152,7 +182,24 @@ def test_hier_leaders_rotate_so_a_nodes_crossings_use_all_its_links():
     P = tuple((e,) for e in range(E))
     Pp = tuple((e, 4, 5, 6, 7) for e in range(E))
     first, second = sparse_plan(P, Pp, 0, 8, G).gather_stages("hier")
-    assert sorted(d for _, d, _ in first) == [4, 5, 6, 7]  # one crossing per expert, one per link
-    got = sorted((d, e) for _, d, e in first + second)
+    assert sorted(d for _, d, _, _ in first) == [4, 5, 6, 7]  # one crossing per expert, one per link
+    got = sorted((d, e) for _, d, e, _ in first + second)
     assert got == sorted((d, e) for e in range(E) for d in (4, 5, 6, 7))
-    assert all(s // G == d // G for s, d, _ in second)  # the fan-out stays inside the node
+    assert all(s // G == d // G for s, d, _, _ in second)  # the fan-out stays inside the node
+
+
+def test_stripe_sends_a_crossing_expert_over_every_nic_of_both_nodes():
+    """Expert 0 (owned by rank 1 of node 0) is newly held by ranks 2 (its node), 5 and 6 (node 1): rank 2 gets it
+    whole; chunk i leaves over rank i of node 0 (rank 2 slices its own copy) and lands on rank 4 + i, which passes
+    it to the other new holders of node 1. Every holder ends with every chunk once."""
+    G = 4
+    P = tuple((e,) for e in range(8))
+    Pp = ((0, 2, 5, 6),) + P[1:]
+    P = ((1,),) + P[1:]
+    Pp = ((1, 2, 5, 6),) + Pp[1:]
+    scatter, cross, fan = sparse_plan(P, Pp, 0, 8, G).gather_stages("stripe")
+    assert scatter == ((1, 2, 0, -1), (1, 0, 0, 0), (1, 3, 0, 3))
+    assert sorted((s, d, p) for s, d, _, p in cross) == [(0, 4, 0), (1, 5, 1), (2, 6, 2), (3, 7, 3)]
+    got = {(d, p) for _, d, _, p in cross + fan}
+    assert {(d, p) for d in (5, 6) for p in range(G)} <= got
+    assert all(s // G == d // G == 1 for s, d, _, _ in fan) and len(fan) == 2 * G - 2

@@ -17,6 +17,7 @@ VARIANTS = {
     "reshard3_rm": {"t": 2, "m": 2, "reshard_interval": 3, "rm": True},
     "reshard3_nocal": {"t": 2, "m": 1, "reshard_interval": 3, "calibration": False},
     "hier": {"t": 2, "m": 2, "reshard_interval": 3, "spag_backend": "hier"},
+    "stripe_rm": {"t": 2, "m": 2, "reshard_interval": 3, "spag_backend": "stripe", "rm": True},
 }
 
 
@@ -123,6 +124,7 @@ def test_debug_plan_hash_and_bad_options():
     for opts, msg in [({"t": -1}, "t must be >= 0"), ({"window": 0}, "window must be >= 1"),
                       ({"assign": "magic"}, "assign must be one of"), ({"spag_backend": "ring"}, "spag_backend"),
                       ({"cost_profile": "nope"}, "cost_profile"), ({"spag_backend": "hier"}, "more than one node|nodes > 1"),
+                      ({"spag_backend": "stripe"}, "more than one node|nodes > 1"),
                       ({"materialize": False, "rm": True}, "rm needs materialization"),
                       ({"reshard_interval": -2}, "reshard_interval must be >= 0")]:
         with pytest.raises(ConfigError, match=msg):

@@ -21,6 +21,15 @@ another group). Backends (:data:`BACKENDS`):
   crossing into a node arrive over up to G ranks' links at once, as t's node-NIC sizing assumes), then
   the leader fans it out inside its node; spRS mirrors it (replicas reduce
   into the leader, leaders and same-node replicas into the owner). Stage 2 is issued by ``wait()``.
+- ``stripe``: ``hier`` with a crossing expert cut into G chunks (G = ranks per node): the owner scatters
+  chunk i to rank i of its node, which sends it to rank i of every other node holding the expert, which
+  passes it to that node's other new holders. One crossing then uses all G NICs of both nodes, as t's
+  node-NIC sizing assumes (``hier`` sends it over the owner's one NIC), at one more stage of fixed costs
+  (NCCL's multi-channel broadcasts split a buffer over channels and NICs the same way). spRS runs each
+  transfer backwards with what flowed down it.
+
+A transfer is ``(source, destination, expert, part)``: ``part`` is :data:`WHOLE` or a chunk index
+(:func:`part_range`); between two ranks a stage's pieces travel in (expert, part) order in one call.
 
 A plan without any new copy issues nothing (every rank sees the same plan, so all agree).
 """
@@ -32,8 +41,17 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-BACKENDS = ("a2a", "p2p", "hier")
-Transfer = Tuple[int, int, int]  # (source rank, destination rank, expert)
+BACKENDS = ("a2a", "p2p", "hier", "stripe")
+NODE_BACKENDS = ("hier", "stripe")  # cross each node once per expert: t is sized on a node's NICs
+WHOLE = -1  # a transfer's part: the whole expert
+Transfer = Tuple[int, int, int, int]  # (source rank, destination rank, expert, part)
+
+
+def part_range(numel: int, part: int, parts: int) -> Tuple[int, int]:
+    """Elements ``[lo, hi)`` of chunk ``part`` of ``parts`` (:data:`WHOLE`: all ``numel``)."""
+    if part == WHOLE:
+        return 0, numel
+    return part * numel // parts, (part + 1) * numel // parts
 
 
 @dataclass(frozen=True)
@@ -90,30 +108,62 @@ class SparsePlan:
     # ---- the transfers of each backend, all ranks (gather direction) --------------------------------
     @functools.lru_cache(maxsize=4)
     def gather_stages(self, backend: str) -> tuple:
-        """Stages of ``(src, dst, e)`` transfers of spAG; spRS runs them reversed, last stage first."""
+        """Stages of ``(src, dst, e, part)`` transfers of spAG (``part``: :data:`WHOLE` or a chunk index of
+        ``ranks_per_node``, :func:`part_range`); spRS runs them reversed, last stage first."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown sparse backend {backend!r}; known: {BACKENDS}")
-        if backend != "hier":
-            return (tuple((self.holders_from[e][0], d, e) for e, d in self.new_copies),)
+        if backend in ("a2a", "p2p"):
+            return (tuple((self.holders_from[e][0], d, e, WHOLE) for e, d in self.new_copies),)
         if self.world_size // self.ranks_per_node < 2:
-            raise ValueError("the hier sparse backend needs more than one node (parallel.topology.nodes > 1)")
+            raise ValueError(f"the {backend} sparse backend needs more than one node (parallel.topology.nodes > 1)")
+        stages = self._striped() if backend == "stripe" else self._hier()
+        return tuple(tuple(st) for st in stages if st)
+
+    def _by_node(self, e: int) -> tuple:
+        """Expert ``e``'s owner and its new holders grouped by node, ascending."""
+        owner, b = self.holders_from[e][0], self.holders_to[e]
+        by_node: dict = {}
+        for d in sorted(b):
+            if d != owner:
+                by_node.setdefault(self.node(d), []).append(d)
+        return owner, sorted(by_node.items())
+
+    def _hier(self) -> tuple:
         first, second = [], []
         crossings: dict = {}  # node -> experts crossed into it so far: the leaders rotate over its new holders
-        for e, (a, b) in enumerate(zip(self.holders_from, self.holders_to)):
-            owner, new = a[0], [d for d in sorted(b) if d not in a]
-            by_node: dict = {}
-            for d in new:
-                by_node.setdefault(self.node(d), []).append(d)
-            for n, ds in sorted(by_node.items()):
+        for e in range(len(self.holders_from)):
+            owner, by_node = self._by_node(e)
+            for n, ds in by_node:
                 if n == self.node(owner):
-                    first += [(owner, d, e) for d in ds]
+                    first += [(owner, d, e, WHOLE) for d in ds]
                 else:
                     k = crossings.get(n, 0)
                     crossings[n] = k + 1
                     lead = ds[k % len(ds)]
-                    first.append((owner, lead, e))
-                    second += [(lead, d, e) for d in ds if d != lead]
-        return tuple(s for s in (tuple(first), tuple(second)) if s)
+                    first.append((owner, lead, e, WHOLE))
+                    second += [(lead, d, e, WHOLE) for d in ds if d != lead]
+        return first, second
+
+    def _striped(self) -> tuple:
+        """Chunk i of a crossing expert goes owner -> rank i of its node -> rank i of each destination node
+        -> that node's other new holders: every rank's NIC carries 1/G of it (t's node-NIC sizing)."""
+        G = self.ranks_per_node
+        scatter, cross, fan = [], [], []
+        for e in range(len(self.holders_from)):
+            owner, by_node = self._by_node(e)
+            home = self.node(owner)
+            local = next((ds for n, ds in by_node if n == home), [])
+            scatter += [(owner, d, e, WHOLE) for d in local]  # same node: whole, as flat
+            away = [(n, ds) for n, ds in by_node if n != home]
+            for i in range(G) if away else ():
+                src = home * G + i
+                if src != owner and src not in local:  # a local new holder slices chunk i from its copy
+                    scatter.append((owner, src, e, i))
+                for n, ds in away:
+                    dst = n * G + i
+                    cross.append((src, dst, e, i))
+                    fan += [(dst, d, e, i) for d in ds if d != dst]
+        return scatter, cross, fan
 
 
 @functools.lru_cache(maxsize=256)
@@ -154,46 +204,41 @@ class SparseHandle:
         return self._result
 
 
-def _members(comm, group: str) -> list:
-    return list(comm.group_ranks(group))
-
-
-def _stage(comm, transfers, rows: dict, numel: int, like: torch.Tensor, group: str, backend: str):
-    """Post one stage: send ``rows[(dst, e)]`` for my transfers; returns ``finish() -> {(src, e): tensor}``."""
+def _stage(comm, transfers, piece, numel: int, parts: int, like: torch.Tensor, group: str, backend: str):
+    """Post one stage: send ``piece(e, part)`` (flat) for each of my transfers, one call; returns
+    ``finish() -> {(src, e, part): tensor}``. Between two ranks the pieces go in (expert, part) order."""
     me = comm.rank
-    mine_out = sorted((d, e) for s, d, e in transfers if s == me)
-    mine_in = sorted((s, e) for s, d, e in transfers if d == me)
+    mine_out = sorted((d, e, p) for s, d, e, p in transfers if s == me)
+    mine_in = sorted((s, e, p) for s, d, e, p in transfers if d == me)
+    size = {p: (lambda r: r[1] - r[0])(part_range(numel, p, parts)) for p in {p for *_, p in transfers}}
+    pieces = [piece(e, p).reshape(-1) for _, e, p in mine_out]
     if backend == "p2p":
-        sends, recvs = {}, {}
-        for d in sorted({d for d, _ in mine_out}):
-            sends[d] = torch.cat([rows[(d, e)].reshape(-1) for dd, e in mine_out if dd == d])
-        for s in sorted({s for s, _ in mine_in}):
-            recvs[s] = like.new_empty(numel * sum(1 for ss, _ in mine_in if ss == s))
+        sends = {d: torch.cat([t for (dd, _, _), t in zip(mine_out, pieces) if dd == d])
+                 for d in sorted({d for d, _, _ in mine_out})}
+        recvs = {s: like.new_empty(sum(size[p] for ss, _, p in mine_in if ss == s)) for s in sorted({s for s, _, _ in mine_in})}
         h = comm.exchange(sends, recvs, async_op=True)
-
-        def finish():
-            h.wait()
-            out, off = {}, {}
-            for s, e in mine_in:
-                k = off.get(s, 0)
-                out[(s, e)] = recvs[s][k * numel:(k + 1) * numel]
-                off[s] = k + 1
-            return out
-
-        return finish
-    members = _members(comm, group)
-    pos = {r: i for i, r in enumerate(members)}
-    in_rows, out_rows = [0] * len(members), [0] * len(members)
-    for d, _ in mine_out:
-        in_rows[pos[d]] += 1
-    for s, _ in mine_in:
-        out_rows[pos[s]] += 1
-    x = torch.stack([rows[k].reshape(-1) for k in mine_out]) if mine_out else like.new_empty((0, numel))
-    h = comm.all_to_all_raw(x, out_rows, in_rows, group=group, async_op=True)
+    else:
+        recvs = None
+        members = list(comm.group_ranks(group))
+        pos = {r: i for i, r in enumerate(members)}
+        mine_in.sort(key=lambda k: (pos[k[0]], k[1], k[2]))  # the all-to-all delivers by member position
+        n_out, n_in = [0] * len(members), [0] * len(members)
+        for (d, _, p) in mine_out:
+            n_out[pos[d]] += size[p]
+        for (s, _, p) in mine_in:
+            n_in[pos[s]] += size[p]
+        h = comm.all_to_all_raw(torch.cat(pieces) if pieces else like.new_empty(0), n_in, n_out, group=group,
+                                async_op=True)
 
     def finish():
-        out = h.wait()
-        return {k: out[i] for i, k in enumerate(mine_in)}  # rows arrive by source rank, then expert
+        got = h.wait()
+        out, off = {}, {}
+        for s, e, p in mine_in:  # p2p: one buffer per source; a2a: one, by member position
+            buf, key = (recvs[s], s) if recvs is not None else (got, None)
+            k = off.get(key, 0)
+            out[(s, e, p)] = buf[k:k + size[p]]
+            off[key] = k + size[p]
+        return out
 
     return finish
 
@@ -201,6 +246,10 @@ def _stage(comm, transfers, rows: dict, numel: int, like: torch.Tensor, group: s
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown sparse backend {backend!r}; known: {BACKENDS}")
+
+
+def _wire(backend: str) -> str:
+    return "p2p" if backend == "p2p" else "a2a"
 
 
 def sp_all_gather(comm, plan: SparsePlan, owned: Dict[int, torch.Tensor], numel: int, dtype=torch.float32,
@@ -214,18 +263,30 @@ def sp_all_gather(comm, plan: SparsePlan, owned: Dict[int, torch.Tensor], numel:
     if not stages:
         h = SparseHandle(dict)
         return h if async_op else h.wait()
-    like = torch.empty(0, dtype=dtype)
-    have = {e: t.reshape(-1) for e, t in owned.items()}
-    me = comm.rank
-    first = _stage(comm, stages[0], {(d, e): have[e] for s, d, e in stages[0] if s == me}, numel, like, group,
-                   "p2p" if backend == "p2p" else "a2a")
+    like, G = torch.empty(0, dtype=dtype), plan.ranks_per_node
+    whole = {e: t.reshape(-1) for e, t in owned.items()}  # experts held whole here
+    chunks: dict = {}  # (e, part) -> a chunk passing through (stripe)
+
+    def piece(e, p):
+        if e in whole:
+            lo, hi = part_range(numel, p, G)
+            return whole[e][lo:hi]
+        return chunks[(e, p)]
+
+    first = _stage(comm, stages[0], piece, numel, G, like, group, _wire(backend))
 
     def run():
-        got = {e: t for (s, e), t in first().items()}
-        for st in stages[1:]:  # hier: leaders fan out inside their node
-            fin = _stage(comm, st, {(d, e): got[e] for s, d, e in st if s == me}, numel, like, group, "a2a")
-            got.update({e: t for (s, e), t in fin().items()})
-        return got
+        fin = first
+        for i in range(len(stages)):
+            for (_, e, p), t in fin().items():
+                if p == WHOLE:
+                    whole[e] = t
+                else:
+                    chunks[(e, p)] = t
+            if i + 1 < len(stages):  # hier / stripe: the next stage forwards what arrived
+                fin = _stage(comm, stages[i + 1], piece, numel, G, like, group, "a2a")
+        return {e: whole[e] if e in whole else torch.cat([chunks[(e, p)] for p in range(G)])
+                for e in plan.replicas_here}
 
     h = SparseHandle(run)
     return h if async_op else h.wait()
@@ -236,7 +297,11 @@ def sp_reduce_scatter(comm, plan: SparsePlan, grads: Dict[int, torch.Tensor], nu
     """spRS, the mirror of :func:`sp_all_gather` on the same ``plan``: ``grads[e]`` is this rank's flat
     gradient of every replica it holds (zeros for a replica that got no tokens: the traffic is the
     plan's). ``wait()`` gives ``{e: sum of the received segments}`` for each expert this rank owns that
-    has replicas, summed in ascending source-rank order; add it to the own gradient with :func:`accumulate_`."""
+    has replicas, summed in ascending source-rank order; add it to the own gradient with :func:`accumulate_`.
+
+    Each transfer of the gather runs backwards carrying what flowed down it: the receiver's own gradient
+    (if it holds the replica: every transfer into a holder is part of its copy) plus what came back up
+    the transfers it forwarded that piece on."""
     _check_backend(backend)
     stages = plan.gather_stages(backend) if not plan.empty else ()
     if not stages:
@@ -245,34 +310,38 @@ def sp_reduce_scatter(comm, plan: SparsePlan, grads: Dict[int, torch.Tensor], nu
     missing = [e for e in plan.replicas_here if e not in grads]
     if missing:
         raise ValueError(f"sp_reduce_scatter: no gradient for replicas {missing} (pass zeros for an unused replica)")
-    like = torch.empty(0, dtype=dtype)
-    me = comm.rank
-    rev = [tuple((d, s, e) for s, d, e in st) for st in reversed(stages)]
-    partial = {e: g.reshape(-1) for e, g in grads.items()}
+    like, G, me = torch.empty(0, dtype=dtype), plan.ranks_per_node, comm.rank
+    rev = [tuple((d, s, e, p) for s, d, e, p in st) for st in reversed(stages)]
+    own = {e: grads[e].reshape(-1) for e in plan.replicas_here}
+    back: dict = {}  # (x, e, part) -> what came back from x, up my gather transfer of that piece
 
-    def post(i):
-        st = rev[i]
-        return _stage(comm, st, {(d, e): partial[e] for s, d, e in st if s == me}, numel, like, group,
-                      "p2p" if backend == "p2p" else "a2a")
+    def summed(e, p):
+        """Received pieces of ``e`` that fall within part ``p``, in ascending (source, part) order."""
+        lo, hi = part_range(numel, p, G)
+        v = like.new_zeros(hi - lo)
+        for (x, e2, p2), t in sorted(back.items()):
+            if e2 == e and (p2 == p or p == WHOLE):
+                a, b = part_range(numel, p2, G)
+                v[a - lo:b - lo] += t
+        return v
 
-    fin = post(0)
+    def piece(e, p):
+        v = summed(e, p)
+        if e in own:
+            lo, hi = part_range(numel, p, G)
+            v += own[e][lo:hi]
+        return v
+
+    fin = _stage(comm, rev[0], piece, numel, G, like, group, _wire(backend))
 
     def run():
         nonlocal fin
-        out: dict = {}
         for i in range(len(rev)):
-            got = fin()
-            last = i == len(rev) - 1
-            sums: dict = {}
-            for (s, e), t in sorted(got.items()):  # ascending source rank per expert
-                sums[e] = t.clone() if e not in sums else sums[e].add_(t)
-            if last:
-                out = sums
-            else:  # hier leaders: own replica grad + the node's, then on to the owner
-                for e, t in sums.items():
-                    partial[e] = partial[e] + t
-                fin = post(i + 1)
-        return out
+            back.update(fin())
+            if i + 1 < len(rev):
+                fin = _stage(comm, rev[i + 1], piece, numel, G, like, group, "a2a")
+        mine = sorted({e for _, e, _ in back if plan.holders_from[e][0] == me})
+        return {e: summed(e, WHOLE) for e in mine}
 
     h = SparseHandle(run)
     return h if async_op else h.wait()

@@ -14,7 +14,7 @@
 | ``prefer_fewer_free`` | true | Alg. 2's tie-break as written (false inverts it, §6.6) |
 | ``calibration`` | true | re-plan after the gate when the cost model says it pays (§2.4) |
 | ``rm`` | false | re-materialization: free replicas after forward, re-gather them in backward (§2.8) |
-| ``spag_backend`` | a2a | ``a2a`` / ``p2p`` / ``hier`` (§2.2) |
+| ``spag_backend`` | a2a | ``a2a`` / ``p2p`` / ``hier`` / ``stripe`` (§2.2; ``stripe``: ``hier`` with each crossing expert split over the node's G NICs) |
 | ``materialize`` | true | false: "sharding only" ablation (P' = P) |
 | ``shard`` | true | false: "materialization only" ablation (no Alg. 2) |
 | ``cost_profile`` | hecate_A | the cluster whose constants the cost model uses (calibration, t without emulation) |
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from moelab.comm.sparse import BACKENDS
+from moelab.comm.sparse import BACKENDS, NODE_BACKENDS
 from moelab.config import ConfigError
 from moelab.placement.fssdp import ASSIGN
 from moelab.strategies.options import StrategyOptions
@@ -95,9 +95,9 @@ class HecateOptions(StrategyOptions):
         if moe.num_experts % par.nproc:
             errs.append(f"hecate starts from the EP sharding: {moe.num_experts} experts are not divisible by "
                         f"{par.nproc} ranks")
-        if self.spag_backend == "hier" and par.topology.nodes < 2:
-            errs.append("spag_backend 'hier' crosses nodes once per expert: it needs parallel.topology.nodes > 1 "
-                        "(on one node use 'a2a')")
+        if self.spag_backend in NODE_BACKENDS and par.topology.nodes < 2:
+            errs.append(f"spag_backend {self.spag_backend!r} crosses nodes once per expert: it needs "
+                        "parallel.topology.nodes > 1 (on one node use 'a2a')")
         if self.replicate_force is not None:
             bad = [e for e in self.replicate_force if not 0 <= e < moe.num_experts]
             if bad:

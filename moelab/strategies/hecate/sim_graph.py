@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from moelab.comm.sparse import sparse_plan
+from moelab.comm.sparse import part_range, sparse_plan
 from moelab.placement import Placement
 from moelab.placement.fssdp import homogeneous_owners
 from moelab.placement.rules import LocalityFirst
@@ -25,7 +25,7 @@ from moelab.sim.graphs import (elem_bytes_of, expert_param_count, moe_layer_ids,
                                transformer_iteration_graph)
 
 
-def _stage_matrices(P, Q, N: int, G: int, backend: str, row_bytes: int) -> list:
+def _stage_matrices(P, Q, N: int, G: int, backend: str, numel: int, elem_bytes: int) -> list:
     """Byte matrices ``[src, dst]`` of the stages of spAG(P -> Q) (reverse and transpose for spRS)."""
     plan = sparse_plan(P, Q, 0, N, G)
     if plan.empty:
@@ -33,8 +33,9 @@ def _stage_matrices(P, Q, N: int, G: int, backend: str, row_bytes: int) -> list:
     out = []
     for st in plan.gather_stages(backend):
         M = np.zeros((N, N), dtype=np.int64)
-        for s, d, _ in st:
-            M[s, d] += row_bytes
+        for s, d, _, part in st:
+            lo, hi = part_range(numel, part, G)
+            M[s, d] += (hi - lo) * elem_bytes
         out.append(M)
     return out
 
@@ -60,7 +61,8 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
     P = [tuple((int(o),) for o in row) for row in owners]
     final = [tuple(tuple(h) for h in hs) for hs in holders] if holders is not None else P
     pre = [tuple(tuple(h) for h in hs) for hs in prefetch] if prefetch is not None else final
-    row = expert_param_count(m) * eb
+    numel = expert_param_count(m)
+    row = numel * eb
     routes = [Placement(E, N, final[j], LocalityFirst(G)).routes(loads[j]) for j in range(L)]
     ranks = list(range(N))
     moe_ids = moe_layer_ids(m)
@@ -78,10 +80,10 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
                                         "splits": M})
         return last
 
-    spag = [_stage_matrices(P[j], pre[j], N, G, backend, row) for j in range(L)]
+    spag = [_stage_matrices(P[j], pre[j], N, G, backend, numel, eb) for j in range(L)]
     cal = [_stage_matrices(P[j], tuple(h[:1] + tuple(d for d in f[1:] if d not in h) for h, f in zip(pre[j], final[j])),
-                           N, G, backend, row) if final[j] != pre[j] else [] for j in range(L)]
-    sprs = [[M.T.copy() for M in reversed(_stage_matrices(P[j], final[j], N, G, backend, row))] for j in range(L)]
+                           N, G, backend, numel, eb) if final[j] != pre[j] else [] for j in range(L)]
+    sprs = [[M.T.copy() for M in reversed(_stage_matrices(P[j], final[j], N, G, backend, numel, eb))] for j in range(L)]
     has_rm = [bool(rm) and j < L - 1 and final[j] != P[j] for j in range(L)]
     rm_ops: dict = {}
     rs_ops: list = []
@@ -93,7 +95,7 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
             return [o] * N
         if phase == "bwd" and j is not None and j > 0 and has_rm[j - 1]:  # re-gather the layer below
             ip = moe_ids[j - 1]
-            rm_ops[ip] = collective(ctx, f"L{ip}.spag_rm", _stage_matrices(P[j - 1], final[j - 1], N, G, backend, row),
+            rm_ops[ip] = collective(ctx, f"L{ip}.spag_rm", _stage_matrices(P[j - 1], final[j - 1], N, G, backend, numel, eb),
                                     tuple(deps), ip, "bwd", "spag")
         return None
 

@@ -16,7 +16,7 @@ Per iteration, on every rank, from all-reduced integers only (so every rank comp
 The overlap degree ``t`` (unless given) is ⌊T_nonMoE · bw / s_e⌋ with T_nonMoE the median over the first
 ``t_iters`` iterations of the attention forward time (max over ranks, exchanged unrecorded; re-decided before
 each of iterations 1..t_iters, so one slow first iteration does not fix t) or ``t_nonmoe_s``, bw the emulated
-per-node inter-node bandwidth (hier) or its per-rank share (flat), else ``cost_profile``'s NIC.
+per-node inter-node bandwidth (hier, stripe) or its per-rank share (flat), else ``cost_profile``'s NIC.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from moelab.comm.record import Span
+from moelab.comm.sparse import NODE_BACKENDS
 from moelab.moe.migrate import migrate_owners
 from moelab.placement.fssdp import (LoadWindow, holders_of, materialize_plan, memory_slots, overlap_degree,
                                     plan_hash, reshard_owners)
@@ -118,7 +119,7 @@ class HecateUpdate(DataParallelUpdate):
                     T = float(self.comm.all_gather(torch.tensor([mine], dtype=torch.float64)).max())
             em = self.cfg.emulation
             if em.enabled:
-                bw, size = em.inter_bw_GBps * 1e9 * (self.G if o.spag_backend == "hier" else 1), s_e
+                bw, size = em.inter_bw_GBps * 1e9 * (self.G if o.spag_backend in NODE_BACKENDS else 1), s_e
                 self.t = overlap_degree(T, bw, size, E)
             else:
                 bw, size = layer.cost.overlap_bw_Bps(), layer.cost.expert_bytes
