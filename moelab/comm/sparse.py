@@ -20,7 +20,8 @@ another group). Backends (:data:`BACKENDS`):
   its *leader*; leaders rotate over the new holders from one crossing expert to the next, so t experts
   crossing into a node arrive over up to G ranks' links at once, as t's node-NIC sizing assumes), then
   the leader fans it out inside its node; spRS mirrors it (replicas reduce
-  into the leader, leaders and same-node replicas into the owner). Stage 2 is issued by ``wait()``.
+  into the leader, leaders and same-node replicas into the owner). Stage 2 is issued by ``wait()``, or
+  with ``later`` by a comm stream as soon as stage 1 has completed.
 - ``stripe``: ``hier`` with a crossing expert cut into G chunks (G = ranks per node): the owner scatters
   chunk i to rank i of its node, which sends it to rank i of every other node holding the expert, which
   passes it to that node's other new holders. One crossing then uses all G NICs of both nodes, as t's
@@ -253,11 +254,11 @@ def _wire(backend: str) -> str:
 
 
 def sp_all_gather(comm, plan: SparsePlan, owned: Dict[int, torch.Tensor], numel: int, dtype=torch.float32,
-                  group: str = "sparse", backend: str = "a2a", async_op: bool = True):
+                  group: str = "sparse", backend: str = "a2a", async_op: bool = True, later=None):
     """spAG: post the gather of ``plan`` (``owned[e]``: this rank's flat parameters, ``numel`` elements of
     ``dtype``, of each expert it owns that someone newly holds). Returns a :class:`SparseHandle` whose
     ``wait()`` gives ``{e: flat tensor}`` for the replicas this rank receives (with ``async_op=False``,
-    that dict)."""
+    that dict). ``later``: where the stages after the first run (:func:`_handle`)."""
     _check_backend(backend)
     stages = plan.gather_stages(backend) if not plan.empty else ()
     if not stages:
@@ -275,7 +276,7 @@ def sp_all_gather(comm, plan: SparsePlan, owned: Dict[int, torch.Tensor], numel:
 
     first = _stage(comm, stages[0], piece, numel, G, like, group, _wire(backend))
 
-    def run():
+    def run(next_group):
         fin = first
         for i in range(len(stages)):
             for (_, e, p), t in fin().items():
@@ -284,16 +285,15 @@ def sp_all_gather(comm, plan: SparsePlan, owned: Dict[int, torch.Tensor], numel:
                 else:
                     chunks[(e, p)] = t
             if i + 1 < len(stages):  # hier / stripe: the next stage forwards what arrived
-                fin = _stage(comm, stages[i + 1], piece, numel, G, like, group, "a2a")
+                fin = _stage(comm, stages[i + 1], piece, numel, G, like, next_group, "a2a")
         return {e: whole[e] if e in whole else torch.cat([chunks[(e, p)] for p in range(G)])
                 for e in plan.replicas_here}
 
-    h = SparseHandle(run)
-    return h if async_op else h.wait()
+    return _handle(run, group, later, async_op)
 
 
 def sp_reduce_scatter(comm, plan: SparsePlan, grads: Dict[int, torch.Tensor], numel: int, dtype=torch.float32,
-                      group: str = "sparse", backend: str = "a2a", async_op: bool = True):
+                      group: str = "sparse", backend: str = "a2a", async_op: bool = True, later=None):
     """spRS, the mirror of :func:`sp_all_gather` on the same ``plan``: ``grads[e]`` is this rank's flat
     gradient of every replica it holds (zeros for a replica that got no tokens: the traffic is the
     plan's). ``wait()`` gives ``{e: sum of the received segments}`` for each expert this rank owns that
@@ -332,18 +332,34 @@ def sp_reduce_scatter(comm, plan: SparsePlan, grads: Dict[int, torch.Tensor], nu
             v += own[e][lo:hi]
         return v
 
-    fin = _stage(comm, rev[0], piece, numel, G, like, group, _wire(backend))
+    first = _stage(comm, rev[0], piece, numel, G, like, group, _wire(backend))
 
-    def run():
-        nonlocal fin
+    def run(next_group):
+        fin = first
         for i in range(len(rev)):
             back.update(fin())
             if i + 1 < len(rev):
-                fin = _stage(comm, rev[i + 1], piece, numel, G, like, group, "a2a")
+                fin = _stage(comm, rev[i + 1], piece, numel, G, like, next_group, "a2a")
         mine = sorted({e for _, e, _ in back if plan.holders_from[e][0] == me})
         return {e: summed(e, WHOLE) for e in mine}
 
-    h = SparseHandle(run)
+    return _handle(run, group, later, async_op)
+
+
+def _handle(run, group: str, later, async_op: bool):
+    """The handle of a posted first stage: ``run(group)`` finishes it and runs the later stages on ``group``.
+
+    ``later = (stream, group2)``: ``run`` goes to that in-order :class:`moelab.comm.stream.CommStream` now,
+    so each later stage is posted as soon as the one before has completed (beside the caller's compute),
+    on ``group2``: first stages are posted by the caller in program order on ``group``, later ones by the
+    stream in the same order on ``group2``, so each group's calls pair up across ranks. Every call of a
+    backend with later stages must pass ``later`` (its first stages are then all waited on the stream, in
+    order). Without ``later``, ``wait()`` runs the later stages."""
+    if later is None:
+        h = SparseHandle(lambda: run(group))
+    else:
+        stream, group2 = later
+        h = SparseHandle(stream.submit(run, group2, name="sparse stages").wait)
     return h if async_op else h.wait()
 
 

@@ -80,9 +80,10 @@ class CommStream:
 _STREAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def comm_stream(comm, threaded: bool = True) -> CommStream:
-    """One comm stream per communicator (and mode): every layer's pipeline uses the same thread."""
+def comm_stream(comm, threaded: bool = True, name: str = "comm-stream") -> CommStream:
+    """One comm stream per communicator, mode and ``name``: every layer's pipeline uses the same thread
+    (a strategy names its own stream to keep its order apart from another's)."""
     per = _STREAMS.setdefault(comm, {})
-    if threaded not in per:
-        per[threaded] = CommStream(threaded, recorder=getattr(comm, "rec", None))
-    return per[threaded]
+    if (threaded, name) not in per:
+        per[(threaded, name)] = CommStream(threaded, recorder=getattr(comm, "rec", None), name=name)
+    return per[(threaded, name)]

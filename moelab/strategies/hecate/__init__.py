@@ -10,14 +10,16 @@ Reproduction: :mod:`.experiments` (``notebooks/hecate.ipynb``).
 
 Registered as strategy ``hecate``: ``parallel.strategy: hecate`` with ``parallel.strategy_options``
 such as ``{t: 2, m: 1}``, ``{rm: true}``, ``{reshard_interval: 50}``, ``{spag_backend: hier}``. The
-strategy declares its own process group ``sparse`` (all ranks) for spAG/spRS.
+strategy declares its own process group ``sparse`` (all ranks) for spAG/spRS, and with a staged backend
+(``hier``, ``stripe``) ``sparse_later`` for the stages a comm stream posts.
 """
 from __future__ import annotations
 
 import functools
 
+from moelab.comm.sparse import NODE_BACKENDS
 from moelab.strategies import Strategy, register_strategy
-from moelab.strategies.hecate.options import HecateOptionError, HecateOptions
+from moelab.strategies.hecate.options import LATER_GROUP, HecateOptionError, HecateOptions
 from moelab.strategies.hecate.update import HecateUpdate
 
 
@@ -28,7 +30,11 @@ def layer_factory(run_cfg, opts: HecateOptions):
 
 
 def sparse_group(run_cfg) -> dict:
-    return {"sparse": [list(range(run_cfg.parallel.nproc))]}
+    """The sparse collectives' group; the staged backends also get one for their later stages (posted by a
+    comm stream, :func:`moelab.comm.sparse._handle`)."""
+    world = [list(range(run_cfg.parallel.nproc))]
+    staged = (run_cfg.parallel.strategy_options or {}).get("spag_backend") in NODE_BACKENDS
+    return {"sparse": world, **({LATER_GROUP: world} if staged else {})}
 
 
 STRATEGY = register_strategy(Strategy(

@@ -19,14 +19,15 @@ from typing import Optional
 
 import torch
 
-from moelab.comm.sparse import sp_all_gather, sp_reduce_scatter, sparse_plan
+from moelab.comm.sparse import NODE_BACKENDS, sp_all_gather, sp_reduce_scatter, sparse_plan
+from moelab.comm.stream import comm_stream
 from moelab.moe.experts import expert_param_shapes, flatten_slot, unflatten
 from moelab.moe.layer import MoELayer
 from moelab.placement import Placement
 from moelab.placement.fssdp import calibrate_plan, holders_of
 from moelab.placement.rules import LocalityFirst
 
-from .options import HecateOptions
+from .options import LATER_GROUP, HecateOptions
 from .replicas import ReplicaPool, materialize, rm_gate
 
 
@@ -48,7 +49,8 @@ class HecateCall:
                  for e, g in zip(self.pool.experts, g_rows)}
         plan = sparse_plan(self.P, self.final, lay.comm.rank, lay.comm.world_size, lay.G)
         with lay.comm.rec.tagged(layer=lay.layer_id, phase="sprs"):
-            lay.rs_handle = sp_reduce_scatter(lay.comm, plan, grads, lay.numel, lay.dtype, lay.group, lay.backend)
+            lay.rs_handle = sp_reduce_scatter(lay.comm, plan, grads, lay.numel, lay.dtype, lay.group, lay.backend,
+                                              later=lay.later)
         prev = lay.prev_layer
         if lay.driver is not None and prev is not None and prev._call is not None and prev._call.rm:
             prev.regather()
@@ -80,6 +82,10 @@ class HecateMoELayer(MoELayer):
         except KeyError:  # a layer built on its own communicator: the world group
             self.group = "world"
         self.backend = self.options.spag_backend
+        self.later = None  # staged backends: (stream, group) for the stages after the first
+        if self.backend in NODE_BACKENDS and self.group == "sparse":
+            self.comm.group_ranks(LATER_GROUP)  # declared with the strategy's groups (KeyError: a config bug)
+            self.later = (comm_stream(self.comm, name="hecate-sparse"), LATER_GROUP)
         self.driver = None  # the HecateUpdate driving this layer, if any
         self.prev_layer: Optional["HecateMoELayer"] = None
         self.is_last = True
@@ -136,7 +142,7 @@ class HecateMoELayer(MoELayer):
             return None
         with self.comm.rec.tagged(layer=self.layer_id, phase=phase), torch.no_grad():
             return sp_all_gather(self.comm, plan, self._owned_flats(plan), self.numel, self.dtype, self.group,
-                                 self.backend)
+                                 self.backend, later=self.later)
 
     def prefetch(self) -> None:
         """Issue spAG(P, P') for this call (the driver calls it from the attention pre-hook)."""
