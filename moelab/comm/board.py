@@ -8,8 +8,10 @@ host the maximum can be agreed through a small shared file instead:
 
 - the board of a group is an ``int64`` array ``[SLOTS, members]`` in a memory-mapped file;
 - a member's ``k``-th agreement writes ``stamp(k) << 40 | microseconds since the board's origin``
-  into slot ``k mod SLOTS`` (``stamp(k) = k mod (2^23 - 1) + 1``, never the zero of a fresh file; one aligned 8-byte store: a reader sees the old or the new word, never a
-  mix), then polls the slot's row until every member's word carries ``k`` and returns their maximum;
+  into slot ``k mod SLOTS`` (``stamp(k) = k mod (2^23 - 1) + 1``, never the zero of a fresh file; one
+  aligned 8-byte store: a reader sees the old or the new word, never a mix), then polls the slot's row
+  until every member's word carries ``stamp(k)`` and returns their maximum (the first polls only yield
+  the core: the last member is often just due);
 - a member reaches agreement ``k + 1`` only after every member has written ``k``, so no member can
   overwrite slot ``k mod SLOTS`` before all have read it (two slots would do; :data:`SLOTS` is 8).
 

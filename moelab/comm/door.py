@@ -176,7 +176,8 @@ class Communicator:
         self._seq: dict = {}
         self._shadow: dict = {}  # group -> what agrees on a call's emulated finish: a Board or a process group
         self._replica_names: dict = {}  # rank set -> name of its on-demand group (replica_group)
-        self._boards = self._board_setup(finish_agreement or os.environ.get("MOELAB_FINISH_AGREEMENT", "auto")) if self.emulation is not None else None
+        agreement = finish_agreement or os.environ.get("MOELAB_FINISH_AGREEMENT", "auto")
+        self._boards = self._board_setup(agreement) if self.emulation is not None else None
         for name in list(BUILTIN) + sorted(declared):  # new_group is collective: same order everywhere
             for inst in decl[name]:
                 pg = self._new_group(inst)

@@ -55,6 +55,11 @@ def part_range(numel: int, part: int, parts: int) -> Tuple[int, int]:
     return part * numel // parts, (part + 1) * numel // parts
 
 
+def part_numel(numel: int, part: int, parts: int) -> int:
+    lo, hi = part_range(numel, part, parts)
+    return hi - lo
+
+
 @dataclass(frozen=True)
 class SparsePlan:
     """One layer's sparse gather plan as seen by ``rank`` (every rank builds the same global lists)."""
@@ -211,12 +216,13 @@ def _stage(comm, transfers, piece, numel: int, parts: int, like: torch.Tensor, g
     me = comm.rank
     mine_out = sorted((d, e, p) for s, d, e, p in transfers if s == me)
     mine_in = sorted((s, e, p) for s, d, e, p in transfers if d == me)
-    size = {p: (lambda r: r[1] - r[0])(part_range(numel, p, parts)) for p in {p for *_, p in transfers}}
+    size = {p: part_numel(numel, p, parts) for p in {p for *_, p in transfers}}
     pieces = [piece(e, p).reshape(-1) for _, e, p in mine_out]
     if backend == "p2p":
         sends = {d: torch.cat([t for (dd, _, _), t in zip(mine_out, pieces) if dd == d])
                  for d in sorted({d for d, _, _ in mine_out})}
-        recvs = {s: like.new_empty(sum(size[p] for ss, _, p in mine_in if ss == s)) for s in sorted({s for s, _, _ in mine_in})}
+        recvs = {s: like.new_empty(sum(size[p] for ss, _, p in mine_in if ss == s))
+                 for s in sorted({s for s, _, _ in mine_in})}
         h = comm.exchange(sends, recvs, async_op=True)
     else:
         recvs = None

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from moelab.comm.sparse import part_range, sparse_plan
+from moelab.comm.sparse import part_numel, sparse_plan
 from moelab.placement import Placement
 from moelab.placement.fssdp import homogeneous_owners
 from moelab.placement.rules import LocalityFirst
@@ -34,8 +34,7 @@ def _stage_matrices(P, Q, N: int, G: int, backend: str, numel: int, elem_bytes: 
     for st in plan.gather_stages(backend):
         M = np.zeros((N, N), dtype=np.int64)
         for s, d, _, part in st:
-            lo, hi = part_range(numel, part, G)
-            M[s, d] += (hi - lo) * elem_bytes
+            M[s, d] += part_numel(numel, part, G) * elem_bytes
         out.append(M)
     return out
 
