@@ -423,3 +423,12 @@ def test_groups_spanning_hosts_keep_the_all_reduce():
     hosts = ["a", "a", "b", "b"]
     assert same_host(hosts, [0, 1]) and same_host(hosts, [2, 3])
     assert not same_host(hosts, [1, 2]) and not same_host(hosts, range(4))
+
+
+def test_the_host_key_names_the_kernel_and_the_board_directory(tmp_path, monkeypatch):
+    from moelab.comm import board
+
+    here = board.host_key()
+    assert here == board.host_key() and here.count(":") >= 2
+    monkeypatch.setattr(board, "board_dir", lambda: str(tmp_path))  # another directory: another "host"
+    assert board.host_key() != here

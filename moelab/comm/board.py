@@ -17,12 +17,13 @@ host the maximum can be agreed through a small shared file instead:
 
 Members must agree in the same order (the k-th wait on the group pairs with every member's k-th), as the
 all-reduce required. The file is unlinked once every member has mapped it (the caller's barrier), so
-nothing stays behind if a rank dies. Groups spanning hosts keep the all-reduce (:func:`same_host`).
+nothing stays behind if a rank dies. Groups spanning hosts keep the all-reduce (:func:`same_host`, :func:`host_key`).
 """
 from __future__ import annotations
 
 import mmap
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -42,8 +43,20 @@ def board_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
+def host_key() -> str:
+    """Who can share a board file with whom: the kernel's boot id (the hostname where there is none) and the
+    board directory's device and inode, so two containers with their own ``/dev/shm`` never count as one host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    st = os.stat(board_dir())
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
 def same_host(hosts, ranks) -> bool:
-    """Whether every rank of ``ranks`` runs on one host (``hosts[r]``: rank r's host name)."""
+    """Whether every rank of ``ranks`` can share a board (``hosts[r]``: rank r's :func:`host_key`)."""
     return len({hosts[r] for r in ranks}) == 1
 
 

@@ -22,7 +22,6 @@ import functools
 import itertools
 import math
 import os
-import socket
 import threading
 import time
 import uuid
@@ -31,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moelab.comm.board import Board, board_dir, same_host
+from moelab.comm.board import Board, board_dir, host_key, same_host
 from moelab.comm.bytes import peer_bytes, recv_bytes
 from moelab.comm.collectives import collective
 from moelab.comm.groups import BUILTIN, default_groups, validate_groups
@@ -214,7 +213,7 @@ class Communicator:
         if mode == "allreduce" or not self.distributed or self.world_size < 2:
             return None
         hosts = [None] * self.world_size
-        dist.all_gather_object(hosts, socket.gethostname())
+        dist.all_gather_object(hosts, host_key())
         head = [uuid.uuid4().hex[:12], time.time() - 1.0]
         dist.broadcast_object_list(head, src=0)
         return {"hosts": hosts, "token": head[0], "origin": float(head[1]), "mapped": []}
