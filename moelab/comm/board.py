@@ -27,6 +27,7 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 
 import numpy as np
 
@@ -107,3 +108,39 @@ class Board:
                                    f"reach agreement {k} within {timeout:.0f} s")
             polls += 1
             time.sleep(0 if polls <= YIELDS else POLL_S)  # yield first: the last member is often just due
+
+
+class Boards:
+    """The boards of one rank's communicator: every rank's :func:`host_key`, the run's token (file names)
+    and origin (times), gathered once at build (:meth:`setup`, collective); :meth:`open` maps a group's
+    board, :meth:`mapped` removes the files once every rank has mapped its own."""
+
+    def __init__(self, hosts, token: str, origin: float):
+        self.hosts, self.token, self.origin = list(hosts), str(token), float(origin)
+        self._new: list = []
+
+    @classmethod
+    def setup(cls, dist, world_size: int) -> "Boards":
+        hosts = [None] * world_size
+        dist.all_gather_object(hosts, host_key())
+        head = [uuid.uuid4().hex[:12], time.time() - 1.0]
+        dist.broadcast_object_list(head, src=0)
+        return cls(hosts, head[0], head[1])
+
+    def shared(self, ranks) -> bool:
+        return same_host(self.hosts, ranks)
+
+    def open(self, name: str, ranks, rank: int) -> Board:
+        """This member's view of the board of group ``name`` over ``ranks``."""
+        tag = "".join(c if c.isalnum() else "_" for c in f"{name}-{'-'.join(map(str, ranks))}")
+        board = Board(os.path.join(board_dir(), f"moelab-{self.token}-{tag}"), len(ranks), list(ranks).index(rank),
+                      self.origin)
+        self._new.append(board)
+        return board
+
+    def mapped(self, dist) -> None:
+        """Every rank has mapped its new boards (a barrier): remove their files."""
+        dist.barrier()
+        for board in self._new:
+            board.unlink()
+        self._new.clear()

@@ -24,13 +24,12 @@ import math
 import os
 import threading
 import time
-import uuid
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from moelab.comm.board import Board, board_dir, host_key, same_host
+from moelab.comm.board import Board, Boards
 from moelab.comm.bytes import peer_bytes, recv_bytes
 from moelab.comm.collectives import collective
 from moelab.comm.groups import BUILTIN, default_groups, validate_groups
@@ -206,44 +205,28 @@ class Communicator:
 
     # ---- the emulator's finish-time agreement ------------------------------------------------
     def _board_setup(self, mode: str):
-        """Every rank's host and the run's board token and origin (one collective at build), or None
-        when the all-reduce is asked for (``finish_agreement="allreduce"``) or there is no process group."""
+        """The shared-memory boards (one collective at build), or None when the all-reduce is asked for
+        (``finish_agreement="allreduce"``) or there is no process group."""
         if mode not in FINISH_AGREEMENTS:
             raise ValueError(f"finish_agreement must be one of {FINISH_AGREEMENTS}, got {mode!r}")
         if mode == "allreduce" or not self.distributed or self.world_size < 2:
             return None
-        hosts = [None] * self.world_size
-        dist.all_gather_object(hosts, host_key())
-        head = [uuid.uuid4().hex[:12], time.time() - 1.0]
-        dist.broadcast_object_list(head, src=0)
-        return {"hosts": hosts, "token": head[0], "origin": float(head[1]), "mapped": []}
+        return Boards.setup(dist, self.world_size)
 
     def _agreement(self, name: str, inst):
         """What the members of ``inst`` agree on a call's emulated finish with: a shared-memory
-        :class:`Board` when they all run on one host, else a shadow process group for a MAX all-reduce
-        (None without emulation). Collective like ``new_group``: every rank calls it for every instance."""
+        :class:`moelab.comm.board.Board` when they can share one (one host), else a shadow process group
+        for a MAX all-reduce (None without emulation). Collective like ``new_group``: every rank calls it
+        for every instance."""
         if self.emulation is None or not self.distributed or len(inst) < 2:
             return None
-        b = self._boards
-        if b is None or not same_host(b["hosts"], inst):
+        if self._boards is None or not self._boards.shared(inst):
             return self._new_group(list(inst))
-        if self.rank not in inst:
-            return None
-        tag = "".join(c if c.isalnum() else "_" for c in f"{name}-{'-'.join(map(str, inst))}")
-        board = Board(os.path.join(board_dir(), f"moelab-{b['token']}-{tag}"), len(inst), list(inst).index(self.rank),
-                      b["origin"])
-        b["mapped"].append(board)
-        return board
+        return self._boards.open(name, inst, self.rank) if self.rank in inst else None
 
     def _boards_mapped(self) -> None:
-        """Once every rank has mapped its boards, remove their files (nothing stays behind a crash)."""
-        b = self._boards
-        if b is None:
-            return
-        dist.barrier()
-        for board in b["mapped"]:
-            board.unlink()
-        b["mapped"].clear()
+        if self._boards is not None:
+            self._boards.mapped(dist)
 
     # ---- groups ------------------------------------------------------------------------------
     def add_group(self, name: str, ranks: Sequence[int], pg=None) -> None:
