@@ -30,6 +30,7 @@ import torch
 def _rank(rank, world, a):
     import torch.distributed as dist
 
+    from moelab.comm.board import Boards
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
 
@@ -40,7 +41,9 @@ def _rank(rank, world, a):
     splits = [n // world] * world
     rows_out = rows_in = splits
     red = torch.zeros(1, dtype=torch.float64)
-    board = _board(rank, world, pg)
+    boards = Boards.setup(dist, world)  # the shared-memory board the emulator uses for members on one host
+    board = boards.open("bench", ranks, rank)
+    boards.mapped(dist)
 
     def raw():
         out = torch.empty(sum(rows_out))
@@ -75,23 +78,6 @@ def _rank(rank, world, a):
             cpu[k].append((time.thread_time() - c0) / a.calls)
             comm.rec.comm.clear()
     return times, cpu
-
-
-def _board(rank, world, pg):
-    """The shared-memory finish-time board the emulator uses for members on one host (``moelab.comm.board``)."""
-    import os
-    import uuid
-
-    import torch.distributed as dist
-
-    from moelab.comm.board import Board, board_dir
-
-    head = [uuid.uuid4().hex[:12], time.time() - 1.0]
-    dist.broadcast_object_list(head, src=0, group=pg)
-    board = Board(os.path.join(board_dir(), f"moelab-bench-{head[0]}"), world, rank, head[1])
-    dist.barrier(group=pg)
-    board.unlink()
-    return board
 
 
 def _python_cost(a) -> float:

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from moelab.comm.sparse import BACKENDS, NODE_BACKENDS
-
-LATER_GROUP = "sparse_later"  # the staged backends' later stages, posted by a comm stream
 from moelab.config import ConfigError
 from moelab.placement.fssdp import ASSIGN
 from moelab.strategies.options import StrategyOptions
+
+LATER_GROUP = "sparse_later"  # the staged backends' later stages, posted by a comm stream
 
 
 class HecateOptionError(ConfigError):
