@@ -176,3 +176,19 @@ def test_gamma_fit_reaches_its_target_median_on_a_small_grid():
     meds = [ps._median_overlapped(ps._slowdowns(g, alone)) for g in (fit["gamma"] - 0.01, fit["gamma"], 2 * fit["gamma"])]
     assert meds[0] < fit["target_median"] <= meds[1] + 1e-9 < meds[2]
     assert fit["median"] == pytest.approx(fit["target_median"], rel=0.02)
+
+
+def test_calls_beside_backward_pay_the_busy_fixed_costs_after_backward_does_not():
+    """A profile with busy fixed costs (calls issued while the ranks compute) lengthens the policies whose
+    all-reduces run beside backward, by more for Lina's many micro-ops than for DDP's few buckets, and
+    leaves ``after_backward`` (its one call after backward) as with the idle costs."""
+    cfg = paper_cfg(layers=4)
+    idle = dataclasses.replace(get_profile("lina"), call_overhead_s=1e-4)
+    busy = dataclasses.replace(idle, busy_call_overhead_s=2e-3)
+
+    def step(prof, policy):
+        return simulate(lina_iteration_graph(cfg, prof, synthetic_loads(cfg), policy=policy, elem_bytes=2)).makespan
+
+    assert step(busy, "after_backward") == step(idle, "after_backward")
+    grew = {p: step(busy, p) - step(idle, p) for p in ("ddp_overlap", "lina")}
+    assert grew["ddp_overlap"] >= 0 and grew["lina"] > grew["ddp_overlap"]

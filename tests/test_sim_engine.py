@@ -226,3 +226,18 @@ def test_emulated_fixed_costs_run_beside_the_links_then_sync(fixed, expected):
     res = simulate(g)
     assert res.makespan == pytest.approx(expected + 0.25 + 1.0)  # the longer of the two, the sync, then what follows
     assert res.breakdown("kind")["comm"] == pytest.approx(expected + 0.25)
+
+
+@pytest.mark.parametrize("sync", [None, 0.25])
+def test_a_call_beside_compute_pays_the_busy_fixed_costs_where_measured(sync):
+    g, phases = _two_phase_call(call_overhead_s=0.5, emulated_sync_s=sync)
+    g.transfer("a", [0, 1], phases, beside_compute=True)  # no busy costs measured: as any call
+    plain = simulate(g).makespan
+    g, phases = _two_phase_call(call_overhead_s=0.5, emulated_sync_s=sync, busy_fixed=(3.0, 0.75))
+    g.transfer("a", [0, 1], phases)  # not beside compute: the idle costs
+    assert simulate(g).makespan == pytest.approx(plain)
+    g, phases = _two_phase_call(call_overhead_s=0.5, emulated_sync_s=sync, busy_fixed=(3.0, 0.75))
+    g.transfer("a", [0, 1], phases, beside_compute=True)
+    expected = 2.2 + 3.0 if sync is None else max(2.2, 3.0) + 0.75  # before the links, or beside them then the sync
+    assert plain == pytest.approx(2.7 if sync is None else 2.2 + 0.25)
+    assert simulate(g).makespan == pytest.approx(expected)

@@ -364,3 +364,22 @@ def test_emulated_call_costs_leave_the_links_out():
                                       "emulation.inter_latency_us": 30_000.0}).validate()
     got = measure_emulated_call_costs(cfg, timeout=60)
     assert 0.0 <= got["call_s"] < 0.015 and 0.0 <= got["sync_s"] < 0.015
+
+
+def test_busy_call_costs_run_a_compute_thread_only_while_measuring():
+    """``emulated_call_costs(busy=True)``'s compute thread runs during the block and is gone after it,
+    also when the block raises; ``busy=False`` starts none."""
+    import threading
+
+    from moelab.sim.local import _computing
+
+    def busy_threads():
+        return [t for t in threading.enumerate() if t.name == "moelab-busy"]
+
+    with _computing(False):
+        assert not busy_threads()
+    with pytest.raises(RuntimeError, match="inside"):
+        with _computing(True):
+            assert len(busy_threads()) == 1 and busy_threads()[0].is_alive()
+            raise RuntimeError("inside")
+    assert not busy_threads()

@@ -94,6 +94,7 @@ class OpGraph:
         self.call_overhead_s = 0.0  # fixed seconds added to every collective call (transfer)
         self.phase_overhead_s = 0.0  # fixed seconds per phase of a phased call (each a batched p2p round), if > 0
         self.emulated_sync_s: Optional[float] = None  # not None: fixed costs run beside the links (see transfer)
+        self.busy_fixed: Optional[tuple] = None  # (call_s, sync_s) of a call issued while its ranks compute
         self.interference: Optional[tuple] = None  # (streams, gamma): see interfere()
 
     def interfere(self, streams, gamma) -> None:
@@ -142,7 +143,8 @@ class OpGraph:
                         category=category, **kw)
 
     def transfer(self, name: str, ranks, demands, deps=(), category: str = "comm", stream: str = "comm",
-                 comm: Optional[dict] = None, call_overhead: bool = True, phased: bool = False, **kw) -> int:
+                 comm: Optional[dict] = None, call_overhead: bool = True, phased: bool = False,
+                 beside_compute: bool = False, **kw) -> int:
         """A collective as one op per demand phase, chained; returns the last op's id.
 
         Fixed software cost: the first phase pays the graph's ``call_overhead_s``, unless
@@ -156,25 +158,32 @@ class OpGraph:
           link time overlap (the call takes the longer of the two), then the members agree on the
           finish (a shadow all-reduce): ``emulated_sync_s`` more.
 
+        ``beside_compute``: the call is issued while its ranks compute (a comm thread's call during
+        backward); where :attr:`busy_fixed` is set (ranks sharing a host's cores, where such a call
+        waits for a core) it pays those fixed costs instead.
+
         ``comm`` (the accounting record) goes on the first phase only, so bytes are counted once.
         """
+        call_s, sync_s = self.call_overhead_s, self.emulated_sync_s
+        if beside_compute and self.busy_fixed is not None:
+            call_s, sync_s = self.busy_fixed[0], (self.busy_fixed[1] if sync_s is not None else None)
         fixed = [0.0] * len(demands)
         if call_overhead and demands:
             if phased and self.phase_overhead_s > 0:
                 fixed = [self.phase_overhead_s] * len(demands)
             else:
-                fixed[0] = self.call_overhead_s
-        beside = self.emulated_sync_s is not None
+                fixed[0] = call_s
+        beside = sync_s is not None
         last = None
         for i, d in enumerate(demands):
             last = self.add(name if len(demands) == 1 else f"{name}#{i}", ranks, stream=stream,
                             duration=d.alpha + (0.0 if beside else fixed[i]), links=d.links,
                             deps=tuple(deps) if last is None else (last,), category=category,
                             comm=comm if i == 0 else None, kind="comm", **kw)
-        if beside and (sum(fixed) > 0 or self.emulated_sync_s > 0):
+        if beside and (sum(fixed) > 0 or sync_s > 0):
             sw = self.add(f"{name}.software", ranks, stream=f"{stream}.software", duration=sum(fixed), deps=deps,
                           category=category, kind="comm", **kw)
-            last = self.add(f"{name}.sync", ranks, stream=stream, duration=self.emulated_sync_s,
+            last = self.add(f"{name}.sync", ranks, stream=stream, duration=sync_s,
                             deps=(sw,) if last is None else (last, sw), category=category, kind="comm", **kw)
         return last
 

@@ -201,12 +201,16 @@ def new_graph(profile, topo: Topology, meta: Optional[dict] = None) -> OpGraph:
     (``shared_cores``) compute ops share those cores; every compute op pays ``op_overhead_s``, every
     collective call ``call_overhead_s`` (both 0 on the paper testbeds), a phased one
     ``phase_overhead_s`` per phase where set; ``emulated_sync_s`` prices the door's EMULATED links
-    (:meth:`moelab.sim.engine.OpGraph.transfer`)."""
+    (:meth:`moelab.sim.engine.OpGraph.transfer`); ``busy_call_overhead_s`` (and ``busy_emulated_sync_s``)
+    price a call issued while its ranks compute, where measured."""
     g = OpGraph(topo.world_size, costs.link_capacities(profile, topo), meta=meta)
     g.share_cores(getattr(profile, "shared_cores", 0) or 0, getattr(profile, "op_overhead_s", 0.0) or 0.0)
     g.call_overhead_s = float(getattr(profile, "call_overhead_s", 0.0) or 0.0)
     g.phase_overhead_s = float(getattr(profile, "phase_overhead_s", 0.0) or 0.0)
     g.emulated_sync_s = getattr(profile, "emulated_sync_s", None)
+    busy = getattr(profile, "busy_call_overhead_s", None)
+    if busy is not None:
+        g.busy_fixed = (float(busy), getattr(profile, "busy_emulated_sync_s", None) or 0.0)
     return g
 
 

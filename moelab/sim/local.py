@@ -10,6 +10,7 @@ this machine: :mod:`moelab.sim.validate`'s docstring.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -202,14 +203,18 @@ def quick_calibration(nproc: int = 2, sizes=(1 << 12, 1 << 16, 1 << 19, 1 << 21,
 
 
 # ---- the EMULATED door's fixed costs per call, held out (what a simulator of an EMULATED run adds) -----
-def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps: int = 25) -> dict:
+def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps: int = 25,
+                        busy: bool = False) -> dict:
     """Fixed costs of one call through ``comm``'s emulated door, measured on 1-element calls of ``op``
     over ``group`` with every member calling at once (run it on every member; the slowest member's
     medians): ``sync_s``, what the emulation adds after a call's real completion (the members agree on
-    the emulated finish with a shadow all-reduce), and ``call_s``, the rest less the call's emulated time
-    alone: its software cost, which the emulated links overlap. A simulator of an EMULATED run prices
-    them as ``ClusterProfile(call_overhead_s=call_s, emulated_sync_s=sync_s)``
-    (:meth:`moelab.sim.engine.OpGraph.transfer`). Held out: nothing here is fitted to the run's times."""
+    the emulated finish), and ``call_s``, the rest less the call's emulated time alone: its software
+    cost, which the emulated links overlap. A simulator of an EMULATED run prices them as
+    ``ClusterProfile(call_overhead_s=call_s, emulated_sync_s=sync_s)``
+    (:meth:`moelab.sim.engine.OpGraph.transfer`). ``busy``: a thread computes beside the calls on every
+    member, as a comm thread's calls run beside backward; where ranks share a host's cores such a call
+    waits for a core (``busy_call_overhead_s``, ``busy_emulated_sync_s``). Held out: nothing here is
+    fitted to the run's times."""
     import statistics
 
     import torch
@@ -225,15 +230,42 @@ def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps
     else:
         raise ValueError(f"emulated_call_costs measures all_to_all or all_reduce, got {op!r}")
     walls, syncs, alone = [], [], 0.0
-    for _ in range(reps + 2):
-        walls.append(timed(comm, call, group)[1].slowest_s)
-        r = comm.rec.comm[-1]
-        alone = comm.emulated_time(r.bytes, r.recv, op, comm.group_ranks(group))
-        real = r.t_end - r.t_start - r.emulated_s
-        syncs.append(max(0.0, r.emulated_s - max(0.0, alone - real)))  # less the sleep for the links' own time
+    with _computing(busy):
+        for _ in range(reps + 2):
+            walls.append(timed(comm, call, group)[1].slowest_s)
+            r = comm.rec.comm[-1]
+            alone = comm.emulated_time(r.bytes, r.recv, op, comm.group_ranks(group))
+            real = r.t_end - r.t_start - r.emulated_s
+            syncs.append(max(0.0, r.emulated_s - max(0.0, alone - real)))  # less the sleep for the links' own time
     comm.rec.comm.clear()
     sync = max(gather_floats(comm, statistics.median(syncs[2:]), group))
     return {"call_s": max(0.0, statistics.median(walls[2:]) - sync - alone), "sync_s": sync}
+
+
+@contextlib.contextmanager
+def _computing(on: bool = True):
+    """While the block runs, a thread runs single-threaded GEMMs (which release the GIL) beside it."""
+    if not on:
+        yield
+        return
+    import threading
+
+    import torch
+
+    stop = threading.Event()
+
+    def work():
+        a = torch.randn(256, 256) / 16
+        while not stop.is_set():
+            a = torch.tanh(a @ a)
+
+    t = threading.Thread(target=work, name="moelab-busy", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 def _emulated_call_costs_rank(rank, world, cfg):

@@ -48,6 +48,8 @@ class ClusterProfile:
     call_overhead_s: float = 0.0  # fixed seconds per collective call beyond its alpha-beta line, fitted where measured
     phase_overhead_s: float = 0.0  # >0: a phased call (SAA) pays this per phase instead, measured where used
     emulated_sync_s: Optional[float] = None  # a number: EMULATED links, fixed costs beside link time (OpGraph.transfer)
+    busy_call_overhead_s: Optional[float] = None  # a number: call_overhead_s of a call issued while the ranks compute
+    busy_emulated_sync_s: Optional[float] = None  # ... and its emulated_sync_s (both measured with compute beside)
     allreduce: str = "ring"  # "ring" (gloo, the emulator) | "nccl": per message the faster of ring and a latency-optimal schedule (sim/costs.py)
     extra: dict = field(default_factory=dict)  # paper constants that are not link/compute numbers
     sources: dict = field(default_factory=dict)  # field -> spec section / paper sentence / [assumption]

@@ -18,6 +18,9 @@ points; this module turns them into the all-reduces each policy issues, on strea
   inside blocks of E/q ranks, the copies' expert gradients all-reduced over the ranks holding them (the
   partitioned policies: as micro-ops queued when the layer's backward ends, as the runtime's hook does).
 
+Every policy but ``after_backward`` issues its all-reduces beside backward's compute
+(``beside_compute``: where the profile measured that, such a call pays a busy host's fixed costs).
+
 ``gamma`` (spec §2.4): where an all-to-all and an all-reduce both move on one link, each gets
 1/gamma of its fair share (:meth:`moelab.sim.engine.OpGraph.interfere`; 1 = fair sharing, no worse).
 
@@ -139,6 +142,7 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
             last = tuple(g.transfer(f"grad.{policy}.{n}" + (f".g{gi}" if len(groups) > 1 else ""), grp,
                                     [costs.ring_demand("all_reduce", grp, ctx.topo, profile, nbytes)],
                                     deps=deps, category="allreduce", stream=AR, phase="sync",
+                                    beside_compute=policy != "after_backward",
                                     comm={"op": "all_reduce", "group": grp, "nbytes": nbytes})
                          for gi, grp in enumerate(groups))
         last = last or tuple(ready[-1][1])
