@@ -125,7 +125,7 @@ def _call_cost(rank, world, a) -> dict:
     emu = EmulationConfig(enabled=True, intra_bw_GBps=a.intra, inter_bw_GBps=a.inter, intra_latency_us=20.0,
                           inter_latency_us=50.0)
     comm = Communicator(Topology(world, world // 2), emulation=emu)
-    return {k: emulated_call_costs(comm, "dp", "all_reduce", reps=40, busy=k == "busy") for k in ("idle", "busy")}
+    return {k: emulated_call_costs(comm, "dp", "all_reduce", reps=80, busy=k == "busy") for k in ("idle", "busy")}
 
 
 def main(argv=None) -> int:

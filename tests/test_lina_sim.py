@@ -192,3 +192,17 @@ def test_calls_beside_backward_pay_the_busy_fixed_costs_after_backward_does_not(
     assert step(busy, "after_backward") == step(idle, "after_backward")
     grew = {p: step(busy, p) - step(idle, p) for p in ("ddp_overlap", "lina")}
     assert grew["ddp_overlap"] >= 0 and grew["lina"] > grew["ddp_overlap"]
+
+
+def test_pipelined_chunks_that_move_beside_expert_compute_pay_the_busy_costs():
+    """With four chunks, each layer's dispatches c1..c3 and combines c0..c2 move while experts compute
+    (busy fixed costs); the first dispatch and the last combine wait for nothing to compute (idle)."""
+    cfg = paper_cfg(layers=2).with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "a2a_chunks": 4}})
+    prof = dataclasses.replace(get_profile("lina"), call_overhead_s=1e-4, emulated_sync_s=0.0,
+                               busy_call_overhead_s=2e-3, busy_emulated_sync_s=0.0)
+    g, _ = run(cfg, prof, "lina_pipe")
+    cost = {o.name[:-len(".software")]: o.duration for o in g.ops if o.name.endswith(".software")}
+    for phase, first, second in (("fwd", "dispatch", "combine"), ("bwd", "combine.bwd", "dispatch.bwd")):
+        for i in sorted({int(n.split(".")[0][1:]) for n in cost if n.startswith("L")}):
+            got = [cost[f"L{i}.{first}.c{c}"] for c in range(4)], [cost[f"L{i}.{second}.c{c}"] for c in range(4)]
+            assert got == ([1e-4, 2e-3, 2e-3, 2e-3], [2e-3, 2e-3, 2e-3, 1e-4]), (phase, i, got)

@@ -169,9 +169,10 @@ class IterationContext:
     def compute_time(self, flops: float) -> float:
         return costs.compute_time(flops, self.profile)
 
-    def a2a(self, name, tokens, deps, layer, phase, category="a2a", op="all_to_all"):
+    def a2a(self, name, tokens, deps, layer, phase, category="a2a", op="all_to_all", beside_compute=False):
         """An all-to-all moving ``tokens[src, dst]`` rows of d_model elements (recorded as ``op``:
-        ``"p2p"`` for a batch of point-to-point exchanges with the same per-peer bytes).
+        ``"p2p"`` for a batch of point-to-point exchanges with the same per-peer bytes);
+        ``beside_compute``: issued while the ranks compute (:meth:`moelab.sim.engine.OpGraph.transfer`).
 
         A layer's forward dispatch and backward combine move the same matrix (its combine and
         dispatch gradient the transpose): each view is priced once per graph, the entry keeping the
@@ -185,7 +186,7 @@ class IterationContext:
                                                                    self.hierarchical_a2a))
         mat, demands = hit
         return self.g.transfer(name, self.ranks, demands, deps=deps, category=category, layer=layer, phase=phase,
-                               comm={"op": op, "group": self.ranks, "splits": mat})
+                               comm={"op": op, "group": self.ranks, "splits": mat}, beside_compute=beside_compute)
 
     def experts(self, r, name, tokens, deps, layer, phase):
         """Expert FFN compute of ``tokens`` rows on rank r (backward: 2x, frees the activations)."""

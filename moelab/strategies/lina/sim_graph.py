@@ -177,18 +177,20 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
 def pipelined_stages(routes, chunks, cap):
     """The token path of :func:`moelab.sim.graphs.token_stages` cut into all-to-all micro-ops of
     ``chunks[j]`` capacity rows each: dispatch j+1 in flight while experts compute chunk j, combine j
-    issued when it is done; backward mirrors it (combine gradient first, 2x expert compute)."""
+    issued when it is done; backward mirrors it (combine gradient first, 2x expert compute). Every
+    chunk's all-to-all but the first dispatch and the last combine is issued beside expert compute."""
     def stage(ctx, i, j, deps, phase):
         first, second = ("dispatch", "combine") if phase == "fwd" else ("combine.bwd", "dispatch.bwd")
         parts = [routes[j] * c // cap for c in chunks]
         moves = [ctx.a2a(f"L{i}.{first}.c0", parts[0], tuple(deps), i, phase)]
-        outs = []
+        outs, last = [], len(parts) - 1
         for n, part in enumerate(parts):  # issue order as the runtime: d0, d1, c0, d2, c1, ...
-            if n + 1 < len(parts):
-                moves.append(ctx.a2a(f"L{i}.{first}.c{n + 1}", parts[n + 1], (moves[-1],), i, phase))
+            if n + 1 < len(parts):  # moves while chunk n's experts compute
+                moves.append(ctx.a2a(f"L{i}.{first}.c{n + 1}", parts[n + 1], (moves[-1],), i, phase,
+                                     beside_compute=True))
             rows = part.sum(0)
             exps = [ctx.experts(r, f"L{i}.experts.{phase}.c{n}", rows[r], (moves[n],), i, phase) for r in ctx.ranks]
-            outs.append(ctx.a2a(f"L{i}.{second}.c{n}", part.T, exps, i, phase))
+            outs.append(ctx.a2a(f"L{i}.{second}.c{n}", part.T, exps, i, phase, beside_compute=n < last))
         return [outs[-1]] * len(ctx.ranks)  # one comm stream: the last combine ends last
 
     def moe_forward(ctx, i, j, deps):
