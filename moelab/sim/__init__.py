@@ -5,7 +5,8 @@ by the runtime's own rule) -> ``engine`` (event simulation with shared links) ->
 makespan, critical-path breakdown, peak memory. ``calibrate`` measures this machine so the same
 simulator can be checked against real small runs: on a CPU host, ranks share its cores (an engine
 CPU pool) and pay fitted per-op and per-call costs (profile fields ``shared_cores``,
-``op_overhead_s``, ``call_overhead_s``; 0 on the paper testbeds).
+``op_overhead_s``, ``call_overhead_s``; 0 on the paper testbeds); a call issued while its ranks
+compute can pay costs measured that way (``busy_call_overhead_s``, ``OpGraph.transfer(beside_compute=)``).
 """
 from moelab.sim import costs  # noqa: F401  (before graphs, which uses it)
 from moelab.sim.calibrate import (COMPUTE_MODELS, TRAIN_MODELS, AlphaBeta, calibrate_gpu, calibrate_local,
