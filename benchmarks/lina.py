@@ -84,7 +84,7 @@ def measured(run, warmup):
 
 def predicted(cfg, run, fixed: Optional[dict] = None, busy: Optional[dict] = None):
     """The simulator's step on the emulated links with this model's measured compute; ``fixed``
-    (:func:`_call_cost`): each call's held-out software cost beside its link time, then the
+    (:func:`_probe_call_costs`): each call's held-out software cost beside its link time, then the
     emulator's sync, as the door emulates (``ClusterProfile.emulated_sync_s``); ``busy``: the same
     measured with the ranks computing, for the calls a policy issues beside backward."""
     import dataclasses
@@ -114,20 +114,16 @@ def final_block(cfg, run):
     return cfg.with_overrides({"parallel.strategy_options": opts}).validate()
 
 
-def _call_cost(rank, world, a) -> dict:
-    """Held-out fixed costs of one collective call on this machine, all ranks calling at once: 1-element
-    all-reduces over every rank through the emulated door (``moelab.sim.local.emulated_call_costs``:
-    the software cost, which the links overlap, and the emulator's end-of-call sync), on idle ranks
-    (``idle``) and with a thread computing beside the calls on every rank (``busy``)."""
-    from moelab.comm.door import Communicator
-    from moelab.comm.topology import Topology
-    from moelab.config import EmulationConfig
+def _probe_call_costs(tr) -> dict:
+    """Held-out fixed costs of one collective call, in a run's own processes right after its iterations,
+    all ranks calling at once: 1-element all-reduces over every rank through the run's emulated door
+    (``moelab.sim.local.emulated_call_costs``: the software cost, which the links overlap, and the
+    emulator's end-of-call sync), on idle ranks (``idle``) and with a thread computing beside the calls on
+    every rank (``busy``). In the runs' own spawn: the busy cost varies between spawns far more than
+    within one."""
     from moelab.sim.local import emulated_call_costs
 
-    emu = EmulationConfig(enabled=True, intra_bw_GBps=a.intra, inter_bw_GBps=a.inter, intra_latency_us=20.0,
-                          inter_latency_us=50.0)
-    comm = Communicator(Topology(world, world // 2), emulation=emu)
-    return {k: emulated_call_costs(comm, "dp", "all_reduce", reps=80, busy=k == "busy") for k in ("idle", "busy")}
+    return {k: emulated_call_costs(tr.comm, "dp", "all_reduce", reps=80, busy=k == "busy") for k in ("idle", "busy")}
 
 
 def main(argv=None) -> int:
@@ -163,16 +159,13 @@ def main(argv=None) -> int:
     a.gamma = float(a.gamma)
 
     from moelab.sim.realruns import run_real_many
-    from moelab.testing import run_ranks
-
-    before = run_ranks(_call_cost, 4, a, timeout=300)[0]  # the slowest rank's, on every rank
 
     names = tuple(n for n in POLICIES + tuple(EXTRA) if not a.only or n == "ddp_overlap" or n in a.only)
     cfgs = [config(a, n) if n in POLICIES else config(a, EXTRA[n][0], **EXTRA[n][1]) for n in names]
     cfgs += [config(a, "ddp_overlap", 4), config(a, "lina", 4)]
-    runs = run_real_many(cfgs, timeout=1800)
-    after = run_ranks(_call_cost, 4, a, timeout=300)[0]  # a fresh spawn's: the busy cost varies between spawns
-    fixed = {k: {c: (before[k][c] + after[k][c]) / 2 for c in before[k]} for k in before}
+    runs = run_real_many(cfgs, timeout=1800, probe=_probe_call_costs)
+    probes = {k: {c: [r.probe[k][c] for r in runs] for c in ("call_s", "sync_s")} for k in ("idle", "busy")}
+    fixed = {k: {c: statistics.mean(v) for c, v in p.items()} for k, p in probes.items()}  # one set for every policy
     res = {pol: measured(r, a.warmup) for pol, r in zip(names, runs)}
     base_step, base_bwd = res["ddp_overlap"][0], res["ddp_overlap"][1]
     print("REAL: 4 gloo ranks (2 nodes x 2), EMULATED links "
@@ -198,8 +191,9 @@ def main(argv=None) -> int:
     for k, f in fixed.items():
         print(f"held-out fixed costs per collective call, all ranks calling, {k} ranks: software "
               f"{1e3 * f['call_s']:.2f} ms beside its link time, then the emulator's sync {1e3 * f['sync_s']:.2f} ms "
-              f"(the mean of a spawn before the runs, {1e3 * before[k]['call_s']:.2f} + {1e3 * before[k]['sync_s']:.2f}, "
-              f"and one after, {1e3 * after[k]['call_s']:.2f} + {1e3 * after[k]['sync_s']:.2f})")
+              f"(the mean over the {len(runs)} runs, each measured after its iterations: software "
+              f"{1e3 * min(probes[k]['call_s']):.2f}-{1e3 * max(probes[k]['call_s']):.2f} ms, sync "
+              f"{1e3 * min(probes[k]['sync_s']):.2f}-{1e3 * max(probes[k]['sync_s']):.2f} ms)")
     sims, simf, simb = {}, {}, {}
     for pol, c, r in zip(names, cfgs, runs):
         if c.parallel.strategy_options.get("pack_controller"):

@@ -163,7 +163,16 @@ def real_runs():
     base = {k: v for k, v in TINY_TRAIN.items() if k != "train.dtype"}
     cfgs = [RunConfig().with_overrides({**base, "parallel.nproc": 2, **train_overrides(n, o)}).validate()
             for n, o, _ in CASES]
-    return run_real_many(cfgs, 2, timeout=150)
+    return run_real_many(cfgs, 2, timeout=150, probe=_probe)
+
+
+def _probe(tr):
+    """What a probe sees: the trainer after its iterations, in the rank's own process."""
+    return tr.comm.rank, len(tr.metrics)
+
+
+def test_a_probe_runs_on_each_rank_after_each_run_and_rank_0s_result_is_kept(real_runs):
+    assert [r.probe for r in real_runs] == [(0, r.cfg.train.iters) for r in real_runs]
 
 
 CAL = {"nproc": 2, "gemm_flops": 1e9, "collectives": {op: {"alpha": 1e-4, "beta": 1e-9}

@@ -43,6 +43,7 @@ class RealRun:
     metrics: list = field(default_factory=list)  # rank 0's per-iteration metrics rows (memory peaks, bytes)
     layer_metrics: object = None  # every rank's per-(iteration, layer) ``layer.last_metrics`` rows (DataFrame)
     memory: object = None  # every rank's per-iteration memory peaks (DataFrame: rank, iter, mem_<cat>_peak_bytes)
+    probe: object = None  # rank 0's ``probe(trainer)`` result (:func:`run_real_many`), if one was given
 
     @property
     def nproc(self) -> int:
@@ -86,7 +87,7 @@ def real_label(cfg: RunConfig) -> str:
     return s
 
 
-def _real_worker(rank, world, cfg_dicts):
+def _real_worker(rank, world, cfg_dicts, probe=None):
     """Runs on every rank: each config in turn, step by step; returns plain picklable data."""
     import time
 
@@ -121,15 +122,21 @@ def _real_worker(rank, world, cfg_dicts):
                         layer_metrics=list(tr.layer_metrics),
                         memory=[{"iter": m["iter"], **{k: v for k, v in m.items() if k.endswith("_peak_bytes")}}
                                 for m in tr.metrics]))
+        if probe is not None:
+            out[-1]["probe"] = probe(tr)
         del tr
     return out
 
 
-def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, timeout: float = 300.0) -> list:
+def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, timeout: float = 300.0,
+                  probe=None) -> list:
     """Run several configs (same ``nproc``) one after another on one set of spawned gloo ranks.
 
     One spawn for all of them: starting ranks (importing torch, reading the corpus) costs seconds
-    on a small machine, a short run less. Returns one :class:`RealRun` per config.
+    on a small machine, a short run less. Returns one :class:`RealRun` per config. ``probe``: a
+    picklable ``f(trainer)`` every rank calls after each config's iterations, in the same processes
+    (a held-out measurement under the run's own placement of processes on cores); rank 0's result
+    is the run's ``probe``.
     """
     import pandas as pd
 
@@ -145,7 +152,7 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
         if c.parallel.nproc != nproc:
             c = c.with_overrides({"parallel.nproc": nproc})
         dicts.append(c.validate().to_dict())
-    per_rank = run_ranks(_real_worker, nproc, dicts, timeout=timeout)
+    per_rank = run_ranks(_real_worker, nproc, dicts, probe, timeout=timeout)
     runs = []
     for i, d in enumerate(dicts):
         res = [per_rank[r][i] for r in range(nproc)]
@@ -164,7 +171,8 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
                             plans=res[0]["plans"], metrics=res[0]["metrics"],
                             layer_metrics=pd.DataFrame([{"rank": r, **row} for r, x in enumerate(res)
                                                         for row in x["layer_metrics"]]),
-                            memory=pd.DataFrame([{"rank": r, **row} for r, x in enumerate(res) for row in x["memory"]])))
+                            memory=pd.DataFrame([{"rank": r, **row} for r, x in enumerate(res) for row in x["memory"]]),
+                            probe=res[0].get("probe")))
     return runs
 
 
