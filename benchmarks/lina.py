@@ -11,9 +11,10 @@ into several micro-ops. Printed per policy: median step time of the slowest rank
 share of the step; the scheduler's bounded-wait releases; the simulator's step speedup on the same
 emulated links with this model's measured compute rate (``moelab.sim.local.machine_profile``, no
 fitted constant), without and with the held-out fixed costs of a call (software beside the link time,
-then the emulator's sync, as the door emulates), measured on idle ranks and on busy ones (a thread
-computing beside the calls: 4 ranks share 2 cores, so a call issued during backward waits for a core);
-the last column prices the calls a policy issues beside compute at the busy costs.
+then the emulator's sync, as the door emulates), measured after every run in the runs' own processes on
+idle ranks and on busy ones (a thread computing beside the calls: 4 ranks share 2 cores, so a call issued
+during backward waits for a core); the last column prices the calls a policy issues beside compute at the
+busy costs (the mean over the runs).
 
 Defaults: links slow enough that a micro-op's link time (48 KB: ~10 ms across nodes) exceeds a call's
 software cost on 4 ranks sharing 2 cores (~1.5 ms), and 2 sequences per rank so that the backward
