@@ -206,3 +206,29 @@ def test_pipelined_chunks_that_move_beside_expert_compute_pay_the_busy_costs():
         for i in sorted({int(n.split(".")[0][1:]) for n in cost if n.startswith("L")}):
             got = [cost[f"L{i}.{first}.c{c}"] for c in range(4)], [cost[f"L{i}.{second}.c{c}"] for c in range(4)]
             assert got == ([1e-4, 2e-3, 2e-3, 2e-3], [2e-3, 2e-3, 2e-3, 1e-4]), (phase, i, got)
+
+
+def test_micro_ops_in_flight_run_on_as_many_streams_and_one_in_flight_is_a_chain():
+    """``max_inflight`` k: Lina's micro-ops dealt over k all-reduce streams, unit n after unit n - k; at
+    k = 1 one stream and each micro-op after the one before. More in flight never lengthens the
+    iteration on a fair-sharing profile with a per-call cost, and here shortens it."""
+    prof = dataclasses.replace(get_profile("lina"), call_overhead_s=2e-3)
+
+    def graph(k):
+        cfg = paper_cfg(layers=4).with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6,
+                                                                                "max_inflight": k}})
+        return lina_iteration_graph(cfg, prof, synthetic_loads(cfg), policy="lina", elem_bytes=2)
+
+    spans = {}
+    for k in (1, 2, 4):
+        g = graph(k)
+        grads = [o for o in g.ops if o.category == "allreduce"]
+        assert {o.stream for o in grads} == ({"allreduce"} | {f"allreduce.{i}" for i in range(1, k)})
+        for n, o in enumerate(grads):
+            if n >= k:
+                assert grads[n - k].id in o.deps, (k, n)
+        res = simulate(g)
+        spans[k] = res.makespan
+        if k == 1:  # a chain: each starts when the one before has ended
+            assert all(res.start[b.id] >= res.end[a.id] - 1e-12 for a, b in zip(grads, grads[1:]))
+    assert spans[4] <= spans[2] <= spans[1] and spans[4] < spans[1]

@@ -192,6 +192,25 @@ def test_interference_with_a_pinned_flow_and_within_one_stream():
         g.interfere(("grad",), 2.0)
 
 
+def test_an_interference_class_of_streams_does_not_interfere_inside():
+    """``("a2a", ("grad", "grad.1"))``: the two all-reduce streams share a link fairly with each other and
+    each interferes with the all-to-all's, as one stream would."""
+    def run(classes, third="grad.1"):
+        g = OpGraph(3, {LINK: GB})
+        ops = [g.add("x", 0, stream="grad", links={LINK: GB}), g.add("y", 1, stream=third, links={LINK: GB})]
+        g.interfere(classes, 2.0)
+        return simulate(g), ops
+
+    r, (a, b) = run(("a2a", ("grad", "grad.1")))  # one class: fair sharing, 2 s each
+    assert r.end[a] == pytest.approx(2.0) and r.end[b] == pytest.approx(2.0)
+    r, (a, b) = run(("a2a", "grad", "grad.1"))  # separate streams: they interfere, GB/4 each
+    assert r.end[a] == pytest.approx(4.0) and r.end[b] == pytest.approx(4.0)
+    r, (a, b) = run(("grad.1", ("grad", "x")))  # against another class: they interfere
+    assert r.end[a] == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="two interference classes"):
+        OpGraph(2).interfere(("a2a", ("grad", "a2a")), 2.0)
+
+
 # ---- fixed software costs of a call: before its links (hardware) or beside them (EMULATED) ----------
 def _two_phase_call(**graph):
     from moelab.sim.costs import Demand

@@ -31,7 +31,9 @@ Two refinements of the sharing rule, both off unless a graph asks for them:
 - **Interference** (:meth:`OpGraph.interfere`: streams, gamma >= 1). A flow of one of those streams
   that shares a link with a *moving* flow of another of them gets 1/gamma of its share there (so two
   such flows alone on a link each move at capacity/(2 gamma)): NCCL's channel and SM contention beyond
-  fair sharing, Lina's gamma. A preempted flow does not move, so it does not interfere.
+  fair sharing, Lina's gamma. A preempted flow does not move, so it does not interfere. An entry may
+  be a tuple of streams, one class: its streams do not interfere among themselves (several all-reduce
+  streams against the all-to-all's).
 
 Events go through one heap. A flow is re-rated only when a flow sharing one of its links joins or
 leaves (once per instant however many do), and re-scheduled only if its rate changed, so the cost
@@ -99,10 +101,14 @@ class OpGraph:
 
     def interfere(self, streams, gamma) -> None:
         """Flows of different streams among ``streams`` slow each other by ``gamma`` (a number >= 1, or
-        op -> number: a per-op draw) wherever both move on one link; see the module docstring."""
-        streams = tuple(dict.fromkeys(streams))
+        op -> number: a per-op draw) wherever both move on one link; an entry that is a tuple of
+        streams is one class (no interference inside it); see the module docstring."""
+        streams = tuple(dict.fromkeys(tuple(c) if isinstance(c, (tuple, list)) else c for c in streams))
         if len(streams) < 2:
             raise ValueError(f"interference needs two streams or more, got {streams}")
+        names = [x for c in streams for x in (c if isinstance(c, tuple) else (c,))]
+        if len(names) != len(set(names)):
+            raise ValueError(f"a stream in two interference classes: {streams}")
         if not callable(gamma) and not gamma >= 1:
             raise ValueError(f"gamma must be >= 1 (interference cannot speed a flow up), got {gamma}")
         self.interference = (streams, gamma)
@@ -225,7 +231,8 @@ class _Crowding:
         self.klass = None  # interference: per op its stream's index among the interfering ones, or -1
         if interference is not None:
             streams, gamma = interference
-            self.klass = [streams.index(o.stream) if o.stream in streams else -1 for o in ops]
+            of = {x: k for k, c in enumerate(streams) for x in (c if isinstance(c, tuple) else (c,))}
+            self.klass = [of.get(o.stream, -1) for o in ops]
             self.gamma = [(gamma(o) if callable(gamma) else gamma) if k >= 0 else 1.0 for o, k in zip(ops, self.klass)]
             if min(self.gamma) < 1:
                 raise ValueError(f"gamma must be >= 1, an op drew {min(self.gamma)}")

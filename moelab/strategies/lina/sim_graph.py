@@ -127,25 +127,27 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
             units = [(sum(n for _, _, sizes in ready for n in sizes) * eb, len(ready) - 1)]
         else:
             units = _units(ready, opts.partitioned, cap_bytes, S, eb)
+        streams = ar_streams(opts.max_inflight if opts.scheduled else 1)
         if opts.scheduled and policy != "fixed":  # strict priority of the all-to-alls
             g.stream_priority[A2A] = 1
-            g.nonpreemptive.add(AR)
-        last = ()
+            g.nonpreemptive.update(streams)
+        issued: list = []  # per unit, its ops
         for n, (nbytes, k) in enumerate(units):
             deps = list(ready[k][1])
             if policy == "fixed":
                 later = [b for b in between if b > max(ready[k][1])]
                 if later:
                     deps.append(min(later))
-            deps += last  # a rank's queue sends its micro-ops one after another
+            if n >= len(streams):  # a rank's queue: at most max_inflight at once, unit n after unit n - max_inflight
+                deps += issued[n - len(streams)]
             groups = expert_groups if ready[k][0].endswith(".experts") else [ranks]
-            last = tuple(g.transfer(f"grad.{policy}.{n}" + (f".g{gi}" if len(groups) > 1 else ""), grp,
-                                    [costs.ring_demand("all_reduce", grp, ctx.topo, profile, nbytes)],
-                                    deps=deps, category="allreduce", stream=AR, phase="sync",
-                                    beside_compute=policy != "after_backward",
-                                    comm={"op": "all_reduce", "group": grp, "nbytes": nbytes})
-                         for gi, grp in enumerate(groups))
-        last = last or tuple(ready[-1][1])
+            issued.append(tuple(g.transfer(f"grad.{policy}.{n}" + (f".g{gi}" if len(groups) > 1 else ""), grp,
+                                           [costs.ring_demand("all_reduce", grp, ctx.topo, profile, nbytes)],
+                                           deps=deps, category="allreduce", stream=streams[n % len(streams)],
+                                           phase="sync", beside_compute=policy != "after_backward",
+                                           comm={"op": "all_reduce", "group": grp, "nbytes": nbytes})
+                                for gi, grp in enumerate(groups)))
+        last = tuple(x for ops in issued[-len(streams):] for x in ops) or tuple(ready[-1][1])
         return packed_expert_sync(ctx, last) if q > 1 and not hooked_experts else last
 
     def packed_expert_sync(ctx, deps):
@@ -170,8 +172,14 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         cfg, profile, loads, placement, fwd, moe_backward, elem_bytes=elem_bytes, hierarchical_a2a=hierarchical_a2a,
         meta={"strategy": "lina", "policy": policy, "hierarchical_a2a": hierarchical_a2a}, dense_sync=dense_sync)
     if callable(gamma) or gamma != 1.0:
-        g.interfere((A2A, AR), gamma)
+        g.interfere((A2A, ar_streams(opts.max_inflight if opts.scheduled else 1)), gamma)
     return g
+
+
+def ar_streams(inflight: int) -> tuple:
+    """The all-reduce streams of a rank whose scheduler keeps ``inflight`` micro-ops in flight: one
+    serial stream each (``allreduce``, ``allreduce.1``, ...), micro-ops dealt round-robin."""
+    return (AR,) + tuple(f"{AR}.{i}" for i in range(1, inflight))
 
 
 def pipelined_stages(routes, chunks, cap):
