@@ -17,10 +17,14 @@ CFG = MoEConfig(num_experts=8, top_k=2, gate="topk", balance_loss_coef=0.01, z_l
 D = 12
 
 
-def make_gate(rank=1, world=4, rpn=2, fraction=0.14, strict=False, cfg=CFG):
+def make_gate(rank=1, world=4, rpn=2, fraction=0.14, strict=False, cfg=CFG, seed=0):
+    """A gate with seeded weights (not the global RNG's state, which depends on the tests run before)."""
     topo = Topology(world, rpn)
     pl = Placement.expert_parallel(cfg.num_experts, world)
-    g = TopoGate(D, cfg, topo=topo, placement=pl, rank=rank, fraction=fraction, strict=strict, dtype=torch.float64)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        g = TopoGate(D, cfg, topo=topo, placement=pl, rank=rank, fraction=fraction, strict=strict,
+                     dtype=torch.float64)
     ref = Gate(D, cfg, dtype=torch.float64)
     ref.load_state_dict(g.state_dict())
     return g, ref, topo, pl
