@@ -21,7 +21,7 @@ def make_gate(rank=1, world=4, rpn=2, fraction=0.14, strict=False, cfg=CFG, seed
     """A gate with seeded weights (not the global RNG's state, which depends on the tests run before)."""
     topo = Topology(world, rpn)
     pl = Placement.expert_parallel(cfg.num_experts, world)
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         g = TopoGate(D, cfg, topo=topo, placement=pl, rank=rank, fraction=fraction, strict=strict,
                      dtype=torch.float64)

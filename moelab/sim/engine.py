@@ -97,21 +97,21 @@ class OpGraph:
         self.phase_overhead_s = 0.0  # fixed seconds per phase of a phased call (each a batched p2p round), if > 0
         self.emulated_sync_s: Optional[float] = None  # not None: fixed costs run beside the links (see transfer)
         self.busy_fixed: Optional[tuple] = None  # (call_s, sync_s) of a call issued while its ranks compute
-        self.interference: Optional[tuple] = None  # (streams, gamma): see interfere()
+        self.interference: Optional[tuple] = None  # (classes: tuples of streams, gamma): see interfere()
 
     def interfere(self, streams, gamma) -> None:
         """Flows of different streams among ``streams`` slow each other by ``gamma`` (a number >= 1, or
         op -> number: a per-op draw) wherever both move on one link; an entry that is a tuple of
         streams is one class (no interference inside it); see the module docstring."""
-        streams = tuple(dict.fromkeys(tuple(c) if isinstance(c, (tuple, list)) else c for c in streams))
-        if len(streams) < 2:
-            raise ValueError(f"interference needs two streams or more, got {streams}")
-        names = [x for c in streams for x in (c if isinstance(c, tuple) else (c,))]
+        classes = tuple(dict.fromkeys(tuple(c) if isinstance(c, (tuple, list)) else (c,) for c in streams))
+        if len(classes) < 2:
+            raise ValueError(f"interference needs two streams or more, got {tuple(streams)}")
+        names = [x for c in classes for x in c]
         if len(names) != len(set(names)):
-            raise ValueError(f"a stream in two interference classes: {streams}")
+            raise ValueError(f"a stream in two interference classes: {tuple(streams)}")
         if not callable(gamma) and not gamma >= 1:
             raise ValueError(f"gamma must be >= 1 (interference cannot speed a flow up), got {gamma}")
-        self.interference = (streams, gamma)
+        self.interference = (classes, gamma)
 
     def share_cores(self, cores: float, op_overhead_s: float = 0.0, pool=("cpu", 0)) -> None:
         """Make every later :meth:`compute` op run on a pool of ``cores`` shared by all ranks (one
@@ -228,15 +228,15 @@ class _Crowding:
         self.users = [set() for _ in index]
         self.count = np.zeros((len(levels), len(index)), dtype=np.int64)  # flows per (level, link)
         self.pinned_count = np.zeros((len(levels), len(index)), dtype=np.int64) if any(holds) else None
-        self.klass = None  # interference: per op its stream's index among the interfering ones, or -1
+        self.klass = None  # interference: per op the index of its stream's class among the interfering ones, or -1
         if interference is not None:
-            streams, gamma = interference
-            of = {x: k for k, c in enumerate(streams) for x in (c if isinstance(c, tuple) else (c,))}
+            classes, gamma = interference
+            of = {x: k for k, c in enumerate(classes) for x in c}
             self.klass = [of.get(o.stream, -1) for o in ops]
             self.gamma = [(gamma(o) if callable(gamma) else gamma) if k >= 0 else 1.0 for o, k in zip(ops, self.klass)]
             if min(self.gamma) < 1:
                 raise ValueError(f"gamma must be >= 1, an op drew {min(self.gamma)}")
-            shape = (len(streams), len(levels), len(index))
+            shape = (len(classes), len(levels), len(index))
             self.kcount, self.kpinned = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
 
     def has_links(self, i) -> bool:

@@ -74,6 +74,7 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     topo = topology_of(cfg)
     N, E = topo.world_size, moe.num_experts
     q = opts.q
+    streams = ar_streams(opts.max_inflight if opts.scheduled else 1)  # the scheduler's in-flight bound (DDP: 1)
     placement = opts.placement(N, E) if q > 1 else (placement or Placement.expert_parallel(E, N))
     eb = elem_bytes or elem_bytes_of(cfg)
     loads = np.asarray(loads, dtype=np.int64)
@@ -127,7 +128,6 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
             units = [(sum(n for _, _, sizes in ready for n in sizes) * eb, len(ready) - 1)]
         else:
             units = _units(ready, opts.partitioned, cap_bytes, S, eb)
-        streams = ar_streams(opts.max_inflight if opts.scheduled else 1)
         if opts.scheduled and policy != "fixed":  # strict priority of the all-to-alls
             g.stream_priority[A2A] = 1
             g.nonpreemptive.update(streams)
@@ -172,7 +172,7 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         cfg, profile, loads, placement, fwd, moe_backward, elem_bytes=elem_bytes, hierarchical_a2a=hierarchical_a2a,
         meta={"strategy": "lina", "policy": policy, "hierarchical_a2a": hierarchical_a2a}, dense_sync=dense_sync)
     if callable(gamma) or gamma != 1.0:
-        g.interfere((A2A, ar_streams(opts.max_inflight if opts.scheduled else 1)), gamma)
+        g.interfere((A2A, streams), gamma)
     return g
 
 
