@@ -113,25 +113,33 @@ def main(argv=None) -> int:
           f"inter {a.inter} GB/s per rank; d={a.d}, d_ff={a.ff * a.d}, {a.layers} layers, {a.experts} experts, {a.iters} iterations")
     comp0, reals, _ = validate(named, warmup=a.warmup, timeout=a.timeout, warn=False)
     fixed = measure_emulated_call_costs(named[0][1], timeout=a.timeout)
-    sims = [simulate_real(c, r.loads, dataclasses.replace(
-        machine_profile(c, None, compute="model"), call_overhead_s=fixed["call_s"], emulated_sync_s=fixed["sync_s"]),
-        plans=r.graph_plans()) for (_, c), r in zip(named, reals)]
-    comp = compare(reals, sims, warmup=a.warmup, names=[n for n, _ in named], warn=False)
+    def predict(share_cores):
+        sims = [simulate_real(c, r.loads, dataclasses.replace(
+            machine_profile(c, None, compute="model", share_cores=share_cores), call_overhead_s=fixed["call_s"],
+            emulated_sync_s=fixed["sync_s"]), plans=r.graph_plans()) for (_, c), r in zip(named, reals)]
+        return compare(reals, sims, warmup=a.warmup, names=[n for n, _ in named], warn=False), sims
+
+    (comp, sims), (comp_pool, sims_pool) = predict(True), predict("pool")
     print(f"held-out fixed costs of a call through the emulated door (1-element all-to-all, all ranks at once): "
           f"software {1e3 * fixed['call_s']:.2f} ms beside its link time, then sync {1e3 * fixed['sync_s']:.2f} ms")
     t0 = comp0.iters[~comp0.iters.warmup].groupby("config", sort=False)[["real_s", "sim_s"]].median()
     t = comp.iters[~comp.iters.warmup].groupby("config", sort=False)[["real_s", "sim_s"]].median()
-    ep, ep0 = t.loc["EP"], t0.loc["EP"]
+    tp = comp_pool.iters[~comp_pool.iters.warmup].groupby("config", sort=False)[["real_s", "sim_s"]].median()
+    ep, ep0, epp = t.loc["EP"], t0.loc["EP"], tp.loc["EP"]
     print(f"\n{'system':30s} {'iter ms real':>12s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} {'pred err':>8s}"
-          f" | {'sim w/o fixed':>13s} {'speedup':>7s} {'err':>5s}")
+          f" | {'sim w/o fixed':>13s} {'speedup':>7s} {'err':>5s} | {'cores pooled':>12s} {'speedup':>7s} {'err':>5s}")
     for name, row in t.iterrows():
-        s0 = t0.loc[name].sim_s
+        s0, sp = t0.loc[name].sim_s, tp.loc[name].sim_s
         print(f"{name:30s} {1e3 * row.real_s:12.1f} {1e3 * row.sim_s:8.1f} {ep.real_s / row.real_s:12.2f} "
               f"{ep.sim_s / row.sim_s:6.2f} {(row.sim_s - row.real_s) / row.real_s:+8.0%} | {1e3 * s0:13.1f} "
-              f"{ep0.sim_s / s0:7.2f} {(s0 - row.real_s) / row.real_s:+5.0%}")
+              f"{ep0.sim_s / s0:7.2f} {(s0 - row.real_s) / row.real_s:+5.0%} | {1e3 * sp:12.1f} "
+              f"{epp.sim_s / sp:7.2f} {(sp - row.real_s) / row.real_s:+5.0%}")
+    print("sim: the cores shared by a static factor (every rank at cores / ranks); 'cores pooled': the engine's "
+          "pool (k ranks computing at once share the cores, a waiting rank's core goes to the others), both with "
+          "the fixed costs")
 
     runs = dict(zip([n for n, _ in named], reals))
-    steady_state(comp, runs, a.warmup)
+    steady_state(comp, runs, a.warmup, comp_pool)
 
     def inter_a2a(r):
         c = r.comm[(r.comm.op == "all_to_all") & r.comm.phase.isin(["fwd", "bwd"]) & (r.comm.iter >= a.warmup)]
@@ -174,11 +182,13 @@ def main(argv=None) -> int:
            if n == "EP" or n.startswith("Hecate")}
     print("tokens the busiest device computes per MoE layer over EP's (median over iterations; a replicated "
           "expert's tokens split evenly over its holders): " + ", ".join(f"{n} {v / dev['EP']:.2f}" for n, v in dev.items()))
-    moe = {n: (real_moe_s(r, a.warmup), sim_moe_s(sm, c, a.warmup)) for (n, c), r, sm in zip(named, reals, sims)}
-    print(f"\n{'MoE layers alone (ms/iter)':30s} {'real':>8s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s}")
-    for n, (mr, ms) in moe.items():
-        print(f"{n:30s} {1e3 * mr:8.1f} {1e3 * ms:8.1f} {moe['EP'][0] / mr:12.2f} {moe['EP'][1] / ms:6.2f}"
-              + ("  (no token exchange to bound the layer: not measured)" if np.isnan(mr) else ""))
+    moe = {n: (real_moe_s(r, a.warmup), sim_moe_s(sm, c, a.warmup), sim_moe_s(sp, c, a.warmup))
+           for (n, c), r, sm, sp in zip(named, reals, sims, sims_pool)}
+    print(f"\n{'MoE layers alone (ms/iter)':30s} {'real':>8s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} "
+          f"{'cores pooled':>12s}")
+    for n, (mr, ms, mp) in moe.items():
+        print(f"{n:30s} {1e3 * mr:8.1f} {1e3 * ms:8.1f} {moe['EP'][0] / mr:12.2f} {moe['EP'][1] / ms:6.2f} "
+              f"{moe['EP'][2] / mp:12.2f}" + ("  (no token exchange to bound the layer: not measured)" if np.isnan(mr) else ""))
     print("spAG exposed / total (rank 0, the wait before dispatch over issue-to-done): " + ", ".join(
         "{} {:.2f} ({:.1f} of {:.1f} ms)".format(n, *spag_exposed(r, a.warmup)) for n, r in runs.items()
         if n.startswith("Hecate") and n != "Hecate sharding only"))
@@ -195,10 +205,11 @@ def main(argv=None) -> int:
 PAPER_R = 100  # the paper's re-sharding interval (spec §2.5)
 
 
-def steady_state(comp, runs: dict, warmup: int) -> None:
+def steady_state(comp, runs: dict, warmup: int, comp_pool=None) -> None:
     """The table above times a re-shard every ``max(2, warmup)`` iterations, in the timed window; the paper
     re-shards every 100. Print the same medians over the timed iterations in which no system re-sharded,
-    and each sharding system's migration time per re-shard (slowest rank) spread over 100 iterations."""
+    and each sharding system's migration time per re-shard (slowest rank) spread over 100 iterations;
+    ``comp_pool``: the prediction with the cores pooled, beside."""
     resh = {it for r in runs.values() for it, recs in enumerate(r.plans) if it >= warmup
             and any(rec.get("hecate", {}).get("moved") for rec in recs)}
     it = comp.iters[~comp.iters.warmup & ~comp.iters["iter"].isin(resh)]
@@ -207,10 +218,14 @@ def steady_state(comp, runs: dict, warmup: int) -> None:
               "no steady-state table")
         return
     t = it.groupby("config", sort=False)[["real_s", "sim_s"]].median()
+    pool = None
+    if comp_pool is not None:
+        pit = comp_pool.iters
+        pool = pit[~pit.warmup & ~pit["iter"].isin(resh)].groupby("config", sort=False).sim_s.median()
     print(f"\nsteady state: timed iterations without a re-shard ({sorted(set(it['iter']))}; re-shards at "
           f"{sorted(resh)}), medians; '+R={PAPER_R}': plus the run's migration time per re-shard / {PAPER_R}")
     print(f"{'system':30s} {'iter ms real':>12s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} "
-          f"{'+R=' + str(PAPER_R) + ' real':>12s} {'speedup':>7s}")
+          f"{'+R=' + str(PAPER_R) + ' real':>12s} {'speedup':>7s}" + ("  sim, cores pooled" if pool is not None else ""))
     ep = t.loc["EP"]
     for name, row in t.iterrows():
         c = runs[name].comm
@@ -218,7 +233,8 @@ def steady_state(comp, runs: dict, warmup: int) -> None:
         per = (mig.t_end - mig.t_start).groupby([mig.iter, mig["rank"]]).sum().groupby(level=0).max()
         amort = row.real_s + (float(per.mean()) / PAPER_R if len(per) else 0.0)
         print(f"{name:30s} {1e3 * row.real_s:12.1f} {1e3 * row.sim_s:8.1f} {ep.real_s / row.real_s:12.2f} "
-              f"{ep.sim_s / row.sim_s:6.2f} {1e3 * amort:12.1f} {ep.real_s / amort:7.2f}")
+              f"{ep.sim_s / row.sim_s:6.2f} {1e3 * amort:12.1f} {ep.real_s / amort:7.2f}"
+              + (f"  {pool['EP'] / pool[name]:18.2f}" if pool is not None else ""))
 
 
 def spag_exposed(run, warmup: int) -> tuple:

@@ -204,6 +204,32 @@ def test_emulation_profile_multi_node_nic_is_per_rank_times_ranks():
         machine_profile(cfg(2), None)
 
 
+def test_machine_profile_pools_cores_so_a_lone_busy_rank_runs_at_full_speed(monkeypatch):
+    """``share_cores="pool"``: 4 ranks on 2 cores share them only while they compute together. The one
+    rank that receives every token computes alone while the others wait, at a whole core's speed; the
+    static share slows it by 2 all the same. Balanced loads keep all 4 computing at once: the two agree."""
+    import moelab.sim.local as local
+
+    monkeypatch.setattr(local, "cpu_cores", lambda: 2)
+    c = cfg(4)
+    static, pooled = (machine_profile(c, FAKE_CAL, compute="gemm", share_cores=s) for s in (True, "pool"))
+    assert static.achieved_flops == pytest.approx(pooled.achieved_flops / 2)
+    assert (static.shared_cores, pooled.shared_cores) == (0, 2)
+    assert "pooled" in pooled.sources["achieved_flops"] and "0.5 core share" in static.sources["achieved_flops"]
+    # single process compute (no links), heavy experts: the expert FFN dominates the iteration
+    c = cfg(4, **{"model.d_ff": 512})
+    static, pooled = (machine_profile(c, FAKE_CAL, compute="gemm", share_cores=s) for s in (True, "pool"))
+    T = 2 * 32 * 2  # assignments per rank: batch 2 x seq 32 x top-2
+    skewed = np.zeros((1, 2, 4, 4), np.int64)
+    skewed[..., 0] = T  # every rank routes everything to expert 0, on rank 0
+    even = np.full((1, 2, 4, 4), T // 4, np.int64)
+    span = {k: [simulate_real(c, ld, p).makespan[0] for p in (static, pooled)] for k, ld in (("skewed", skewed), ("even", even))}
+    assert span["skewed"][1] < 0.75 * span["skewed"][0]  # rank 0's experts alone: a whole core, not half of one
+    assert span["even"][1] == pytest.approx(span["even"][0], rel=0.1)
+    with pytest.raises(ValueError, match="share_cores"):
+        machine_profile(c, FAKE_CAL, compute="gemm", share_cores="yes")
+
+
 def test_compare_reports_a_mismatch_loudly():
     """A doctored measurement must show up as a mismatch row and a warning, never averaged away."""
     import pandas as pd

@@ -22,7 +22,7 @@ from moelab.sim.realruns import measure_compute
 GB = 1e9
 
 
-def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compute="model", share_cores: bool = True,
+def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compute="model", share_cores=True,
                     name: Optional[str] = None):
     """This machine as a :class:`ClusterProfile` laid out as ``cfg``'s declared topology.
 
@@ -42,10 +42,12 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
       a compute line and a per-call cost fitted on real multi-rank training steps of held-out
       shapes, so the sharing of the cores is in those two terms (no pool).
 
-    ``share_cores`` (for ``"model"``/``"gemm"``): ranks beyond the core count time-share the cores,
-    so each rank's rate is scaled by ``min(1, cores / nproc)`` (a static factor, whether or not they
-    compute at the same time). With emulation on, the links are the emulated ones
-    (:func:`emulation_profile`).
+    ``share_cores`` (for ``"model"``/``"gemm"``): ranks beyond the core count time-share the cores.
+    ``True``: each rank's rate is scaled by ``min(1, cores / nproc)``, a static factor, whether or not
+    they compute at the same time; ``"pool"``: the engine's CPU pool instead (k ranks computing at once
+    each run at ``min(1, cores / k)``; a rank waiting for a collective leaves its core to the others, so
+    the one busiest rank of an imbalanced layer computes at full speed); ``False``: no sharing. With
+    emulation on, the links are the emulated ones (:func:`emulation_profile`).
     """
     from moelab.sim.profiles import ClusterProfile, local_profile_from_calibration
 
@@ -60,15 +62,16 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
     else:
         raise ValueError("machine_profile needs a calibration (calibrate_local) unless every link is emulated")
     topo = Topology.from_config(cfg.parallel.nproc, cfg.parallel.topology.nodes, cfg.parallel.topology.ranks_per_node)
-    share = min(1.0, cpu_cores() / cfg.parallel.nproc) if share_cores else 1.0
-    pool = {"shared_cores": 0, "op_overhead_s": 0.0, "call_overhead_s": 0.0}  # the static share instead of a pool
+    if share_cores not in (True, False, "pool"):
+        raise ValueError(f"share_cores must be True (a static share), 'pool' or False, got {share_cores!r}")
+    share, pool = 1.0, {"shared_cores": 0, "op_overhead_s": 0.0, "call_overhead_s": 0.0}
     if compute in ("calibrated", "in_context"):
         ctx = (calibration or {}).get("in_context") if compute == "in_context" else None
         fit = ctx or (calibration or {}).get("compute")
         if fit is None or (compute == "in_context" and ctx is None):
             raise ValueError(f"compute={compute!r} needs a calibration with a compute fit (calibrate_local(..., "
                              "compute_models=COMPUTE_MODELS), and train_models=TRAIN_MODELS for 'in_context')")
-        flops, share, tag = float(fit["flops_per_s"]), 1.0, compute
+        flops, tag = float(fit["flops_per_s"]), compute
         if ctx:  # fitted on multi-rank steps: the sharing of the cores is already in both terms
             pool = {"shared_cores": 0, "op_overhead_s": float(ctx["op_overhead_s"]),
                     "call_overhead_s": float(ctx["call_overhead_s"])}
@@ -79,20 +82,26 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
                     "op_overhead_s": float(fit["op_overhead_s"])}
             src = f"fitted: {fit['source']}; op overhead {fit['op_overhead_s'] * 1e6:.0f} us, cores shared by the ranks"
     elif isinstance(compute, (int, float)):
-        flops, share, tag = float(compute), 1.0, "model"
+        flops, tag = float(compute), "model"
         src = f"effective FLOP/s of this model, {cfg.parallel.nproc} processes at once (measure_compute_concurrent)"
-    elif compute == "model":
-        flops, tag = measure_compute(cfg)["flops_per_s"], "model"
-        src = "effective FLOP/s of this model on 1 process (measure_compute)"
-    elif compute == "gemm":
-        flops, tag = float(calibration["gemm_flops"]), "gemm"
-        src = "GEMM FLOP/s (calibrate_local)"
+    elif compute in ("model", "gemm"):
+        if compute == "model":
+            flops, src = measure_compute(cfg)["flops_per_s"], "effective FLOP/s of this model on 1 process (measure_compute)"
+        else:
+            flops, src = float(calibration["gemm_flops"]), "GEMM FLOP/s (calibrate_local)"
+        tag, cores = compute, cpu_cores()
+        if share_cores == "pool" and cores < cfg.parallel.nproc:  # no per-op cost: the measured rate has it
+            pool["shared_cores"] = cores
+            src += f" x {cores} cores pooled by the ranks"
+        elif share_cores is True:
+            share = min(1.0, cores / cfg.parallel.nproc)
+            src += f" x {share:g} core share"
     else:
         raise ValueError("compute must be a FLOP/s number, 'model', 'gemm', 'calibrated' or 'in_context', "
                          f"got {compute!r}")
     prof = dataclasses.replace(base, name=name or f"local-{tag}", nodes=topo.nodes, **pool,
                                gpus_per_node=topo.ranks_per_node, achieved_flops=flops * share,
-                               sources={**base.sources, "achieved_flops": f"{src} x {share:g} core share"})
+                               sources={**base.sources, "achieved_flops": src})
     if cfg.emulation.enabled:
         prof = emulation_profile(cfg, prof)
     return prof
