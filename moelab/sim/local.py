@@ -277,18 +277,21 @@ def _computing(on: bool = True):
         t.join()
 
 
-def _emulated_call_costs_rank(rank, world, cfg):
+def _emulated_call_costs_rank(rank, world, cfg, busy=False):
     from moelab.comm.door import Communicator
     from moelab.runtime.train import topology_for
 
-    return emulated_call_costs(Communicator(topology_for(cfg, world), cfg.emulation))
+    comm = Communicator(topology_for(cfg, world), cfg.emulation)
+    idle = emulated_call_costs(comm)
+    return {**idle, "busy": emulated_call_costs(comm, busy=True)} if busy else idle
 
 
-def measure_emulated_call_costs(cfg: RunConfig, timeout: float = 120.0) -> dict:
+def measure_emulated_call_costs(cfg: RunConfig, timeout: float = 120.0, busy: bool = False) -> dict:
     """:func:`emulated_call_costs` of an all-to-all over the world on ``cfg``'s ranks, topology and
-    emulated links (one spawn of ``cfg.parallel.nproc`` ranks)."""
+    emulated links (one spawn of ``cfg.parallel.nproc`` ranks); ``busy``: also with the ranks computing,
+    under the key ``"busy"``, in the same spawn."""
     from moelab.testing import run_ranks
 
     if not cfg.emulation.enabled:
         raise ValueError("measure_emulated_call_costs needs cfg.emulation.enabled")
-    return run_ranks(_emulated_call_costs_rank, cfg.parallel.nproc, cfg, timeout=timeout)[0]
+    return run_ranks(_emulated_call_costs_rank, cfg.parallel.nproc, cfg, busy, timeout=timeout)[0]

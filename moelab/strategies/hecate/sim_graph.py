@@ -67,14 +67,16 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
     moe_ids = moe_layer_ids(m)
     op = "p2p" if backend == "p2p" else "all_to_all"
 
-    def collective(ctx, name, mats, deps, layer, phase, category):
-        """Chained stages on the ``sparse`` stream; returns the last op (None if nothing moves)."""
+    def collective(ctx, name, mats, deps, layer, phase, category, beside_compute=False):
+        """Chained stages on the ``sparse`` stream; returns the last op (None if nothing moves).
+        ``beside_compute``: the stages are issued while the ranks compute (spAG beside attention, spRS
+        beside the backward before it), at the busy fixed costs where the profile has them."""
         last = None
         for k, M in enumerate(mats):
             last = ctx.g.transfer(f"{name}.{k}" if len(mats) > 1 else name, ranks,
                                   costs.alltoall_demands(M, ranks, ctx.topo, ctx.profile, False),
                                   deps=deps if last is None else (last,), category=category, stream="sparse",
-                                  layer=layer, phase=phase,
+                                  layer=layer, phase=phase, beside_compute=beside_compute,
                                   comm={"op": op if k == 0 or backend != "hier" else "all_to_all", "group": ranks,
                                         "splits": M})
         return last
@@ -90,12 +92,12 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
     def beside(ctx, i, phase, deps):
         j = moe_ids.index(i) if i in moe_ids else None
         if phase == "fwd" and j is not None and spag[j]:
-            o = collective(ctx, f"L{i}.spag", spag[j], tuple(deps), i, "fwd", "spag")
+            o = collective(ctx, f"L{i}.spag", spag[j], tuple(deps), i, "fwd", "spag", beside_compute=True)
             return [o] * N
         if phase == "bwd" and j is not None and j > 0 and has_rm[j - 1]:  # re-gather the layer below
             ip = moe_ids[j - 1]
             rm_ops[ip] = collective(ctx, f"L{ip}.spag_rm", _stage_matrices(P[j - 1], final[j - 1], N, G, backend, numel, eb),
-                                    tuple(deps), ip, "bwd", "spag")
+                                    tuple(deps), ip, "bwd", "spag", beside_compute=True)
         return None
 
     stage_fwd, stage_bwd = token_stages(routes, lambda i: (rm_ops[i],) if i in rm_ops else ())
@@ -108,7 +110,7 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
     def moe_backward(ctx, i, j, deps):
         done = stage_bwd(ctx, i, j, deps)
         if sprs[j]:  # issued when the layer's backward ends, waited at the iteration's sync
-            rs_ops.append(collective(ctx, f"L{i}.sprs", sprs[j], (done[0],), i, "bwd", "sprs"))
+            rs_ops.append(collective(ctx, f"L{i}.sprs", sprs[j], (done[0],), i, "bwd", "sprs", beside_compute=True))
         return done
 
     g, ctx, prev = transformer_iteration_graph(cfg, profile, loads, Placement.expert_parallel(E, N), moe_forward,

@@ -1,0 +1,36 @@
+"""Hecate's simulator graph (``moelab/strategies/hecate/sim_graph.py``): which calls run beside compute."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moelab.config import RunConfig
+from moelab.placement.fssdp import homogeneous_owners
+from moelab.sim import get_profile
+from moelab.sim.graphs import config_for_profile, iteration_graph, synthetic_loads
+
+
+@pytest.mark.parametrize("busy", [None, 5e-3])
+def test_sparse_collectives_beside_attention_and_backward_pay_the_busy_costs(busy):
+    """spAG is issued before attention and moves beside it, spRS beside the backward below its layer: where
+    the profile has a busy host's fixed costs they pay them; the token all-to-alls and the count exchange,
+    which the ranks wait for, pay the idle ones. Without busy costs every call pays the idle ones."""
+    prof = get_profile("fastermoe_johnny")  # 2 nodes x 8: hardware pricing, the fixed cost joins the duration
+    cfg = config_for_profile(RunConfig(), prof, **{"model.n_layers": 2, "model.moe.num_experts": 16,
+                                                   "parallel.strategy": "hecate", "model.seq_len": 32})
+    N = cfg.parallel.nproc
+    owners = homogeneous_owners(2, 16, N)
+    holders = [tuple((int(o),) + (tuple(d for d in range(N) if d != o) if e == 0 else ()) for e, o in enumerate(row))
+               for row in owners]  # expert 0 of each layer on every device
+    prof = dataclasses.replace(prof, call_overhead_s=1e-3, busy_call_overhead_s=busy)
+    g = iteration_graph(cfg, prof, synthetic_loads(cfg, seed=3, skew=1.5), holders=holders, owners=owners)
+    comm = {o.name: o for o in g.ops if o.kind == "comm"}
+    sparse = [o for n, o in comm.items() if ".spag" in n or ".sprs" in n]
+    tokens = [o for n, o in comm.items() if n.split(".", 1)[1] in ("dispatch", "combine", "dispatch.bwd", "combine.bwd")]
+    assert len(sparse) == 4 and len(tokens) == 8  # spAG and spRS of both layers; 4 token exchanges a layer
+    tok_alpha = tokens[0].duration - 1e-3
+    for o in sparse:
+        # the same links' latency as a token all-to-all across both nodes, plus the call's fixed cost
+        assert o.duration == pytest.approx(tok_alpha + (busy if busy else 1e-3))
+    assert all(o.duration == pytest.approx(tok_alpha + 1e-3) for o in tokens)
