@@ -382,14 +382,16 @@ def test_simfigs_builders_need_a_label_and_show_it():
 def test_emulated_call_costs_leave_the_links_out():
     """A 1-element all-to-all on links with 30 ms of latency takes >= 30 ms; neither the emulator's sync
     (the sleep for the links' own time left out) nor the software cost (what remains after the sync and
-    the call's emulated time alone) holds those 30 ms."""
+    the call's emulated time alone) holds those 30 ms, on idle ranks or busy ones."""
     from moelab.config import RunConfig
     from moelab.sim.local import measure_emulated_call_costs
 
     cfg = RunConfig().with_overrides({"parallel.nproc": 2, "emulation.enabled": True, "emulation.intra_latency_us": 30_000.0,
                                       "emulation.inter_latency_us": 30_000.0}).validate()
-    got = measure_emulated_call_costs(cfg, timeout=60)
+    got = measure_emulated_call_costs(cfg, timeout=60, busy=True)
     assert 0.0 <= got["call_s"] < 0.015 and 0.0 <= got["sync_s"] < 0.015
+    busy = got["busy"]  # the same calls with a thread computing beside them, in the same spawn
+    assert set(busy) == {"call_s", "sync_s"} and 0.0 <= busy["call_s"] < 0.025 and 0.0 <= busy["sync_s"] < 0.025
 
 
 def test_busy_call_costs_run_a_compute_thread_only_while_measuring():
