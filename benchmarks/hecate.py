@@ -8,7 +8,10 @@ comparing small differences). An iteration's time is the slowest rank's; the tab
 ``--warmup``. Predictions: ``moelab.sim`` on the emulated network with each run's own recorded plans
 (:meth:`moelab.sim.realruns.RealRun.graph_plans`) and this machine's measured compute rate, with and
 without the door's held-out fixed costs per call (``moelab.sim.local.emulated_call_costs``: a call's
-software beside its link time, then the emulator's sync).
+software beside its link time, then the emulator's sync), with the ranks' compute scaled by a static core share or
+with the host's cores pooled (``machine_profile(share_cores="pool")``: k ranks computing at once share them, a rank
+waiting for a collective leaves its core to the others), and pooled with the sparse collectives issued beside
+compute priced at the fixed costs measured on busy ranks.
 
 Printed: iteration time and speedup over EP (measured / simulated) of Hecate (full, sharding only,
 materialization only, RM, no calibration) and every baseline present (FasterMoE, FlexMoE, FSDP, SmartMoE);
