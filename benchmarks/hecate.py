@@ -131,10 +131,7 @@ def main(argv=None) -> int:
           f"software {1e3 * fixed['call_s']:.2f} ms beside its link time, then sync {1e3 * fixed['sync_s']:.2f} ms; "
           f"with a thread computing beside the calls on every rank {1e3 * fixed['busy']['call_s']:.2f} + "
           f"{1e3 * fixed['busy']['sync_s']:.2f} ms")
-    t0 = comp0.iters[~comp0.iters.warmup].groupby("config", sort=False)[["real_s", "sim_s"]].median()
-    t = comp.iters[~comp.iters.warmup].groupby("config", sort=False)[["real_s", "sim_s"]].median()
-    tp, tb = (c.iters[~c.iters.warmup].groupby("config", sort=False)[["real_s", "sim_s"]].median()
-              for c in (comp_pool, comp_busy))
+    t0, t, tp, tb = (timed_medians(c) for c in (comp0, comp, comp_pool, comp_busy))
     ep, ep0, epp, epb = t.loc["EP"], t0.loc["EP"], tp.loc["EP"], tb.loc["EP"]
     print(f"\n{'system':30s} {'iter ms real':>12s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} {'pred err':>8s}"
           f" | {'w/o fixed':>9s} {'speedup':>7s} {'err':>5s} | {'pooled':>7s} {'speedup':>7s} {'err':>5s}"
@@ -217,6 +214,12 @@ def main(argv=None) -> int:
 PAPER_R = 100  # the paper's re-sharding interval (spec §2.5)
 
 
+def timed_medians(comp, skip=()):
+    """Per system, the median real and simulated iteration time over the timed iterations not in ``skip``."""
+    it = comp.iters[~comp.iters.warmup & ~comp.iters["iter"].isin(skip)]
+    return it.groupby("config", sort=False)[["real_s", "sim_s"]].median()
+
+
 def steady_state(comp, runs: dict, warmup: int, comp_pool=None) -> None:
     """The table above times a re-shard every ``max(2, warmup)`` iterations, in the timed window; the paper
     re-shards every 100. Print the same medians over the timed iterations in which no system re-sharded,
@@ -229,11 +232,8 @@ def steady_state(comp, runs: dict, warmup: int, comp_pool=None) -> None:
         print(f"\nre-sharding: {'none in the timed iterations' if not resh else 'in every timed iteration'}: "
               "no steady-state table")
         return
-    t = it.groupby("config", sort=False)[["real_s", "sim_s"]].median()
-    pool = None
-    if comp_pool is not None:
-        pit = comp_pool.iters
-        pool = pit[~pit.warmup & ~pit["iter"].isin(resh)].groupby("config", sort=False).sim_s.median()
+    t = timed_medians(comp, resh)
+    pool = timed_medians(comp_pool, resh).sim_s if comp_pool is not None else None
     print(f"\nsteady state: timed iterations without a re-shard ({sorted(set(it['iter']))}; re-shards at "
           f"{sorted(resh)}), medians; '+R={PAPER_R}': plus the run's migration time per re-shard / {PAPER_R}")
     print(f"{'system':30s} {'iter ms real':>12s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} "

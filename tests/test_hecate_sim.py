@@ -14,8 +14,8 @@ from moelab.sim.graphs import config_for_profile, iteration_graph, synthetic_loa
 @pytest.mark.parametrize("busy", [None, 5e-3])
 def test_sparse_collectives_beside_attention_and_backward_pay_the_busy_costs(busy):
     """spAG is issued before attention and moves beside it, spRS beside the backward below its layer: where
-    the profile has a busy host's fixed costs they pay them; the token all-to-alls and the count exchange,
-    which the ranks wait for, pay the idle ones. Without busy costs every call pays the idle ones."""
+    the profile has a busy host's fixed costs they pay them; the token all-to-alls, which the ranks wait for,
+    pay the idle ones. Without busy costs every call pays the idle ones."""
     prof = get_profile("fastermoe_johnny")  # 2 nodes x 8: hardware pricing, the fixed cost joins the duration
     cfg = config_for_profile(RunConfig(), prof, **{"model.n_layers": 2, "model.moe.num_experts": 16,
                                                    "parallel.strategy": "hecate", "model.seq_len": 32})

@@ -216,7 +216,7 @@ def test_machine_profile_pools_cores_so_a_lone_busy_rank_runs_at_full_speed(monk
     assert static.achieved_flops == pytest.approx(pooled.achieved_flops / 2)
     assert (static.shared_cores, pooled.shared_cores) == (0, 2)
     assert "pooled" in pooled.sources["achieved_flops"] and "0.5 core share" in static.sources["achieved_flops"]
-    # single process compute (no links), heavy experts: the expert FFN dominates the iteration
+    # heavy experts: the expert FFN dominates the iteration
     c = cfg(4, **{"model.d_ff": 512})
     static, pooled = (machine_profile(c, FAKE_CAL, compute="gemm", share_cores=s) for s in (True, "pool"))
     T = 2 * 32 * 2  # assignments per rank: batch 2 x seq 32 x top-2
