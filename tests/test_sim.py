@@ -312,6 +312,36 @@ def test_peak_memory_and_timeline():
     assert r.rank_breakdown().loc[0, "idle"] == pytest.approx(0.0)
 
 
+def test_peak_memory_equals_the_live_bytes_at_every_event_time():
+    """Random graphs on 3 ranks (ops on one or two ranks, temporary buffers freed at their op's end, persistent
+    allocations freed later or never): each category's peak and the total's are the max over event times of the
+    bytes allocated at or before that time minus those freed at or before it (frees first at equal times)."""
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        g, ids = OpGraph(3), []
+        for i in range(30):
+            ranks = tuple(sorted(rng.choice(3, size=int(rng.integers(1, 3)), replace=False).tolist()))
+            deps = tuple(int(d) for d in rng.choice(ids, size=min(len(ids), 2), replace=False)) if ids else ()
+            cat = ["act", "buf", "params"][int(rng.integers(3))]
+            alloc, free = {cat: int(rng.integers(1, 100))}, {}
+            if rng.random() < 0.5:
+                free = dict(alloc)  # a temporary buffer
+            dur = float(rng.choice([0.0, 0.5, 1.0]))  # zero and equal durations make ties
+            ids.append(g.add(f"op{i}", ranks, stream=f"s{i % 2}", duration=dur, deps=deps, alloc=alloc, free=free))
+        r = simulate(g)
+        pm = r.peak_memory()
+        for rank in range(3):
+            ops = [o for o in g.ops if rank in o.ranks]
+            times = sorted({float(r.start[o.id]) for o in ops} | {float(r.end[o.id]) for o in ops})
+            def live(c, t):
+                return (sum((o.alloc or {}).get(c, 0) for o in ops if r.start[o.id] <= t)
+                        - sum((o.free or {}).get(c, 0) for o in ops if r.end[o.id] <= t))
+            cats = {c for o in ops for c in (o.alloc or {})}
+            for c in cats:
+                assert pm.loc[rank, c] == max(live(c, t) for t in times), (trial, rank, c)
+            assert pm.loc[rank, "total"] == max(sum(live(c, t) for c in cats) for t in times), (trial, rank)
+
+
 # ---- graphs ---------------------------------------------------------------------------------------
 def small_cfg(nproc=4, nodes=2, E=4, k=2, layers=2, moe_every=1, **kw):
     return RunConfig().with_overrides({

@@ -130,28 +130,31 @@ class SimResult:
         """Per rank: each category's own peak bytes, and ``total`` = the peak of their sum.
 
         Ops add ``alloc`` at their start and remove ``free`` at their end; at equal times frees
-        go first, so back-to-back buffers do not count twice.
+        go first, so back-to-back buffers do not count twice. (Vectorized: figures price thousands
+        of graphs.)
         """
+        import numpy as np
         import pandas as pd
 
-        rows = []  # (rank, time, order, category, delta)
-        for o in self.graph.ops:
-            for r in o.ranks:
-                for c, b in (o.alloc or {}).items():
-                    rows.append((r, self.start[o.id], 1, c, b))
-                for c, b in (o.free or {}).items():
-                    rows.append((r, self.end[o.id], 0, c, -b))
+        rows = [(r, when, order, c, sign * b)  # (rank, time, 0 = free / 1 = alloc, category, delta)
+                for o in self.graph.ops
+                for order, when, sign, d in ((1, self.start[o.id], 1.0, o.alloc), (0, self.end[o.id], -1.0, o.free))
+                for c, b in (d or {}).items() for r in o.ranks]
         if not rows:
             return pd.DataFrame(columns=["total"])
-        ev = pd.DataFrame(rows, columns=["rank", "t", "order", "category", "delta"])
-        ev = ev.sort_values(["rank", "t", "order"], kind="stable")
+        rank, t, order, cat, delta = zip(*rows)
+        rank, cat, delta = np.asarray(rank), np.asarray(cat, dtype=object), np.asarray(delta, dtype=np.float64)
+        ev = np.lexsort((order, t, rank))  # stable: ties keep the ops' order
         out = {}
-        for r, grp in ev.groupby("rank"):
-            wide = grp.pivot_table(index=grp.index, columns="category", values="delta", fill_value=0)
-            wide = wide.reindex(grp.index).cumsum()
-            peaks = wide.max().to_dict()
-            peaks["total"] = float(wide.sum(axis=1).max())
-            out[r] = peaks
+        for r in np.unique(rank):
+            idx = ev[rank[ev] == r]
+            cats, col = np.unique(cat[idx], return_inverse=True)
+            wide = np.zeros((len(idx), len(cats)))
+            wide[np.arange(len(idx)), col] = delta[idx]
+            run = np.cumsum(wide, axis=0)
+            peaks = {c: float(v) for c, v in zip(cats, run.max(axis=0))}
+            peaks["total"] = float(run.sum(axis=1).max())
+            out[r.item()] = peaks
         return pd.DataFrame.from_dict(out, orient="index").fillna(0.0).rename_axis("rank")
 
 
