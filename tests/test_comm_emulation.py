@@ -208,25 +208,27 @@ def _contention(rank, world):
 
 
 def _a2a_beside_allreduce(rank, world, gamma):
-    """An all-to-all (thread 1, 80 ms alone) and an all-reduce (thread 2) on the same port at once."""
+    """An all-to-all (thread 1, 160 ms alone) and an all-reduce (thread 2) on the same port at once."""
     import dataclasses
 
     from moelab.comm.door import Communicator
 
     comm = Communicator(Topology(world, world), dataclasses.replace(_emu(), interference_gamma=gamma))
     _warm(comm, ("ep", "dp", "world"))
-    a2a = lambda: _a2a(comm, world, "ep", 8)  # noqa: E731 - 8 rows of 20 kB to the peer: 80 ms alone
-    allreduce = lambda: comm.all_reduce_(torch.ones(8 * ROWS // 4), group="dp")  # noqa: E731 - a ring of 2, 160 kB
+    a2a = lambda: _a2a(comm, world, "ep", 16)  # noqa: E731 - 16 rows of 20 kB to the peer: 160 ms alone
+    allreduce = lambda: comm.all_reduce_(torch.ones(16 * ROWS // 4), group="dp")  # noqa: E731 - a ring of 2, 320 kB
     return min(_together(comm, a2a, allreduce) for _ in range(REPS))
 
 
 def test_the_door_slows_an_all_to_all_beside_an_all_reduce_by_gamma():
-    """Through the door each call's op is its flows' kind: at gamma = 2 the pair takes 80 ms longer than
-    with fair sharing by the port model's own arithmetic (200 vs 120 ms); a door that dropped the kinds:
-    no longer. Asserted: at least half of that gap (the host's fixed costs add to both runs alike)."""
+    """Through the door each call's op is its flows' kind: at gamma = 2 the pair takes up to 320 ms longer than
+    with fair sharing by the port model's arithmetic (640 vs 320 ms for two 320 kB flows on one 2 MB/s port that
+    start together); a door that dropped the kinds: no longer. The calls' software staggers their starts, which
+    shortens the overlap that gamma slows (measured, idle or loaded host: fair 0.32 s, gap 120-240 ms; at half
+    these sizes the gap fell to 23-40 ms under load). Asserted: a quarter of the arithmetic gap."""
     fair = max(run_ranks(_a2a_beside_allreduce, 2, 1.0, timeout=60))
     slowed = max(run_ranks(_a2a_beside_allreduce, 2, 2.0, timeout=60))
-    assert slowed - fair > 0.040, (fair, slowed)
+    assert slowed - fair > 0.080, (fair, slowed)
 
 
 @pytest.mark.parametrize("world", [2, 4])
