@@ -56,6 +56,23 @@ def test_the_notebook_check_catches_a_missing_call():
     assert sorted(calls[1:]) != sorted(promised)
 
 
+def test_paper_numbers_are_read_once_and_again_after_an_edit(tmp_path):
+    """Parsed paper.yaml files are cached (figures ask for hundreds of values); an edited file is read again,
+    and a caller that changes what it got does not change what the next caller gets."""
+    entry = "{value: %s, quantity: q, unit: x, figure: Fig. 1, source: text}"
+    f = tmp_path / "paper.yaml"
+    f.write_text("numbers:\n  a: " + entry % "1.5" + "\n")
+    got = load_numbers(f)
+    assert got["a"]["value"] == 1.5
+    got["a"]["value"] = 99.0
+    assert load_numbers(f)["a"]["value"] == 1.5
+    f.write_text("numbers:\n  a: " + entry % "2.25" + "\n  b: " + entry % "3" + "\n")
+    assert load_numbers(f)["a"]["value"] == 2.25 and set(load_numbers(f)) == {"a", "b"}
+    f.write_text("numbers:\n  a: {value: 1}\n")
+    with pytest.raises(ValueError, match="lacks"):
+        load_numbers(f)
+
+
 # ---- manifest validation -----------------------------------------------------------------------------------
 def _m(items):
     return {"paper": "toy", "title": "Toy", "products": "tests.nothing", "items": items}

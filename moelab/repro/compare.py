@@ -25,6 +25,8 @@ Rules, so that a row never sets two different things side by side:
 """
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from pathlib import Path
 
@@ -45,10 +47,23 @@ def paper_numbers_path(paper: str) -> Path:
 
 def load_numbers(paper_or_path) -> dict:
     """key -> the paper number's entry, checked (value, quantity, unit, figure, source, moelab list)."""
-    import yaml
+    return copy.deepcopy(_numbers(_numbers_file(paper_or_path)))
 
+
+def _numbers_file(paper_or_path) -> tuple:
     p = Path(paper_or_path)
     path = p if p.suffix in (".yaml", ".yml") else paper_numbers_path(str(paper_or_path))
+    st = path.stat()
+    return path.resolve(), st.st_mtime_ns, st.st_size  # an edited file is read again
+
+
+@functools.lru_cache(maxsize=32)
+def _numbers(file: tuple) -> dict:
+    """The checked numbers of one version of a paper.yaml: figures ask for paper values hundreds of times per
+    notebook, and parsing the YAML each time cost seconds."""
+    import yaml
+
+    path = file[0]
     data = yaml.safe_load(path.read_text()) or {}
     out = {}
     for key, e in (data.get("numbers") or {}).items():
@@ -67,7 +82,7 @@ def load_numbers(paper_or_path) -> dict:
 def paper_value(paper: str, key: str) -> float:
     """The paper's own number ``key`` from paper.yaml: where moelab calibrates to a paper number (and says
     so), it reads it from here rather than retyping it."""
-    return float(load_numbers(paper)[key]["value"])
+    return float(_numbers(_numbers_file(paper))[key]["value"])
 
 
 def _select(frame, where: dict):
