@@ -133,7 +133,6 @@ class SimResult:
         go first, so back-to-back buffers do not count twice. (Vectorized: figures price thousands
         of graphs.)
         """
-        import numpy as np
         import pandas as pd
 
         rows = [(r, when, order, c, sign * b)  # (rank, time, 0 = free / 1 = alloc, category, delta)
