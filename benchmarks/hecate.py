@@ -74,7 +74,13 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", metavar="SYSTEM",
                    help="run only these systems besides EP and Hecate (also: 'FasterMoE shadowing only')")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--compute-yields", choices=("auto", "on", "off"), default="auto",
+                   help="emulation.compute_yields: the ranks' compute threads at SCHED_IDLE during the iterations, "
+                   "so a communication thread's call does not wait for a core (auto: on where the host allows)")
     a = p.parse_args(argv)
+    from moelab.runtime.cpu_priority import available
+
+    a.compute_yields = a.compute_yields == "on" or (a.compute_yields == "auto" and available())
 
     from moelab.config import RunConfig
     from moelab.strategies import known_strategies
@@ -84,7 +90,8 @@ def main(argv=None) -> int:
             "model.seq_len": a.seq, "model.moe.num_experts": a.experts, "model.moe.top_k": 2,
             "model.moe.balance_loss_coef": 0.0, "parallel.nproc": a.nproc, "parallel.topology.nodes": a.nodes,
             "train.iters": a.iters, "train.batch_size": a.batch, "train.trace": False,
-            "emulation.enabled": True, "emulation.intra_bw_GBps": a.intra, "emulation.inter_bw_GBps": a.inter}
+            "emulation.enabled": True, "emulation.intra_bw_GBps": a.intra, "emulation.inter_bw_GBps": a.inter,
+            "emulation.compute_yields": a.compute_yields}
     hec = {"reshard_interval": max(2, a.warmup), "spag_backend": a.spag_backend}
     if a.t_nonmoe is None:  # one T_nonMoE for every Hecate variant, measured by Hecate itself in a short run
         from moelab.sim.realruns import run_real
@@ -113,7 +120,8 @@ def main(argv=None) -> int:
     named = [(n, RunConfig().with_overrides({**base, "parallel.strategy": s, "parallel.strategy_options": o}).validate())
              for n, (s, o) in systems.items() if s in have]
     print(f"# {len(named)} systems on {a.nproc} gloo ranks as {a.nodes} nodes, EMULATED links intra {a.intra} GB/s, "
-          f"inter {a.inter} GB/s per rank; d={a.d}, d_ff={a.ff * a.d}, {a.layers} layers, {a.experts} experts, {a.iters} iterations")
+          f"inter {a.inter} GB/s per rank; d={a.d}, d_ff={a.ff * a.d}, {a.layers} layers, {a.experts} experts, {a.iters} iterations; "
+          f"compute threads {'yield to communication (SCHED_IDLE)' if a.compute_yields else 'at the same priority as communication'}")
     comp0, reals, _ = validate(named, warmup=a.warmup, timeout=a.timeout, warn=False)
     fixed = measure_emulated_call_costs(named[0][1], timeout=a.timeout, busy=True)
 

@@ -29,6 +29,12 @@ links share fairly and are work-conserving: overlapping costs the two transfers 
 bytes, so on links this busy no ordering can shorten the step (measured: ``priority`` 0.99x step, 1.43x
 backward all-to-all); the paper's gain rests on the contention gamma stands for.
 
+``--compute-yields`` (default ``auto``: on where the host allows): ``emulation.compute_yields``, the
+ranks' compute threads at SCHED_IDLE during the iterations (:mod:`moelab.runtime.cpu_priority`), for every
+policy alike: a call that a communication thread issues during backward then does not wait for a core
+behind 4 ranks' compute on 2 cores (as a NIC does not wait for the GPU). The busy costs are then measured
+with the probe's compute thread at SCHED_IDLE too.
+
 Control: the same model packed q = E (every rank holds every expert, so no all-to-all byte leaves a
 rank) under ``lina`` vs ``ddp_overlap``. Targets (issue #13): backward all-to-all >= 1.3x faster;
 step >= 1.1x at an all-to-all share >= 30 %; control within 5 %; predictions within 25 %. CPU timings
@@ -36,6 +42,7 @@ are not the paper's GPUs: the ratios check mechanisms.
 
 Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04] [--batch 2]
                                  [--intra 0.02] [--inter 0.005] [--gamma fitted] [--d 128] [--layers 4] [--only POLICY ...]
+                                 [--compute-yields auto|on|off]
        python benchmarks/lina.py --serve default [--serve-links 0.01 0.002] [--replica-rounding nearest]
                                  # the inference variants (4 ranks, EMULATED)
 """
@@ -70,7 +77,7 @@ def config(a, policy, q=0, **opts):
                                        "experts_per_device": q, **opts},
         "emulation.enabled": True, "emulation.intra_bw_GBps": a.intra, "emulation.inter_bw_GBps": a.inter,
         "emulation.intra_latency_us": 20.0, "emulation.inter_latency_us": 50.0,
-        "emulation.interference_gamma": a.gamma}).validate()
+        "emulation.interference_gamma": a.gamma, "emulation.compute_yields": a.compute_yields}).validate()
 
 
 def measured(run, warmup):
@@ -125,7 +132,9 @@ def _probe_call_costs(tr) -> dict:
     within one."""
     from moelab.sim.local import emulated_call_costs
 
-    return {k: emulated_call_costs(tr.comm, "dp", "all_reduce", reps=80, busy=k == "busy") for k in ("idle", "busy")}
+    y = tr.cfg.emulation.compute_yields  # the busy thread computes as the run's compute threads did
+    return {k: emulated_call_costs(tr.comm, "dp", "all_reduce", reps=80, busy=k == "busy", yields=y)
+            for k in ("idle", "busy")}
 
 
 def main(argv=None) -> int:
@@ -143,6 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2, help="sequences per rank and step (all-to-all bytes scale with it)")
     p.add_argument("--only", nargs="*", help="run only these policies (ddp_overlap always; the control always)")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--compute-yields", choices=("auto", "on", "off"), default="auto",
+                   help="emulation.compute_yields: the ranks' compute threads at SCHED_IDLE during the iterations, "
+                   "so a communication thread's call does not wait for a core (auto: on where the host allows)")
     p.add_argument("--serve", metavar="SCALE", help="instead: the inference variants of the reproduction at SCALE "
                    "(experiments/lina/scales.yaml), trained on 4 ranks, served over EMULATED links")
     p.add_argument("--serve-links", nargs=2, type=float, default=(0.01, 0.002), metavar=("INTRA", "INTER"),
@@ -153,6 +165,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.serve:
         return serve_rows(a.serve, tuple(a.serve_links), a.replica_rounding)
+    from moelab.runtime.cpu_priority import available
+
+    a.compute_yields = a.compute_yields == "on" or (a.compute_yields == "auto" and available())
     gamma_src = "given"
     if a.gamma == "fitted":
         from moelab.strategies.lina.experiments.paper_scale import fitted_gamma
@@ -172,7 +187,9 @@ def main(argv=None) -> int:
     base_step, base_bwd = res["ddp_overlap"][0], res["ddp_overlap"][1]
     print("REAL: 4 gloo ranks (2 nodes x 2), EMULATED links "
           f"{a.intra}/{a.inter} GB/s, all-to-all/all-reduce interference gamma {a.gamma:.2f} ({gamma_src}); "
-          f"S={a.S:g} B, bucket {a.bucket_mb} MiB; SIMULATED: the same links and gamma, measured compute")
+          f"S={a.S:g} B, bucket {a.bucket_mb} MiB; compute threads "
+          f"{'yield to communication (SCHED_IDLE)' if a.compute_yields else 'at the same priority as communication'}; "
+          "SIMULATED: the same links and gamma, measured compute")
     print(f"{'policy':17s} {'step ms':>8s} {'speedup':>8s} {'bwd a2a ms':>10s} {'a2a x':>6s} {'a2a share':>9s} "
           f"{'waits released/step':>20s}")
     for pol, r in zip(names, runs):

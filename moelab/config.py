@@ -77,6 +77,9 @@ class EmulationConfig:
     # an all-to-all and an all-reduce moving on one port at once each get 1/gamma of their fair share
     # (NCCL's channel/SM contention, Lina's gamma; moelab.comm.links); 1 = fair sharing
     interference_gamma: float = 1.0
+    # the ranks' compute threads run their iterations at SCHED_IDLE, so a communication thread's call does
+    # not wait for a core behind compute, as a NIC does not wait for the GPU (moelab.runtime.cpu_priority)
+    compute_yields: bool = False
 
 
 @dataclass
@@ -198,6 +201,8 @@ class RunConfig:
             del d["train"]["autocast"]
         if d["model"]["positions"] == "learned":  # ... and before ALiBi
             del d["model"]["positions"]
+        if not d["emulation"]["compute_yields"]:  # ... and before compute could yield to communication
+            del d["emulation"]["compute_yields"]
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha1(blob).hexdigest()[:8]
 
@@ -309,6 +314,11 @@ class RunConfig:
             from moelab.runtime.checkpoint import resume_errors
 
             errs += resume_errors(self)
+        if self.emulation.compute_yields:
+            from moelab.runtime.cpu_priority import available, unavailable_reason
+
+            if not available():
+                errs.append("emulation.compute_yields " + unavailable_reason())
         from moelab.comm.groups import declared_group_errors
 
         errs += [] if errs else declared_group_errors(self)

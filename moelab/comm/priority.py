@@ -43,6 +43,7 @@ from typing import Callable, Optional
 import torch
 
 from moelab.comm.scheduler import Call, Scheduler
+from moelab.runtime.cpu_priority import as_comm_thread
 
 LOW = "low"
 
@@ -204,6 +205,7 @@ class PriorityScheduler(Scheduler):
                 and self.inflight < self.max_inflight)
 
     def _launch_loop(self) -> None:
+        as_comm_thread()
         while True:
             with self.cv:
                 self.cv.wait_for(lambda: self._closed or self._may_launch())
@@ -248,6 +250,7 @@ class PriorityScheduler(Scheduler):
                 self.cv.notify_all()
 
     def _wait_loop(self) -> None:
+        as_comm_thread()
         while True:
             with self.cv:
                 self.cv.wait_for(lambda: self._closed or self._handles)

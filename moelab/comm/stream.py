@@ -13,6 +13,8 @@ import threading
 import weakref
 from typing import Callable, Optional
 
+from moelab.runtime.cpu_priority import as_comm_thread
+
 
 class Task:
     def __init__(self, fn: Callable, args: tuple, name: str, tagged=None):
@@ -50,6 +52,7 @@ class CommStream:
         self._thread: Optional[threading.Thread] = None
 
     def _loop(self) -> None:
+        as_comm_thread()
         while True:
             task = self._q.get()
             if task is None:

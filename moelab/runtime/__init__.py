@@ -7,6 +7,8 @@
   during backward, ``sync``, ``step``, ``zero_grad``) and memory by category from real storages;
   ``parallel.grad_sync`` picks today's all-reduce after backward or DDP's buckets during backward;
 - :mod:`.memory` - storage-aware live memory accounting and per-iteration peaks;
+- :mod:`.cpu_priority` - ``emulation.compute_yields``: compute threads at SCHED_IDLE during the iterations,
+  so communication threads do not wait for a core on a host the ranks share;
 - :mod:`.checkpoint` - atomic checkpoints, experts stored per global id (resume at another EP size);
 - :mod:`.launch`, :mod:`.worker`, :mod:`.results`, :mod:`.progress` - torchrun supervision, the
   per-rank entry point, the results store.

@@ -231,10 +231,13 @@ class Trainer:
         return loss, math.exp(loss) if loss == loss else float("nan")
 
     def run(self, on_iter: Optional[Callable[[dict], None]] = None) -> list:
-        for it in range(self.start_iter, self.cfg.train.iters):
-            row = self.step(it)
-            if on_iter is not None:
-                on_iter(row)
+        from moelab.runtime.cpu_priority import compute_yields
+
+        with compute_yields(self.cfg.emulation.compute_yields):
+            for it in range(self.start_iter, self.cfg.train.iters):
+                row = self.step(it)
+                if on_iter is not None:
+                    on_iter(row)
         return self.metrics
 
     def write_outputs(self, out_dir: str) -> None:

@@ -213,7 +213,7 @@ def quick_calibration(nproc: int = 2, sizes=(1 << 12, 1 << 16, 1 << 19, 1 << 21,
 
 # ---- the EMULATED door's fixed costs per call, held out (what a simulator of an EMULATED run adds) -----
 def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps: int = 25,
-                        busy: bool = False) -> dict:
+                        busy: bool = False, yields: bool = False) -> dict:
     """Fixed costs of one call through ``comm``'s emulated door, measured on 1-element calls of ``op``
     over ``group`` with every member calling at once (run it on every member; the slowest member's
     medians): ``sync_s``, what the emulation adds after a call's real completion (the members agree on
@@ -222,8 +222,9 @@ def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps
     ``ClusterProfile(call_overhead_s=call_s, emulated_sync_s=sync_s)``
     (:meth:`moelab.sim.engine.OpGraph.transfer`). ``busy``: a thread computes beside the calls on every
     member, as a comm thread's calls run beside backward; where ranks share a host's cores such a call
-    waits for a core (``busy_call_overhead_s``, ``busy_emulated_sync_s``). Held out: nothing here is
-    fitted to the run's times."""
+    waits for a core (``busy_call_overhead_s``, ``busy_emulated_sync_s``); ``yields``: that thread
+    computes at SCHED_IDLE, as a run's compute threads do under ``emulation.compute_yields``
+    (:mod:`moelab.runtime.cpu_priority`). Held out: nothing here is fitted to the run's times."""
     import statistics
 
     import torch
@@ -239,7 +240,7 @@ def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps
     else:
         raise ValueError(f"emulated_call_costs measures all_to_all or all_reduce, got {op!r}")
     walls, syncs, alone = [], [], 0.0
-    with _computing(busy):
+    with _computing(busy, yields):
         for _ in range(reps + 2):
             walls.append(timed(comm, call, group)[1].slowest_s)
             r = comm.rec.comm[-1]
@@ -252,8 +253,9 @@ def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps
 
 
 @contextlib.contextmanager
-def _computing(on: bool = True):
-    """While the block runs, a thread runs single-threaded GEMMs (which release the GIL) beside it."""
+def _computing(on: bool = True, yields: bool = False):
+    """While the block runs, a thread runs single-threaded GEMMs (which release the GIL) beside it
+    (``yields``: at SCHED_IDLE, see :func:`moelab.runtime.cpu_priority.compute_yields`)."""
     if not on:
         yield
         return
@@ -264,9 +266,12 @@ def _computing(on: bool = True):
     stop = threading.Event()
 
     def work():
-        a = torch.randn(256, 256) / 16
-        while not stop.is_set():
-            a = torch.tanh(a @ a)
+        from moelab.runtime.cpu_priority import compute_yields
+
+        with compute_yields(yields):
+            a = torch.randn(256, 256) / 16
+            while not stop.is_set():
+                a = torch.tanh(a @ a)
 
     t = threading.Thread(target=work, name="moelab-busy", daemon=True)
     t.start()
@@ -283,13 +288,13 @@ def _emulated_call_costs_rank(rank, world, cfg, busy=False):
 
     comm = Communicator(topology_for(cfg, world), cfg.emulation)
     idle = emulated_call_costs(comm)
-    return {**idle, "busy": emulated_call_costs(comm, busy=True)} if busy else idle
+    return {**idle, "busy": emulated_call_costs(comm, busy=True, yields=cfg.emulation.compute_yields)} if busy else idle
 
 
 def measure_emulated_call_costs(cfg: RunConfig, timeout: float = 120.0, busy: bool = False) -> dict:
     """:func:`emulated_call_costs` of an all-to-all over the world on ``cfg``'s ranks, topology and
     emulated links (one spawn of ``cfg.parallel.nproc`` ranks); ``busy``: also with the ranks computing,
-    under the key ``"busy"``, in the same spawn."""
+    under the key ``"busy"``, in the same spawn (at SCHED_IDLE under ``emulation.compute_yields``)."""
     from moelab.testing import run_ranks
 
     if not cfg.emulation.enabled:

@@ -93,6 +93,7 @@ def _real_worker(rank, world, cfg_dicts, probe=None):
 
     import torch
 
+    from moelab.runtime.cpu_priority import compute_yields
     from moelab.runtime.train import Trainer
 
     torch.set_num_threads(1)
@@ -102,10 +103,11 @@ def _real_worker(rank, world, cfg_dicts, probe=None):
         t0 = time.time()
         tr = Trainer.build(cfg)
         loads = []
-        for it in range(cfg.train.iters):
-            tr.step(it)
-            loads.append(np.stack([layer.last_global_counts.numpy().astype(np.int64)
-                                   for layer in tr.model.moe_layers()]))
+        with compute_yields(cfg.emulation.compute_yields):
+            for it in range(cfg.train.iters):
+                tr.step(it)
+                loads.append(np.stack([layer.last_global_counts.numpy().astype(np.int64)
+                                       for layer in tr.model.moe_layers()]))
         comm, seq = [], {}
         for r in tr.comm.rec.comm:
             it = r.tags.get("iter", -1)
