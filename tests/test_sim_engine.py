@@ -51,6 +51,34 @@ def test_a_started_nonpreemptive_flow_keeps_its_share():
     assert r.end[b] == pytest.approx(1.0) and r.end[a] == pytest.approx(3.0)
 
 
+def test_the_call_gate_serializes_calls_per_rank_on_links_they_do_not_share():
+    """Lina's scheduler decides per rank and call, not per link: a micro-op over ranks {0, 1} and an
+    all-to-all of rank 1 on separate links. Gated, the all-to-all arriving at 0.5 s waits for the micro-op
+    (non-preemptive) and a micro-op ready while an all-to-all waits or runs on one of its ranks is held;
+    without ``high_waits`` the all-to-all starts beside it; ungated, both run at once."""
+    links = {("a", 0): GB, ("b", 1): GB}
+
+    def run(gate, ar_delay=0.0, a2a_delay=0.5):
+        g = OpGraph(2, links)
+        g.call_gate = gate
+        w0, w1 = g.compute(0, "wait", ar_delay), g.compute(1, "wait", a2a_delay)
+        ar = g.add("micro-op", (0, 1), stream="grad", links={("a", 0): GB}, deps=(w0,))
+        a2a = g.add("a2a", 1, stream="a2a", links={("b", 1): GB}, deps=(w1,))
+        return simulate(g), ar, a2a
+
+    gate = ({"a2a"}, {"grad"}, True)
+    r, ar, a2a = run(None)
+    assert r.end[ar] == pytest.approx(1.0) and r.start[a2a] == pytest.approx(0.5)
+    r, ar, a2a = run(gate)  # the all-to-all waits for the micro-op in flight
+    assert r.end[ar] == pytest.approx(1.0) and r.start[a2a] == pytest.approx(1.0) and r.end[a2a] == pytest.approx(2.0)
+    r, ar, a2a = run(({"a2a"}, {"grad"}, False))  # no wait: beside it
+    assert r.start[a2a] == pytest.approx(0.5) and r.end[a2a] == pytest.approx(1.5)
+    r, ar, a2a = run(gate, ar_delay=0.75)  # the all-to-all runs from 0.5 s: the micro-op is held until 1.5 s
+    assert r.start[ar] == pytest.approx(1.5) and r.end[ar] == pytest.approx(2.5)
+    r, ar, a2a = run(gate, ar_delay=0.5)  # both ready at 0.5 s: the all-to-all first
+    assert r.start[a2a] == pytest.approx(0.5) and r.start[ar] == pytest.approx(1.5)
+
+
 def test_three_levels_a_pinned_low_flow_shares_with_the_top_and_the_middle_waits():
     """On one link: a started non-preemptive low flow counts beside the top level (it is below the
     top, so only the pinned count puts it there); the middle level waits for both."""

@@ -24,6 +24,12 @@ Two refinements of the sharing rule, both off unless a graph asks for them:
   A stream in ``OpGraph.nonpreemptive`` is held back the same way until it starts, but a flow of
   it that has started moving is never preempted: it keeps an equal share beside the higher
   priority (a whole bucket or one micro-op in flight when an all-to-all arrives).
+- **Call gate** (``OpGraph.call_gate = (high streams, low streams, high_waits)``): a per-rank
+  scheduler's rule at the level of calls, not links (Lina's, :mod:`moelab.comm.priority`). A low op
+  does not start while, on one of its ranks, a high op waits or runs; with ``high_waits`` a high op
+  that becomes ready while low ops run on its ranks waits until they end (non-preemptive: the call in
+  flight finishes first), else it starts beside them. Stream priority above still shares the links
+  among what does run.
 - **Per-flow limits** (``OpGraph.flow_limits``: link -> the most capacity one flow may take). A
   pool of C CPU cores shared by single-threaded ranks is a link of capacity C with limit 1: k ranks
   computing at once each run at ``min(1, C/k)`` of their own speed (the local profile's
@@ -98,6 +104,7 @@ class OpGraph:
         self.emulated_sync_s: Optional[float] = None  # not None: fixed costs run beside the links (see transfer)
         self.busy_fixed: Optional[tuple] = None  # (call_s, sync_s) of a call issued while its ranks compute
         self.interference: Optional[tuple] = None  # (classes: tuples of streams, gamma): see interfere()
+        self.call_gate: Optional[tuple] = None  # (high streams, low streams, high_waits): see the module doc
 
     def interfere(self, streams, gamma) -> None:
         """Flows of different streams among ``streams`` slow each other by ``gamma`` (a number >= 1, or
@@ -308,6 +315,48 @@ class _Crowding:
         return np.where(other, self.gamma[i], 1.0)
 
 
+class _CallGate:
+    """The call gate's per-rank state (see the module doc): high ops waiting or running, low ops running."""
+
+    def __init__(self, graph: OpGraph):
+        high, low, self.high_waits = graph.call_gate
+        self.ops = graph.ops
+        self.kind = [1 if o.stream in high else -1 if o.stream in low else 0 for o in graph.ops]
+        self.high = np.zeros(graph.world_size, dtype=np.int64)  # high ops waiting or running, per rank
+        self.low = np.zeros(graph.world_size, dtype=np.int64)  # low ops running, per rank
+        self.held: list = []  # ready ops the gate holds back, in the order they became ready
+        self.counted: set = set()  # held high ops already counted in self.high
+
+    def admit(self, ready) -> list:
+        """Of the ready ops (and those held), the ones that start now: high ones first, then low ones."""
+        cand = sorted(set(ready) | set(self.held), key=lambda i: (self.kind[i] != 1, i))
+        self.held, go = [], []
+        for i in cand:
+            r, k = list(self.ops[i].ranks), self.kind[i]
+            if k == 1:
+                if i not in self.counted:
+                    self.high[r] += 1
+                    self.counted.add(i)
+                if self.high_waits and self.low[r].any():
+                    self.held.append(i)
+                    continue
+                self.counted.discard(i)
+            elif k == -1:
+                if self.high[r].any():
+                    self.held.append(i)
+                    continue
+                self.low[r] += 1
+            go.append(i)
+        return go
+
+    def ended(self, i) -> list:
+        """Op i ended: release its ranks; the held ops go back to the ready list (re-admitted at once)."""
+        k = self.kind[i]
+        if k:
+            (self.high if k == 1 else self.low)[list(self.ops[i].ranks)] -= 1
+        return list(self.held) if k else []
+
+
 def simulate(graph: OpGraph) -> SimResult:
     """Run ``graph`` to completion; raises :class:`DeadlockError` if some ops can never start."""
     ops = graph.ops
@@ -369,10 +418,12 @@ def simulate(graph: OpGraph) -> SimResult:
                 seq += 1
                 push(heap, (t + (rem if rem > 0 else 0.0) / rate, seq, 1, i, version[i]))
 
+    gate = _CallGate(graph) if graph.call_gate else None
+
     def start_ready(t):
         nonlocal seq
         while ready:
-            batch = sorted(ready)
+            batch = sorted(ready) if gate is None else gate.admit(ready)
             ready.clear()
             for i in batch:
                 start[i] = t
@@ -382,6 +433,8 @@ def simulate(graph: OpGraph) -> SimResult:
     def finish(i, t):
         end[i] = t
         o = ops[i]
+        if gate is not None:
+            ready.extend(gate.ended(i))
         for r in o.ranks:
             q = queues[(r, o.stream)]
             q.popleft()

@@ -24,6 +24,10 @@ Every policy but ``after_backward`` issues its all-reduces beside backward's com
 ``gamma`` (spec §2.4): where an all-to-all and an all-reduce both move on one link, each gets
 1/gamma of its fair share (:meth:`moelab.sim.engine.OpGraph.interfere`; 1 = fair sharing, no worse).
 
+The scheduled policies (``priority`` and the partitioned ones) also gate calls per rank
+(:attr:`moelab.sim.engine.OpGraph.call_gate`): a started micro-op is not shared with the all-to-all
+that arrives, the all-to-all waits for it (``a2a_waits_for_inflight``).
+
 Not modelled: the combine-backward block (the DES knows the all-to-all's time, so nothing is
 launched "just before" it by accident) and the bounded wait's releases.
 """
@@ -131,6 +135,10 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         if opts.scheduled and policy != "fixed":  # strict priority of the all-to-alls
             g.stream_priority[A2A] = 1
             g.nonpreemptive.update(streams)
+            # ... decided per rank and call, as the scheduler does: no micro-op starts while an all-to-all
+            # waits or runs on one of its ranks, an arriving all-to-all waits for the ones in flight
+            low = set(streams) | {AR}
+            g.call_gate = ({A2A, f"{A2A}.software"}, low | {f"{x}.software" for x in low}, opts.a2a_waits_for_inflight)
         issued: list = []  # per unit, its ops
         for n, (nbytes, k) in enumerate(units):
             deps = list(ready[k][1])
