@@ -34,8 +34,14 @@ each run measuring its own moved t by one or two between variants on this shared
 (``--batch 4 --d 64 --intra 0.1 --inter 0.02``) the fixed costs of Hecate's extra collectives dominate and it
 trails EP.
 
+``--compute-yields`` (default ``off``; ``auto``: on where the host allows): ``emulation.compute_yields`` for
+every system, the ranks' compute threads at SCHED_IDLE during the iterations (:mod:`moelab.runtime.cpu_priority`),
+so a call that a side stream issues beside attention does not wait for a core; the busy-cost probe then computes
+at SCHED_IDLE too. Off by default: on 8 ranks sharing 2 cores it made every system slower (one pair of runs,
+2026-11-28, same t: EP 1962 against 1930 ms, FSDP 970 against 806 ms, Hecate 1.50x over EP against 1.66x).
+
 Usage: python benchmarks/hecate.py [--nproc 8] [--nodes 2] [--d 128] [--ff 2] [--experts 16] [--batch 16] [--iters 8]
-                                   [--warmup 3] [--intra 0.5] [--inter 0.01] [--t-nonmoe S]
+                                   [--warmup 3] [--intra 0.5] [--inter 0.01] [--t-nonmoe S] [--compute-yields auto|on|off]
 """
 from __future__ import annotations
 
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", metavar="SYSTEM",
                    help="run only these systems besides EP and Hecate (also: 'FasterMoE shadowing only')")
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--compute-yields", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--compute-yields", choices=("auto", "on", "off"), default="off",
                    help="emulation.compute_yields: the ranks' compute threads at SCHED_IDLE during the iterations, "
                    "so a communication thread's call does not wait for a core (auto: on where the host allows)")
     a = p.parse_args(argv)

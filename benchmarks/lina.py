@@ -29,7 +29,8 @@ links share fairly and are work-conserving: overlapping costs the two transfers 
 bytes, so on links this busy no ordering can shorten the step (measured: ``priority`` 0.99x step, 1.43x
 backward all-to-all); the paper's gain rests on the contention gamma stands for.
 
-``--compute-yields`` (default ``auto``: on where the host allows): ``emulation.compute_yields``, the
+``--compute-yields`` (default ``auto``, on where the host allows; ``off`` with ``--serve``, where one pair of
+runs on 2026-11-28 gave lina 1.06x p95 with it and 1.10x without): ``emulation.compute_yields``, the
 ranks' compute threads at SCHED_IDLE during the iterations (:mod:`moelab.runtime.cpu_priority`), for every
 policy alike: a call that a communication thread issues during backward then does not wait for a core
 behind 4 ranks' compute on 2 cores (as a NIC does not wait for the GPU). The busy costs are then measured
@@ -152,9 +153,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2, help="sequences per rank and step (all-to-all bytes scale with it)")
     p.add_argument("--only", nargs="*", help="run only these policies (ddp_overlap always; the control always)")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--compute-yields", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--compute-yields", choices=("auto", "on", "off"), default=None,
                    help="emulation.compute_yields: the ranks' compute threads at SCHED_IDLE during the iterations, "
-                   "so a communication thread's call does not wait for a core (auto: on where the host allows)")
+                   "so a communication thread's call does not wait for a core (auto: on where the host allows; "
+                   "default: auto for training, off with --serve)")
     p.add_argument("--serve", metavar="SCALE", help="instead: the inference variants of the reproduction at SCALE "
                    "(experiments/lina/scales.yaml), trained on 4 ranks, served over EMULATED links")
     p.add_argument("--serve-links", nargs=2, type=float, default=(0.01, 0.002), metavar=("INTRA", "INTER"),
@@ -163,8 +165,12 @@ def main(argv=None) -> int:
     p.add_argument("--replica-rounding", default="floor", choices=("floor", "nearest"),
                    help="with --serve: dedicated replicas of a hot expert, floor(n(e)) (the spec's) or n(e) rounded")
     a = p.parse_args(argv)
+    a.compute_yields = a.compute_yields or ("off" if a.serve else "auto")
     if a.serve:
-        return serve_rows(a.serve, tuple(a.serve_links), a.replica_rounding)
+        from moelab.runtime.cpu_priority import available
+
+        yields = a.compute_yields == "on" or (a.compute_yields == "auto" and available())
+        return serve_rows(a.serve, tuple(a.serve_links), a.replica_rounding, yields)
     from moelab.runtime.cpu_priority import available
 
     a.compute_yields = a.compute_yields == "on" or (a.compute_yields == "auto" and available())
@@ -251,18 +257,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def serve_rows(scale: str, links: tuple, rounding: str = "floor") -> int:
+def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool = False) -> int:
     """Inference: p50/p95/p99 request latency and p95 batch time of every variant over the baseline's, and
     Lina's re-plan rate (4 gloo ranks serving over EMULATED ``links`` = (intra, inter) GB/s, 2 nodes x 2,
     so a hot expert's rank pays for its bytes as on the paper's network; no simulator prediction of this
-    run). On links much faster than that, each call's fixed cost on this host (a few ms) sets a batch's
-    time and no placement can shorten it (Ideal then gains a few per cent)."""
+    run; ``yields``: the ranks serve under ``emulation.compute_yields``). On links much faster than that,
+    each call's fixed cost on this host (a few ms) sets a batch's time and no placement can shorten it
+    (Ideal then gains a few per cent)."""
     import numpy as np
 
     from moelab.strategies.lina.experiments import frames
 
-    df = frames.serve_summary(scale, emulated=links, rounding=rounding).set_index("variant")
-    acc = frames.estimation_accuracy(scale, emulated=links, rounding=rounding)
+    df = frames.serve_summary(scale, emulated=links, rounding=rounding, yields=yields).set_index("variant")
+    acc = frames.estimation_accuracy(scale, emulated=links, rounding=rounding, yields=yields)
     base = df.loc["baseline"]
     print(df.attrs["label"])
     print(f"{'variant':20s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "

@@ -77,8 +77,9 @@ class EmulationConfig:
     # an all-to-all and an all-reduce moving on one port at once each get 1/gamma of their fair share
     # (NCCL's channel/SM contention, Lina's gamma; moelab.comm.links); 1 = fair sharing
     interference_gamma: float = 1.0
-    # the ranks' compute threads run their iterations at SCHED_IDLE, so a communication thread's call does
-    # not wait for a core behind compute, as a NIC does not wait for the GPU (moelab.runtime.cpu_priority)
+    # the ranks' compute threads run their iterations (or serving) at SCHED_IDLE, so a communication
+    # thread's call does not wait for a core behind compute, as a NIC does not wait for the GPU
+    # (moelab.runtime.cpu_priority)
     compute_yields: bool = False
 
 

@@ -3,7 +3,6 @@ SCHED_IDLE and gets its policy back after, communication threads started inside 
 SCHED_IDLE, a host that cannot is refused before launch, and a run computes the same model either way."""
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -51,17 +50,10 @@ def test_the_block_runs_at_sched_idle_and_the_policy_comes_back_also_on_error():
 
 @needs_sched
 def test_comm_threads_started_by_a_yielding_thread_run_at_normal_priority():
+    """A comm stream, the priority scheduler's launcher and waiter, and serving's phase-1 loader."""
+    from test_comm_priority import FakeComm
+
     from moelab.comm.priority import LowOp, PriorityScheduler
-
-    class Rec:  # what the scheduler uses of a communicator: its recorder's tags
-        tags: dict = {}
-
-        @contextlib.contextmanager
-        def tagged(self, **tags):
-            yield
-
-    class Comm:
-        rec = Rec()
 
     class Done:
         def wait(self):
@@ -73,12 +65,18 @@ def test_comm_threads_started_by_a_yielding_thread_run_at_normal_priority():
         seen["launcher"] = os.sched_getscheduler(0)
         return Done()
 
+    from moelab.config import ServeConfig
+    from moelab.strategies.lina.infer import ServeContext
+
     with compute_yields():
+        serving = ServeContext(ServeConfig(), num_experts=2, num_layers=1, comm=None)
+        assert serving.loader().submit(os.sched_getscheduler, 0).result() == os.SCHED_OTHER  # phase 1's loader
+        serving.close()
         stream = CommStream(name="test-stream")
         assert stream.submit(lambda: os.sched_getscheduler(0)).wait() == os.SCHED_OTHER
         stream.close()
         for inflight in (1, 2):  # one in flight: the launcher waits itself; more: a waiter thread
-            s = PriorityScheduler(Comm(), max_inflight=inflight)
+            s = PriorityScheduler(FakeComm(), max_inflight=inflight)
             s.submit(LowOp(issue, 8, "dp", "op"))
             s.drain(timeout=10)
             s.close()

@@ -6,12 +6,15 @@ communication thread woken for its next call queues behind the ranks' compute th
 ranks sharing 2 cores, a 1-element all-reduce through the emulated door cost 0.6 ms of software on idle
 ranks and 2-5 ms beside a computing thread; with that thread at SCHED_IDLE, 0.6-0.8 ms again.
 
-:func:`compute_yields` runs a block (a rank's iterations) with the calling thread under Linux's
-SCHED_IDLE: every other ready thread of the host runs first - communication threads, gloo's workers -
-and the compute threads share what is left, so a call no longer pays for a core. Threads started inside
-the block inherit SCHED_IDLE; a communication thread calls :func:`as_comm_thread` first. Leaving
-SCHED_IDLE needs CAP_SYS_NICE (root, or ``setcap cap_sys_nice``); :func:`available` says whether this
-host can, and the config refuses the option where it cannot.
+:func:`compute_yields` runs a block (a rank's training iterations, or its serving loop) with the calling
+thread under Linux's SCHED_IDLE: every other ready thread of the host runs first - communication threads,
+gloo's workers - and the compute threads share what is left, so a call no longer pays for a core. Threads
+started inside the block inherit SCHED_IDLE; a communication thread calls :func:`as_comm_thread` first.
+Leaving SCHED_IDLE needs CAP_SYS_NICE (root, or ``setcap cap_sys_nice``); :func:`available` says whether
+this host can, and the config refuses the option where it cannot. SCHED_IDLE yields to every other ready
+thread of the host, other people's work included: on a busy shared machine the ranks' compute slows with it.
+Measured (``benchmarks/README.md``): on Lina's 4 ranks it lifted ``priority`` to what the simulator predicts;
+on Hecate's 8 ranks every system got slower, so it is an option, off by default.
 """
 from __future__ import annotations
 

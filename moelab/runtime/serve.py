@@ -240,8 +240,11 @@ def run(cfg: RunConfig, out_dir=None) -> dict:
     if rank == 0:
         requests, rejected = read_requests(cfg.serve.requests_file, cfg) if cfg.serve.requests_file else \
             (draw_requests(cfg), [])
+    from moelab.runtime.cpu_priority import compute_yields
+
     try:
-        res = serve(cfg, model, ctx, comm, requests)
+        with compute_yields(cfg.emulation.compute_yields):
+            res = serve(cfg, model, ctx, comm, requests)
     finally:
         ctx.close()
     if out_dir is not None:

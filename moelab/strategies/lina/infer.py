@@ -38,6 +38,7 @@ from moelab.moe.gates import Gate
 from moelab.moe.layer import init_gate_
 from moelab.moe.serve import serve_forward
 from moelab.placement.lina import allocate, needs_replan
+from moelab.runtime.cpu_priority import as_comm_thread
 
 SCHEDULED = ("lina", "lina_no_estimation", "lina_no_finetune")
 
@@ -82,7 +83,8 @@ class ServeContext:
     def loader(self) -> ThreadPoolExecutor:
         """One worker: phase 1's jobs run in layer order, beside the serving thread."""
         if self._loader is None:
-            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lina-phase1")
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lina-phase1",
+                                              initializer=as_comm_thread)  # it exchanges estimates, plans, loads
         return self._loader
 
     def close(self) -> None:

@@ -141,13 +141,14 @@ def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir):
 
 @cached
 def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated: bool = False,
-                    rounding: str = "floor") -> dict:
+                    rounding: str = "floor", yields: bool = False) -> dict:
     """Train, checkpoint and serve (see module doc). Returns rank 0's records per serve run (keys: the
     variants, and ``lina_Lp{n}`` per Table 5 path length; on another ``dataset`` ``ideal`` and ``lina``),
     ``loads`` (training, last iterations), ``traces`` ([tokens, MoE layers] of the profiling split), ``losses``.
     ``emulated``: serve over the scale's contention-aware EMULATED links (2 nodes x 2; training stays REAL),
     or over links of ``(intra, inter)`` GB/s per rank when a pair is given. ``rounding``: the scheduled
-    variants' ``serve.replica_rounding`` (the spec's ``floor``, or ``nearest``)."""
+    variants' ``serve.replica_rounding`` (the spec's ``floor``, or ``nearest``). ``yields``: serve with
+    ``emulation.compute_yields`` (the ranks' serving threads at SCHED_IDLE, phase 1's loader not)."""
     import dataclasses
 
     from moelab.testing import run_ranks
@@ -159,6 +160,8 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     links = emulated_links(s) if emulated else {}
     if rounding != "floor":
         links = {**links, "serve.replica_rounding": rounding}
+    if yields:
+        links = {**links, "emulation.compute_yields": True}
     if dataset == "pydocs":
         runs = {v: {"serve.variant": v, **links} for v in VARIANTS}
         runs.update({f"lina_Lp{n}": {"serve.variant": "lina", "serve.path_len": int(n), **links} for n in s.path_lens})
@@ -175,6 +178,8 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
         out["label"] = out["label"].replace("REAL: ", "EMULATED: ", 1) + " over " + links_label(s)
     if rounding != "floor":
         out["label"] += f", replicas rounded {rounding} (the spec's floor is the default)"
+    if yields:
+        out["label"] += ", compute yielding to communication (SCHED_IDLE)"
     return out
 
 
