@@ -167,3 +167,17 @@ def test_bad_arguments():
         PriorityScheduler(FakeComm(), max_inflight=0)
     with pytest.raises(ValueError, match="mode"):
         PriorityScheduler(FakeComm(), mode="oracle")
+
+
+def test_the_default_stall_bound_follows_the_typical_micro_op_not_the_stalled_ones():
+    """Three times the median of the last 16 completed low ops (at least 5 ms): three stalled 80 ms ops
+    among 4 ms ones leave it at 12 ms (a mean would make it 56 ms, and every stall would lengthen the next)."""
+    s = PriorityScheduler(FakeComm())
+    assert s._stall_bound() == pytest.approx(0.005)  # nothing completed yet
+    s._low_s = [0.004] * 13 + [0.08] * 3
+    assert s._stall_bound() == pytest.approx(0.012)
+    s._low_s = [0.001] * 16
+    assert s._stall_bound() == pytest.approx(0.005)
+    s._low_s = [0.5] * 20 + [0.01] * 16  # only the last 16 count
+    assert s._stall_bound() == pytest.approx(0.03)
+    s.close()

@@ -20,9 +20,9 @@ Rules (``mode="priority"``, Lina's scheduler):
 scheduler is local: rank A may launch micro-op k just before its all-to-all arrives while rank B,
 whose all-to-all arrived first, holds k back. A then waits for k, which needs B; B's all-to-all needs
 A. So the wait is bounded: a high call waits for the ops in flight at most ``stall_s`` (default:
-three times the mean duration of the low ops completed so far, at least 5 ms) - longer than an
+three times the median duration of the last 16 low ops completed, at least 5 ms) - longer than an
 in-flight op alone needs, so past it the op is stalled on a peer that is itself inside this
-all-to-all. The release is logged (``released``) and counted, never silent.
+all-to-all (the median, so that the stalled ops' own long durations do not lengthen the next bound). The release is logged (``released``) and counted, never silent.
 
 ``agreement`` (optional) replaces the bounded wait's escape by a leader per group deciding every
 launch (see ``__init__``); followers' launches are recorded with ``forced``.
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import random
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -184,8 +185,8 @@ class PriorityScheduler(Scheduler):
     def _stall_bound(self) -> float:
         if self.stall_s is not None:
             return self.stall_s
-        mean = sum(self._low_s[-16:]) / len(self._low_s[-16:]) if self._low_s else 0.0
-        return max(0.005, 3.0 * mean)
+        typical = statistics.median(self._low_s[-16:]) if self._low_s else 0.0
+        return max(0.005, 3.0 * typical)
 
     def _raise(self) -> None:
         if self._error is not None:

@@ -8,7 +8,7 @@
 | ``max_inflight`` | 1 | low-priority micro-ops in flight at once |
 | ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.comm.priority`) |
 | ``block_on_combine_backward`` | true | stop launching micro-ops once a MoE layer's combine backward starts |
-| ``stall_ms`` | 0 | the bound of that wait in ms (0: three times the mean micro-op time, at least 5 ms) |
+| ``stall_ms`` | 0 | the bound of that wait in ms (0: three times the median of the last 16 micro-op times, at least 5 ms) |
 | ``launch_agreement`` | none | ``none``: each rank's scheduler decides alone (the paper's design; its non-preemptive wait is bounded against the cross-rank stall); ``leader``: the first rank of a group decides every micro-op's launch and tells the others by a 1-element broadcast on a control group (no stall, one more small call per micro-op) |
 | ``experts_per_device`` | 0 | q, experts packed per rank: EP over blocks of E/q contiguous ranks, each block a full copy, ``expert_dp`` over the copies (0: 2 for ``lina_full``, else 1) |
 | ``launch_jitter_ms`` | 0 | a random per-rank delay before each micro-op launch (robustness runs, spec §5 I7) |
