@@ -14,7 +14,7 @@ Model (what a GPU job looks like to the scheduler):
   use a link each gets 1/k of it (equal fair share), and a transfer advances at the pace of its
   slowest link share. Alone, a transfer takes ``duration + max bytes/capacity``.
 
-Two refinements of the sharing rule, both off unless a graph asks for them:
+Refinements of the sharing rule, each off unless a graph asks for it:
 
 - **Stream priority** (``OpGraph.stream_priority``: stream name -> int, default 0). On a link used
   by flows of several priorities, only the highest-priority ones share it; a lower-priority flow
