@@ -84,9 +84,9 @@ def main(argv=None) -> int:
                    help="emulation.compute_yields: the ranks' compute threads at SCHED_IDLE during the iterations, "
                    "so a communication thread's call does not wait for a core (auto: on where the host allows)")
     a = p.parse_args(argv)
-    from moelab.runtime.cpu_priority import available
+    from moelab.runtime.cpu_priority import resolve
 
-    a.compute_yields = a.compute_yields == "on" or (a.compute_yields == "auto" and available())
+    a.compute_yields = resolve(a.compute_yields)
 
     from moelab.config import RunConfig
     from moelab.strategies import known_strategies

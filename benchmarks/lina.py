@@ -165,15 +165,11 @@ def main(argv=None) -> int:
     p.add_argument("--replica-rounding", default="floor", choices=("floor", "nearest"),
                    help="with --serve: dedicated replicas of a hot expert, floor(n(e)) (the spec's) or n(e) rounded")
     a = p.parse_args(argv)
-    a.compute_yields = a.compute_yields or ("off" if a.serve else "auto")
+    from moelab.runtime.cpu_priority import resolve
+
+    a.compute_yields = resolve(a.compute_yields or ("off" if a.serve else "auto"))
     if a.serve:
-        from moelab.runtime.cpu_priority import available
-
-        yields = a.compute_yields == "on" or (a.compute_yields == "auto" and available())
-        return serve_rows(a.serve, tuple(a.serve_links), a.replica_rounding, yields)
-    from moelab.runtime.cpu_priority import available
-
-    a.compute_yields = a.compute_yields == "on" or (a.compute_yields == "auto" and available())
+        return serve_rows(a.serve, tuple(a.serve_links), a.replica_rounding, a.compute_yields)
     gamma_src = "given"
     if a.gamma == "fitted":
         from moelab.strategies.lina.experiments.paper_scale import fitted_gamma

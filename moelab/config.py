@@ -316,10 +316,10 @@ class RunConfig:
 
             errs += resume_errors(self)
         if self.emulation.compute_yields:
-            from moelab.runtime.cpu_priority import available, unavailable_reason
+            from moelab.runtime.cpu_priority import UNAVAILABLE, available
 
             if not available():
-                errs.append("emulation.compute_yields " + unavailable_reason())
+                errs.append("emulation.compute_yields " + UNAVAILABLE)
         from moelab.comm.groups import declared_group_errors
 
         errs += [] if errs else declared_group_errors(self)

@@ -13,7 +13,7 @@ from moelab.config import ConfigError, RunConfig
 from moelab.runtime import cpu_priority
 from moelab.runtime.cpu_priority import compute_yields
 
-needs_sched = pytest.mark.skipif(not cpu_priority.available(), reason=cpu_priority.unavailable_reason())
+needs_sched = pytest.mark.skipif(not cpu_priority.available(), reason=cpu_priority.UNAVAILABLE)
 
 
 def policy_of_new_thread(start=None) -> int:
@@ -92,6 +92,13 @@ def test_a_host_that_cannot_is_refused_before_launch(monkeypatch):
         with compute_yields():
             pass
     RunConfig().validate()  # off: nothing asked of the host
+
+
+def test_a_command_lines_mode_resolves_to_the_configs_bool():
+    assert cpu_priority.resolve("on") is True and cpu_priority.resolve("off") is False
+    assert cpu_priority.resolve("auto") == cpu_priority.available()
+    with pytest.raises(ValueError, match="on, off or auto"):
+        cpu_priority.resolve("yes")
 
 
 def test_off_keeps_the_run_ids_of_before():

@@ -22,7 +22,8 @@ whose all-to-all arrived first, holds k back. A then waits for k, which needs B;
 A. So the wait is bounded: a high call waits for the ops in flight at most ``stall_s`` (default:
 three times the median duration of the last 16 low ops completed, at least 5 ms) - longer than an
 in-flight op alone needs, so past it the op is stalled on a peer that is itself inside this
-all-to-all (the median, so that the stalled ops' own long durations do not lengthen the next bound). The release is logged (``released``) and counted, never silent.
+all-to-all (the median, so that the stalled ops' own long durations do not lengthen the next bound).
+The release is logged (``released``) and counted, never silent.
 
 ``agreement`` (optional) replaces the bounded wait's escape by a leader per group deciding every
 launch (see ``__init__``); followers' launches are recorded with ``forced``.

@@ -49,9 +49,15 @@ def available() -> bool:
     return bool(ok)
 
 
-def unavailable_reason() -> str:
-    return ("needs Linux's SCHED_IDLE and the right to leave it (CAP_SYS_NICE: root or setcap); "
-            "this host lacks one of them")
+UNAVAILABLE = ("needs Linux's SCHED_IDLE and the right to leave it (CAP_SYS_NICE: root or setcap); "
+               "this host lacks one of them")
+
+
+def resolve(mode: str) -> bool:
+    """A command line's ``on`` / ``off`` / ``auto`` (on where :func:`available`) as the config's bool."""
+    if mode not in ("on", "off", "auto"):
+        raise ValueError(f"compute_yields mode must be on, off or auto, got {mode!r}")
+    return mode == "on" or (mode == "auto" and available())
 
 
 @contextlib.contextmanager
@@ -61,7 +67,7 @@ def compute_yields(on: bool = True):
         yield
         return
     if not available():
-        raise RuntimeError("compute_yields " + unavailable_reason())
+        raise RuntimeError("compute_yields " + UNAVAILABLE)
     before, param = os.sched_getscheduler(0), os.sched_getparam(0)
     _set(os.SCHED_IDLE)
     try:

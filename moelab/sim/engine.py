@@ -324,23 +324,21 @@ class _CallGate:
         self.kind = [1 if o.stream in high else -1 if o.stream in low else 0 for o in graph.ops]
         self.high = np.zeros(graph.world_size, dtype=np.int64)  # high ops waiting or running, per rank
         self.low = np.zeros(graph.world_size, dtype=np.int64)  # low ops running, per rank
-        self.held: list = []  # ready ops the gate holds back, in the order they became ready
-        self.counted: set = set()  # held high ops already counted in self.high
+        self.held: list = []  # ready ops the gate holds back (a held high op already counts in self.high)
 
     def admit(self, ready) -> list:
         """Of the ready ops (and those held), the ones that start now: high ones first, then low ones."""
-        cand = sorted(set(ready) | set(self.held), key=lambda i: (self.kind[i] != 1, i))
+        held = set(self.held)
+        cand = sorted(set(ready) | held, key=lambda i: (self.kind[i] != 1, i))
         self.held, go = [], []
         for i in cand:
             r, k = list(self.ops[i].ranks), self.kind[i]
             if k == 1:
-                if i not in self.counted:
+                if i not in held:  # newly ready: it waits or runs from now on
                     self.high[r] += 1
-                    self.counted.add(i)
                 if self.high_waits and self.low[r].any():
                     self.held.append(i)
                     continue
-                self.counted.discard(i)
             elif k == -1:
                 if self.high[r].any():
                     self.held.append(i)
