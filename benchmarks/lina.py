@@ -44,7 +44,7 @@ are not the paper's GPUs: the ratios check mechanisms.
 Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04] [--batch 2]
                                  [--intra 0.02] [--inter 0.005] [--gamma fitted] [--d 128] [--layers 4] [--only POLICY ...]
                                  [--compute-yields auto|on|off]
-       python benchmarks/lina.py --serve default [--serve-links 0.01 0.002] [--replica-rounding nearest]
+       python benchmarks/lina.py --serve default [--serve-links 0.01 0.002] [--replica-rounding nearest|balanced]
                                  # the inference variants (4 ranks, EMULATED)
 """
 from __future__ import annotations
@@ -162,8 +162,9 @@ def main(argv=None) -> int:
     p.add_argument("--serve-links", nargs=2, type=float, default=(0.01, 0.002), metavar=("INTRA", "INTER"),
                    help="with --serve: the emulated links' GB/s per rank (default 0.01 0.002: a batch's bytes, "
                    "not each call's fixed cost, set its time; the scale's own: 0.2 0.05 at default)")
-    p.add_argument("--replica-rounding", default="floor", choices=("floor", "nearest"),
-                   help="with --serve: dedicated replicas of a hot expert, floor(n(e)) (the spec's) or n(e) rounded")
+    p.add_argument("--replica-rounding", default="floor", choices=("floor", "nearest", "balanced"),
+                   help="with --serve: replicas of a hot expert, floor(n(e)) (the spec's), n(e) rounded, or as many as "
+                   "bring the busiest device within 5 %% of the mean (moelab.placement.lina.allocate_balanced)")
     a = p.parse_args(argv)
     from moelab.runtime.cpu_priority import resolve
 

@@ -143,7 +143,7 @@ class ServeConfig:
     k_est: int = 2  # per-token experts kept from the path distribution
     k_cmp: int = 2  # top experts compared by phase 2
     max_pack: int = 4  # experts per device at most
-    replica_rounding: str = "floor"  # dedicated replicas of an expert wanting n(e) >= 1 devices: floor (spec [R]) | nearest
+    replica_rounding: str = "floor"  # replicas of an expert wanting n(e) devices: floor (spec [R]) | nearest | balanced (for the busiest device)
     profile_batches: int = 4  # training-split batches per rank traced to fit the path table
 
 

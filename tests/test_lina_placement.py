@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from moelab.placement.lina import allocate, needs_replan, replica_split, to_placement, top_set
+from moelab.placement.lina import BALANCE_TOL, allocate, busiest, needs_replan, replica_split, to_placement, top_set
 from moelab.placement.popularity import PathTable, estimation_accuracy, markov_traces, pattern_share
 
 
@@ -18,7 +18,7 @@ def random_n(rng, E, N):
     return N * pop * rng.uniform(0.6, 1.0)  # estimated mass < 1
 
 
-@pytest.mark.parametrize("rounding", ["floor", "nearest"])
+@pytest.mark.parametrize("rounding", ["floor", "nearest", "balanced"])
 @pytest.mark.parametrize("E,N,max_pack", [(4, 4, 4), (8, 4, 4), (16, 16, 4), (16, 4, 4), (16, 8, 2), (6, 3, 2)])
 def test_allocation_places_every_expert_within_max_pack_on_exactly_n_devices(E, N, max_pack, rounding):
     rng = np.random.default_rng(E * 100 + N)
@@ -30,7 +30,9 @@ def test_allocation_places_every_expert_within_max_pack_on_exactly_n_devices(E, 
         assert {e for d in devs for e in d} == set(range(E))
         assert all(len(set(d)) == len(d) for d in devs)
         reps = {e: sum(e in d for d in devs) for e in range(E)}
-        if sum(math.floor(v) for v in n) * (max_pack - 1) + (N - sum(math.floor(v) for v in n)) * max_pack >= E:
+        if rounding == "balanced":  # replicas chosen for the busiest device: never busier than floor's, or the tolerance
+            assert busiest(devs, n) <= max(busiest(allocate(n, N, max_pack), n), (1 + BALANCE_TOL) * n.sum() / N) + 1e-9
+        elif sum(math.floor(v) for v in n) * (max_pack - 1) + (N - sum(math.floor(v) for v in n)) * max_pack >= E:
             assert all(reps[e] >= math.floor(n[e]) for e in range(E))
         to_placement(devs, E)  # a valid Placement
 
@@ -46,19 +48,26 @@ def test_allocation_edge_cases():
     assert allocate([0.5, 0.3, 0.2, 0.0], 2, 4, seed=3) == allocate([0.5, 0.3, 0.2, 0.0], 2, 4, seed=3)
 
 
-def _max_device_load(devs, n):
-    reps = {e: sum(e in d for d in devs) for d in devs for e in d}
-    return max(sum(n[e] / reps[e] for e in d) for d in devs)
-
-
 def test_nearest_rounding_replicates_a_hot_experts_fraction():
     n = [1.64, 0.9, 0.8, 0.66]  # 4 devices; expert 0 wants 1.64 of them
     floor, nearest = allocate(n, 4, 4), allocate(n, 4, 4, rounding="nearest")
     assert sum(0 in d for d in floor) == 1 and sum(0 in d for d in nearest) == 2
-    assert _max_device_load(nearest, n) < _max_device_load(floor, n) == pytest.approx(1.64)
+    assert busiest(nearest, n) < busiest(floor, n) == pytest.approx(1.64)
     assert allocate([1.3, 0.9, 0.9, 0.9], 4, 4, rounding="nearest") == allocate([1.3, 0.9, 0.9, 0.9], 4, 4)  # rounds down
     with pytest.raises(ValueError, match="rounding"):
         allocate(n, 4, 4, rounding="ceil")
+
+
+def test_balanced_replicas_bring_a_skewed_batch_near_the_mean():
+    n = np.array([2.88, 1.97, 1.75, 1.66, 1.53, 1.41, 1.22, 0.78, 0.69, 0.59, 0.5, 0.5, 0.22, 0.19, 0.06, 0.06])
+    floor, balanced = allocate(n, 16, 4), allocate(n, 16, 4, rounding="balanced")
+    assert busiest(floor, n) > 1.4  # a fraction of a hot expert left on one device
+    assert busiest(balanced, n) <= (1 + BALANCE_TOL) * n.sum() / 16 + 1e-9
+    reps = {e: sum(e in d for d in balanced) for e in range(16)}
+    assert reps[0] >= 3 and reps[15] == 1  # the hot expert replicated, the cold one packed
+    assert allocate(n, 16, 4, rounding="balanced") == balanced  # deterministic
+    uniform = np.ones(8)
+    assert allocate(uniform, 8, 4, rounding="balanced") == allocate(uniform, 8, 4)  # floor already balanced: kept
 
 
 def _bins_opt(sizes):

@@ -22,6 +22,7 @@ def placements(N):
         if not any(e in d for d in rand):
             rand[e % N].append(e)
     return {"static": [[r] for r in range(N)], "lina": allocate([2.2, 0.9, 0.6, 0.0], N, 4, seed=1),
+            "balanced": allocate([2.2, 0.9, 0.6, 0.0], N, 4, rounding="balanced"),  # replicas packed beside others
             "random": rand, "one_rank": [list(range(E))] + [[] for _ in range(N - 1)],
             "replicated": [list(range(E)) for _ in range(N)]}
 

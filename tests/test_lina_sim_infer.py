@@ -53,6 +53,24 @@ def test_skewed_traces_make_lina_faster_than_the_baseline_before_its_overheads()
     assert not any(r["replans"] for r in rows if r["variant"] == "lina_no_finetune")
 
 
+def test_balanced_replicas_leave_the_busiest_device_nearer_the_mean():
+    """serve.replica_rounding "balanced" prices the same batches with replica counts chosen for the busiest
+    device: from the actual counts (lina_no_estimation) its scheduled layers come near the mean."""
+    import dataclasses
+
+    from moelab.placement.lina import BALANCE_TOL
+
+    t = markov_traces(8192, L, E, order=1, seed=5, sharpness=6.0)
+    table, src, batches = setup(t)
+    load = {}
+    for rounding in ("floor", "balanced"):
+        sv = dataclasses.replace(SV, replica_rounding=rounding)
+        rows = simulate_serving(t, src, batches, ("lina_no_estimation",), sv, table, get_profile("lina"), Topology(N, 4),
+                                InferShape())
+        load[rounding] = np.median([r["load_max_over_mean"] for r in rows])
+    assert load["balanced"] < min(load["floor"], 1 + 2 * BALANCE_TOL)  # the tolerance, plus whole tokens per replica
+
+
 def test_every_token_crosses_each_all_to_all_once():
     t = markov_traces(2048, L, E, order=1, seed=2)
     table = PathTable.fit(t, E, SV.path_len)

@@ -9,6 +9,8 @@ Every rank runs these on the same all-gathered inputs and gets the same plan wit
   the fractional ones (bins of capacity 1.0, at most ``max_pack`` experts), experts nobody ranked
   spread over free devices (else a seeded device with room), leftover devices to the expert with the
   highest load per replica. Every expert is placed, no device exceeds ``max_pack``.
+  ``rounding="balanced"`` (:func:`allocate_balanced`, an option): replica counts chosen for the busiest
+  device instead, packed largest first.
 - :func:`top_set`, :func:`needs_replan`: phase 2 re-plans iff the estimated and actual top-``K``
   expert sets differ (set comparison, order ignored).
 - :func:`replica_split`: a source's tokens of one expert in near-equal contiguous parts over its
@@ -16,6 +18,8 @@ Every rank runs these on the same all-gathered inputs and gets the same plan wit
 """
 from __future__ import annotations
 
+import collections
+import heapq
 import math
 import random
 from typing import Sequence
@@ -25,14 +29,17 @@ import numpy as np
 from moelab.placement import Placement
 
 
-ROUNDING = ("floor", "nearest")
+ROUNDING = ("floor", "nearest", "balanced")
+BALANCE_TOL = 0.05  # [choice] "balanced" stops adding replicas once the busiest device is within 5 % of the
+#                     mean load (each replica costs a swap and a launch; see allocate_balanced)
 
 
 def allocate(n, N: int, max_pack: int = 4, seed: int = 0, log: list = None, rounding: str = "floor") -> list:
     """Device -> experts for ``n[e]`` wanted devices (see module doc). ``log`` (a list) receives a
     note for every forced overflow of a bin past capacity 1.0. ``rounding``: dedicated replicas of an
     expert with ``n(e) >= 1``, ``floor`` (the spec's [R] default) or ``nearest`` (half up): with few
-    devices per expert (N < E) the floor leaves a hot expert's fraction on one device."""
+    devices per expert (N < E) the floor leaves a hot expert's fraction on one device; ``balanced``:
+    :func:`allocate_balanced` (``seed`` and ``log`` unused: nothing is random or forced there)."""
     n = np.asarray(n, dtype=np.float64)
     E = len(n)
     if N < 1 or max_pack < 1:
@@ -43,6 +50,8 @@ def allocate(n, N: int, max_pack: int = 4, seed: int = 0, log: list = None, roun
         raise ValueError("wanted devices n(e) must be finite and >= 0")
     if rounding not in ROUNDING:
         raise ValueError(f"rounding must be one of {ROUNDING}, got {rounding!r}")
+    if rounding == "balanced":
+        return allocate_balanced(n, N, max_pack)
     order = sorted(range(E), key=lambda e: (-n[e], e))
     half = 0.5 if rounding == "nearest" else 0.0
     reps = {e: int(math.floor(n[e] + half)) for e in order if n[e] >= 1}
@@ -94,6 +103,67 @@ def allocate(n, N: int, max_pack: int = 4, seed: int = 0, log: list = None, roun
         devs.append([e])
         load.append(0.0)
     return devs
+
+
+def _lpt(n, reps, N: int, max_pack: int):
+    """(busiest device's load, device -> experts): every expert's ``reps[e]`` replicas, each carrying
+    ``n[e] / reps[e]``, largest first onto the least-loaded device that has room and no copy of it yet
+    (ties: fewer experts, lower index); None where some replica finds no such device."""
+    items = sorted(((n[e] / reps[e], e) for e in range(len(n)) for _ in range(reps[e])), key=lambda x: (-x[0], x[1]))
+    heap = [(0.0, 0, d) for d in range(N)]  # (load, experts held, device)
+    devs = [[] for _ in range(N)]
+    for size, e in items:
+        skipped = []
+        while heap and e in devs[heap[0][2]]:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        load, k, d = heapq.heappop(heap)
+        devs[d].append(e)
+        if k + 1 < max_pack:
+            heapq.heappush(heap, (load + size, k + 1, d))
+        for x in skipped:
+            heapq.heappush(heap, x)
+    return busiest(devs, n), devs
+
+
+def allocate_balanced(n, N: int, max_pack: int = 4) -> list:
+    """Device -> experts with replica counts chosen for the busiest device, not rounded from ``n(e)``.
+
+    The spec's ``floor`` leaves an expert wanting 1.6 devices on one: on a skewed batch its device
+    carries 1.5x the mean (median over the default scale's layers). Here every expert starts with
+    one replica; one more goes, step by step, to the expert with the largest load per replica, each
+    step packed by :func:`_lpt`. The first packing whose busiest device is within :data:`BALANCE_TOL`
+    of a device's mean load wins (a replica is a swap and a launch on its device: no more than needed);
+    if none is by ``max_pack * N`` replicas, the packing with the least busy busiest device. The spec's
+    ``floor`` allocation is the first candidate, so the busiest device is never busier than there, or
+    than the tolerance. No device is left empty; every expert is placed; no device exceeds ``max_pack``."""
+    n = np.asarray(n, dtype=np.float64)
+    E = len(n)
+    good = (1.0 + BALANCE_TOL) * n.sum() / N + 1e-12
+    floor = allocate(n, N, max_pack)
+    best = (busiest(floor, n), floor)
+    if best[0] <= good:
+        return floor
+    reps = [1] * E
+    while True:
+        got = _lpt(n, reps, N, max_pack)
+        if got is not None and all(got[1]):
+            if got[0] <= good:
+                return got[1]
+            if got[0] < best[0] - 1e-12:
+                best = got
+        big = max((e for e in range(E) if reps[e] < N), key=lambda e: (n[e] / reps[e], -e), default=None)
+        if sum(reps) >= N * max_pack or big is None:
+            break
+        reps[big] += 1
+    return best[1]
+
+
+def busiest(devs, n) -> float:
+    """The busiest device's load: its experts' ``n(e)`` over their replica counts, summed."""
+    reps = collections.Counter(e for d in devs for e in d)
+    return max(sum(n[e] / reps[e] for e in d) for d in devs)
 
 
 def to_placement(devs: Sequence[Sequence[int]], num_experts: int) -> Placement:

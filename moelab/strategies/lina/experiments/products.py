@@ -355,6 +355,10 @@ def fig16r(ctx):
                                                    "p95_speedup_over_baseline": INFER_GAIN, "a2a_share": INFER_SHARE})
 def fig16s(ctx):
     raw = paper_scale.inference(ctx.scale.name, ctx.seed)
+    bal = paper_scale.inference(ctx.scale.name, ctx.seed, variants=BALANCED, rounding="balanced")
+    bal["variant"] = bal.variant + BALANCED_SUFFIX  # the same batches, replica counts for the busiest device
+    attrs, raw = raw.attrs, pd.concat([raw, bal], ignore_index=True)
+    raw.attrs = attrs
     g = raw.groupby("variant", sort=False).batch_s
     df = pd.DataFrame({"variant": list(g.groups), "median_batch_s": g.median().values,
                        "p95_batch_s": g.quantile(0.95).values, "replans": raw.groupby("variant", sort=False).replans.sum().values,
@@ -385,10 +389,15 @@ def fig16s(ctx):
                        f"{r.variant} {r.load_max_over_mean:.2f}" for r in df.itertuples())
                    + f"; with the scheduler's costs set to zero (what-if) Lina gains "
                    f"{sens[sens.kind.str.endswith(WHAT_IF)].lina_median_speedup.iloc[0]:.2f}x "
-                   "at the fitted batch: the rest of its gap to Ideal is the placement (whole devices per expert)"])
+                   "at the fitted batch: the rest of its gap to Ideal is the placement (whole devices per expert)",
+                   f"rows '{BALANCED_SUFFIX.strip()}': an option, not the spec's - replica counts chosen so the busiest "
+                   "device is within 5 % of the mean (serve.replica_rounding: balanced) instead of floor(n(e)); the "
+                   "first path_len layers stay static in both"])
 
 
-WHAT_IF = ", scheduler costs 0 (what-if)"  # the sensitivity row priced without Lina's scheduler costs
+WHAT_IF = ", scheduler costs 0 (what-if)"
+BALANCED = ("lina", "lina_no_estimation", "lina_no_finetune")  # fig16s prices these again with balanced replicas
+BALANCED_SUFFIX = " (balanced)"  # serve.replica_rounding "balanced" (moelab.placement.lina.allocate_balanced)  # the sensitivity row priced without Lina's scheduler costs
 
 
 def _batch_size_sensitivity(ctx) -> pd.DataFrame:
