@@ -269,11 +269,11 @@ def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool =
     acc = frames.estimation_accuracy(scale, emulated=links, rounding=rounding, yields=yields)
     base = df.loc["baseline"]
     print(df.attrs["label"])
-    print(f"{'variant':20s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "
+    print(f"{'variant':30s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "
           f"{'baseline/variant p50 p95 p99 p95batch':>40s}")
     for v, r in df.iterrows():
         ratios = [base[c] / r[c] for c in ("p50_latency_s", "p95_latency_s", "p99_latency_s", "p95_batch_s")]
-        print(f"{v:20s} {1e3 * r.p50_latency_s:8.1f} {1e3 * r.p95_latency_s:8.1f} {1e3 * r.p99_latency_s:8.1f} "
+        print(f"{v:30s} {1e3 * r.p50_latency_s:8.1f} {1e3 * r.p95_latency_s:8.1f} {1e3 * r.p99_latency_s:8.1f} "
               f"{1e3 * r.p95_batch_s:12.1f} " + " ".join(f"{x:9.2f}" for x in ratios))
     w = acc.instances.sum()
     print(f"lina: re-plan rate {np.average(acc.replan_rate, weights=acc.instances) if w else float('nan'):.1%}, "

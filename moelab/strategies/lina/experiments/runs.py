@@ -23,6 +23,8 @@ from .common import scale_spec
 
 POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
 VARIANTS = ("baseline", "ideal", "lina", "lina_no_estimation", "lina_no_finetune")
+SCHEDULED = VARIANTS[2:]  # the variants that plan placements (serve.replica_rounding applies to them)
+BALANCED_SUFFIX = " (balanced)"  # their runs with serve.replica_rounding "balanced" (moelab.placement.lina.allocate_balanced)
 WORLD, NODES = 4, 2
 
 
@@ -147,7 +149,8 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     ``loads`` (training, last iterations), ``traces`` ([tokens, MoE layers] of the profiling split), ``losses``.
     ``emulated``: serve over the scale's contention-aware EMULATED links (2 nodes x 2; training stays REAL),
     or over links of ``(intra, inter)`` GB/s per rank when a pair is given. ``rounding``: the scheduled
-    variants' ``serve.replica_rounding`` (the spec's ``floor``, or ``nearest``). ``yields``: serve with
+    variants' ``serve.replica_rounding`` (the spec's ``floor``, or ``nearest``, ``balanced``); with ``floor`` they
+    are also served with ``balanced`` (keys ``"<variant> (balanced)"``) on the same model. ``yields``: serve with
     ``emulation.compute_yields`` (the ranks' serving threads at SCHED_IDLE, phase 1's loader not)."""
     import dataclasses
 
@@ -165,6 +168,9 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     if dataset == "pydocs":
         runs = {v: {"serve.variant": v, **links} for v in VARIANTS}
         runs.update({f"lina_Lp{n}": {"serve.variant": "lina", "serve.path_len": int(n), **links} for n in s.path_lens})
+        if rounding == "floor":  # the option beside the spec's rounding, on the same trained model
+            runs.update({v + BALANCED_SUFFIX: {"serve.variant": v, **links, "serve.replica_rounding": "balanced"}
+                         for v in SCHEDULED})
     else:
         runs = {v: {"serve.variant": v, **links} for v in ("ideal", "lina")}
     with tempfile.TemporaryDirectory(prefix="moelab-lina-") as d:
