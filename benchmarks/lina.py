@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                    "not each call's fixed cost, set its time; the scale's own: 0.2 0.05 at default)")
     p.add_argument("--replica-rounding", default="floor", choices=("floor", "nearest", "balanced"),
                    help="with --serve: replicas of a hot expert, floor(n(e)) (the spec's), n(e) rounded, or as many as "
-                   "bring the busiest device within 5 %% of the mean (moelab.placement.lina.allocate_balanced)")
+                   "bring the busiest device within BALANCE_TOL of the mean (moelab.placement.lina.allocate_balanced)")
     a = p.parse_args(argv)
     from moelab.runtime.cpu_priority import resolve
 

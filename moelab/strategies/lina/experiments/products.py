@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.placement.lina import BALANCE_TOL
 from moelab.repro.registry import Made, Quantity, product
 
 from . import figures as F
@@ -395,7 +396,7 @@ def fig16s(ctx):
                    f"{sens[sens.kind.str.endswith(WHAT_IF)].lina_median_speedup.iloc[0]:.2f}x "
                    "at the fitted batch: the rest of its gap to Ideal is the placement (whole devices per expert)",
                    f"rows '{BALANCED_SUFFIX.strip()}': an option, not the spec's - replica counts chosen so the busiest "
-                   "device is within 5 % of the mean (serve.replica_rounding: balanced) instead of floor(n(e)); the "
+                   f"device is within {BALANCE_TOL:.0%} of the mean (serve.replica_rounding: balanced) instead of floor(n(e)); the "
                    "first path_len layers stay static in both"])
 
 
