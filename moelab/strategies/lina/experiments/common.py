@@ -42,3 +42,11 @@ def scale_spec(scale) -> ScaleSpec:
     from moelab.repro.scales import load_scale
 
     return load_scale("lina", ScaleSpec, scale)
+
+
+P = "lina"  # the paper id products register under
+
+
+def fired(df, col: str, what: str) -> list:
+    """A note when ``what`` did not fire in this run (``col`` zero on every row), else nothing."""
+    return [] if (df[col] != 0).any() else [f"{what} did not fire in this run"]
