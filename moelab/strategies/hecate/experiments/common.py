@@ -12,6 +12,8 @@ import pandas as pd
 
 from moelab.repro.assumptions import Assumptions, load_assumptions
 
+P = "hecate"  # the paper id products register under
+X = "x"  # the unit of a ratio
 SCALES = ("smoke", "default", "full")
 PAPER_MODELS = ("GPT-MoE-S", "GPT-MoE-L", "BERT-MoE", "BERT-MoE-Deep")  # Table 1, in the paper's order
 
