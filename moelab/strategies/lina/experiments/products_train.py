@@ -45,7 +45,7 @@ def fig4s(ctx):
     stats = over.groupby("gamma").slowdown.agg(["count", "median", "max"])
     table = stats.reset_index()
     table.attrs["label"] = df.attrs["label"]
-    notes = [f"gamma = {fit['gamma']:.3g} is FITTED (bisection over the paper's 3 models x E = 2..16, "
+    notes = [f"gamma = {fit['gamma']:.3g} is FITTED (regula falsi over the paper's 3 models x E = 2..16, "
              f"{fit['overlapped_ops']} overlapped backward all-to-alls) to the paper's median slowdown "
              f"{fit['target_median']:.2f}x: a fit, not a result" + ("" if fit["reached"] else " — the fit did NOT reach it"),
              "Fig. 4's population: backward all-to-alls of ddp_overlap during which an all-reduce runs; this scale: "
