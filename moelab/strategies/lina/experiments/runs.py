@@ -28,7 +28,17 @@ BALANCED_SUFFIX = " (balanced)"  # their runs with serve.replica_rounding "balan
 WORLD, NODES = 4, 2
 
 
-def train_config(s, policy: str, seed: int = 0) -> RunConfig:
+def train_yields(yields=None) -> bool:
+    """Whether the training runs' compute threads yield to communication (``emulation.compute_yields``, ranks'
+    compute at SCHED_IDLE during the iterations, :mod:`moelab.runtime.cpu_priority`): ``None`` = on where the
+    host allows, as ``benchmarks/lina.py`` does. With 4 ranks on 2 cores a call a communication thread issues
+    during backward otherwise waits for a core behind the compute (a NIC does not wait for the GPU)."""
+    from moelab.runtime.cpu_priority import resolve
+
+    return resolve("auto") if yields is None else bool(yields)
+
+
+def train_config(s, policy: str, seed: int = 0, yields=None) -> RunConfig:
     return RunConfig().with_overrides({
         "paper": "lina", "name": f"policy-{policy}",
         "model.d_model": s.t_d, "model.d_ff": 4 * s.t_d, "model.n_layers": s.t_layers, "model.n_heads": 4,
@@ -38,7 +48,7 @@ def train_config(s, policy: str, seed: int = 0) -> RunConfig:
         "parallel.nproc": WORLD, "parallel.strategy": "lina",
         "parallel.bucket_mb": s.t_bucket_mb,
         "parallel.strategy_options": {"policy": policy, "partition_bytes": s.t_S, "a2a_chunks": 4},
-        **emulated_links(s)}).validate()
+        **emulated_links(s), "emulation.compute_yields": train_yields(yields)}).validate()
 
 
 def emulated_links(s) -> dict:
@@ -67,20 +77,22 @@ def a2a_times(comm, phase=None) -> float:
     return float(per.groupby(level=0).mean().mean())
 
 
-def links_label(s) -> str:
+def links_label(s, yields: bool = False) -> str:
     return (f"EMULATED links: 4 gloo ranks, 2 nodes x 2, intra {s.intra_GBps:g} GB/s, inter {s.inter_GBps:g} GB/s "
             f"per rank, shared by concurrent calls; an all-to-all and an all-reduce sharing a port each get 1/gamma "
-            f"of their share, gamma {_gamma():.2f} FITTED to Fig. 4 in the simulator")
+            f"of their share, gamma {_gamma():.2f} FITTED to Fig. 4 in the simulator"
+            + ("; compute threads yield to communication (SCHED_IDLE)" if yields else ""))
 
 
 @cached
-def policy_runs(scale: str, seed: int = 0) -> dict:
+def policy_runs(scale: str, seed: int = 0, yields=None) -> dict:
     """``{"summary": frame per policy, "comm": every rank's call records, "spans": every rank's compute
-    spans, "metrics": rank 0's per-iteration metrics rows}``, each with a policy column, warm-up dropped."""
+    spans, "metrics": rank 0's per-iteration metrics rows}``, each with a policy column, warm-up dropped;
+    ``yields``: :func:`train_yields`."""
     from moelab.sim.realruns import run_real_many
 
-    s = scale_spec(scale)
-    runs = run_real_many([train_config(s, p, seed) for p in POLICIES], timeout=1800)
+    s, yields = scale_spec(scale), train_yields(yields)
+    runs = run_real_many([train_config(s, p, seed, yields) for p in POLICIES], timeout=1800)
     rows, comms, spans, metrics = [], [], [], []
     for pol, r in zip(POLICIES, runs):
         keep = r.comm[r.comm.iter >= s.t_warmup].copy()
@@ -96,11 +108,11 @@ def policy_runs(scale: str, seed: int = 0) -> dict:
     df["step_speedup"] = base.step_s / df.step_s
     df["bwd_a2a_speedup"] = base.bwd_a2a_s / df.bwd_a2a_s
     df["a2a_share"] = df.a2a_s / df.step_s
-    df.attrs["label"] = links_label(s)
+    df.attrs["label"] = links_label(s, yields)
     out = {"summary": df, "comm": pd.concat(comms, ignore_index=True), "spans": pd.concat(spans, ignore_index=True),
            "metrics": pd.concat(metrics, ignore_index=True)}
     for v in out.values():
-        v.attrs["label"] = links_label(s)
+        v.attrs["label"] = links_label(s, yields)
     return out
 
 
