@@ -108,11 +108,11 @@ def policy_runs(scale: str, seed: int = 0, yields=None) -> dict:
     df["step_speedup"] = base.step_s / df.step_s
     df["bwd_a2a_speedup"] = base.bwd_a2a_s / df.bwd_a2a_s
     df["a2a_share"] = df.a2a_s / df.step_s
-    df.attrs["label"] = links_label(s, yields)
     out = {"summary": df, "comm": pd.concat(comms, ignore_index=True), "spans": pd.concat(spans, ignore_index=True),
            "metrics": pd.concat(metrics, ignore_index=True)}
+    label = links_label(s, yields)
     for v in out.values():
-        v.attrs["label"] = links_label(s, yields)
+        v.attrs["label"] = label
     return out
 
 
