@@ -59,12 +59,17 @@ EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4}),  # the same policy, fo
          "lina_pipe_nowait": ("lina_pipe", {"a2a_waits_for_inflight": False}),
          "lina_leader": ("lina", {"launch_agreement": "leader"}),  # the first rank decides every launch
          "lina_pipe_leader": ("lina_pipe", {"launch_agreement": "leader"}),
+         # runs of small gradients (norms, biases) share micro-ops of <= S (a departure from the spec's one per gradient)
+         "lina_coalesce": ("lina", {"coalesce_bytes": "S"}),
+         "lina_pipe_coalesce": ("lina_pipe", {"coalesce_bytes": "S"}),
          # the packing controller from q = 1: a decision at steps 3, 5, 7 from the measured micro-op times
          "lina_full_ctl": ("lina_full", {"pack_controller": True, "pack_start_step": 3, "pack_every": 2})}
 
 
 def config(a, policy, q=0, **opts):
     from moelab.config import RunConfig
+
+    opts = {k: a.S if v == "S" else v for k, v in opts.items()}  # "S": the run's partition_bytes
 
     return RunConfig().with_overrides({
         "model.d_model": a.d, "model.d_ff": a.ff * a.d, "model.n_layers": a.layers, "model.n_heads": 4,
@@ -182,7 +187,9 @@ def main(argv=None) -> int:
 
     names = tuple(n for n in POLICIES + tuple(EXTRA) if not a.only or n == "ddp_overlap" or n in a.only)
     cfgs = [config(a, n) if n in POLICIES else config(a, EXTRA[n][0], **EXTRA[n][1]) for n in names]
-    cfgs += [config(a, "ddp_overlap", 4), config(a, "lina", 4)]
+    controls = ["ddp_overlap", "lina"] + (["lina_coalesce"] if "lina_coalesce" in names else [])
+    cfgs += [config(a, "ddp_overlap", 4), config(a, "lina", 4)] + [
+        config(a, EXTRA[n][0], 4, **EXTRA[n][1]) for n in controls[2:]]
     runs = run_real_many(cfgs, timeout=1800, probe=_probe_call_costs)
     probes = {k: {c: [r.probe[k][c] for r in runs] for c in ("call_s", "sync_s")} for k in ("idle", "busy")}
     fixed = {k: {c: statistics.mean(v) for c, v in p.items()} for k, p in probes.items()}  # one set for every policy
@@ -207,9 +214,10 @@ def main(argv=None) -> int:
         d = lm[(lm["rank"] == 0) & (lm.layer == 0) & lm.pack_decision.notna()]
         print("lina_full_ctl decisions (step: decision, block of ranks after it): " + "; ".join(
             f"{int(r.iter)}: {r.pack_decision}, {int(r.block)}" for r in d.itertuples()))
-    ctrl = [measured(r, a.warmup)[0] for r in runs[-2:]]
-    print(f"control (q = E = 4: every rank holds every expert, no all-to-all leaves a rank): "
-          f"lina/ddp_overlap step = {ctrl[1] / ctrl[0]:.3f} (target within 5 %)", flush=True)
+    ctrl = [measured(r, a.warmup)[0] for r in runs[-len(controls):]]
+    for n, c in zip(controls[1:], ctrl[1:]):
+        print(f"control (q = E = 4: every rank holds every expert, no all-to-all leaves a rank): "
+              f"{n}/ddp_overlap step = {c / ctrl[0]:.3f} (target within 5 %)", flush=True)
     for k, f in fixed.items():
         print(f"held-out fixed costs per collective call, all ranks calling, {k} ranks: software "
               f"{1e3 * f['call_s']:.2f} ms beside its link time, then the emulator's sync {1e3 * f['sync_s']:.2f} ms "
@@ -244,7 +252,7 @@ def main(argv=None) -> int:
             for k, x in zip(errs, got[1:]):
                 errs[k].append(abs(x / real - 1))
             print(f"{pol:17s} {real:12.2f} " + " ".join(f"{x:9.2f} {100 * abs(x / real - 1):5.0f}%" for x in got))
-        cp = [[predicted(c, r, *f, **kw) for c, r in zip(cfgs[-2:], runs[-2:])]
+        cp = [[predicted(c, r, *f, **kw) for c, r in zip(cfgs[-len(controls):][:2], runs[-len(controls):][:2])]
               for f, kw in (((), {}), ((fixed["idle"],), {}), ((fixed["idle"], fixed["busy"]), {}),
                             ((fixed["idle"], fixed["busy"]), {"share_cores": "pool"}))]
         print(f"{'control lina/ddp':17s} {ctrl[1] / ctrl[0]:12.2f} " + " ".join(

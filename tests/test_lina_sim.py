@@ -64,6 +64,16 @@ def test_micro_ops_and_buckets_have_their_sizes(results):
     assert max(lina) <= 4e6 and len(lina) > len(buckets) > 1
 
 
+def test_coalesced_micro_ops_keep_the_bytes_in_fewer_calls(results):
+    cfg, res = results
+    co = cfg.with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "coalesce_bytes": 1e5}})
+    g, _ = run(co, get_profile("lina"), "lina")
+    got = [o.comm["nbytes"] for o in g.ops if o.category == "allreduce"]
+    per_grad = [o.comm["nbytes"] for o in res["lina"][0].ops if o.category == "allreduce"]
+    assert sum(got) == sum(per_grad) and max(got) <= 4e6
+    assert len(got) < len(per_grad)
+
+
 def test_fixed_releases_buckets_only_between_moe_layers(results):
     _, res = results
     g, r = res["fixed"]

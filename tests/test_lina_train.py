@@ -13,6 +13,7 @@ BASE = {"model.moe.dispatcher": "dense", "model.moe.capacity_factor": 2.0, "trai
         "parallel.strategy": "lina", "parallel.bucket_mb": 0.004}
 S = 1024  # bytes: the largest fp64 gradient (32x16 weights = 4 KiB) splits into 4 micro-ops
 POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina")
+COALESCED = ("lina_coalesced", "lina", {"coalesce_bytes": S})  # small gradients share micro-ops of <= S
 
 
 def _train(rank, world, policies, opts):
@@ -20,15 +21,16 @@ def _train(rank, world, policies, opts):
     from moelab.runtime.train import Trainer
 
     out = {}
-    for pol in policies:
+    for entry in policies:  # a policy, or (name, policy, its own options)
+        name, pol, own = (entry, entry, {}) if isinstance(entry, str) else entry
         cfg = RunConfig().with_overrides({**TINY_TRAIN, **BASE, "parallel.nproc": world, "parallel.strategy_options":
-                                          {"policy": pol, "partition_bytes": S, **opts}}).validate()
+                                          {"policy": pol, "partition_bytes": S, **opts, **own}}).validate()
         tr = Trainer.build(cfg)
         losses = [row["loss"] for row in tr.run()]
         upd = tr.update
         sched = getattr(upd, "sched", None)
         dp_seq = [(r.group, r.seq, r.op, r.tags.get("name")) for r in tr.comm.rec.comm if r.group == "dp"]
-        out[pol] = dict(
+        out[name] = dict(
             losses=losses, params={n: p.detach().clone() for n, p in tr.model.named_parameters()},
             records=list(sched.records) if sched else [], marks=list(sched.marks) if sched else [],
             stalls=sched.stalls if sched else 0, dp_seq=dp_seq,
@@ -41,13 +43,13 @@ def _train(rank, world, policies, opts):
 
 @pytest.fixture(scope="module")
 def runs2():
-    return run_ranks(_train, 2, POLICIES, {}, timeout=300)
+    return run_ranks(_train, 2, POLICIES + (COALESCED,), {}, timeout=300)
 
 
 def test_every_policy_trains_the_baseline_model_bitwise_on_2_ranks(runs2):
     for r in range(2):
         ref = runs2[r]["ddp_overlap"]
-        for pol in POLICIES:
+        for pol in POLICIES + COALESCED[:1]:
             got = runs2[r][pol]
             assert got["losses"] == ref["losses"], pol
             for n, p in ref["params"].items():
@@ -58,7 +60,9 @@ def test_micro_ops_partition_every_gradient_exactly(runs2):
     got = runs2[0]["lina"]
     shapes = got["shapes"]
     by_param: dict = {}
-    for i, a, b in got["micro_ops"]:
+    for op in got["micro_ops"]:
+        assert len(op) == 1  # one gradient per micro-op (no coalescing by default)
+        i, a, b = op[0]
         assert (b - a) * shapes[i][1] <= S and b > a
         by_param.setdefault(i, []).append((a, b))
     assert sorted(by_param) == list(range(len(shapes)))  # every dense gradient, in readiness order
@@ -69,6 +73,22 @@ def test_micro_ops_partition_every_gradient_exactly(runs2):
     # one all-reduce per micro-op per step, each reduced once
     names = [n for g, s, op, n in got["dp_seq"] if op == "all_reduce"]
     assert len(names) == 5 * len(got["micro_ops"]) and len(set(names)) == len(got["micro_ops"])
+
+
+def test_coalesced_micro_ops_carry_runs_of_small_gradients_and_fewer_calls(runs2):
+    got, per_grad = runs2[0]["lina_coalesced"], runs2[0]["lina"]
+    shapes = got["shapes"]
+    covered = [(i, a, b) for op in got["micro_ops"] for i, a, b in op]
+    assert covered == [m for op in per_grad["micro_ops"] for m in op]  # the same spans, in the same order
+    packs = [op for op in got["micro_ops"] if len(op) > 1]
+    assert packs, "no micro-op carried two gradients"
+    for op in packs:
+        idx = [i for i, _, _ in op]
+        assert idx == list(range(idx[0], idx[-1] + 1))  # consecutive in queue order
+        assert sum((b - a) * shapes[i][1] for i, a, b in op) <= S
+        assert all(a == 0 and b == shapes[i][0] for i, a, b in op)  # whole gradients
+    calls = [n for g, s, op, n in got["dp_seq"] if op == "all_reduce"]
+    assert len(calls) == 5 * len(got["micro_ops"]) < 5 * len(per_grad["micro_ops"])
 
 
 def _intervals(records, kind):
@@ -98,7 +118,7 @@ def test_priority_rules_hold_in_the_scheduler_log(runs2, pol):
 
 
 def test_same_collective_sequence_on_every_rank(runs2):
-    for pol in POLICIES:
+    for pol in POLICIES + COALESCED[:1]:
         seqs = [runs2[r][pol]["dp_seq"] for r in range(2)]
         assert seqs[0] == seqs[1], pol
 
@@ -130,6 +150,8 @@ def test_four_ranks_match_the_baseline_with_random_launch_delays():
     ({"experts_per_device": 2}, {"model.moe.dispatcher": "sparse"}, "expert packing runs the dense dispatcher"),
     ({"experts_per_device": 2}, {"model.moe.num_experts": 8, "parallel.nproc": 3}, "ranks per expert block must divide"),
     ({"launch_jitter_ms": -1}, {}, "launch_jitter_ms must be >= 0"),
+    ({"partition_bytes": 1024, "coalesce_bytes": 2048}, {}, "coalesce_bytes must lie in 0..partition_bytes"),
+    ({"policy": "priority", "coalesce_bytes": 8}, {}, "coalesce_bytes packs the micro-ops of the partitioned"),
 ])
 def test_bad_input_is_a_config_error_before_launch(opts, over, msg):
     from moelab.config import ConfigError, RunConfig
@@ -260,3 +282,19 @@ def test_leader_agreement_trains_the_same_model_and_keeps_the_leaders_rules():
             if r == 0:
                 high = _intervals(got["records"], "high")
                 assert not any(h["wait"] < lo["start"] < h["end"] for lo in low for h in high)
+
+
+def test_micro_op_plan_packs_only_consecutive_small_gradients_of_one_group():
+    from moelab.strategies.lina.update import micro_op_plan
+
+    sizes = [(4, 4), (2, 4), (100, 4), (1, 4), (3, 4), (2, 4), (2, 4), (50, 4), (2, 4)]  # (numel, bytes each)
+    groups = ["dp"] * 5 + ["edp"] * 2 + ["dp"] * 2
+    per_grad = micro_op_plan(sizes, groups, 64)
+    assert all(len(op) == 1 for op in per_grad)  # coalesce_bytes 0: the spec's one gradient per micro-op
+    plan = micro_op_plan(sizes, groups, 64, 16)
+    assert [[i for i, _, _ in op] for op in plan] == [
+        [0, 1], [2], [2], [2], [2], [2], [2], [2], [3, 4], [5, 6], [7], [7], [7], [7], [8]]
+    assert [m for op in plan for m in op] == [m for op in per_grad for m in op]  # the same spans, same order
+    assert all(sum((b - a) * sizes[i][1] for i, a, b in op) <= 64 for op in plan)
+    # a run breaks where the next would pass S: 5 gradients of 16 bytes under S = 40 -> 2 + 2 + 1
+    assert [len(op) for op in micro_op_plan([(4, 4)] * 5, ["dp"] * 5, 40, 16)] == [2, 2, 1]

@@ -4,6 +4,7 @@
 |---|---|---|
 | ``policy`` | lina | ``after_backward`` (one all-reduce after backward), ``ddp_overlap`` (DDP buckets during backward, free overlap: THE baseline), ``fixed`` (DDP buckets released only between MoE layers), ``priority`` (whole buckets, strict priority), ``lina`` (+ partitioned micro-ops), ``lina_pipe`` (+ chunked all-to-all pipelined with the FFN), ``lina_full`` (+ expert packing) |
 | ``partition_bytes`` | 30e6 | S, the all-reduce micro-op size in bytes (one gradient per micro-op) |
+| ``coalesce_bytes`` | 0 | partitioned policies: consecutive gradients of at most this many bytes (on one group) share a micro-op of at most S, copied into one buffer; 0: one gradient per micro-op (the spec's §2.2; coalescing is a departure from it, for the many tiny norm and bias gradients) |
 | ``a2a_chunks`` | 4 | m, all-to-all micro-ops per all-to-all (``lina_pipe``, ``lina_full``) |
 | ``max_inflight`` | 1 | low-priority micro-ops in flight at once |
 | ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.comm.priority`) |
@@ -40,6 +41,7 @@ class LinaOptions(StrategyOptions):
 
     policy: str = field(default="lina", metadata={"choices": POLICIES})
     partition_bytes: float = 30e6
+    coalesce_bytes: float = 0.0
     a2a_chunks: int = 4
     max_inflight: int = 1
     a2a_waits_for_inflight: bool = True
@@ -67,6 +69,12 @@ class LinaOptions(StrategyOptions):
             errs.append(f"stall_ms must be >= 0, got {self.stall_ms}")
         if self.partition_bytes <= 0:
             errs.append(f"partition_bytes must be > 0, got {self.partition_bytes}")
+        if not 0 <= self.coalesce_bytes <= self.partition_bytes:
+            errs.append(f"coalesce_bytes must lie in 0..partition_bytes={self.partition_bytes:g} (a packed micro-op is "
+                        f"at most S), got {self.coalesce_bytes:g}")
+        elif self.coalesce_bytes and not self.partitioned:
+            errs.append(f"coalesce_bytes packs the micro-ops of the partitioned policies {PARTITIONED}: policy "
+                        f"{self.policy!r} sends DDP buckets")
         if self.pack_start_step < 1 or self.pack_every < 1:
             errs.append(f"pack_start_step and pack_every must be >= 1 (steps), got {self.pack_start_step}, {self.pack_every}")
         if self.pack_memory_mb < 0:

@@ -10,7 +10,7 @@ points; this module turns them into the all-reduces each policy issues, on strea
   layer's backward dispatch all-to-all);
 - ``priority``: buckets at readiness, the all-to-all stream strictly first, a started bucket
   non-preemptive (:attr:`moelab.sim.engine.OpGraph.nonpreemptive`);
-- ``lina``, ``lina_pipe``: the runtime's micro-ops (:func:`moelab.strategies.lina.update.partition`),
+- ``lina``, ``lina_pipe``: the runtime's micro-ops (:func:`moelab.strategies.lina.update.micro_op_plan`),
   each a call paying the profile's per-call overhead, under the same priority rule; ``lina_pipe``
   also cuts each MoE layer's all-to-alls into ``a2a_chunks`` along the capacity, chunk j's experts
   running while chunk j+1 moves (:func:`pipelined_stages`, the runtime's
@@ -45,14 +45,17 @@ import numpy as np
 A2A, AR = "comm", "allreduce"
 
 
-def _units(ready, partitioned: bool, cap_bytes: float, part_bytes: float, eb: int):
-    """``[(bytes, ready point index)]`` in issue order: DDP buckets or per-parameter micro-ops."""
+def _units(ready, partitioned: bool, cap_bytes: float, part_bytes: float, eb: int, coalesce_bytes: float = 0.0):
+    """``[(bytes, ready point index)]`` in issue order: DDP buckets or the runtime's micro-ops
+    (:func:`moelab.strategies.lina.update.micro_op_plan`; packed experts' gradients on their own group)."""
     from moelab.runtime.update import bucket_groups
-    from moelab.strategies.lina.update import partition
+    from moelab.strategies.lina.update import micro_op_plan
 
     params = [(k, n) for k, (_, _, sizes) in enumerate(ready) for n in sizes]
     if partitioned:
-        return [((b - a) * eb, k) for k, n in params for a, b in partition(n, eb, part_bytes)]
+        groups = [ready[k][0].endswith(".experts") for k, _ in params]
+        plan = micro_op_plan([(n, eb) for _, n in params], groups, part_bytes, coalesce_bytes)
+        return [(sum(b - a for _, a, b in op) * eb, params[op[-1][0]][0]) for op in plan]
     return [(sum(params[i][1] for i in b) * eb, params[b[-1]][0])
             for b in bucket_groups([n * eb for _, n in params], cap_bytes)]
 
@@ -131,7 +134,7 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         if policy == "after_backward":
             units = [(sum(n for _, _, sizes in ready for n in sizes) * eb, len(ready) - 1)]
         else:
-            units = _units(ready, opts.partitioned, cap_bytes, S, eb)
+            units = _units(ready, opts.partitioned, cap_bytes, S, eb, opts.coalesce_bytes)
         if opts.scheduled and policy != "fixed":  # strict priority of the all-to-alls
             g.stream_priority[A2A] = 1
             g.nonpreemptive.update(streams)

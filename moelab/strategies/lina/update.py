@@ -7,7 +7,8 @@
   low-priority op of a :class:`moelab.comm.priority.PriorityScheduler` (``fixed``: released between
   MoE layers; ``priority``: strict priority, whole buckets);
 - ``lina``, ``lina_pipe``, ``lina_full``: every dense gradient cut into views of at most
-  ``partition_bytes`` (:func:`partition`), all-reduced in place, one gradient per micro-op.
+  ``partition_bytes`` (:func:`partition`), all-reduced in place, one gradient per micro-op (with
+  ``coalesce_bytes``, runs of small gradients share one, :func:`micro_op_plan`).
 
 Packed experts (``experts_per_device`` > 1) are replicated over ``expert_dp``: with the partitioned
 policies their gradients (every copy's partial sum, reduced over the copies) join the same queue from
@@ -32,6 +33,36 @@ def partition(numel: int, element_size: int, max_bytes: float) -> list:
     ``max_bytes`` (at least one element), covering ``0..numel`` exactly."""
     n = max(1, int(max_bytes) // element_size)
     return [(a, min(a + n, numel)) for a in range(0, numel, n)]
+
+
+def micro_op_plan(sizes, groups, max_bytes: float, coalesce_bytes: float = 0.0) -> list:
+    """The micro-ops of one step, in issue order: ``[((param index, start, stop), ...), ...]`` over
+    gradients ``sizes[i] = (numel, element size)`` in queue order, all-reduced on ``groups[i]``.
+
+    Each gradient is cut by :func:`partition` into micro-ops of one gradient each (the spec's design);
+    with ``coalesce_bytes`` > 0, a run of consecutive gradients of at most that many bytes each, on one
+    group, shares a micro-op while the run stays within ``max_bytes`` (the paper's "each micro-op is
+    uniform in size", for gradients far below S: norms, biases). A micro-op can launch once its last
+    gradient is ready."""
+    ops: list = []
+    pack: list = []
+    pack_bytes = 0
+    for i, (numel, es) in enumerate(sizes):
+        nbytes = numel * es
+        if 0 < nbytes <= min(coalesce_bytes, max_bytes):
+            if pack and (groups[pack[-1][0]] != groups[i] or pack_bytes + nbytes > max_bytes):
+                ops.append(tuple(pack))
+                pack, pack_bytes = [], 0
+            pack.append((i, 0, numel))
+            pack_bytes += nbytes
+            continue
+        if pack:
+            ops.append(tuple(pack))
+            pack, pack_bytes = [], 0
+        ops += [((i, a, b),) for a, b in partition(numel, es, max_bytes)]
+    if pack:
+        ops.append(tuple(pack))
+    return ops
 
 
 class LinaUpdate(OverlappedDataParallelUpdate):
@@ -59,7 +90,8 @@ class LinaUpdate(OverlappedDataParallelUpdate):
 
             self.packing = PackingController(o, model, comm)
         self._order_params()
-        self.micro_ops: list = []  # this step's (param index, start, stop), in submission order
+        self.micro_ops: list = []  # this step's micro-ops ((param index, start, stop), ...), in submission order
+        self._packs: list = []  # this step's coalesced micro-ops and their buffers
         self.last_micro_ops: list = []  # the last synchronised step's
         self.before_backward()
 
@@ -73,6 +105,12 @@ class LinaUpdate(OverlappedDataParallelUpdate):
         self.order = list(reversed(params))
         self._group_of = [packed.get(id(p), self.group) for p in self.order]
         self._pos = {id(p): i for i, p in enumerate(self.order)}
+        self._release: dict = {}  # the last gradient of a micro-op -> the micro-ops it completes
+        if self.opts.partitioned:
+            o = self.opts
+            for op in micro_op_plan([(p.numel(), p.element_size()) for p in self.order], self._group_of,
+                                    o.partition_bytes, o.coalesce_bytes):
+                self._release.setdefault(op[-1][0], []).append(op)
 
     def refresh_params(self) -> None:
         super().refresh_params()
@@ -120,26 +158,35 @@ class LinaUpdate(OverlappedDataParallelUpdate):
             self._submit_param(self._next_param)
 
     def _submit_param(self, i: int) -> None:
+        """Gradient ``i`` is ready, and every one before it in queue order: the micro-ops it completes."""
         import torch
 
         p = self.order[i]
         if p.grad is None:  # backward never reached it (same on every rank: same graph)
             p.grad = torch.zeros_like(p)
-        self._submit_tensor(p.grad, self._group_of[i], f"p{i}", i)
+        for op in self._release.get(i, ()):
+            self._submit_micro_op(op)
         self._next_param = i + 1
 
-    def _submit_tensor(self, grad, group: str, name: str, index=None) -> None:
-        """``grad`` (contiguous) all-reduced in place over ``group``: one op, or its micro-ops."""
-        flat = grad.view(-1)
-        es = flat.element_size()
+    def _submit_micro_op(self, op: tuple) -> None:
+        """One micro-op of :func:`micro_op_plan`: a view of one gradient all-reduced in place, or several
+        small gradients copied into one buffer (copied back after :meth:`sync`'s drain)."""
+        import torch
+
+        i, a, b = op[0]
+        if len(op) == 1:
+            view, name = self.order[i].grad.view(-1)[a:b], f"p{i}[{a}:{b}]"
+        else:
+            view, name = torch.cat([self.order[j].grad.reshape(-1) for j, _, _ in op]), f"p{i}-p{op[-1][0]}"
+            self._packs.append((op, view))
+        self.micro_ops.append(op)
+        self._submit_tensor(view, self._group_of[i], name)
+
+    def _submit_tensor(self, flat, group: str, name: str) -> None:
+        """``flat`` (contiguous) all-reduced in place over ``group``: one low-priority op."""
         comm = self.comm
-        spans = partition(flat.numel(), es, self.opts.partition_bytes) if self.opts.partitioned else [(0, flat.numel())]
-        for a, b in spans:
-            view = flat[a:b]
-            if index is not None:
-                self.micro_ops.append((index, a, b))
-            self.sched.submit(LowOp(lambda v=view: comm.all_reduce_(v, group=group, async_op=True),
-                                    (b - a) * es, group, f"{name}[{a}:{b}]"))
+        self.sched.submit(LowOp(lambda: comm.all_reduce_(flat, group=group, async_op=True),
+                                flat.numel() * flat.element_size(), group, name))
 
     def _launch(self, i: int) -> None:
         """A full DDP bucket becomes one low-priority op (``fixed``, ``priority``)."""
@@ -165,9 +212,15 @@ class LinaUpdate(OverlappedDataParallelUpdate):
         if not self.opts.partitioned:  # bucketed policies: packed experts' copies reduced after backward
             for layer in self.model.moe_layers():
                 for k, p in enumerate(packed_expert_params(layer)):
-                    self._submit_tensor(p.grad, layer.expert_dp_group, f"L{layer.layer_id}.experts{k}")
+                    self._submit_tensor(p.grad.view(-1), layer.expert_dp_group, f"L{layer.layer_id}.experts{k}")
         self.sched.drain()
         self.last_micro_ops, self.micro_ops = self.micro_ops, []
+        for op, buf in self._packs:
+            off = 0
+            for j, a, b in op:
+                self.order[j].grad.view(-1)[a:b].copy_(buf[off:off + b - a])
+                off += b - a
+        self._packs = []
         for i, flat, _ in self._pending:
             self._unpack(i, flat)
         for layer in self.model.moe_layers():
