@@ -5,8 +5,9 @@ killed mid-run, ``kill -9`` of a script).
 The launcher starts ``python -m moelab.runtime.guard PARENT_PID SIDE TMP -- torchrun ...`` in a session
 of its own; the guard runs torchrun in its own process group and exits with torchrun's exit code. If
 its parent disappears first (``os.getppid()`` changes), it stops torchrun and each rank (SIGTERM,
-then SIGKILL after a grace period) and deletes ``TMP``. A live launcher does its own cleanup (its
-``_kill`` signals the guard's group, which holds torchrun), so the guard only acts for a dead one.
+then SIGKILL after a grace period) and deletes ``TMP``. A live launcher does its own cleanup
+(:func:`moelab.runtime.processes.kill` signals the guard's group, which holds torchrun), so the guard
+only acts for a dead one.
 """
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from moelab.runtime.processes import GRACE_S, TORCHRUN_PID, alive, rank_pids, signal_groups
 from moelab.runtime.results import atomic_write_text
 
 POLL_S = 0.2
-TORCHRUN_PID = "pid_torchrun"
 
 
 def _orphaned(parent: int) -> bool:
@@ -29,22 +30,20 @@ def _orphaned(parent: int) -> bool:
 
 
 def _stop_everything(proc: subprocess.Popen, side: Path) -> None:
-    """Stop torchrun (our group) and every rank (their own groups), as the launcher's _kill would."""
-    from moelab.runtime.launch import _GRACE_S, _alive, _rank_pids, _signal_groups
-
+    """Stop torchrun (our group) and every rank (their own groups), as the launcher's :func:`moelab.runtime.processes.kill` would."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # our own group gets the SIGTERM too
-    groups = [os.getpgrp(), *_rank_pids(side)]
-    _signal_groups(groups, signal.SIGTERM)
+    groups = [os.getpgrp(), *rank_pids(side)]
+    signal_groups(groups, signal.SIGTERM)
     try:
-        proc.wait(timeout=_GRACE_S)
+        proc.wait(timeout=GRACE_S)
     except subprocess.TimeoutExpired:
         pass
-    ranks = _rank_pids(side)
-    _signal_groups(ranks, signal.SIGKILL)
+    ranks = rank_pids(side)
+    signal_groups(ranks, signal.SIGKILL)
     proc.kill()
     proc.wait()
-    end = time.monotonic() + _GRACE_S
-    while any(_alive(pid) for pid in ranks) and time.monotonic() < end:
+    end = time.monotonic() + GRACE_S
+    while any(alive(pid) for pid in ranks) and time.monotonic() < end:
         time.sleep(0.02)
 
 
@@ -55,7 +54,7 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         return 1
     proc = subprocess.Popen(command)  # inherits our stdout (the launcher's pipe), stderr and group
-    atomic_write_text(side / TORCHRUN_PID, str(proc.pid))  # the launcher's _kill waits for it to be gone
+    atomic_write_text(side / TORCHRUN_PID, str(proc.pid))  # the launcher's kill() waits for it to be gone
     while proc.poll() is None:
         if _orphaned(parent):
             _stop_everything(proc, side)

@@ -37,10 +37,8 @@ complete the folder themselves, on the node that holds rank 0.
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
-import re
 import shutil
 import signal
 import subprocess
@@ -51,49 +49,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moelab.config import RunConfig
-from moelab.runtime.guard import TORCHRUN_PID
+from moelab.runtime.failures import RunTimeout  # noqa: F401 - raised here, importable from here as before
+from moelab.runtime.failures import RunFailed, RunInterrupted, failure, read_text, tail, timed_out
+from moelab.runtime.processes import dump_stacks, kill, rank_pids
 from moelab.runtime.progress import Progress, parse_progress
 from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text, backend_of, stale_version
 from moelab.runtime.runfolder import NODE_RANK_ENV
 
 DEFAULT_WORKER = "moelab.runtime.worker"
 SERVE_WORKER = "moelab.runtime.serve"  # ``moelab serve``: the serving path instead of training
-TAIL_LINES = 25  # lines of a traceback shown in a RunFailed message
 _ENTRY = "moelab.runtime.launch"
 _GUARD = "moelab.runtime.guard"  # stops everything if this process dies mid-run (a restarted kernel)
 _SIDE_ENV = "MOELAB_LAUNCH_SIDE"  # the per-rank entry writes pids and failure records here
-_GRACE_S = 3.0  # SIGTERM -> SIGKILL
-
-
-class RunFailed(RuntimeError):
-    """A run that did not complete; ``rank`` is the rank that failed first (None if unknown)."""
-
-    def __init__(self, run_id: str, rank: int | None, traceback_tail: str, what: str = ""):
-        self.run_id, self.rank, self.traceback_tail = run_id, rank, traceback_tail
-        what = what or (f"failed on rank {rank}" if rank is not None else "failed")
-        super().__init__(f"run {run_id} {what}:\n{traceback_tail}")
-
-    def _render_traceback_(self) -> list[str]:
-        """IPython shows this instead of the launcher's frames: what failed, and the rank's own traceback."""
-        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {line}" if i == 0 else line
-                for i, line in enumerate(str(self).splitlines())]
-
-
-class RunTimeout(RunFailed):
-    """The run exceeded its timeout and was killed; ``traceback_tail`` holds each rank's stack."""
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C, or the notebook's stop button, while a run was going: every rank was stopped and no run
-    folder was stored (a checkpointed run keeps its checkpoints). One line, in a notebook too."""
-
-    def __init__(self, run_id: str, nproc: int, kept: Path | None = None):
-        self.run_id, self.kept = run_id, kept
-        more = f"; checkpoints kept in {kept}: continue with `moelab run --resume {kept}`" if kept else ""
-        super().__init__(f"moelab: run {run_id} interrupted: all {nproc} ranks stopped, nothing stored{more}")
-
-    def _render_traceback_(self) -> list[str]:
-        return [str(self)]
 
 
 # ---- the launcher ------------------------------------------------------------------------------
@@ -251,7 +218,7 @@ class Nodes:
 
     def not_met(self, run_id: str, timeout: float, torchrun_stderr: str) -> RunFailed:
         """The nodes never met: no rank started on this node."""
-        return RunFailed(run_id, None, _tail(torchrun_stderr, 8),
+        return RunFailed(run_id, None, tail(torchrun_stderr, 8),
                          f"did not start: the c10d rendezvous at {self.rdzv} did not gather {self.nnodes} nodes within "
                          f"{timeout:g}s (start the same command on every node, with the same --nnodes and --rdzv; "
                          "the first node must be reachable on that port)")
@@ -302,20 +269,20 @@ def _run(cfg: RunConfig, run_id: str, tmp: Path, side: Path, command: list[str],
         except subprocess.TimeoutExpired:
             rc = None
         except BaseException:  # Ctrl-C in a notebook: leave nothing running
-            _kill(proc, side)
+            kill(proc, side)
             raise
         finally:
             bar.close()
         if rc == 0:
             return
         if rc is None:
-            _dump_stacks(side)
-        _kill(proc, side)  # after a failure torchrun stopped the ranks already; make sure
-        if nodes is not None and not _rank_pids(side):
-            raise nodes.not_met(run_id, timeout, _read(logs / "torchrun.stderr"))
+            dump_stacks(side)
+        kill(proc, side)  # after a failure torchrun stopped the ranks already; make sure
+        if nodes is not None and not rank_pids(side):
+            raise nodes.not_met(run_id, timeout, read_text(logs / "torchrun.stderr"))
         if rc is None:
-            raise _timeout(run_id, timeout, logs, side)
-        e = _failure(run_id, rc, logs, side)
+            raise timed_out(run_id, timeout, logs, side)
+        e = failure(run_id, rc, logs, side)
         if nodes is not None and e.rank is not None and "no Python exception" not in str(e):
             e.args = (f"{e.args[0]}\n(in a multi-node run this often follows a failure on another node: "
                       "see that node's output)",)
@@ -353,141 +320,6 @@ def _pump(lines: queue.Queue, deadline: float, bar: Progress, out) -> bool:
             bar.update(rec)
         else:
             bar.write(line.rstrip("\n"))
-
-
-def _rank_pids(side: Path) -> list[int]:
-    return [int(p.read_text()) for p in side.glob("pid_rank*")]
-
-
-def _signal_groups(groups: list[int], sig: int) -> None:
-    for g in groups:
-        try:
-            os.killpg(g, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _kill(proc: subprocess.Popen, side: Path) -> None:
-    """SIGTERM torchrun's group and every rank's group, then SIGKILL what is left, and wait."""
-    groups = [proc.pid, *_rank_pids(side)]
-    _signal_groups(groups, signal.SIGTERM)
-    try:
-        proc.wait(timeout=_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
-    groups += _rank_pids(side)  # a rank may have started meanwhile
-    _signal_groups(groups, signal.SIGKILL)
-    proc.wait()
-    # the guard is reaped, but torchrun (its child, in its group) and the ranks may still be dying
-    pids = [*groups[1:], *_torchrun_pid(side)]
-    end = time.monotonic() + _GRACE_S
-    while any(_alive(pid) for pid in pids) and time.monotonic() < end:
-        time.sleep(0.02)
-
-
-def _torchrun_pid(side: Path) -> list[int]:
-    path = side / TORCHRUN_PID
-    return [int(path.read_text())] if path.exists() else []
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie (dead, waiting for its reaper) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _dump_stacks(side: Path) -> None:
-    for pid in _rank_pids(side):
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
-    time.sleep(0.5)
-
-
-def _tail(text: str, n: int = TAIL_LINES) -> str:
-    return "\n".join(text.rstrip().splitlines()[-n:])
-
-
-def _read(path: Path) -> str:
-    return path.read_text(errors="replace") if path.is_file() else ""
-
-
-def _stacks(logs: Path) -> str:
-    """Each rank's faulthandler dump (innermost frame first), without the launcher's own frames."""
-    parts = []
-    for p in sorted(logs.glob("rank*.stderr"), key=lambda p: int(p.stem[4:])):
-        text = _read(p)
-        m = re.search(r"^(Current thread|Thread) 0x", text, re.M)
-        if m:
-            lines = [ln for ln in text[m.start():].splitlines() if "runpy" not in ln and __file__ not in ln]
-        else:  # the rank never got going: show how far it got
-            lines = text.splitlines()[-TAIL_LINES:]
-        parts.append(f"--- {p.stem} ---\n" + "\n".join(lines[:TAIL_LINES]))
-    return "\n".join(parts) or _tail(_read(logs / "torchrun.stderr"))
-
-
-def _records(side: Path) -> dict:
-    """Each rank's recorded exception (rank -> {rank, time, traceback})."""
-    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in side.glob("failure_rank*.json"))}
-
-
-def _failure(run_id: str, rc: int, logs: Path, side: Path) -> RunFailed:
-    """Name the rank that failed first.
-
-    Once one rank is gone the others fail inside their collectives, so the earliest recorded
-    exception wins. A rank that died without one (a signal, ``os._exit``) records nothing; torchrun,
-    which watches every exit, lists it, and it is blamed first.
-    """
-    records = _records(side)
-    text = _read(logs / "torchrun.stderr")
-    crashed = _crashed(text, records)
-    if crashed is not None:
-        rank, code = crashed
-        how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
-        return RunFailed(run_id, rank, _tail(_read(logs / f"rank{rank}.stderr") or text),
-                         f"failed on rank {rank} ({how}, no Python exception)")
-    if records:
-        first = min(records.values(), key=lambda r: r["time"])
-        return RunFailed(run_id, first["rank"], _tail(first["traceback"]))
-    return RunFailed(run_id, None, _tail(text), f"failed (torchrun exit code {rc})")
-
-
-def _crashed(torchrun_stderr: str, records: dict) -> tuple[int, int] | None:
-    """(rank, exit code) of a rank in torchrun's failure report that died without a recorded
-    exception and not by torchrun's own SIGTERM; torchrun's root cause first."""
-    root = torchrun_stderr.find("Root Cause")
-    found = []
-    for m in re.finditer(r"rank\s*:\s*(\d+)\s*\(local_rank.*?exitcode\s*:\s*(-?\d+)", torchrun_stderr, re.S):
-        rank, code = int(m[1]), int(m[2])
-        if rank not in records and code != -signal.SIGTERM:
-            found.append((0 <= root < m.start(), rank, code))
-    return max(found, key=lambda f: f[0])[1:] if found else None
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
-
-
-def _timeout(run_id: str, timeout: float, logs: Path, side: Path) -> RunTimeout:
-    """Every rank's stack at the timeout, after the first exception if a rank raised before the hang."""
-    first = min(_records(side).values(), key=lambda r: r["time"], default=None)
-    what = f"timed out after {timeout:g}s and was killed"
-    if first is None:
-        return RunTimeout(run_id, None, _stacks(logs), what + "; each rank's stack at the timeout")
-    return RunTimeout(run_id, first["rank"], _tail(first["traceback"]) + "\n" + _stacks(logs),
-                      what + f" after rank {first['rank']} raised")
 
 
 def _swap_in(tmp: Path, final: Path) -> None:

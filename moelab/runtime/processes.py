@@ -1,0 +1,75 @@
+"""A run's processes seen from outside: torchrun and every rank, each in a process group of its own.
+
+Each rank records its pid in the launch's side folder (``pid_rank{r}``) and the guard records
+torchrun's (``pid_torchrun``); the launcher (:mod:`moelab.runtime.launch`) and the guard
+(:mod:`moelab.runtime.guard`) stop them from these files: SIGTERM to every group, SIGKILL after
+``GRACE_S``, then wait until every pid is gone (a zombie counts as gone).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+GRACE_S = 3.0  # SIGTERM -> SIGKILL
+TORCHRUN_PID = "pid_torchrun"
+
+
+def rank_pids(side: Path) -> list[int]:
+    return [int(p.read_text()) for p in side.glob("pid_rank*")]
+
+
+def signal_groups(groups: list[int], sig: int) -> None:
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill(proc: subprocess.Popen, side: Path) -> None:
+    """SIGTERM torchrun's group and every rank's group, then SIGKILL what is left, and wait."""
+    groups = [proc.pid, *rank_pids(side)]
+    signal_groups(groups, signal.SIGTERM)
+    try:
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    groups += rank_pids(side)  # a rank may have started meanwhile
+    signal_groups(groups, signal.SIGKILL)
+    proc.wait()
+    # the guard is reaped, but torchrun (its child, in its group) and the ranks may still be dying
+    pids = [*groups[1:], *torchrun_pid(side)]
+    end = time.monotonic() + GRACE_S
+    while any(alive(pid) for pid in pids) and time.monotonic() < end:
+        time.sleep(0.02)
+
+
+def torchrun_pid(side: Path) -> list[int]:
+    path = side / TORCHRUN_PID
+    return [int(path.read_text())] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (dead, waiting for its reaper) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def dump_stacks(side: Path) -> None:
+    for pid in rank_pids(side):
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.5)
