@@ -1,7 +1,8 @@
 """train.autocast=bf16: the forward runs in bfloat16 on real ranks, close to the fp32 run; refused where it cannot run."""
 import pytest
 
-from moelab.config import ConfigError, RunConfig, cpu_has_bf16
+from moelab.config import ConfigError, RunConfig
+from moelab.config_checks import cpu_has_bf16
 
 
 @pytest.mark.timeout(300)
@@ -23,6 +24,6 @@ def test_autocast_is_refused_where_it_cannot_work(monkeypatch):
         cfg.with_overrides({"train.autocast": "fp16"}).validate()
     with pytest.raises(ConfigError, match="set train.dtype=float32"):
         cfg.with_overrides({"train.autocast": "bf16", "train.dtype": "float64"}).validate()
-    monkeypatch.setattr("moelab.config.cpu_has_bf16", lambda: False)
+    monkeypatch.setattr("moelab.config_checks.cpu_has_bf16", lambda: False)
     with pytest.raises(ConfigError, match="this CPU has no native bf16"):
         cfg.with_overrides({"train.autocast": "bf16"}).validate()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from moelab.config import RunConfig, serve_errors
+from moelab.config import RunConfig
+from moelab.config_checks import serve_errors
 from moelab.placement.lina import needs_replan
 from moelab.testing import run_ranks
 

@@ -131,7 +131,8 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
 
         fits_memory(cfg, cfg.parallel.nproc // (nodes.nnodes if nodes is not None else 1))
     if worker == SERVE_WORKER:
-        from moelab.config import ConfigError, serve_errors
+        from moelab.config import ConfigError
+        from moelab.config_checks import serve_errors
 
         errs = serve_errors(cfg)
         if errs:

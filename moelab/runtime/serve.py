@@ -27,7 +27,8 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from moelab.config import RunConfig, serve_errors
+from moelab.config import RunConfig
+from moelab.config_checks import serve_errors
 
 STOP = -1
 
