@@ -85,7 +85,7 @@ def _ring(op: str, sent_per_member: Callable) -> Collective:
 def _chain(op: str) -> Collective:
     """broadcast (root -> every member) / reduce (every non-root -> root): a flat tree for the byte
     rule (what the root ships logically), priced as a pipelined chain from the root by the simulator
-    and the link emulator alike (:func:`moelab.comm.door.chain_edges`), as NCCL runs them."""
+    and the link emulator alike (:func:`moelab.comm.pricing.chain_edges`), as NCCL runs them."""
     def sent(group, me, nbytes=0, root=None, **_):
         if op == "broadcast":
             return {r: int(nbytes) for r in group} if me == root else {}

@@ -12,13 +12,13 @@ timelines), the byte checks of the tests, and the simulator's validation.
   returns the result and completes the record. A sync call is issue + wait.
 - **Scheduler hook**: ``Communicator.scheduler`` (:mod:`moelab.comm.scheduler`) admits every call
   before it is issued and hears when it is done.
-- **Link emulation** (optional, labelled EMULATED): the rank's ports are shared by concurrent calls
-  (:mod:`moelab.comm.links`); at ``wait()`` the rank sleeps until its emulated finish, and a
-  collective ends on every member at its slowest member's emulated finish.
+- **Link emulation** (optional, labelled EMULATED): a call priced by :mod:`moelab.comm.pricing`; the
+  rank's ports are shared by concurrent calls (:mod:`moelab.comm.links`); at ``wait()`` the rank
+  sleeps until its emulated finish, and a collective ends on every member at its slowest member's
+  emulated finish.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
@@ -33,7 +33,9 @@ from moelab.comm.board import Board, Boards
 from moelab.comm.bytes import peer_bytes, recv_bytes
 from moelab.comm.collectives import collective
 from moelab.comm.groups import BUILTIN, default_groups, validate_groups
+from moelab.comm import pricing
 from moelab.comm.links import Ports
+from moelab.comm.pricing import chain_edges  # noqa: F401 - re-exported (the chain the door emulates)
 from moelab.comm.record import CommRecord, Recorder, Span  # noqa: F401 - re-exported
 from moelab.comm.scheduler import Call
 from moelab.comm.topology import Topology
@@ -79,67 +81,7 @@ class Handle:
         return value
 
 
-def _group_latency(topo: Topology, ranks, lat: tuple) -> float:
-    """One step's latency of a collective over ``ranks``: inter-node if the group spans nodes."""
-    return lat[1 if len({topo.node_of(r) for r in ranks}) > 1 else 0]
-
-
-def _direct_latency(topo: Topology, op, ranks, lat: tuple, i: int) -> float:
-    """A non-ring flow's latency on link class ``i``: that class's, or a chain's (n-1) steps of the
-    group's class (sent / recv are then the chain's edges, :func:`chain_edges`)."""
-    if op is not None and ranks is not None and len(ranks) > 1 and collective(op).pricing == "chain":
-        return (len(ranks) - 1) * _group_latency(topo, ranks, lat)
-    return lat[i]
-
-
-@functools.lru_cache(maxsize=256)
-def _ring_shape(topo: Topology, op: str, ranks: tuple, bw: tuple, lat: tuple):
-    """Latency and per-(rank, class, direction) byte shares of a ring collective over ``ranks``: the
-    simulator's rings (:func:`moelab.sim.costs.ring_channels` with one NIC per rank, as the emulator
-    declares; node-major, across nodes one channel per member of the fullest node, each carrying 1/C
-    of the bytes). ``bw``/``lat``: (intra, inter). Returns (latency, shares, slowest share / bw)."""
-    from moelab.sim.costs import ring_channels
-
-    rings = ring_channels(list(ranks), topo, topo.ranks_per_node)
-    share: dict = {}  # (rank, class, direction) -> fraction of the per-rank ring bytes
-    for order in rings:
-        for a, b in zip(order, order[1:] + order[:1]):
-            cls = topo.link_class(a, b)
-            share[(a, cls, "out")] = share.get((a, cls, "out"), 0.0) + 1.0 / len(rings)
-            share[(b, cls, "in")] = share.get((b, cls, "in"), 0.0) + 1.0 / len(rings)
-    steps = (2 if op == "all_reduce" else 1) * (len(ranks) - 1)
-    bws = dict(zip(("intra", "inter"), bw))
-    latency = steps * _group_latency(topo, ranks, lat)
-    return latency, share, max(f / bws[cls] for (_, cls, _), f in share.items())
-
-
-def chain_edges(op: str, ranks, me: int, sent: dict, recv: dict) -> tuple:
-    """A broadcast / reduce as the simulator's pipelined chain (:func:`moelab.sim.costs.broadcast_demand`:
-    ranks in order from the root, every edge carrying S once): ``me``'s own edges, ``(sent, received)``
-    per peer - S to its successor and from its predecessor (reduce: the other way). Root and S come from
-    the call's flat-tree byte rule (``sent`` / ``recv`` per peer, what the record keeps)."""
-    if len(ranks) <= 1:
-        return {}, {}
-    sends_out = any(r != me for r in sent)
-    if op == "broadcast":
-        root = me if sends_out else next(iter(recv))
-    else:
-        root = next(iter(sent)) if sends_out else me
-    S = max([*sent.values(), *recv.values()])
-    order = sorted(ranks)
-    k = order.index(root)
-    order = order[k:] + order[:k]
-    i = order.index(me)
-    nxt = {order[i + 1]: S} if i + 1 < len(order) else {}
-    prev = {order[i - 1]: S} if i > 0 else {}
-    return (nxt, prev) if op == "broadcast" else (prev, nxt)
-
-
 FINISH_AGREEMENTS = ("auto", "allreduce")  # auto: a shared-memory board for groups on one host
-
-
-def _emulation_keys(e):
-    return (e.intra_bw_GBps * 1e9, e.inter_bw_GBps * 1e9), (e.intra_latency_us * 1e-6, e.inter_latency_us * 1e-6)
 
 
 class Communicator:
@@ -187,7 +129,7 @@ class Communicator:
         self._peer_class = [topo.link_class(self.rank, r) for r in range(self.world_size)]
         self._ports = None
         if self.emulation is not None:
-            (bi, be), _ = _emulation_keys(self.emulation)
+            (bi, be), _ = pricing.link_keys(self.emulation)
             self._ports = Ports({("intra", "out"): bi, ("intra", "in"): bi, ("inter", "out"): be, ("inter", "in"): be},
                                 gamma=getattr(self.emulation, "interference_gamma", 1.0))
 
@@ -314,26 +256,8 @@ class Communicator:
 
     # ---- emulation -----------------------------------------------------------------------------
     def port_flows(self, op: str, ranks: Sequence[int], sent: dict, recv: dict) -> list:
-        """This rank's share of one call as flows on its ports: ``[(latency, {(class, dir): bytes})]``.
-
-        Ring collectives (declared ``pricing="ring"``, :mod:`moelab.comm.collectives`): one flow after the ring's step latencies, with this
-        rank's ring edges' bytes (the ring's slowest link elsewhere is reached through the members'
-        finish-time reduction, so alone every member ends at :meth:`emulated_time`). Every other call:
-        one flow per link class in use, after that class's latency, ``sent`` out and ``recv`` in.
-        """
-        bw, lat = _emulation_keys(self.emulation)
-        if collective(op).pricing == "ring" and len(ranks) > 1:
-            v = sent.get("intra", 0) + sent.get("inter", 0)
-            if v <= 0:
-                return []
-            latency, share, _ = _ring_shape(self.topo, op, tuple(ranks), bw, lat)
-            return [(latency, {(cls, d): v * f for (r, cls, d), f in share.items() if r == self.rank})]
-        flows = []
-        for i, cls in enumerate(("intra", "inter")):
-            if max(sent.get(cls, 0), recv.get(cls, 0)) > 0:
-                flows.append((_direct_latency(self.topo, op, ranks, lat, i),
-                              {(cls, "out"): sent.get(cls, 0), (cls, "in"): recv.get(cls, 0)}))
-        return flows
+        """This rank's share of one call as flows on its ports (:func:`moelab.comm.pricing.port_flows`)."""
+        return pricing.port_flows(self.topo, self.emulation, self.rank, op, ranks, sent, recv)
 
     def _emulate(self, h: Handle) -> float:
         """Sleep until the call's emulated finish; return the seconds added after the real completion.
@@ -358,43 +282,9 @@ class Communicator:
 
     def emulated_time(self, sent: dict, recv: dict, op: Optional[str] = None,
                       ranks: Optional[Sequence[int]] = None, phases: Optional[Sequence] = None) -> float:
-        """Seconds the declared links need for one call *alone* (EMULATED).
-
-        Declared hardware (``EmulationConfig``), the same the simulator prices
-        (:mod:`moelab.sim.costs` with ``nics_per_node = ranks_per_node``, as
-        :func:`moelab.sim.validate.emulation_profile` sets): every rank has its own intra-node port
-        of ``intra_bw_GBps`` and its own inter-node NIC of ``inter_bw_GBps``, each per direction.
-
-        - ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` over ``ranks``: rings
-          (:func:`_ring_shape`). Time = steps x latency (``n-1``, all-reduce ``2(n-1)``; inter latency
-          if the group spans nodes) + the ring's bytes per rank (= this rank's recorded non-local
-          bytes) times the slowest link's share / bandwidth. Every member gets the same time.
-        - ``broadcast`` / ``reduce``: the pipelined chain from the root; pass this member's chain
-          edges (:func:`chain_edges`), priced as below with ``(n-1)`` latencies of the group's class.
-        - every other call: per link class, ``max(sent, received) / bandwidth + latency`` of this
-          rank's own port/NIC, the larger class wins.
-
-        - a phased call (``phases``: per phase, the class-folded ``(sent, received)``): the sum of
-          its phases' times, each priced as above.
-
-        Concurrent calls share the ports (:meth:`port_flows`, :class:`moelab.comm.links.Ports`);
-        alone, the emulator waits exactly this long.
-        """
-        if phases is not None:
-            return sum(self.emulated_time(s, r, op, ranks) for s, r in phases)
-        bw, lat = _emulation_keys(self.emulation)
-        if op is not None and collective(op).pricing == "ring" and ranks is not None and len(ranks) > 1:
-            v = sent.get("intra", 0) + sent.get("inter", 0)
-            if v <= 0:
-                return 0.0
-            latency, _, per_byte = _ring_shape(self.topo, op, tuple(ranks), bw, lat)
-            return latency + v * per_byte
-        t = 0.0
-        for i, cls in enumerate(("intra", "inter")):
-            b = max(sent.get(cls, 0), recv.get(cls, 0))
-            if b > 0:
-                t = max(t, b / bw[i] + _direct_latency(self.topo, op, ranks, lat, i))
-        return t
+        """Seconds the declared links need for one call *alone* (EMULATED;
+        :func:`moelab.comm.pricing.emulated_time`)."""
+        return pricing.emulated_time(self.topo, self.emulation, sent, recv, op, ranks, phases)
 
     # ---- any declared collective ----------------------------------------------------------------
     def run(self, op: str, group: str, issue, result=None, async_op: bool = False, **args):
