@@ -68,19 +68,13 @@ EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4}),  # the same policy, fo
 
 def config(a, policy, q=0, **opts):
     from moelab.config import RunConfig
+    from moelab.strategies.lina.experiments.runs import NODES, train_overrides
 
     opts = {k: a.S if v == "S" else v for k, v in opts.items()}  # "S": the run's partition_bytes
-
     return RunConfig().with_overrides({
-        "model.d_model": a.d, "model.d_ff": a.ff * a.d, "model.n_layers": a.layers, "model.n_heads": 4,
-        "model.seq_len": 128, "model.moe_every": 1,
-        "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.gate": "topk",
-        "model.moe.dispatcher": "dense", "model.moe.capacity_factor": 1.0,
-        "train.iters": a.iters, "train.batch_size": a.batch, "train.trace": False,
-        "parallel.nproc": 4, "parallel.topology.nodes": 2, "parallel.strategy": "lina",
-        "parallel.bucket_mb": a.bucket_mb,
-        "parallel.strategy_options": {"policy": policy, "partition_bytes": a.S, "a2a_chunks": 4,
-                                       "experts_per_device": q, **opts},
+        **train_overrides(a.d, a.layers, 128, a.batch, a.iters, policy, a.S, a.bucket_mb, ff=a.ff,
+                          experts_per_device=q, **opts),
+        "parallel.topology.nodes": NODES,
         "emulation.enabled": True, "emulation.intra_bw_GBps": a.intra, "emulation.inter_bw_GBps": a.inter,
         "emulation.intra_latency_us": 20.0, "emulation.inter_latency_us": 50.0,
         "emulation.interference_gamma": a.gamma, "emulation.compute_yields": a.compute_yields}).validate()

@@ -40,15 +40,23 @@ def train_yields(yields=None) -> bool:
 
 def train_config(s, policy: str, seed: int = 0, yields=None) -> RunConfig:
     return RunConfig().with_overrides({
-        "paper": "lina", "name": f"policy-{policy}",
-        "model.d_model": s.t_d, "model.d_ff": 4 * s.t_d, "model.n_layers": s.t_layers, "model.n_heads": 4,
-        "model.seq_len": s.t_seq, "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.gate": "topk",
-        "model.moe.dispatcher": "dense", "model.moe.capacity_factor": 1.0,
-        "train.iters": s.t_iters, "train.batch_size": s.t_batch, "train.trace": False, "train.seed": seed,
-        "parallel.nproc": WORLD, "parallel.strategy": "lina",
-        "parallel.bucket_mb": s.t_bucket_mb,
-        "parallel.strategy_options": {"policy": policy, "partition_bytes": s.t_S, "a2a_chunks": 4},
+        "paper": "lina", "name": f"policy-{policy}", "train.seed": seed,
+        **train_overrides(s.t_d, s.t_layers, s.t_seq, s.t_batch, s.t_iters, policy, s.t_S, s.t_bucket_mb),
         **emulated_links(s), "emulation.compute_yields": train_yields(yields)}).validate()
+
+
+def train_overrides(d: int, layers: int, seq: int, batch: int, iters: int, policy: str, S: float, bucket_mb: float,
+                    ff: int = 4, **opts) -> dict:
+    """The training model and Lina options the reproduction and ``benchmarks/lina.py`` both run: ``layers``
+    MoE blocks of width ``d`` (experts ``ff * d`` wide), 4 experts top-2 through the dense dispatcher at capacity
+    factor 1.0, on 4 ranks; ``opts``: more strategy options (``experts_per_device``, ...)."""
+    return {
+        "model.d_model": d, "model.d_ff": ff * d, "model.n_layers": layers, "model.n_heads": 4, "model.seq_len": seq,
+        "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.gate": "topk",
+        "model.moe.dispatcher": "dense", "model.moe.capacity_factor": 1.0,
+        "train.iters": iters, "train.batch_size": batch, "train.trace": False,
+        "parallel.nproc": WORLD, "parallel.strategy": "lina", "parallel.bucket_mb": bucket_mb,
+        "parallel.strategy_options": {"policy": policy, "partition_bytes": S, "a2a_chunks": 4, **opts}}
 
 
 def emulated_links(s) -> dict:
