@@ -82,12 +82,13 @@ def config(a, policy, q=0, **opts):
 
 def measured(run, warmup):
     """(median step of the slowest rank, backward all-to-all busy time, all-to-all share of the step):
-    busy time = the union of the calls' intervals per rank and iteration (pipelined chunks overlap)."""
+    busy time = the union of the calls' intervals per rank and iteration (pipelined chunks overlap), its mean
+    over iterations and ranks; the share divides it by the mean step over the same iterations."""
     from moelab.strategies.lina.experiments.runs import a2a_times
 
-    step = statistics.median(max(row) for row in run.step_times[warmup:])
+    steps = [max(row) for row in run.step_times[warmup:]]
     c = run.comm[run.comm.iter >= warmup]
-    return step, a2a_times(c, "bwd"), a2a_times(c) / step
+    return statistics.median(steps), a2a_times(c, "bwd"), a2a_times(c) / statistics.mean(steps)  # share: mean / mean
 
 
 def predicted(cfg, run, fixed: Optional[dict] = None, busy: Optional[dict] = None, share_cores=True):
