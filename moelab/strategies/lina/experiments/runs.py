@@ -22,6 +22,11 @@ from moelab.sim.result import union_seconds
 from .common import scale_spec
 
 POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
+# runs beside the policies that depart from the spec, each named apart and said so where shown:
+# lina with runs of small gradients sharing one micro-op of <= S (option coalesce_bytes = S)
+DEPARTURES = {"lina_coalesced": ("lina", "coalesce_bytes")}
+DEPARTURE_NOTE = ("lina_coalesced: lina with runs of consecutive small gradients sharing one micro-op of <= S "
+                  "(coalesce_bytes = S), a departure from the spec's one gradient per micro-op")
 VARIANTS = ("baseline", "ideal", "lina", "lina_no_estimation", "lina_no_finetune")
 SCHEDULED = VARIANTS[2:]  # the variants that plan placements (serve.replica_rounding applies to them)
 BALANCED_SUFFIX = " (balanced)"  # their runs with serve.replica_rounding "balanced" (moelab.placement.lina.allocate_balanced)
@@ -39,9 +44,12 @@ def train_yields(yields=None) -> bool:
 
 
 def train_config(s, policy: str, seed: int = 0, yields=None) -> RunConfig:
+    """One training run of :func:`policy_runs`: a policy of :data:`POLICIES`, or a name of :data:`DEPARTURES`."""
+    base, extra = DEPARTURES.get(policy, (policy, None))
+    opts = {extra: s.t_S} if extra else {}
     return RunConfig().with_overrides({
         "paper": "lina", "name": f"policy-{policy}", "train.seed": seed,
-        **train_overrides(s.t_d, s.t_layers, s.t_seq, s.t_batch, s.t_iters, policy, s.t_S, s.t_bucket_mb),
+        **train_overrides(s.t_d, s.t_layers, s.t_seq, s.t_batch, s.t_iters, base, s.t_S, s.t_bucket_mb, **opts),
         **emulated_links(s), "emulation.compute_yields": train_yields(yields)}).validate()
 
 
@@ -96,13 +104,14 @@ def links_label(s, yields: bool = False) -> str:
 def policy_runs(scale: str, seed: int = 0, yields=None) -> dict:
     """``{"summary": frame per policy, "comm": every rank's call records, "spans": every rank's compute
     spans, "metrics": rank 0's per-iteration metrics rows}``, each with a policy column, warm-up dropped;
-    ``yields``: :func:`train_yields`."""
+    :data:`POLICIES`, then :data:`DEPARTURES`; ``yields``: :func:`train_yields`."""
     from moelab.sim.realruns import run_real_many
 
     s, yields = scale_spec(scale), train_yields(yields)
-    runs = run_real_many([train_config(s, p, seed, yields) for p in POLICIES], timeout=1800)
+    names = POLICIES + tuple(DEPARTURES)
+    runs = run_real_many([train_config(s, p, seed, yields) for p in names], timeout=1800)
     rows, comms, spans, metrics = [], [], [], []
-    for pol, r in zip(POLICIES, runs):
+    for pol, r in zip(names, runs):
         keep = r.comm[r.comm.iter >= s.t_warmup].copy()
         keep["policy"] = pol
         comms.append(keep)
