@@ -86,6 +86,9 @@ def test_r2_and_relative_error():
     assert r2_score(y, np.full(4, y.mean())) == pytest.approx(0.0)
     assert r2_score(y, y + 10) < 0  # a biased prediction is not rescued by a refit
     assert median_rel_err(y, 1.1 * y) == pytest.approx(0.1)
+    # a measured zero has no relative error: left out (not infinite), and nan when nothing is left
+    assert median_rel_err(np.array([0.0, 1.0, 2.0, 4.0]), np.array([5.0, 1.1, 2.2, 4.4])) == pytest.approx(0.1)
+    assert np.isnan(median_rel_err(np.zeros(3), np.ones(3)))
 
 
 def test_parts_table_scores_each_part_and_flags_what_it_cannot():

@@ -17,8 +17,11 @@ def r2_score(measured, predicted) -> float:
 
 
 def median_rel_err(measured, predicted) -> float:
+    """Median of ``|predicted - measured| / |measured|`` over the points measured non-zero (an error relative
+    to a measured zero is undefined: such points are left out, not counted as infinite); nan without any."""
     y, p = np.asarray(measured, dtype=float), np.asarray(predicted, dtype=float)
-    return float(np.median(np.abs(p - y) / y)) if len(y) else float("nan")
+    keep = y != 0
+    return float(np.median(np.abs(p[keep] - y[keep]) / np.abs(y[keep]))) if keep.any() else float("nan")
 
 
 # Below this many points an R^2 is reported but flagged: with 2 points any line through them "fits",
