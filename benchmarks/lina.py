@@ -59,11 +59,16 @@ EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4}),  # the same policy, fo
          "lina_pipe_nowait": ("lina_pipe", {"a2a_waits_for_inflight": False}),
          "lina_leader": ("lina", {"launch_agreement": "leader"}),  # the first rank decides every launch
          "lina_pipe_leader": ("lina_pipe", {"launch_agreement": "leader"}),
-         # runs of small gradients (norms, biases) share micro-ops of <= S (a departure from the spec's one per gradient)
+         # small gradients (norms, biases) share micro-ops of <= S: a departure from the spec (one gradient each)
          "lina_coalesce": ("lina", {"coalesce_bytes": "S"}),
          "lina_pipe_coalesce": ("lina_pipe", {"coalesce_bytes": "S"}),
          # the packing controller from q = 1: a decision at steps 3, 5, 7 from the measured micro-op times
          "lina_full_ctl": ("lina_full", {"pack_controller": True, "pack_start_step": 3, "pack_every": 2})}
+
+
+def variant(name: str) -> tuple:
+    """``(policy, its options)`` of a row: a policy of :data:`POLICIES`, or a variant of :data:`EXTRA`."""
+    return EXTRA.get(name, (name, {}))
 
 
 def config(a, policy, q=0, **opts):
@@ -84,11 +89,10 @@ def measured(run, warmup):
     """(median step of the slowest rank, backward all-to-all busy time, all-to-all share of the step):
     busy time = the union of the calls' intervals per rank and iteration (pipelined chunks overlap), its mean
     over iterations and ranks; the share divides it by the mean step over the same iterations."""
-    from moelab.strategies.lina.experiments.runs import a2a_times
+    from moelab.strategies.lina.experiments.runs import step_summary
 
-    steps = [max(row) for row in run.step_times[warmup:]]
-    c = run.comm[run.comm.iter >= warmup]
-    return statistics.median(steps), a2a_times(c, "bwd"), a2a_times(c) / statistics.mean(steps)  # share: mean / mean
+    m = step_summary(run.step_times[warmup:], run.comm[run.comm.iter >= warmup])
+    return m["step_s"], m["bwd_a2a_s"], m["a2a_share"]
 
 
 def predicted(cfg, run, fixed: Optional[dict] = None, busy: Optional[dict] = None, share_cores=True):
@@ -181,12 +185,12 @@ def main(argv=None) -> int:
     from moelab.sim.realruns import run_real_many
 
     names = tuple(n for n in POLICIES + tuple(EXTRA) if not a.only or n == "ddp_overlap" or n in a.only)
-    cfgs = [config(a, n) if n in POLICIES else config(a, EXTRA[n][0], **EXTRA[n][1]) for n in names]
-    controls = ["ddp_overlap", "lina"] + (["lina_coalesce"] if "lina_coalesce" in names else [])
-    cfgs += [config(a, "ddp_overlap", 4), config(a, "lina", 4)] + [
-        config(a, EXTRA[n][0], 4, **EXTRA[n][1]) for n in controls[2:]]
-    runs = run_real_many(cfgs, timeout=1800, probe=_probe_call_costs)
-    probes = {k: {c: [r.probe[k][c] for r in runs] for c in ("call_s", "sync_s")} for k in ("idle", "busy")}
+    controls = ("ddp_overlap", "lina") + (("lina_coalesce",) if "lina_coalesce" in names else ())
+    cfgs = [config(a, pol, **opts) for pol, opts in map(variant, names)]
+    ctrl_cfgs = [config(a, pol, 4, **opts) for pol, opts in map(variant, controls)]
+    runs = run_real_many(cfgs + ctrl_cfgs, timeout=1800, probe=_probe_call_costs)
+    runs, ctrl_runs = runs[:len(cfgs)], runs[len(cfgs):]
+    probes = {k: {c: [r.probe[k][c] for r in runs + ctrl_runs] for c in ("call_s", "sync_s")} for k in ("idle", "busy")}
     fixed = {k: {c: statistics.mean(v) for c, v in p.items()} for k, p in probes.items()}  # one set for every policy
     res = {pol: measured(r, a.warmup) for pol, r in zip(names, runs)}
     base_step, base_bwd = res["ddp_overlap"][0], res["ddp_overlap"][1]
@@ -209,14 +213,14 @@ def main(argv=None) -> int:
         d = lm[(lm["rank"] == 0) & (lm.layer == 0) & lm.pack_decision.notna()]
         print("lina_full_ctl decisions (step: decision, block of ranks after it): " + "; ".join(
             f"{int(r.iter)}: {r.pack_decision}, {int(r.block)}" for r in d.itertuples()))
-    ctrl = [measured(r, a.warmup)[0] for r in runs[-len(controls):]]
+    ctrl = [measured(r, a.warmup)[0] for r in ctrl_runs]
     for n, c in zip(controls[1:], ctrl[1:]):
         print(f"control (q = E = 4: every rank holds every expert, no all-to-all leaves a rank): "
               f"{n}/ddp_overlap step = {c / ctrl[0]:.3f} (target within 5 %)", flush=True)
     for k, f in fixed.items():
         print(f"held-out fixed costs per collective call, all ranks calling, {k} ranks: software "
               f"{1e3 * f['call_s']:.2f} ms beside its link time, then the emulator's sync {1e3 * f['sync_s']:.2f} ms "
-              f"(the mean over the {len(runs)} runs, each measured after its iterations: software "
+              f"(the mean over the {len(runs) + len(ctrl_runs)} runs, each measured after its iterations: software "
               f"{1e3 * min(probes[k]['call_s']):.2f}-{1e3 * max(probes[k]['call_s']):.2f} ms, sync "
               f"{1e3 * min(probes[k]['sync_s']):.2f}-{1e3 * max(probes[k]['sync_s']):.2f} ms)")
     sims, simf, simb, simp = {}, {}, {}, {}
@@ -247,7 +251,7 @@ def main(argv=None) -> int:
             for k, x in zip(errs, got[1:]):
                 errs[k].append(abs(x / real - 1))
             print(f"{pol:17s} {real:12.2f} " + " ".join(f"{x:9.2f} {100 * abs(x / real - 1):5.0f}%" for x in got))
-        cp = [[predicted(c, r, *f, **kw) for c, r in zip(cfgs[-len(controls):][:2], runs[-len(controls):][:2])]
+        cp = [[predicted(c, r, *f, **kw) for c, r in zip(ctrl_cfgs[:2], ctrl_runs[:2])]
               for f, kw in (((), {}), ((fixed["idle"],), {}), ((fixed["idle"], fixed["busy"]), {}),
                             ((fixed["idle"], fixed["busy"]), {"share_cores": "pool"}))]
         print(f"{'control lina/ddp':17s} {ctrl[1] / ctrl[0]:12.2f} " + " ".join(

@@ -30,7 +30,8 @@ def _orphaned(parent: int) -> bool:
 
 
 def _stop_everything(proc: subprocess.Popen, side: Path) -> None:
-    """Stop torchrun (our group) and every rank (their own groups), as the launcher's :func:`moelab.runtime.processes.kill` would."""
+    """Stop torchrun (our group) and every rank (their own groups), as the launcher's
+    :func:`moelab.runtime.processes.kill` would."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # our own group gets the SIGTERM too
     groups = [os.getpgrp(), *rank_pids(side)]
     signal_groups(groups, signal.SIGTERM)

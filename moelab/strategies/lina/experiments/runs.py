@@ -93,6 +93,17 @@ def a2a_times(comm, phase=None) -> float:
     return float(per.groupby(level=0).mean().mean())
 
 
+def step_summary(step_times, comm) -> dict:
+    """One run's step and all-to-all times over the kept iterations (``step_times``: per iteration, every
+    rank's; ``comm``: the same iterations' call records): the median and mean step of the slowest rank, the
+    backward and total all-to-all busy time (:func:`a2a_times`), and the all-to-all share of the step - the
+    mean busy time over the mean step, so that a slow iteration counts in both."""
+    steps = [max(row) for row in step_times]
+    mean_step, a2a = float(np.mean(steps)), a2a_times(comm)
+    return {"step_s": float(np.median(steps)), "mean_step_s": mean_step, "bwd_a2a_s": a2a_times(comm, "bwd"),
+            "a2a_s": a2a, "a2a_share": a2a / mean_step}
+
+
 def links_label(s, yields: bool = False) -> str:
     return (f"EMULATED links: 4 gloo ranks, 2 nodes x 2, intra {s.intra_GBps:g} GB/s, inter {s.inter_GBps:g} GB/s "
             f"per rank, shared by concurrent calls; an all-to-all and an all-reduce sharing a port each get 1/gamma "
@@ -117,15 +128,12 @@ def policy_runs(scale: str, seed: int = 0, yields=None) -> dict:
         comms.append(keep)
         spans.append(r.spans[r.spans.iter >= s.t_warmup].assign(policy=pol))
         metrics.append(pd.DataFrame(r.metrics).query(f"iter >= {s.t_warmup}").assign(policy=pol))
-        steps = [max(row) for row in r.step_times[s.t_warmup:]]
-        rows.append({"policy": pol, "step_s": float(np.median(steps)), "mean_step_s": float(np.mean(steps)),
-                     "bwd_a2a_s": a2a_times(keep, "bwd"), "a2a_s": a2a_times(keep),
+        rows.append({"policy": pol, **step_summary(r.step_times[s.t_warmup:], keep),
                      "allreduce_calls": int((keep.op == "all_reduce").sum() / WORLD / max(1, keep.iter.nunique()))})
     df = pd.DataFrame(rows)
     base = df.set_index("policy").loc["ddp_overlap"]
     df["step_speedup"] = base.step_s / df.step_s
     df["bwd_a2a_speedup"] = base.bwd_a2a_s / df.bwd_a2a_s
-    df["a2a_share"] = df.a2a_s / df.mean_step_s  # both means over the same iterations (a slow one counts in both)
     out = {"summary": df, "comm": pd.concat(comms, ignore_index=True), "spans": pd.concat(spans, ignore_index=True),
            "metrics": pd.concat(metrics, ignore_index=True)}
     label = links_label(s, yields)
