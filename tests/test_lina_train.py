@@ -13,7 +13,7 @@ BASE = {"model.moe.dispatcher": "dense", "model.moe.capacity_factor": 2.0, "trai
         "parallel.strategy": "lina", "parallel.bucket_mb": 0.004}
 S = 1024  # bytes: the largest fp64 gradient (32x16 weights = 4 KiB) splits into 4 micro-ops
 POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina")
-COALESCED = ("lina_coalesced", "lina", {"coalesce_bytes": S})  # small gradients share micro-ops of <= S
+COALESCED = ("lina_coalesce", "lina", {"coalesce_bytes": S})  # small gradients share micro-ops of <= S
 
 
 def _train(rank, world, policies, opts):
@@ -76,7 +76,7 @@ def test_micro_ops_partition_every_gradient_exactly(runs2):
 
 
 def test_coalesced_micro_ops_carry_runs_of_small_gradients_and_fewer_calls(runs2):
-    got, per_grad = runs2[0]["lina_coalesced"], runs2[0]["lina"]
+    got, per_grad = runs2[0]["lina_coalesce"], runs2[0]["lina"]
     shapes = got["shapes"]
     covered = [(i, a, b) for op in got["micro_ops"] for i, a, b in op]
     assert covered == [m for op in per_grad["micro_ops"] for m in op]  # the same spans, in the same order

@@ -79,10 +79,10 @@ def fig14e(ctx):
              "(the paper's Table 1: 26-40 %)", DEPARTURE_NOTE]
     return Made(df, figures={"fig14e_ablation": F.bars(df, "policy", "step_speedup", label=df.attrs["label"], line=1.0,
                                                        title="Fig. 14 analog: step speedup over ddp_overlap "
-                                                             "(lina_coalesced departs from the spec)"),
+                                                             "(lina_coalesce departs from the spec)"),
                              "fig13e_bwd_a2a": F.bars(df, "policy", "bwd_a2a_speedup", label=df.attrs["label"],
                                                       line=1.0, title="Fig. 13 analog: backward all-to-all speedup "
-                                                      "(lina_coalesced departs from the spec)")},
+                                                      "(lina_coalesce departs from the spec)")},
                 tables={"table_fig14e": (df, "Figs. 13/14 analog: every policy on 4 ranks")}, notes=notes)
 
 

@@ -24,8 +24,8 @@ from .common import scale_spec
 POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
 # runs beside the policies that depart from the spec, each named apart and said so where shown:
 # lina with runs of small gradients sharing one micro-op of <= S (option coalesce_bytes = S)
-DEPARTURES = {"lina_coalesced": ("lina", "coalesce_bytes")}
-DEPARTURE_NOTE = ("lina_coalesced: lina with runs of consecutive small gradients sharing one micro-op of <= S "
+DEPARTURES = {"lina_coalesce": ("lina", "coalesce_bytes")}
+DEPARTURE_NOTE = ("lina_coalesce: lina with runs of consecutive small gradients sharing one micro-op of <= S "
                   "(coalesce_bytes = S), a departure from the spec's one gradient per micro-op")
 VARIANTS = ("baseline", "ideal", "lina", "lina_no_estimation", "lina_no_finetune")
 SCHEDULED = VARIANTS[2:]  # the variants that plan placements (serve.replica_rounding applies to them)
