@@ -349,10 +349,10 @@ def _rank_main(argv: list[str]) -> None:
     side = Path(os.environ[_SIDE_ENV]) if os.environ.get(_SIDE_ENV) else None
     if side is not None:
         _die_with_parent()
-        atomic_write_text(side / f"pid_rank{rank}", str(os.getpid()))
         err = open(side.parent / "logs" / f"rank{rank}.stderr", "w", buffering=1)
         os.dup2(err.fileno(), 2)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # before the pid is known: SIGUSR1 would kill
+        atomic_write_text(side / f"pid_rank{rank}", str(os.getpid()))
     sys.argv = [worker, *args]
     try:
         runpy.run_module(worker, run_name="__main__", alter_sys=True)

@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from moelab.runtime.failures import read_text
+
 GRACE_S = 3.0  # SIGTERM -> SIGKILL
 TORCHRUN_PID = "pid_torchrun"
 
@@ -66,10 +68,23 @@ def alive(pid: int) -> bool:
         return True
 
 
-def dump_stacks(side: Path) -> None:
-    for pid in rank_pids(side):
+DUMP_WAIT_S = 5.0  # a loaded host may take seconds to answer SIGUSR1
+DUMP_MARK = "Thread 0x"  # faulthandler's thread header ("Current thread 0x..." / "Thread 0x...")
+
+
+def dump_stacks(side: Path, wait_s: float = DUMP_WAIT_S) -> None:
+    """SIGUSR1 every rank (each dumps its stacks into ``logs/rank{r}.stderr``), then wait until every
+    live rank's dump is there, at most ``wait_s``: a fixed pause lost the dumps of a busy host."""
+    logs = side.parent / "logs"
+    waiting = {}
+    for p in side.glob("pid_rank*"):
+        pid = int(p.read_text())
         try:
             os.kill(pid, signal.SIGUSR1)
+            waiting[pid] = logs / f"{p.name[4:]}.stderr"
         except ProcessLookupError:
             pass
-    time.sleep(0.5)
+    end = time.monotonic() + wait_s
+    while waiting and time.monotonic() < end:
+        time.sleep(0.05)
+        waiting = {pid: f for pid, f in waiting.items() if alive(pid) and DUMP_MARK not in read_text(f)}
