@@ -87,6 +87,24 @@ def test_wait_is_bounded_and_the_release_counted():
     s.close()
 
 
+def test_an_op_a_release_gave_up_on_is_not_waited_for_again():
+    """A pipelined layer's chunks arrive one after another while the same stalled op is in flight: one
+    bounded wait, not one per chunk; an op launched after it is waited for again."""
+    s = PriorityScheduler(FakeComm(), stall_s=0.2)
+    s.submit(low(0.6))  # stalled on a peer, say
+    in_flight(s)
+    first, second = high(s, 0.0), high(s, 0.0)
+    assert first["released"] and first["start"] - first["wait"] >= 0.2
+    assert second["released"] and second["start"] - second["wait"] < 0.1 and s.stalls == 1
+    s.drain()
+    s.submit(low(0.1))
+    in_flight(s)
+    third = high(s, 0.0)  # a new op: waited for (it ends within the bound)
+    assert not third["released"] and third["start"] - third["wait"] >= 0.02 and s.stalls == 1
+    s.drain()
+    s.close()
+
+
 def test_imminent_blocks_launches_until_the_next_high_call_ends():
     s = PriorityScheduler(FakeComm())
     s.imminent()
@@ -97,6 +115,37 @@ def test_imminent_blocks_launches_until_the_next_high_call_ends():
     s.drain()
     lo = [r for r in s.records if r["kind"] == "low"][0]
     assert lo["start"] >= h["end"]
+    s.close()
+
+
+def test_a_hold_keeps_low_ops_back_between_high_calls_until_it_ends():
+    """A pipelined backward: two high calls with a gap between them; imminent alone lets a low op into the
+    gap (the first call's end clears it), a hold does not."""
+    for held in (False, True):
+        s = PriorityScheduler(FakeComm())
+        s.imminent()
+        s.submit(low(0.0))
+        with s.hold() if held else contextlib.nullcontext():
+            h1 = high(s, 0.01)
+            time.sleep(0.1)  # compute between two chunks
+            high(s, 0.01)
+            time.sleep(0.05)
+            end = time.perf_counter()
+        s.drain()
+        lo = [r for r in s.records if r["kind"] == "low"][0]
+        if held:
+            assert lo["start"] >= end and s.held and s.held[0][1] <= lo["start"]
+        else:
+            assert h1["end"] <= lo["start"] < end and not s.held
+        s.close()
+    s = PriorityScheduler(FakeComm(), block_on_imminent=False)  # the block switched off: no hold either
+    with s.hold():
+        s.submit(low(0.0))
+        in_flight_or_done = time.perf_counter() + 5
+        while not [r for r in s.records if r["kind"] == "low"] and time.perf_counter() < in_flight_or_done:
+            time.sleep(0.001)
+        assert [r for r in s.records if r["kind"] == "low"]
+    s.drain()
     s.close()
 
 

@@ -33,6 +33,7 @@ def _train(rank, world, policies, opts):
         out[name] = dict(
             losses=losses, params={n: p.detach().clone() for n, p in tr.model.named_parameters()},
             records=list(sched.records) if sched else [], marks=list(sched.marks) if sched else [],
+            held=list(sched.held) if sched else [],
             stalls=sched.stalls if sched else 0, dp_seq=dp_seq,
             micro_ops=list(getattr(upd, "last_micro_ops", [])),
             shapes=[(p.numel(), p.element_size()) for p in getattr(upd, "order", [])])
@@ -176,6 +177,10 @@ def test_pipelined_all_to_all_chunks_m1_bitwise_m3_allclose():
         a2a = [h for h in three["records"] if h["kind"] == "high" and h["op"] == "all_to_all"]
         a2a1 = [h for h in one["records"] if h["kind"] == "high" and h["op"] == "all_to_all"]
         assert len(a2a) == 3 * len(a2a1)
+        # each pipelined backward holds the scheduler: no micro-op starts between its chunks
+        lows = [lo["start"] for lo in _intervals(three["records"], "low")]
+        assert len(three["held"]) == len([h for h in a2a1 if h["phase"] == "bwd"]) // 2 and lows
+        assert not [t for t in lows for a, b in three["held"] if a < t < b]
 
 
 def _packed(rank, world, runs):

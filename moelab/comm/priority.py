@@ -11,7 +11,9 @@ Rules (``mode="priority"``, Lina's scheduler):
   (:meth:`imminent`: the combine backward of a MoE layer has started, its all-to-all follows), and
   while fewer than ``max_inflight`` low ops are in flight;
 - an arriving high call overtakes every queued low op; with ``waits_for_inflight`` it waits for the
-  low ops in flight (non-preemptive: at most ``max_inflight`` micro-ops ahead of it).
+  low ops in flight (non-preemptive: at most ``max_inflight`` micro-ops ahead of it);
+- inside :meth:`hold` (a pipelined layer's backward: its chunks' all-to-alls follow one another with
+  compute between them) no low op is launched, not even in the gaps between those high calls.
 
 ``mode="fixed"`` (the rejected "deferred" design): queued low ops are released only at release points
 - after every second backward all-to-all, i.e. between MoE layers - and then all at once, ungated.
@@ -23,18 +25,23 @@ A. So the wait is bounded: a high call waits for the ops in flight at most ``sta
 three times the median duration of the last 16 low ops completed, at least 5 ms) - longer than an
 in-flight op alone needs, so past it the op is stalled on a peer that is itself inside this
 all-to-all (the median, so that the stalled ops' own long durations do not lengthen the next bound).
-The release is logged (``released``) and counted, never silent.
+The release is logged (``released``) and counted, never silent. A stalled op stays stalled until
+the peer's all-to-alls are through, so the high calls after a release do not wait for the ops it
+gave up on again (``released``, not counted): a pipelined layer's chunks would otherwise each pay the
+bound for the same op.
 
 ``agreement`` (optional) replaces the bounded wait's escape by a leader per group deciding every
 launch (see ``__init__``); followers' launches are recorded with ``forced``.
 
 ``records``: one dict per call - high: ``wait`` (arrival), ``start``, ``end``, ``released``; low:
-``enqueue``, ``start``, ``end``, ``nbytes``, ``group``, ``name`` (``forced``) - and ``marks``: the times
-:meth:`imminent` was called, so tests can check the rules from the log (spec §5 I5, I6).
+``enqueue``, ``start``, ``end``, ``nbytes``, ``group``, ``name`` (``forced``) - ``marks``: the times
+:meth:`imminent` was called, and ``held``: each :meth:`hold`'s ``[start, end]``, so tests can check the rules
+from the log (spec §5 I5, I6).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import random
 import statistics
 import threading
@@ -89,7 +96,11 @@ class PriorityScheduler(Scheduler):
         self.bwd_high = 0  # fixed mode: backward all-to-alls seen this step
         self.records: list = []
         self.marks: list = []
+        self.held: list = []  # [start, end] of each hold
+        self.holds = 0
         self.stalls = 0
+        self.launched = 0  # low ops launched so far (this rank)
+        self.stalled_upto = 0  # the ops launched before the last release: known stalled on a peer
         self._low_s: list = []  # durations of completed low ops (stall bound)
         self._handles: collections.deque = collections.deque()
         self._error: Optional[BaseException] = None
@@ -116,10 +127,12 @@ class PriorityScheduler(Scheduler):
         with self.cv:
             self.waiting += 1
             if self.mode == "priority" and self.waits_for_inflight and self.inflight:
-                ok = self.cv.wait_for(lambda: self.inflight == 0, timeout=self._stall_bound())
-                if not ok:
+                if self.launched <= self.stalled_upto:  # only ops a release already gave up on
+                    rec["released"] = True
+                elif not self.cv.wait_for(lambda: self.inflight == 0, timeout=self._stall_bound()):
                     rec["released"] = True
                     self.stalls += 1
+                    self.stalled_upto = self.launched
             self.waiting -= 1
             self.running += 1
             rec["start"] = time.perf_counter()
@@ -147,6 +160,26 @@ class PriorityScheduler(Scheduler):
             with self.cv:
                 self.blocked = True
                 self.marks.append(time.perf_counter())
+
+    @contextlib.contextmanager
+    def hold(self):
+        """High calls follow one another with compute between them (a pipelined layer's backward): launch
+        no low op until the block ends, as :meth:`imminent` does before one call - the next chunk is
+        imminent in every gap between two."""
+        if self.mode != "priority" or not self.block_on_imminent:
+            yield
+            return
+        span = [time.perf_counter(), None]
+        with self.cv:
+            self.holds += 1
+            self.held.append(span)
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.holds -= 1
+                span[1] = time.perf_counter()
+                self.cv.notify_all()
 
     def submit(self, op: LowOp) -> None:
         """Queue a low op (FIFO); every rank must submit the same ops in the same order per group."""
@@ -203,7 +236,7 @@ class PriorityScheduler(Scheduler):
             return True  # a follower is told when: it waits in the control broadcast
         if self.mode == "fixed":
             return self.released_at > 0
-        return (self.waiting == 0 and self.running == 0 and not self.blocked
+        return (self.waiting == 0 and self.running == 0 and not self.blocked and not self.holds
                 and self.inflight < self.max_inflight)
 
     def _launch_loop(self) -> None:
@@ -220,6 +253,7 @@ class PriorityScheduler(Scheduler):
                 self._popped += 1  # taken from the queue, not yet in flight (a follower awaiting its go)
                 if leader:
                     self.inflight += 1
+                    self.launched += 1
                     rec["start"] = time.perf_counter()
                     self.records.append(rec)
             if self.jitter_s:
@@ -233,6 +267,7 @@ class PriorityScheduler(Scheduler):
                     if not leader:
                         with self.cv:
                             self.inflight += 1
+                            self.launched += 1
                             rec["start"], rec["forced"] = time.perf_counter(), True
                             self.records.append(rec)
                     handle = op.issue()

@@ -7,9 +7,13 @@ door and so through the rank's priority scheduler) while the experts compute chu
 is issued as soon as it is done. The FFN is per token, so chunking is exact; ``m = 1`` runs the
 same operations as the unchunked path. Backward mirrors it inside :class:`PipelinedExperts`: the
 combine's reverse all-to-all of chunk j+1 moves while chunk j's expert backward runs (accumulating
-the expert weight gradients), then chunk j's dispatch gradient goes back.
+the expert weight gradients), then chunk j's dispatch gradient goes back. Until its last chunk's
+all-to-all is issued the backward holds the rank's priority scheduler (:meth:`moelab.comm.priority.
+PriorityScheduler.hold`): more all-to-alls follow, so no all-reduce micro-op launches between chunks.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -65,17 +69,19 @@ class PipelinedExperts(torch.autograd.Function):
         N, El, C, d = ctx.shape
         gv = g.reshape(N, El, C, d)
         sends = [gv[:, :, a:b].contiguous() for a, b in bounds]
-        comb = [_a2a(comm, sends[0], {**tags, "chunk": 0})]
-        disp = []
-        for j, (a, b) in enumerate(bounds):
-            if j + 1 < len(bounds):
-                comb.append(_a2a(comm, sends[j + 1], {**tags, "chunk": j + 1}))
-            c = b - a
-            gy = comb[j].wait().view(N, El, c, d).transpose(0, 1).reshape(-1, d)  # expert-side layout
-            with torch.enable_grad(), comm.rec.span(f"experts bwd chunk {j}", "expert"):
-                torch.autograd.backward(ctx.outs[j], gy)
-            gr = ctx.recvs[j].grad.view(El, N, c, d).transpose(0, 1).contiguous()
-            disp.append(_a2a(comm, gr, {**tags, "chunk": j}))
+        hold = getattr(comm.scheduler, "hold", contextlib.nullcontext)
+        with hold():
+            comb = [_a2a(comm, sends[0], {**tags, "chunk": 0})]
+            disp = []
+            for j, (a, b) in enumerate(bounds):
+                if j + 1 < len(bounds):
+                    comb.append(_a2a(comm, sends[j + 1], {**tags, "chunk": j + 1}))
+                c = b - a
+                gy = comb[j].wait().view(N, El, c, d).transpose(0, 1).reshape(-1, d)  # expert-side layout
+                with torch.enable_grad(), comm.rec.span(f"experts bwd chunk {j}", "expert"):
+                    torch.autograd.backward(ctx.outs[j], gy)
+                gr = ctx.recvs[j].grad.view(El, N, c, d).transpose(0, 1).contiguous()
+                disp.append(_a2a(comm, gr, {**tags, "chunk": j}))
         parts = [h.wait().view(N, El, b - a, d) for h, (a, b) in zip(disp, bounds)]
         ctx.recvs = ctx.outs = None
         return torch.cat(parts, dim=2).reshape(N * El, C, d), None, None, None, None
