@@ -28,8 +28,9 @@ The scheduled policies (``priority`` and the partitioned ones) also gate calls p
 (:attr:`moelab.sim.engine.OpGraph.call_gate`): a started micro-op is not shared with the all-to-all
 that arrives, the all-to-all waits for it (``a2a_waits_for_inflight``).
 
-Not modelled: the combine-backward block (the DES knows the all-to-all's time, so nothing is
-launched "just before" it by accident) and the bounded wait's releases.
+Not modelled: the combine-backward block and the pipelined backward's hold (the DES knows the
+all-to-all's time, so nothing is launched "just before" it by accident) and the bounded wait's releases
+(a cross-rank race; the runtime pays one bound per stalled micro-op, ~1-3 a step in benchmarks/lina.py).
 """
 from __future__ import annotations
 
