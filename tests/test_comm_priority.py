@@ -141,8 +141,8 @@ def test_a_hold_keeps_low_ops_back_between_high_calls_until_it_ends():
     s = PriorityScheduler(FakeComm(), block_on_imminent=False)  # the block switched off: no hold either
     with s.hold():
         s.submit(low(0.0))
-        in_flight_or_done = time.perf_counter() + 5
-        while not [r for r in s.records if r["kind"] == "low"] and time.perf_counter() < in_flight_or_done:
+        deadline = time.perf_counter() + 5
+        while not [r for r in s.records if r["kind"] == "low"] and time.perf_counter() < deadline:
             time.sleep(0.001)
         assert [r for r in s.records if r["kind"] == "low"]
     s.drain()

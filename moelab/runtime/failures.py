@@ -14,6 +14,7 @@ from pathlib import Path
 
 TAIL_LINES = 25  # lines of a traceback shown in a RunFailed message
 _LAUNCH_FILE = str(Path(__file__).with_name("launch.py"))  # the per-rank entry's frames are not the rank's
+STACK_DUMP = re.compile(r"^(Current thread|Thread) 0x", re.M)  # where faulthandler's dump of a rank begins
 
 
 class RunFailed(RuntimeError):
@@ -60,7 +61,7 @@ def stacks(logs: Path) -> str:
     parts = []
     for p in sorted(logs.glob("rank*.stderr"), key=lambda p: int(p.stem[4:])):
         text = read_text(p)
-        m = re.search(r"^(Current thread|Thread) 0x", text, re.M)
+        m = STACK_DUMP.search(text)
         if m:
             lines = [ln for ln in text[m.start():].splitlines() if "runpy" not in ln and _LAUNCH_FILE not in ln]
         else:  # the rank never got going: show how far it got

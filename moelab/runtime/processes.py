@@ -13,14 +13,19 @@ import subprocess
 import time
 from pathlib import Path
 
-from moelab.runtime.failures import read_text
+from moelab.runtime.failures import STACK_DUMP, read_text
 
 GRACE_S = 3.0  # SIGTERM -> SIGKILL
 TORCHRUN_PID = "pid_torchrun"
 
 
+def rank_pids_by_rank(side: Path) -> dict[int, int]:
+    """``{rank: pid}`` of every rank that has started (its ``pid_rank{r}`` file)."""
+    return {int(p.name[len("pid_rank"):]): int(p.read_text()) for p in side.glob("pid_rank*")}
+
+
 def rank_pids(side: Path) -> list[int]:
-    return [int(p.read_text()) for p in side.glob("pid_rank*")]
+    return list(rank_pids_by_rank(side).values())
 
 
 def signal_groups(groups: list[int], sig: int) -> None:
@@ -69,7 +74,6 @@ def alive(pid: int) -> bool:
 
 
 DUMP_WAIT_S = 5.0  # a loaded host may take seconds to answer SIGUSR1
-DUMP_MARK = "Thread 0x"  # faulthandler's thread header ("Current thread 0x..." / "Thread 0x...")
 
 
 def dump_stacks(side: Path, wait_s: float = DUMP_WAIT_S) -> None:
@@ -77,14 +81,13 @@ def dump_stacks(side: Path, wait_s: float = DUMP_WAIT_S) -> None:
     live rank's dump is there, at most ``wait_s``: a fixed pause lost the dumps of a busy host."""
     logs = side.parent / "logs"
     waiting = {}
-    for p in side.glob("pid_rank*"):
-        pid = int(p.read_text())
+    for rank, pid in rank_pids_by_rank(side).items():
         try:
             os.kill(pid, signal.SIGUSR1)
-            waiting[pid] = logs / f"{p.name[4:]}.stderr"
+            waiting[pid] = logs / f"rank{rank}.stderr"
         except ProcessLookupError:
             pass
     end = time.monotonic() + wait_s
     while waiting and time.monotonic() < end:
         time.sleep(0.05)
-        waiting = {pid: f for pid, f in waiting.items() if alive(pid) and DUMP_MARK not in read_text(f)}
+        waiting = {pid: f for pid, f in waiting.items() if alive(pid) and not STACK_DUMP.search(read_text(f))}
