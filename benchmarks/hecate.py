@@ -41,7 +41,8 @@ at SCHED_IDLE too. Off by default: on 8 ranks sharing 2 cores it made every syst
 2026-11-28, same t: EP 1962 against 1930 ms, FSDP 970 against 806 ms, Hecate 1.50x over EP against 1.66x).
 
 Usage: python benchmarks/hecate.py [--nproc 8] [--nodes 2] [--d 128] [--ff 2] [--experts 16] [--batch 16] [--iters 8]
-                                   [--warmup 3] [--intra 0.5] [--inter 0.01] [--t-nonmoe S] [--compute-yields auto|on|off]
+                                   [--warmup 3] [--intra 0.5] [--inter 0.01] [--t-nonmoe S] [--m M]
+                                   [--compute-yields auto|on|off]
 """
 from __future__ import annotations
 
@@ -77,6 +78,9 @@ def main(argv=None) -> int:
                    help="Hecate's sparse collectives (t is sized on the node's links with hier, a rank's otherwise)")
     p.add_argument("--t-nonmoe", type=float, default=None,
                    help="T_nonMoE in seconds for every Hecate variant (default: measured by Hecate in a short run first)")
+    p.add_argument("--m", type=int, default=None,
+                   help="Hecate's replica slots per device (default: profiled from free memory, spec §2.3; "
+                   "--m equal to t leaves calibration no slot)")
     p.add_argument("--only", nargs="*", metavar="SYSTEM",
                    help="run only these systems besides EP and Hecate (also: 'FasterMoE shadowing only')")
     p.add_argument("--timeout", type=float, default=1800.0)
@@ -108,6 +112,8 @@ def main(argv=None) -> int:
         print(f"# T_nonMoE = {1e3 * a.t_nonmoe:.2f} ms: measured by Hecate (median of its first 3 iterations' attention "
               "forward, max over ranks) in a 4-iteration run, given to every Hecate variant")
     hec["t_nonmoe_s"] = a.t_nonmoe
+    if a.m is not None:
+        hec["m"] = a.m
     systems = {"EP": ("ep", {}), "Hecate": ("hecate", hec),
                "Hecate sharding only": ("hecate", {**hec, "materialize": False, "calibration": False}),
                "Hecate materialization only": ("hecate", {**hec, "shard": False}),
@@ -182,8 +188,9 @@ def main(argv=None) -> int:
               " (its replicas differ from Hecate's plan: not the same-plan identity of spec §2.2, see tests; "
               f"0: its policy made no replica; options {FLEXMOE_OPTIONS})")
     plans = runs["Hecate"].plans
-    print(f"Hecate m = {plans[-1][0]['hecate']['m']}; calibrations: "
-          f"{[r['hecate']['calibration'] for it in plans for r in it].count('accepted')} accepted; "
+    calls = [r['hecate']['calibration'] for it in plans for r in it]
+    print(f"Hecate m = {plans[-1][0]['hecate']['m']} ({plans[-1][0]['hecate'].get('m_source')}); calibrations: "
+          f"{calls.count('accepted')} of {len(calls)} layer calls accepted; "
           f"experts migrated: {sum(len(r['hecate']['moved']) for it in plans for r in it)}")
     print("overlap degree t (T_nonMoE·bw/s_e): " + ", ".join(
         f"{n} {r.plans[-1][0]['hecate']['t']} ({r.plans[-1][0]['hecate'].get('t_quotient') or 0:.2f})"

@@ -18,7 +18,13 @@ VARIANTS = {
     "reshard3_nocal": {"t": 2, "m": 1, "reshard_interval": 3, "calibration": False},
     "hier": {"t": 2, "m": 2, "reshard_interval": 3, "spag_backend": "hier"},
     "stripe_rm": {"t": 2, "m": 2, "reshard_interval": 3, "spag_backend": "stripe", "rm": True},
+    "free_m": {"t": 1, "reshard_interval": 3},  # m profiled from free memory: slots beyond t, calibration fires
 }
+BATCH = {"free_m": 8}  # enough tokens per rank that a blocking gather of a tiny expert pays (else: BASE's)
+
+
+def _batch(variant):
+    return BATCH.get(variant, BASE["train.batch_size"])
 
 
 def _train(rank, world, variants):
@@ -55,14 +61,17 @@ def _train(rank, world, variants):
 
 @pytest.fixture(scope="module")
 def runs():
-    ref = run_ranks(_train, 1, {"ref": (None, {"train.batch_size": 4 * BASE["train.batch_size"]})}, timeout=120)[0]["ref"]
-    got = run_ranks(_train, 4, {k: (v, {"parallel.topology.nodes": 2}) for k, v in VARIANTS.items()}, timeout=120)
-    return ref, got
+    batches = sorted({_batch(v) for v in VARIANTS})
+    refs = run_ranks(_train, 1, {b: (None, {"train.batch_size": 4 * b}) for b in batches}, timeout=120)[0]
+    got = run_ranks(_train, 4, {k: (v, {"parallel.topology.nodes": 2, "train.batch_size": _batch(k)})
+                                for k, v in VARIANTS.items()}, timeout=120)
+    return refs, got
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_five_adam_steps_equal_the_single_process_run(runs, variant):
-    ref, got = runs
+    refs, got = runs
+    ref = refs[_batch(variant)]
     torch.testing.assert_close(torch.tensor(got[0][variant]["losses"]), torch.tensor(ref["losses"]), rtol=1e-10, atol=0)
     held = {}
     for r in got:
@@ -87,6 +96,22 @@ def test_resharding_moved_experts_and_kept_equal_counts(runs):
         assert any(p["hecate"]["prefetch"] for p in plans if p["iter"] > 0), variant  # replicas were materialized
         assert all(p["hecate"]["spag_exposed_s"] >= 0 for p in plans)  # the wait for the gather, for the benchmark
         assert any(p["hecate"]["spag_exposed_s"] > 0 for p in plans if p["hecate"]["prefetch"])
+
+
+def test_m_from_free_memory_leaves_calibration_room_and_it_fires(runs):
+    """Spec §2.3/§2.10: without m or a budget, m is profiled from free memory (one value on every rank, capped
+    at E); the slots beyond t are calibration's (§2.4), which then adds replicas with a blocking gather. With
+    m = t (every other variant) calibration has no slot left and never adds one."""
+    _, got = runs
+    for r in got:
+        plans = [p["hecate"] for p in r["free_m"]["plans"] if p["iter"] > 0]
+        assert {p["m_source"] for p in plans} == {"free memory"}
+        assert len({p["m"] for p in plans}) == 1 and plans[0]["m"] == 8  # E = 8 tiny experts fit many times over
+        assert any(p["calibration"] == "accepted" for p in plans)
+        assert any(x[1] == "calibrate" for x in r["free_m"]["recs"])  # the blocking gather of the added copies
+        for variant in ("reshard3", "reshard3_rm", "hier", "stripe_rm"):
+            assert all(p["hecate"]["calibration"] != "accepted" and p["hecate"]["m_source"] == "given"
+                       for p in r[variant]["plans"] if p["iter"] > 0), variant
 
 
 def test_rm_frees_replica_storage_between_forward_and_backward(runs):

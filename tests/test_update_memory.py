@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moelab.config import RunConfig
-from moelab.runtime.memory import storage_bytes
+from moelab.runtime.memory import available_memory, free_memory_bytes, storage_bytes
 from moelab.testing import TINY_TRAIN, run_ranks
 
 
@@ -24,6 +24,19 @@ def test_storage_bytes_counts_each_storage_once():
     a = torch.zeros(10, dtype=torch.float64)
     assert storage_bytes([a, a[2:5], a.view(2, 5).t(), None]) == 80
     assert storage_bytes([a, torch.zeros(3)]) == 92
+
+
+def test_free_memory_is_the_hosts_available_memory_shared_by_its_ranks(monkeypatch):
+    """Hecate's m is profiled from it (spec §2.3): /proc/meminfo's MemAvailable split over the ranks on the host."""
+    import moelab.runtime.memory as mem
+
+    have = available_memory()
+    assert 0 < have <= mem.physical_memory()
+    monkeypatch.setattr(mem, "available_memory", lambda: 8 * 2**30)
+    assert free_memory_bytes("cpu") == 8 * 2**30
+    assert free_memory_bytes(torch.device("cpu"), sharers=8) == 2**30
+    with pytest.raises(ValueError, match="sharers"):
+        free_memory_bytes("cpu", sharers=0)
 
 
 def test_activations_grow_with_the_batch_and_are_freed_by_backward():

@@ -170,6 +170,30 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_memory() -> int:
+    """Bytes the host can still give out without swapping: ``MemAvailable`` (page cache it may drop counts as
+    free), else the free pages where ``/proc/meminfo`` is absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def free_memory_bytes(device=None, sharers: int = 1) -> int:
+    """What one rank may still allocate: its CUDA device's free memory, or on a CPU the host's available
+    memory split evenly over the ``sharers`` ranks that run on this host (they draw from one pool)."""
+    if sharers < 1:
+        raise ValueError(f"sharers must be >= 1, got {sharers}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return available_memory() // int(sharers)
+
+
 def fits_memory(cfg: RunConfig, nproc: int | None = None, memory: int | None = None) -> None:
     """ConfigError when ``nproc`` ranks of ``cfg`` on this machine need more than 80 % of its memory."""
     nproc = nproc or cfg.parallel.nproc

@@ -14,6 +14,8 @@ Tokens go to holders by Hecate's rule (local, else same node, else any holder:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Optional
 
@@ -92,6 +94,7 @@ class HecateMoELayer(MoELayer):
         self.t, self.m = self.options.t or 0, self.options.m if self.options.m is not None else (self.options.t or 0)
         self.t_nonmoe_s: Optional[float] = None  # T_nonMoE t was computed from, and T_nonMoE · bw / s_e (unfloored)
         self.t_quotient: Optional[float] = None
+        self.m_source: Optional[str] = None
         self._plan: Optional[tuple] = None  # P' set by the driver for this iteration
         self._prefetch = None  # (holders, handle) issued beside attention
         self._call: Optional[HecateCall] = None
@@ -107,14 +110,22 @@ class HecateMoELayer(MoELayer):
 
     @property
     def cost(self):
+        """The §2.9 model calibration prices plans with: ``cost_profile``'s constants, except that under link
+        emulation the links are the emulated ones (as t is sized on them), the compute rate still the profile's."""
         if self._cost is None:
             from moelab.placement.fssdp_cost import FSSDPCost
             from moelab.sim.profiles import get_profile
 
             eb = torch.empty(0, dtype=self.dtype).element_size()
-            self._cost = FSSDPCost.from_profile(get_profile(self.options.cost_profile), self.experts.w1.shape[1],
-                                                self.experts.w1.shape[2], ranks_per_node=self.G,
-                                                expert_numel=self.numel, param_bytes=eb, act_bytes=eb)
+            cost = FSSDPCost.from_profile(get_profile(self.options.cost_profile), self.experts.w1.shape[1],
+                                          self.experts.w1.shape[2], ranks_per_node=self.G,
+                                          expert_numel=self.numel, param_bytes=eb, act_bytes=eb,
+                                          hier=self.backend in NODE_BACKENDS)
+            em = getattr(self.comm, "emulation", None)
+            if em is not None:
+                cost = dataclasses.replace(cost, intra_Bps=em.intra_bw_GBps * 1e9, nic_Bps=em.inter_bw_GBps * 1e9 * self.G,
+                                           alpha_a2a_s=em.inter_latency_us * 1e-6)
+            self._cost = cost
         return self._cost
 
     def begin_iteration(self, holders, t: int, m: int, moved=()) -> None:
@@ -241,6 +252,7 @@ class HecateMoELayer(MoELayer):
             "holders": [list(h) for h in final],
             "calibrated": final != prefetch, "calibration": r.get("calibration", "off"),
             "rm": bool(self.options.rm and self.driver is not None and not self.is_last),
-            "t": self.t, "t_nonmoe_s": self.t_nonmoe_s, "t_quotient": self.t_quotient, "m": self.m, "backend": self.backend,
+            "t": self.t, "t_nonmoe_s": self.t_nonmoe_s, "t_quotient": self.t_quotient, "m": self.m,
+            "m_source": self.m_source, "backend": self.backend,
             "moved": [list(mv) for mv in self.moved], "spag_exposed_s": r.get("spag_exposed_s", 0.0)}
         return rec

@@ -4,8 +4,8 @@
 |---|---|---|
 | ``t`` | null | overlap degree (§2.3); null: ⌊T_nonMoE · bw / s_e⌋ from ``t_nonmoe_s`` (or the measured attention forward time, see ``t_iters``), the emulated links (else ``cost_profile``) |
 | ``t_iters`` | 3 | measured T_nonMoE: the median of the first ``t_iters`` iterations' mean attention forward time (max over ranks); t is re-decided before each of iterations 1..``t_iters`` from the iterations so far, then fixed (1: iteration 0 alone) |
-| ``m`` | null | replica slots per device (§2.3); null: from ``replica_budget_bytes``, else m = t |
-| ``replica_budget_bytes`` | null | free bytes for replicas → m = ⌊budget / (live layers · (param + grad bytes of an expert))⌋ |
+| ``m`` | null | replica slots per device (§2.3); null: from ``replica_budget_bytes``, else profiled from free memory (§2.10) |
+| ``replica_budget_bytes`` | null | free bytes for replicas → m = ⌊budget / (live layers · (param + grad bytes of an expert))⌋; null: each rank's free memory (its GPU's, or its share of the host's ``MemAvailable``), the least over ranks, measured once; m capped at E. Slots beyond t are calibration's |
 | ``t_nonmoe_s`` | null | T_nonMoE in seconds (identical on every rank) instead of measuring it |
 | ``assign`` | proportional | Alg. 1's replica count rule: ``proportional`` or ``mean_load`` (§2.3, §6.2) |
 | ``window`` | 5 | iterations of the integer load window F̂ (§2.7) |

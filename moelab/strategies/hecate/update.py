@@ -21,6 +21,7 @@ per-node inter-node bandwidth (hier, stripe) or its per-rank share (flat), else 
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import threading
 import time
@@ -33,6 +34,7 @@ from moelab.comm.sparse import NODE_BACKENDS
 from moelab.moe.migrate import migrate_owners
 from moelab.placement.fssdp import (LoadWindow, holders_of, materialize_plan, memory_slots, overlap_degree,
                                     plan_hash, reshard_owners)
+from moelab.runtime.memory import free_memory_bytes
 from moelab.runtime.update import DataParallelUpdate
 
 from .options import HecateOptions
@@ -61,6 +63,8 @@ class HecateUpdate(DataParallelUpdate):
         self.iteration = 0
         self.t: Optional[int] = o.t
         self.m: Optional[int] = None
+        self.m_source = None  # given, replica_budget_bytes or free memory (spec §2.3's profiled default)
+        self._free_bytes: Optional[int] = None
         self._attn_s: list = []  # per measured iteration: its attention forward times, one per layer
         self._hooks = []
         for block in getattr(model, "blocks", []):
@@ -126,12 +130,25 @@ class HecateUpdate(DataParallelUpdate):
                 self.t = layer.cost.overlap_degree(T, E)
             for lay in self.layers:  # T_nonMoE, and how near an integer t's quotient was (the benchmark prints them)
                 lay.t_nonmoe_s, lay.t_quotient = T, T * bw / size
+        live = 2 if o.rm else len(self.layers)
         if o.m is not None:
-            self.m = o.m
+            self.m, self.m_source = o.m, "given"
         elif o.replica_budget_bytes is not None:
-            self.m = memory_slots(o.replica_budget_bytes, 2 if o.rm else len(self.layers), s_e, s_e)
+            self.m, self.m_source = memory_slots(o.replica_budget_bytes, live, s_e, s_e), "replica_budget_bytes"
         else:
-            self.m = self.t
+            if self._free_bytes is None:  # profiled once, before any replica exists; the least over ranks
+                self._free_bytes = self._least_free_bytes()
+            self.m, self.m_source = min(E, memory_slots(self._free_bytes, live, s_e, s_e)), "free memory"
+        for lay in self.layers:
+            lay.m_source = self.m_source
+
+    def _least_free_bytes(self) -> int:
+        """Spec §2.3: m is profiled from free memory. Each rank's free bytes (its GPU's, or its share of the
+        host's available memory among the ranks there), the least over ranks, so every rank gets one m."""
+        sharers = int(os.environ.get("LOCAL_WORLD_SIZE", self.N))
+        mine = free_memory_bytes(self.layers[0].experts.w1.device, sharers=sharers)
+        with self.comm.rec.paused():  # metric traffic, as T_nonMoE's exchange
+            return int(self.comm.all_gather(torch.tensor([mine], dtype=torch.int64)).min())
 
     # ---- the Update interface -------------------------------------------------------------------------------
     def _decide_now(self) -> bool:
@@ -176,10 +193,13 @@ class HecateUpdate(DataParallelUpdate):
     def checkpoint_state(self) -> dict:
         return {"iteration": self.iteration, "window": copy.deepcopy(self.window),
                 "reshard_window": copy.deepcopy(self.reshard_window), "t": self.t, "m": self.m,
-                "attn_s": list(self._attn_s)}
+                "m_source": self.m_source, "free_bytes": self._free_bytes, "attn_s": list(self._attn_s)}
 
     def restore_state(self, state: dict) -> None:
         self.iteration, self.t, self.m = int(state["iteration"]), state["t"], state["m"]
+        self.m_source, self._free_bytes = state.get("m_source"), state.get("free_bytes")
+        for lay in self.layers:
+            lay.m_source = self.m_source
         self.window, self.reshard_window = state["window"], state["reshard_window"]
         a = list(state["attn_s"])
         self._attn_s = a if all(isinstance(x, list) for x in a) else [a]  # older checkpoints: iteration 0's, flat
