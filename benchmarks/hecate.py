@@ -19,7 +19,8 @@ inter-node all-to-all bytes EP / Hecate; spAG + spRS bytes vs FlexMoE's replica 
 memory at the iteration peak per category (params, grads, optim, activations) and in total, with the iteration of
 the total peak, per system; the computed overlap degree t; the MoE layers alone
 (real: gate to last token exchange forward, first to last backward; sim: the critical path's MoE ops); exposed /
-total spAG time of every Hecate variant; RM's replica bytes and time. A second table: the same medians over the
+total spAG time of every Hecate variant; RM's replica bytes and time, at ``--layers`` and, in one more spawn of EP,
+Hecate and Hecate-RM, at ``--rm-layers`` (RM keeps the last layer's replicas, so at 2 layers it frees half). A second table: the same medians over the
 timed iterations in which no system re-sharded (the run re-shards every ``max(2, warmup)`` iterations so that Alg. 2
 runs inside it; the paper's interval is 100), and with each run's migration time per re-shard spread over 100
 iterations. CPU timings are not paper numbers (spec §6.15): the ratios check
@@ -41,7 +42,7 @@ at SCHED_IDLE too. Off by default: on 8 ranks sharing 2 cores it made every syst
 2026-11-28, same t: EP 1962 against 1930 ms, FSDP 970 against 806 ms, Hecate 1.50x over EP against 1.66x).
 
 Usage: python benchmarks/hecate.py [--nproc 8] [--nodes 2] [--d 128] [--ff 2] [--experts 16] [--batch 16] [--iters 8]
-                                   [--warmup 3] [--intra 0.5] [--inter 0.01] [--t-nonmoe S] [--m M]
+                                   [--warmup 3] [--intra 0.5] [--inter 0.01] [--t-nonmoe S] [--m M] [--rm-layers 6]
                                    [--compute-yields auto|on|off]
 """
 from __future__ import annotations
@@ -78,6 +79,9 @@ def main(argv=None) -> int:
                    help="Hecate's sparse collectives (t is sized on the node's links with hier, a rank's otherwise)")
     p.add_argument("--t-nonmoe", type=float, default=None,
                    help="T_nonMoE in seconds for every Hecate variant (default: measured by Hecate in a short run first)")
+    p.add_argument("--rm-layers", type=int, default=6,
+                   help="also run EP, Hecate and Hecate-RM with this many layers, where RM can free more than "
+                   "half the replicas (0: skip)")
     p.add_argument("--m", type=int, default=None,
                    help="Hecate's replica slots per device (default: profiled from free memory, spec §2.3; "
                    "--m equal to t leaves calibration no slot)")
@@ -223,13 +227,33 @@ def main(argv=None) -> int:
         "{} {:.2f} ({:.1f} of {:.1f} ms)".format(n, *spag_exposed(r, a.warmup)) for n, r in runs.items()
         if n.startswith("Hecate") and n != "Hecate sharding only"))
     if "Hecate-RM" in runs:
-        rep = {n: peak[n][0] - peak["EP"][0] for n in ("Hecate", "Hecate-RM")}
-        print(f"Hecate-RM: replica params at the peak {1e-6 * rep['Hecate-RM']:.3f} vs Hecate {1e-6 * rep['Hecate']:.3f} MB "
-              f"({1 - rep['Hecate-RM'] / rep['Hecate'] if rep['Hecate'] > 0 else float('nan'):.0%} lower), "
-              f"iteration {t.loc['Hecate-RM'].real_s / t.loc['Hecate'].real_s:.2f}x Hecate's")
+        rm_line(f"{a.layers} layers", peak, t)
     print(f"\nsimulated bytes == measured bytes: {comp.metrics['bytes_exact']} ({comp.metrics['bytes_cells']} cells); "
           f"median prediction error {comp.metrics['median_rel_err']:.0%}")
+    if a.rm_layers and "Hecate-RM" in runs:
+        rm_at_depth(named, a)
     return 0
+
+
+def rm_line(label: str, peak: dict, t) -> None:
+    """Hecate-RM against Hecate: replica params at the iteration peak (params over EP's), iteration time."""
+    rep = {n: peak[n][0] - peak["EP"][0] for n in ("Hecate", "Hecate-RM")}
+    print(f"Hecate-RM, {label}: replica params at the peak {1e-6 * rep['Hecate-RM']:.3f} vs Hecate "
+          f"{1e-6 * rep['Hecate']:.3f} MB ({1 - rep['Hecate-RM'] / rep['Hecate'] if rep['Hecate'] > 0 else float('nan'):.0%}"
+          f" lower), iteration {t.loc['Hecate-RM'].real_s / t.loc['Hecate'].real_s:.2f}x Hecate's")
+
+
+def rm_at_depth(named, a) -> None:
+    """RM frees every layer's replicas but the last one's (spec §6.5), so at most (L - 1) / L of them can go: at
+    the default 2 layers half. EP, Hecate and Hecate-RM again at ``--rm-layers``, same options otherwise."""
+    from moelab.sim.validate import validate
+
+    deep = [(n, c.with_overrides({"model.n_layers": a.rm_layers}).validate()) for n, c in named
+            if n in ("EP", "Hecate", "Hecate-RM")]
+    print(f"\n# RM at depth: EP, Hecate and Hecate-RM with {a.rm_layers} layers (one more spawn, same options)")
+    comp, reals, _ = validate(deep, warmup=a.warmup, timeout=a.timeout, warn=False)
+    peak = {n: [float(r.memory["mem_params_peak_bytes"].max())] for (n, _), r in zip(deep, reals)}
+    rm_line(f"{a.rm_layers} layers", peak, timed_medians(comp))
 
 
 PAPER_R = 100  # the paper's re-sharding interval (spec §2.5)
