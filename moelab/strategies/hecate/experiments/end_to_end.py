@@ -6,8 +6,12 @@ EP (none), FasterMoE (its shadow policy runs inside its graph, on the iteration'
 smart schedule), Hecate (:func:`.replay.hecate_plans`), SmartMoE and FlexMoE (their replays, when those
 strategies exist in this checkout). The overlap degree t is the paper's ⌊T_nonMoE · bw / s_e⌋ with
 T_nonMoE = the profile's attention forward time and bw = the node's NIC (hierarchical spAG, spec §2.3);
-m = t (memory not binding at batch 1). That formula gives t = 0 or 1 on the paper's clusters (spec §6.3), so the
-headline "Hecate" runs take t = m = ``t_paper`` from ``experiments/hecate/assumptions.yaml`` (inferred from the
+m = E: memory does not bind at batch 1. Spec §2.3's m = free / (L · (param + grad bytes of an expert)) is in the
+tens for every Table 1 model on a 32 GB V100 (a rough estimate: GPT-MoE-L, the largest, ~50 with EP's model states
+and Megatron's activation estimate subtracted), so, as in a REAL run where m is profiled from free memory,
+calibration (§2.4) may add any replica whose blocking gather its cost model prices below the layer time it saves;
+each system's note says how many it accepted. That formula gives t = 0 or 1 on the paper's clusters (spec §6.3), so the
+headline "Hecate" runs take t = ``t_paper`` from ``experiments/hecate/assumptions.yaml`` (inferred from the
 paper's Fig. 13, an assumption), and "Hecate (t formula)" shows what the formula's t does."""
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ def system_plans(system: str, cfg, profile, loads, **hecate_kw):
         if t is None:
             t = overlap_degree(cfg, profile) if "formula" in system else int(assumptions().value("t_paper"))
         m = hecate_kw.pop("m", None)
-        m = t if m is None else m
+        m = cfg.model.moe.num_experts if m is None else m  # memory does not bind at batch 1 (module docstring)
         hecate_kw.setdefault("backend", "hier")  # spec §2.2/§6.17: the paper's NCCL broadcasts cross a NIC once
         hecate_kw.setdefault("rm", "RM" in system)
         if "sharding only" in system:
@@ -65,7 +69,9 @@ def system_plans(system: str, cfg, profile, loads, **hecate_kw):
         plans = hecate_plans(loads, t=t, m=m, ranks_per_node=G, cost=hecate_cost(cfg, profile), **hecate_kw)
         fired = sum(1 for p in plans for h, o in zip(p["holders"], p["owners"]) if any(len(x) > 1 for x in h))
         moved = sum(len(p["moved"]) for p in plans)
-        note = f"t={t}, m={m}; layer-iterations with replicas: {fired}; experts migrated: {moved}"
+        cal = [s for p in plans for s in p["calibration"]]
+        note = (f"t={t}, m={m}; layer-iterations with replicas: {fired}; calibrations accepted: "
+                f"{cal.count('accepted')} of {len(cal)}; experts migrated: {moved}")
         return cfg.with_overrides({"parallel.strategy": "hecate"}), [graph_kwargs(p) for p in plans], note
     if system == "FlexMoE":
         from .baselines import FLEXMOE, flexmoe_plans

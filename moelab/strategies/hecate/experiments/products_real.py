@@ -76,7 +76,7 @@ def fig1(ctx):
                                         end_ms=1e3 * tl.end)))
     df = pd.concat(frames, ignore_index=True)
     df.attrs["label"] = ("SIMULATED: hecate_A profile, 16 GPUs, GPT-MoE-S (2 layers), rank 0, last replayed iteration of "
-                         "the REAL trace upsampled; Hecate t = m = t_paper (assumption)")
+                         "the REAL trace upsampled; Hecate t = t_paper (assumption), m = E (memory does not bind)")
     return Made(df, tables={"table_fig01_timeline": (df, "Fig. 1: simulated timeline rows")},
                 figures={"fig01_timeline": F.gantt(df, label=df.attrs["label"],
                                                    title="Fig. 1: one iteration, EP vs FSSDP (simulated, rank 0)")})
