@@ -125,6 +125,7 @@ def main(argv=None) -> int:
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": a.nproc // a.nodes}),
                "FlexMoE": ("flexmoe", FLEXMOE_OPTIONS), "FSDP": ("fsdp_expert", {}), "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
     extra = {"FasterMoE shadowing only": ("fastermoe", {"shadow": True, "smart": False}),  # with --only
+             "Hecate, best calibration": ("hecate", {**hec, "calibration_rule": "best"}),
              **{f"Hecate, {b}": ("hecate", {**hec, "spag_backend": b})
                 for b in ("a2a", "hier", "stripe") if b != a.spag_backend}}
     if a.only:

@@ -117,6 +117,28 @@ def test_calibration_accepts_only_a_modeled_gain_and_stays_within_slots():
     assert cal.added == () and not cal.accepted and cal.holders == full
 
 
+def test_calibration_best_rule_takes_the_few_hot_experts_the_all_slots_rule_cannot():
+    """``all_slots`` proposes every free slot (t_cal = m_rem), all or nothing; ``best`` prices t_cal = 1..m_rem
+    and proposes the fastest. One hot expert among many warm ones: gathering 6 experts onto every device costs
+    more than it saves, gathering the hot one pays."""
+    owners = [e // 2 for e in range(8)]
+    P = holders_of(owners)
+    C = np.array([[2000, 200, 200, 200, 200, 200, 200, 200]] * 4)
+    c = cost()
+    full = calibrate_plan(P, owners, C, 6, 4, 2, c)
+    best = calibrate_plan(P, owners, C, 6, 4, 2, c, rule="best")
+    assert not full.accepted and full.holders == P  # the all-slots proposal does not pay
+    assert best.accepted and best.t_after < best.t_before and best.t_after < full.t_after
+    assert max(replicas_per_device(best.holders, 4)) == 1  # one of the 6 free slots: the hot expert everywhere
+    assert best.holders[0] == (0, 1, 2, 3)
+    # never worse than all_slots: on the heavy case both accept, best at most as slow
+    heavy = np.array([[20000, 1, 1, 1, 1, 1, 1, 1]] * 4)
+    a, b = (calibrate_plan(P, owners, heavy, 2, 4, 2, c, rule=r) for r in ("all_slots", "best"))
+    assert a.accepted and b.accepted and b.t_after <= a.t_after
+    with pytest.raises(ValueError, match="rule"):
+        calibrate_plan(P, owners, heavy, 2, 4, 2, c, rule="some")
+
+
 # ---- Alg. 2 ----------------------------------------------------------------------------------------------
 def brute_least_loaded_node(F_layer, placed, e, slots, N, G):
     """Node loads (this layer's J' experts placed so far) of nodes with a free slot: the minimum."""

@@ -19,8 +19,9 @@ VARIANTS = {
     "hier": {"t": 2, "m": 2, "reshard_interval": 3, "spag_backend": "hier"},
     "stripe_rm": {"t": 2, "m": 2, "reshard_interval": 3, "spag_backend": "stripe", "rm": True},
     "free_m": {"t": 1, "reshard_interval": 3},  # m profiled from free memory: slots beyond t, calibration fires
+    "free_m_best": {"t": 1, "reshard_interval": 3, "calibration_rule": "best"},
 }
-BATCH = {"free_m": 8}  # enough tokens per rank that a blocking gather of a tiny expert pays (else: BASE's)
+BATCH = {"free_m": 8, "free_m_best": 8}  # enough tokens per rank that a blocking gather of a tiny expert pays (else: BASE's)
 
 
 def _batch(variant):
@@ -104,6 +105,8 @@ def test_m_from_free_memory_leaves_calibration_room_and_it_fires(runs):
     m = t (every other variant) calibration has no slot left and never adds one."""
     _, got = runs
     for r in got:
+        best = [p["hecate"] for p in r["free_m_best"]["plans"] if p["iter"] > 0]
+        assert any(p["calibration"] == "accepted" for p in best)
         plans = [p["hecate"] for p in r["free_m"]["plans"] if p["iter"] > 0]
         assert {p["m_source"] for p in plans} == {"free memory"}
         assert len({p["m"] for p in plans}) == 1 and plans[0]["m"] == 8  # E = 8 tiny experts fit many times over
@@ -147,7 +150,7 @@ def test_debug_plan_hash_and_bad_options():
                                            "parallel.strategy_options": opts})
 
     for opts, msg in [({"t": -1}, "t must be >= 0"), ({"window": 0}, "window must be >= 1"),
-                      ({"assign": "magic"}, "assign must be one of"), ({"spag_backend": "ring"}, "spag_backend"),
+                      ({"assign": "magic"}, "assign must be one of"), ({"calibration_rule": "most"}, "calibration_rule"), ({"spag_backend": "ring"}, "spag_backend"),
                       ({"cost_profile": "nope"}, "cost_profile"), ({"spag_backend": "hier"}, "more than one node|nodes > 1"),
                       ({"spag_backend": "stripe"}, "more than one node|nodes > 1"),
                       ({"materialize": False, "rm": True}, "rm needs materialization"),

@@ -149,12 +149,21 @@ class Calibration:
     t_after: float
 
 
+CALIBRATION_RULES = ("all_slots", "best")
+
+
 def calibrate_plan(holders, owners: Sequence[int], counts, m: int, N: int, ranks_per_node: int, cost,
-                   assign: str = "proportional") -> Calibration:
+                   assign: str = "proportional", rule: str = "all_slots") -> Calibration:
     """§2.4: with the real per-source ``counts`` ``[N][E]`` of this call, re-run Alg. 1 on top of the
     materialized ``holders`` with loads F_act = Σ_s counts, memory = the least remaining slots over
-    devices and t_cal = that memory; accept iff ``cost.t_moe(P_cal) + cost.t_spag(P', P_cal) <
-    cost.t_moe(P')`` (the extra gather is on the critical path, not hidden)."""
+    devices m_rem; accept iff ``cost.t_moe(P_cal) + cost.t_spag(P', P_cal) < cost.t_moe(P')`` (the extra
+    gather is on the critical path, not hidden).
+
+    ``rule``: ``all_slots`` (the spec's [choice]) proposes t_cal = m_rem, every free slot, so the proposal is
+    all or nothing; ``best`` prices t_cal = 1..m_rem and proposes the fastest (ties: fewer replicas), so a
+    call whose full proposal does not pay may still take the few hottest experts."""
+    if rule not in CALIBRATION_RULES:
+        raise ValueError(f"rule must be one of {CALIBRATION_RULES}, got {rule!r}")
     C = np.asarray(counts, dtype=np.int64)
     holders = _canonical(holders)
     F = C.sum(0).tolist()
@@ -162,11 +171,18 @@ def calibrate_plan(holders, owners: Sequence[int], counts, m: int, N: int, ranks
     t_before = float(cost.t_moe(holders, C))
     if m_rem <= 0:
         return Calibration(holders, False, (), t_before, t_before)
-    cal = _alg1(holders, F, m_rem, m_rem, N, ranks_per_node, assign)
-    added = tuple((e, d) for e in range(len(cal)) for d in cal[e] if d not in holders[e])
-    if not added:
+    best = None
+    for t_cal in (range(1, m_rem + 1) if rule == "best" else (m_rem,)):
+        cal = _alg1(holders, F, t_cal, t_cal, N, ranks_per_node, assign)
+        if cal == holders or (best is not None and cal == best[0]):
+            continue
+        t_after = float(cost.t_moe(cal, C)) + float(cost.t_spag(holders, cal))
+        if best is None or t_after < best[1]:
+            best = (cal, t_after)
+    if best is None:
         return Calibration(holders, False, (), t_before, t_before)
-    t_after = float(cost.t_moe(cal, C)) + float(cost.t_spag(holders, cal))
+    cal, t_after = best
+    added = tuple((e, d) for e in range(len(cal)) for d in cal[e] if d not in holders[e])
     ok = t_after < t_before
     return Calibration(cal if ok else holders, ok, added, t_before, t_after)
 

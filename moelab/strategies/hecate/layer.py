@@ -168,7 +168,7 @@ class HecateMoELayer(MoELayer):
         final, status = holders, "off"
         if self.options.calibration and self.options.materialize and self.m > 0:
             cal = calibrate_plan(holders, self.owners, counts, self.m, self.comm.world_size, self.G, self.cost,
-                                 self.options.assign)
+                                 self.options.assign, self.options.calibration_rule)
             final = cal.holders
             status = "accepted" if cal.accepted else ("rejected" if cal.added else "nothing")
         self.record = {"prefetch": holders, "holders": final, "calibration": status}

@@ -13,6 +13,7 @@
 | ``reshard_window`` | null | a longer window for Alg. 2 (§6.6); null: ``window`` |
 | ``prefer_fewer_free`` | true | Alg. 2's tie-break as written (false inverts it, §6.6) |
 | ``calibration`` | true | re-plan after the gate when the cost model says it pays (§2.4) |
+| ``calibration_rule`` | all_slots | what calibration proposes: ``all_slots`` (t_cal = the free slots, spec §2.4 [choice]: all or nothing) or ``best`` (the fastest t_cal of 1..free slots by the cost model) |
 | ``rm`` | false | re-materialization: free replicas after forward, re-gather them in backward (§2.8) |
 | ``spag_backend`` | a2a | ``a2a`` / ``p2p`` / ``hier`` / ``stripe`` (§2.2; ``stripe``: ``hier`` with each crossing expert split over the node's G NICs) |
 | ``materialize`` | true | false: "sharding only" ablation (P' = P) |
@@ -28,7 +29,7 @@ from typing import Optional, Tuple
 
 from moelab.comm.sparse import BACKENDS, NODE_BACKENDS
 from moelab.config import ConfigError
-from moelab.placement.fssdp import ASSIGN
+from moelab.placement.fssdp import ASSIGN, CALIBRATION_RULES
 from moelab.strategies.options import StrategyOptions
 
 LATER_GROUP = "sparse_later"  # the staged backends' later stages, posted by a comm stream
@@ -60,6 +61,7 @@ class HecateOptions(StrategyOptions):
     reshard_window: Optional[int] = field(default=None, metadata={"type": int})
     prefer_fewer_free: bool = True
     calibration: bool = True
+    calibration_rule: str = field(default="all_slots", metadata={"choices": CALIBRATION_RULES})
     rm: bool = False
     spag_backend: str = field(default="a2a", metadata={"choices": BACKENDS})
     materialize: bool = True

@@ -17,7 +17,7 @@ from moelab.placement.fssdp import (LoadWindow, calibrate_plan, holders_of, homo
 def hecate_plans(trace, *, t: int, m: int, ranks_per_node: int, cost=None, reshard_interval: int = 100,
                  window: int = 5, reshard_window: Optional[int] = None, calibration: bool = True, rm: bool = False,
                  assign: str = "proportional", materialize: bool = True, shard: bool = True,
-                 prefer_fewer_free: bool = True, backend: str = "a2a") -> list:
+                 prefer_fewer_free: bool = True, backend: str = "a2a", calibration_rule: str = "all_slots") -> list:
     """Per iteration of ``trace`` (``[iters, layers, N, E]`` tokens per source and expert) the graph kwargs
     ``owners / prefetch / holders / moved / rm / backend`` plus ``calibration`` (per layer: off, nothing,
     rejected, accepted). ``cost``: a :class:`~moelab.placement.fssdp_cost.FSSDPCost` (needed for calibration)."""
@@ -40,7 +40,7 @@ def hecate_plans(trace, *, t: int, m: int, ranks_per_node: int, cost=None, resha
             p = materialize_plan(owners[l], F[l].tolist(), t, m, N, G, assign) if materialize and len(win) else P
             f, s = p, "off"
             if calibration and materialize and m > 0 and cost is not None:
-                cal = calibrate_plan(p, owners[l], trace[it, l], m, N, G, cost, assign)
+                cal = calibrate_plan(p, owners[l], trace[it, l], m, N, G, cost, assign, calibration_rule)
                 f, s = cal.holders, ("accepted" if cal.accepted else ("rejected" if cal.added else "nothing"))
             pre.append(p)
             final.append(f)
