@@ -34,3 +34,20 @@ def test_sparse_collectives_beside_attention_and_backward_pay_the_busy_costs(bus
         # the same links' latency as a token all-to-all across both nodes, plus the call's fixed cost
         assert o.duration == pytest.approx(tok_alpha + (busy if busy else 1e-3))
     assert all(o.duration == pytest.approx(tok_alpha + 1e-3) for o in tokens)
+
+
+def test_calibration_policy_time_is_compute_before_dispatch():
+    """A real run's measured calibration CPU time (``policy_s``) is compute on every rank between the gate and
+    the dispatch all-to-all: the iteration grows by exactly it, once per MoE layer that has it."""
+    from moelab.sim.engine import simulate
+
+    prof = get_profile("fastermoe_johnny")
+    cfg = config_for_profile(RunConfig(), prof, **{"model.n_layers": 2, "model.moe.num_experts": 16,
+                                                   "parallel.strategy": "hecate", "model.seq_len": 32})
+    owners = homogeneous_owners(2, 16, cfg.parallel.nproc)
+    loads = synthetic_loads(cfg, seed=3, skew=1.5)
+    base = simulate(iteration_graph(cfg, prof, loads, owners=owners)).makespan
+    g = iteration_graph(cfg, prof, loads, owners=owners, policy_s=[0.02, 0.0])
+    pol = [o for o in g.ops if ".calibrate_policy." in o.name]
+    assert len(pol) == cfg.parallel.nproc and {o.ranks for o in pol} == {(r,) for r in range(cfg.parallel.nproc)}
+    assert simulate(g).makespan == pytest.approx(base + 0.02 + g.op_overhead_s, rel=1e-9)  # plus the per-op overhead

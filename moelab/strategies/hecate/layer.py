@@ -165,13 +165,15 @@ class HecateMoELayer(MoELayer):
         if self._prefetch is None:  # no driver (or no attention hook): gather now
             self.prefetch()
         holders = self._prefetch[0]
-        final, status = holders, "off"
+        final, status, cpu = holders, "off", 0.0
         if self.options.calibration and self.options.materialize and self.m > 0:
+            c0 = time.thread_time()
             cal = calibrate_plan(holders, self.owners, counts, self.m, self.comm.world_size, self.G, self.cost,
                                  self.options.assign, self.options.calibration_rule)
+            cpu = time.thread_time() - c0  # the policy's own CPU time, on the critical path before dispatch
             final = cal.holders
             status = "accepted" if cal.accepted else ("rejected" if cal.added else "nothing")
-        self.record = {"prefetch": holders, "holders": final, "calibration": status}
+        self.record = {"prefetch": holders, "holders": final, "calibration": status, "calibration_cpu_s": cpu}
         return Placement(self.cfg.num_experts, self.comm.world_size, final, LocalityFirst(self.G)), ()
 
     def materialize(self, x, plan):
@@ -251,6 +253,7 @@ class HecateMoELayer(MoELayer):
             "prefetch": {str(e): list(h[1:]) for e, h in enumerate(prefetch) if len(h) > 1},
             "holders": [list(h) for h in final],
             "calibrated": final != prefetch, "calibration": r.get("calibration", "off"),
+            "calibration_cpu_s": r.get("calibration_cpu_s", 0.0),
             "rm": bool(self.options.rm and self.driver is not None and not self.is_last),
             "t": self.t, "t_nonmoe_s": self.t_nonmoe_s, "t_quotient": self.t_quotient, "m": self.m,
             "m_source": self.m_source, "backend": self.backend,

@@ -5,7 +5,8 @@ Per MoE layer ``j``: tokens go to the final P' (``holders[j]``) by Hecate's rule
 prefetch gather spAG(P, P'_prefetch) runs on the ``sparse`` stream beside attention_j's forward (the
 gate waits for it, as the layer waits before dispatch); an accepted calibration adds a blocking gather
 of the added copies after the count exchange; spRS(P'_final, P) is issued when the layer's backward
-ends and waited at the iteration's sync; with RM the layer's replicas are gathered again beside the
+ends and waited at the iteration's sync; the calibration policy's measured CPU time (a real run's records) is
+compute on every rank before dispatch; with RM the layer's replicas are gathered again beside the
 next layer's attention backward and waited before this layer's expert backward. A migration (Alg. 2)
 is one all-to-all of ``3 × expert`` rows on all ranks. Bytes per peer are exactly the runtime's: the
 transfers come from the same :class:`moelab.comm.sparse.SparsePlan` stages the runtime executes.
@@ -46,10 +47,13 @@ def _full(owners, extra) -> tuple:
 
 def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *, holders=None, owners=None,
                            prefetch=None, moved: Sequence = (), rm: bool = False, backend: str = "a2a",
-                           elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False, **_ignored):
+                           policy_s: Optional[Sequence[float]] = None, elem_bytes: Optional[int] = None,
+                           hierarchical_a2a: bool = False, **_ignored):
     """The op graph of one Hecate iteration. ``owners[j]`` (P), ``prefetch[j]`` (P' gathered beside
     attention) and ``holders[j]`` (the final P' after calibration) per MoE layer, default EP / P;
-    ``moved``: ``(layer, expert, src, dst)`` of this iteration's migration; ``rm``: re-materialization."""
+    ``moved``: ``(layer, expert, src, dst)`` of this iteration's migration; ``rm``: re-materialization;
+    ``policy_s[j]``: CPU seconds every rank spends in layer j's calibration policy before dispatch (measured
+    in a real run; none in a replay)."""
     m, moe = cfg.model, cfg.model.moe
     topo = topology_of(cfg)
     N, E, G = topo.world_size, moe.num_experts, topo.ranks_per_node
@@ -103,6 +107,9 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
     stage_fwd, stage_bwd = token_stages(routes, lambda i: (rm_ops[i],) if i in rm_ops else ())
 
     def moe_forward(ctx, i, j, deps):
+        if policy_s is not None and policy_s[j] > 0:  # every rank prices the calibration before it dispatches
+            deps = tuple(ctx.g.compute(r, f"L{i}.calibrate_policy.{r}", policy_s[j], deps=tuple(deps), category="gate",
+                                       layer=i, phase="fwd") for r in ranks)
         if cal[j]:  # an accepted calibration: a blocking gather of the added copies before dispatch
             deps = (collective(ctx, f"L{i}.calibrate", cal[j], deps, i, "fwd", "spag"),)
         return stage_fwd(ctx, i, j, deps)
@@ -137,4 +144,5 @@ def hecate_sim_plan(cfg, records) -> dict:
     return dict(owners=owners, holders=[tuple(tuple(h) for h in r["holders"]) for r in recs],
                 prefetch=[_full(r["owners"], r["prefetch"]) for r in recs],
                 moved=[(j, *mv) for j, r in enumerate(recs) for mv in r["moved"]],
-                rm=any(r["rm"] for r in recs), backend=recs[0]["backend"])
+                rm=any(r["rm"] for r in recs), backend=recs[0]["backend"],
+                policy_s=[float(r.get("calibration_cpu_s", 0.0)) for r in recs])
