@@ -150,7 +150,8 @@ def test_debug_plan_hash_and_bad_options():
                                            "parallel.strategy_options": opts})
 
     for opts, msg in [({"t": -1}, "t must be >= 0"), ({"window": 0}, "window must be >= 1"),
-                      ({"assign": "magic"}, "assign must be one of"), ({"calibration_rule": "most"}, "calibration_rule"), ({"spag_backend": "ring"}, "spag_backend"),
+                      ({"assign": "magic"}, "assign must be one of"), ({"calibration_rule": "most"}, "calibration_rule"),
+                      ({"spag_backend": "ring"}, "spag_backend"),
                       ({"cost_profile": "nope"}, "cost_profile"), ({"spag_backend": "hier"}, "more than one node|nodes > 1"),
                       ({"spag_backend": "stripe"}, "more than one node|nodes > 1"),
                       ({"materialize": False, "rm": True}, "rm needs materialization"),

@@ -148,6 +148,11 @@ class Calibration:
     t_before: float
     t_after: float
 
+    @property
+    def status(self) -> str:
+        """What the plan records: accepted, rejected (proposed, did not pay) or nothing (no copy to add)."""
+        return "accepted" if self.accepted else ("rejected" if self.added else "nothing")
+
 
 CALIBRATION_RULES = ("all_slots", "best")
 

@@ -15,7 +15,6 @@ Tokens go to holders by Hecate's rule (local, else same node, else any holder:
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from typing import Optional
 
@@ -94,7 +93,6 @@ class HecateMoELayer(MoELayer):
         self.t, self.m = self.options.t or 0, self.options.m if self.options.m is not None else (self.options.t or 0)
         self.t_nonmoe_s: Optional[float] = None  # T_nonMoE t was computed from, and T_nonMoE · bw / s_e (unfloored)
         self.t_quotient: Optional[float] = None
-        self.m_source: Optional[str] = None
         self._plan: Optional[tuple] = None  # P' set by the driver for this iteration
         self._prefetch = None  # (holders, handle) issued beside attention
         self._call: Optional[HecateCall] = None
@@ -171,8 +169,7 @@ class HecateMoELayer(MoELayer):
             cal = calibrate_plan(holders, self.owners, counts, self.m, self.comm.world_size, self.G, self.cost,
                                  self.options.assign, self.options.calibration_rule)
             cpu = time.thread_time() - c0  # the policy's own CPU time, on the critical path before dispatch
-            final = cal.holders
-            status = "accepted" if cal.accepted else ("rejected" if cal.added else "nothing")
+            final, status = cal.holders, cal.status
         self.record = {"prefetch": holders, "holders": final, "calibration": status, "calibration_cpu_s": cpu}
         return Placement(self.cfg.num_experts, self.comm.world_size, final, LocalityFirst(self.G)), ()
 
@@ -256,6 +253,6 @@ class HecateMoELayer(MoELayer):
             "calibration_cpu_s": r.get("calibration_cpu_s", 0.0),
             "rm": bool(self.options.rm and self.driver is not None and not self.is_last),
             "t": self.t, "t_nonmoe_s": self.t_nonmoe_s, "t_quotient": self.t_quotient, "m": self.m,
-            "m_source": self.m_source, "backend": self.backend,
+            "m_source": getattr(self.driver, "m_source", None), "backend": self.backend,
             "moved": [list(mv) for mv in self.moved], "spag_exposed_s": r.get("spag_exposed_s", 0.0)}
         return rec

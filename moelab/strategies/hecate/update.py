@@ -63,7 +63,7 @@ class HecateUpdate(DataParallelUpdate):
         self.iteration = 0
         self.t: Optional[int] = o.t
         self.m: Optional[int] = None
-        self.m_source = None  # given, replica_budget_bytes or free memory (spec §2.3's profiled default)
+        self.m_source = None  # given, replica_budget_bytes or free memory (spec §2.3's profiled default); plans read it
         self._free_bytes: Optional[int] = None
         self._attn_s: list = []  # per measured iteration: its attention forward times, one per layer
         self._hooks = []
@@ -139,8 +139,6 @@ class HecateUpdate(DataParallelUpdate):
             if self._free_bytes is None:  # profiled once, before any replica exists; the least over ranks
                 self._free_bytes = self._least_free_bytes()
             self.m, self.m_source = min(E, memory_slots(self._free_bytes, live, s_e, s_e)), "free memory"
-        for lay in self.layers:
-            lay.m_source = self.m_source
 
     def _least_free_bytes(self) -> int:
         """Spec §2.3: m is profiled from free memory. Each rank's free bytes (its GPU's, or its share of the
@@ -198,8 +196,6 @@ class HecateUpdate(DataParallelUpdate):
     def restore_state(self, state: dict) -> None:
         self.iteration, self.t, self.m = int(state["iteration"]), state["t"], state["m"]
         self.m_source, self._free_bytes = state.get("m_source"), state.get("free_bytes")
-        for lay in self.layers:
-            lay.m_source = self.m_source
         self.window, self.reshard_window = state["window"], state["reshard_window"]
         a = list(state["attn_s"])
         self._attn_s = a if all(isinstance(x, list) for x in a) else [a]  # older checkpoints: iteration 0's, flat

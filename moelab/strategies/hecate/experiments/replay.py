@@ -41,7 +41,7 @@ def hecate_plans(trace, *, t: int, m: int, ranks_per_node: int, cost=None, resha
             f, s = p, "off"
             if calibration and materialize and m > 0 and cost is not None:
                 cal = calibrate_plan(p, owners[l], trace[it, l], m, N, G, cost, assign, calibration_rule)
-                f, s = cal.holders, ("accepted" if cal.accepted else ("rejected" if cal.added else "nothing"))
+                f, s = cal.holders, cal.status
             pre.append(p)
             final.append(f)
             status.append(s)
