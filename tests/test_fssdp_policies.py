@@ -254,3 +254,21 @@ def test_cost_model_rewards_replicating_a_hot_expert_and_prices_sparse_gathers()
     assert c.load(materialize_plan(owners, uniform.sum(0), 2, 2, 4, 2), uniform).max() >= c.load(P, uniform).max()
     assert c.migration_bytes(2) == 2 * c.expert_bytes * 7
     assert c.routes(P, C).sum() == C.sum()
+
+
+def test_plan_pricer_equals_a_full_routing_for_every_plan_it_prices():
+    """The memoized delta pricing (calibration's ``best`` rule, FlexMoE's gain) is exact: integer routes."""
+    rng = np.random.default_rng(3)
+    N, E, G = 8, 16, 4
+    c = FSSDPCost(**{**cost().__dict__, "ranks_per_node": G})
+    C = rng.integers(0, 500, size=(N, E))
+    owners = [e // 2 for e in range(E)]
+    pr = c.pricer(C)
+    plans = [holders_of(owners)] + [
+        tuple(tuple([owners[e]] + sorted(set(rng.choice(N, size=rng.integers(0, N), replace=False).tolist()) - {owners[e]}))
+              for e in range(E)) for _ in range(12)]
+    for P in plans + plans[::-1]:  # the first plan becomes the base; later ones are deltas against it
+        assert np.array_equal(pr.routes(P), c.routes(P, C))
+        assert pr.t_moe(P) == c.t_moe(P, C)
+    with pytest.raises(ValueError, match="experts"):
+        pr.routes(plans[0][:-1])

@@ -88,8 +88,10 @@ def load_gain(F: Sequence[float], N: int) -> Callable:
 def time_gain(cost, counts) -> Callable:
     """A gain in seconds per iteration from a cost model with ``t_moe(holders, counts[N][E])``
     (:class:`moelab.placement.fssdp_cost.FSSDPCost`): the MoE layer's forward critical path saved."""
+    price = cost.pricer(counts).t_moe
+
     def gain(old, new) -> float:
-        return float(cost.t_moe(old, counts) - cost.t_moe(new, counts))
+        return float(price(old) - price(new))
     return gain
 
 

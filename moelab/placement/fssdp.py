@@ -173,7 +173,8 @@ def calibrate_plan(holders, owners: Sequence[int], counts, m: int, N: int, ranks
     holders = _canonical(holders)
     F = C.sum(0).tolist()
     m_rem = min(remaining_slots(holders, owners, m, N))
-    t_before = float(cost.t_moe(holders, C))
+    price = cost.pricer(C).t_moe
+    t_before = float(price(holders))
     if m_rem <= 0:
         return Calibration(holders, False, (), t_before, t_before)
     best = None
@@ -181,7 +182,7 @@ def calibrate_plan(holders, owners: Sequence[int], counts, m: int, N: int, ranks
         cal = _alg1(holders, F, t_cal, t_cal, N, ranks_per_node, assign)
         if cal == holders or (best is not None and cal == best[0]):
             continue
-        t_after = float(cost.t_moe(cal, C)) + float(cost.t_spag(holders, cal))
+        t_after = float(price(cal)) + float(cost.t_spag(holders, cal))
         if best is None or t_after < best[1]:
             best = (cal, t_after)
     if best is None:

@@ -86,26 +86,40 @@ class FSSDPCost:
         return self.routes(holders, counts).sum(0)
 
     def t_expert_fwd(self, holders, counts) -> float:
-        return float(self.load(holders, counts).max(initial=0)) * 2.0 * self.numel / self.flops
+        return self._t_expert_fwd(self.routes(holders, counts))
 
     def t_a2a(self, holders, counts) -> float:
-        R = self.routes(holders, counts).astype(np.float64) * self.d_model * self.act_bytes
+        return self._t_a2a(self.routes(holders, counts))
+
+    def t_moe(self, holders, counts) -> float:
+        """One MoE layer's forward critical path: dispatch all-to-all, experts, combine all-to-all."""
+        return self.t_moe_routes(self.routes(holders, counts))
+
+    def t_moe_routes(self, routes) -> float:
+        """:meth:`t_moe` of a route matrix ``tokens[src, dst]`` (:meth:`routes`)."""
+        return 2.0 * self._t_a2a(routes) + self._t_expert_fwd(routes)
+
+    def pricer(self, counts) -> "PlanPricer":
+        """Prices many plans of one call's ``counts``, each expert's routes computed once per holder set."""
+        return PlanPricer(self, counts)
+
+    def _t_expert_fwd(self, routes) -> float:
+        return float(np.asarray(routes).sum(0).max(initial=0)) * 2.0 * self.numel / self.flops
+
+    def _t_a2a(self, routes) -> float:
+        R = np.asarray(routes, dtype=np.float64) * self.d_model * self.act_bytes
         N, G = R.shape[0], self.ranks_per_node
+        K = N // G
         node = np.arange(N) // G
         same = node[:, None] == node[None, :]
         np.fill_diagonal(R, 0.0)
         intra = np.where(same, R, 0.0)
         inter = np.where(same, 0.0, R)
         t_intra = max(intra.sum(1).max(initial=0), intra.sum(0).max(initial=0)) / self.intra_Bps
-        K = N // G
-        out_n = np.array([inter[node == n].sum() for n in range(K)])
-        in_n = np.array([inter[:, node == n].sum() for n in range(K)])
+        out_n = inter.reshape(K, G, N).sum(axis=(1, 2))
+        in_n = inter.reshape(N, K, G).sum(axis=(0, 2))
         t_inter = max(out_n.max(initial=0), in_n.max(initial=0)) / self.nic_Bps
         return self.alpha_a2a_s + float(max(t_intra, t_inter))
-
-    def t_moe(self, holders, counts) -> float:
-        """One MoE layer's forward critical path: dispatch all-to-all, experts, combine all-to-all."""
-        return 2.0 * self.t_a2a(holders, counts) + self.t_expert_fwd(holders, counts)
 
     # ---- sparse collectives ---------------------------------------------------------------------------
     def t_spag(self, holders_from, holders_to) -> float:
@@ -151,3 +165,40 @@ def cost_for_run(cfg, profile, ranks_per_node: Optional[int] = None) -> FSSDPCos
     m = cfg.model
     return FSSDPCost.from_profile(prof, m.d_model, m.d_ff, ranks_per_node=ranks_per_node,
                                   expert_numel=expert_param_count(m))
+
+
+class PlanPricer:
+    """:meth:`FSSDPCost.t_moe` for many plans of one call's counts. A plan's route matrix is the sum of its
+    experts' routes, and the plans a policy compares (calibration's ``best`` rule: up to m of them) differ in
+    a few experts, so each ``(expert, holders)`` pair is routed once and memoized: exact (integer routes),
+    and the cost of pricing drops from one full routing per plan to one per changed expert."""
+
+    def __init__(self, cost: FSSDPCost, counts):
+        self.cost = cost
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self._rule = LocalityFirst(cost.ranks_per_node)
+        self._memo: dict = {}
+        self._base = None  # (holders, routes) of the last full routing: later plans are priced as its delta
+
+    def _expert_routes(self, e: int, holders_e: tuple) -> np.ndarray:
+        key = (e, holders_e)
+        if key not in self._memo:
+            N = self.counts.shape[0]
+            self._memo[key] = Placement(1, N, (holders_e,), self._rule).routes(self.counts[:, e:e + 1])
+        return self._memo[key]
+
+    def routes(self, holders) -> np.ndarray:
+        holders = tuple(tuple(h) for h in holders)
+        if self._base is None:
+            self._base = (holders, self.cost.routes(holders, self.counts))
+        base_h, R = self._base
+        if len(holders) != len(base_h):
+            raise ValueError(f"plan has {len(holders)} experts, the counts {len(base_h)}")
+        R = R.copy()
+        for e, (h0, h1) in enumerate(zip(base_h, holders)):
+            if h0 != h1:
+                R += self._expert_routes(e, h1) - self._expert_routes(e, h0)
+        return R
+
+    def t_moe(self, holders) -> float:
+        return self.cost.t_moe_routes(self.routes(holders))

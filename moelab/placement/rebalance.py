@@ -41,8 +41,8 @@ def moves(old: Sequence[int], new: Sequence[int]) -> list:
 
 def layer_time(cost, owners, counts) -> float:
     """One layer's forward + backward time of a permutation (§2.9: 4 all-to-alls, 3x the expert forward)."""
-    holders = tuple((int(o),) for o in owners)
-    return 4.0 * cost.t_a2a(holders, counts) + 3.0 * cost.t_expert_fwd(holders, counts)
+    R = cost.routes(tuple((int(o),) for o in owners), counts)
+    return 4.0 * cost._t_a2a(R) + 3.0 * cost._t_expert_fwd(R)
 
 
 def decide(old, new, counts, K: int, cost, decision: str = "cost", iterations: int = 1) -> tuple:
