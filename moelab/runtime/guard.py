@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from moelab.runtime.processes import GRACE_S, TORCHRUN_PID, alive, rank_pids, signal_groups
+from moelab.runtime.processes import TORCHRUN_PID, stop
 from moelab.runtime.results import atomic_write_text
 
 POLL_S = 0.2
@@ -33,19 +33,7 @@ def _stop_everything(proc: subprocess.Popen, side: Path) -> None:
     """Stop torchrun (our group) and every rank (their own groups), as the launcher's
     :func:`moelab.runtime.processes.kill` would."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # our own group gets the SIGTERM too
-    groups = [os.getpgrp(), *rank_pids(side)]
-    signal_groups(groups, signal.SIGTERM)
-    try:
-        proc.wait(timeout=GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
-    ranks = rank_pids(side)
-    signal_groups(ranks, signal.SIGKILL)
-    proc.kill()
-    proc.wait()
-    end = time.monotonic() + GRACE_S
-    while any(alive(pid) for pid in ranks) and time.monotonic() < end:
-        time.sleep(0.02)
+    stop(proc, side, [os.getpgrp()], [])
 
 
 def main(argv: list[str]) -> int:

@@ -37,18 +37,24 @@ def signal_groups(groups: list[int], sig: int) -> None:
 
 
 def kill(proc: subprocess.Popen, side: Path) -> None:
-    """SIGTERM torchrun's group and every rank's group, then SIGKILL what is left, and wait."""
-    groups = [proc.pid, *rank_pids(side)]
-    signal_groups(groups, signal.SIGTERM)
+    """The launcher's stop: torchrun's group (the guard's, ``proc``) and every rank's group, :func:`stop`."""
+    stop(proc, side, [proc.pid], [proc.pid])
+
+
+def stop(proc: subprocess.Popen, side: Path, term_groups: list[int], kill_groups: list[int]) -> None:
+    """SIGTERM ``term_groups`` and every rank's group; after ``GRACE_S`` SIGKILL ``kill_groups``, every rank's
+    group (one that started meanwhile too) and ``proc``; reap ``proc`` and wait until torchrun and every rank
+    are gone. The guard is in the group it SIGTERMs, so it SIGKILLs only the others."""
+    signal_groups([*term_groups, *rank_pids(side)], signal.SIGTERM)
     try:
         proc.wait(timeout=GRACE_S)
     except subprocess.TimeoutExpired:
         pass
-    groups += rank_pids(side)  # a rank may have started meanwhile
-    signal_groups(groups, signal.SIGKILL)
+    ranks = rank_pids(side)
+    signal_groups([*kill_groups, *ranks], signal.SIGKILL)
+    proc.kill()
     proc.wait()
-    # the guard is reaped, but torchrun (its child, in its group) and the ranks may still be dying
-    pids = [*groups[1:], *torchrun_pid(side)]
+    pids = [*ranks, *torchrun_pid(side)]
     end = time.monotonic() + GRACE_S
     while any(alive(pid) for pid in pids) and time.monotonic() < end:
         time.sleep(0.02)
