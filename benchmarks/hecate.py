@@ -126,6 +126,9 @@ def main(argv=None) -> int:
                "FlexMoE": ("flexmoe", FLEXMOE_OPTIONS), "FSDP": ("fsdp_expert", {}), "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
     extra = {"FasterMoE shadowing only": ("fastermoe", {"shadow": True, "smart": False}),  # with --only
              "Hecate, best calibration": ("hecate", {**hec, "calibration_rule": "best"}),
+             # the paper's baselines were hand-tuned, FlexMoE's reserved memory among them (spec §4): more slots,
+             # each with its own Adam state, and steps enough to fill them in a round
+             **{f"FlexMoE r={r}": ("flexmoe", {**FLEXMOE_OPTIONS, "r": r, "max_steps": 4 * r}) for r in (2, 4, 8)},
              **{f"Hecate, {b}": ("hecate", {**hec, "spag_backend": b})
                 for b in ("a2a", "hier", "stripe") if b != a.spag_backend}}
     if a.only:
@@ -213,6 +216,7 @@ def main(argv=None) -> int:
               + f" {sum(peak[n][:3]) / sum(peak['EP'][:3]):11.2f}")
     print("states: model states, params + grads + optim (each at its peak), the paper's memory comparison; the total "
           "adds the activations, which follow the busiest device's tokens")
+    flexmoe_tuned(runs, peak, t)
     dev = {n: max_device_tokens(r.plans[a.warmup:], a.nproc) for n, r in runs.items()
            if n == "EP" or n.startswith("Hecate")}
     print("tokens the busiest device computes per MoE layer over EP's (median over iterations; a replicated "
@@ -234,6 +238,21 @@ def main(argv=None) -> int:
     if a.rm_layers and "Hecate-RM" in runs:
         rm_at_depth(named, a)
     return 0
+
+
+def flexmoe_tuned(runs: dict, peak: dict, t) -> None:
+    """The paper hand-tuned FlexMoE's reserved memory: the fastest FlexMoE run (``--only "FlexMoE r=4" ...``)
+    and whether the paper's memory order FlexMoE > Hecate > EP (model states) holds at it."""
+    flex = [n for n in runs if n.startswith("FlexMoE")]
+    if not flex:
+        return
+    best = min(flex, key=lambda n: t.loc[n].real_s)
+    states = {n: sum(peak[n][:3]) for n in ("EP", "Hecate", best)}
+    order = states[best] > states["Hecate"] > states["EP"]
+    print(f"FlexMoE tuned over its reserved slots ({', '.join(flex)}): fastest {best}, "
+          f"{t.loc['EP'].real_s / t.loc[best].real_s:.2f}x over EP; model states FlexMoE / Hecate "
+          f"{states[best] / states['Hecate']:.2f}, Hecate / EP {states['Hecate'] / states['EP']:.2f}: the order "
+          f"FlexMoE > Hecate > EP {'holds' if order else 'does NOT hold'} there")
 
 
 def rm_line(label: str, peak: dict, t) -> None:
