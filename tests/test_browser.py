@@ -16,7 +16,7 @@ from fake_worker import ranks_started, wait_for
 
 pytest.importorskip("jupyterlab")
 pytest.importorskip("playwright")
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timing]  # timing: stops within seconds
 if chromium_path() is None:
     reason = "no chromium executable (apt install chromium, or set MOELAB_CHROMIUM)"
     if os.environ.get("CI"):  # CI installs it: a missing browser is a failure there, not a skip

@@ -13,6 +13,8 @@ from moelab.comm.links import Ports
 from moelab.comm.topology import Topology
 from moelab.testing import run_ranks
 
+pytestmark = pytest.mark.timing  # wall-clock assertions: run alone (scripts/test.sh)
+
 BW = 0.002  # GB/s per port and direction: 2 MB/s
 ROWS = 20_000  # bytes per row (5000 fp32)
 

@@ -11,6 +11,8 @@ import pytest
 from moelab.comm.priority import LowOp, PriorityScheduler
 from moelab.comm.scheduler import Call
 
+pytestmark = pytest.mark.timing  # wall-clock assertions: run alone (scripts/test.sh)
+
 
 class FakeRec:
     tags: dict = {}

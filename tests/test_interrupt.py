@@ -15,6 +15,7 @@ from moelab.runtime.launch import RunInterrupted, launch
 from fake_worker import leftover_processes, ranks_started, use_fake_worker, wait_for
 
 pytest.importorskip("psutil")
+pytestmark = pytest.mark.timing  # wall-clock assertions: run alone (scripts/test.sh)
 TINY = {"train": {"iters": 4}}
 STOP_S = 10  # "within a few seconds": SIGTERM, a 3 s grace, SIGKILL, with room for a loaded machine
 

@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 pm = pytest.importorskip("papermill")
+# one worker under pytest-xdist: the browser test reads the report the notebook tests wrote into its basetemp
+pytestmark = pytest.mark.xdist_group("paper_reports")
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE", "PAPER")
