@@ -1,0 +1,57 @@
+"""Hecate's calibration rules at paper scale: SIMULATED on hecate_A (16 GPUs, 32 experts), the reproduction's
+upsampled REAL traces, each Table 1 model; Hecate at the assumed t_paper and at the formula's t, each with the
+spec's calibration rule ``all_slots`` (t_cal = every free slot: all or nothing) and with ``best`` (the fastest
+t_cal of 1..free slots by the cost model, ``calibration_rule: best``).
+
+Printed per (model, variant): the mean simulated iteration's speedup over EP, the layer calls whose calibration was
+accepted, and the policy's CPU seconds per layer call (Alg. 1 + calibration, measured here with ``thread_time``)
+beside the simulated MoE layer: the paper-scale replay does NOT price the policy's time (a REAL run's simulation
+does, ``calibration_cpu_s``), so read a speedup together with that column. m = E (memory does not bind at batch 1,
+as in the reproduction's Fig. 9).
+
+Usage: python benchmarks/hecate_calibration.py [--scale default] [--models GPT-MoE-S GPT-MoE-L BERT-MoE BERT-MoE-Deep]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+VARIANTS = (("Hecate", "all_slots"), ("Hecate", "best"), ("Hecate (t formula)", "all_slots"),
+            ("Hecate (t formula)", "best"))
+
+
+def main(argv=None) -> int:
+    from moelab.strategies.hecate.experiments.common import PAPER_MODELS, assumptions, scale_spec
+    from moelab.strategies.hecate.experiments.end_to_end import simulate_system, system_plans
+    from moelab.strategies.hecate.experiments.paper_scale import paper_config, paper_loads, paper_profile
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scale", default="default", choices=("smoke", "default", "full"))
+    p.add_argument("--models", nargs="*", default=list(PAPER_MODELS), choices=PAPER_MODELS)
+    a = p.parse_args(argv)
+    prof = paper_profile("hecate_A", 16)
+    print(f"# SIMULATED on hecate_A, 16 GPUs; traces: the {a.scale} scale's REAL routing upsampled (reproduction kit); "
+          f"t_paper = {assumptions().value('t_paper')} (an assumption), m = E")
+    print(f"{'model':14s} {'system':20s} {'rule':9s} {'speedup':>7s} {'accepted':>12s} {'policy ms/call':>14s} "
+          f"{'sim MoE layer ms':>16s}")
+    for model in a.models:
+        loads = paper_loads(scale_spec(a.scale).name, model, "hecate_A", 16, 0)
+        cfg = paper_config(model, prof, layers=loads.shape[1], batch=int(assumptions().value("batch_per_gpu")))
+        c, plans, _ = system_plans("EP", cfg, prof, loads)
+        ep = simulate_system(c, prof, loads, plans).iter_s.mean()
+        for system, rule in VARIANTS:
+            t0 = time.thread_time()
+            c, plans, note = system_plans(system, cfg, prof, loads, calibration_rule=rule)
+            cpu = time.thread_time() - t0
+            calls = loads.shape[0] * loads.shape[1]
+            df = simulate_system(c, prof, loads, plans)
+            moe = df.moe_s.mean() / loads.shape[1]
+            acc = note.split("calibrations accepted: ")[1].split(";")[0]
+            print(f"{model:14s} {system:20s} {rule:9s} {ep / df.iter_s.mean():6.2f}x {acc:>12s} "
+                  f"{1e3 * cpu / calls:14.2f} {1e3 * moe:16.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
