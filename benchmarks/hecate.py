@@ -195,11 +195,15 @@ def main(argv=None) -> int:
         print(f"FlexMoE replica all-reduce bytes per iteration: {ar[['bytes_intra', 'bytes_inter']].sum().sum() / (a.iters - a.warmup):.0f}"
               " (its replicas differ from Hecate's plan: not the same-plan identity of spec §2.2, see tests; "
               f"0: its policy made no replica; options {FLEXMOE_OPTIONS})")
-    plans = runs["Hecate"].plans
-    calls = [r['hecate']['calibration'] for it in plans for r in it]
-    print(f"Hecate m = {plans[-1][0]['hecate']['m']} ({plans[-1][0]['hecate'].get('m_source')}); calibrations: "
-          f"{calls.count('accepted')} of {len(calls)} layer calls accepted; "
-          f"experts migrated: {sum(len(r['hecate']['moved']) for it in plans for r in it)}")
+    for n, r in runs.items():
+        if not n.startswith("Hecate"):
+            continue
+        plans = r.plans
+        calls = [rec['hecate']['calibration'] for it in plans for rec in it]
+        cpu = [rec['hecate'].get('calibration_cpu_s', 0.0) for it in plans for rec in it]
+        print(f"{n}: m = {plans[-1][0]['hecate']['m']} ({plans[-1][0]['hecate'].get('m_source')}); calibrations: "
+              f"{calls.count('accepted')} of {len(calls)} layer calls accepted, policy CPU {1e3 * np.median(cpu):.1f} ms "
+              f"a call (median of rank 0's calls); experts migrated: {sum(len(rec['hecate']['moved']) for it in plans for rec in it)}")
     print("overlap degree t (T_nonMoE·bw/s_e): " + ", ".join(
         f"{n} {r.plans[-1][0]['hecate']['t']} ({r.plans[-1][0]['hecate'].get('t_quotient') or 0:.2f})"
         for n, r in runs.items() if n.startswith("Hecate")))
