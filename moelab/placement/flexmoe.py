@@ -86,8 +86,8 @@ def load_gain(F: Sequence[float], N: int) -> Callable:
 
 
 def time_gain(cost, counts) -> Callable:
-    """A gain in seconds per iteration from a cost model with ``t_moe(holders, counts[N][E])``
-    (:class:`moelab.placement.fssdp_cost.FSSDPCost`): the MoE layer's forward critical path saved."""
+    """A gain in seconds per iteration from a cost model's plan pricer for ``counts[N][E]``
+    (:meth:`moelab.placement.fssdp_cost.FSSDPCost.pricer`): the MoE layer's forward critical path saved."""
     price = cost.pricer(counts).t_moe
 
     def gain(old, new) -> float:

@@ -79,17 +79,22 @@ class FSSDPCost:
         """``tokens[src, dst]`` of one layer: the dispatcher's split of ``counts[src][e]`` over ``holders``."""
         C = np.asarray(counts, dtype=np.int64)
         N, E = C.shape
-        return Placement(E, N, tuple(tuple(h) for h in holders), LocalityFirst(self.ranks_per_node)).routes(C)
+        return Placement(E, N, tuple(tuple(h) for h in holders), self.rule).routes(C)
+
+    @property
+    def rule(self) -> LocalityFirst:
+        """Hecate's dispatcher rule on this cluster's nodes: where a plan's tokens go."""
+        return LocalityFirst(self.ranks_per_node)
 
     def load(self, holders, counts) -> np.ndarray:
         """Tokens each device computes."""
         return self.routes(holders, counts).sum(0)
 
     def t_expert_fwd(self, holders, counts) -> float:
-        return self._t_expert_fwd(self.routes(holders, counts))
+        return self.t_expert_fwd_routes(self.routes(holders, counts))
 
     def t_a2a(self, holders, counts) -> float:
-        return self._t_a2a(self.routes(holders, counts))
+        return self.t_a2a_routes(self.routes(holders, counts))
 
     def t_moe(self, holders, counts) -> float:
         """One MoE layer's forward critical path: dispatch all-to-all, experts, combine all-to-all."""
@@ -97,16 +102,18 @@ class FSSDPCost:
 
     def t_moe_routes(self, routes) -> float:
         """:meth:`t_moe` of a route matrix ``tokens[src, dst]`` (:meth:`routes`)."""
-        return 2.0 * self._t_a2a(routes) + self._t_expert_fwd(routes)
+        return 2.0 * self.t_a2a_routes(routes) + self.t_expert_fwd_routes(routes)
 
     def pricer(self, counts) -> "PlanPricer":
         """Prices many plans of one call's ``counts``, each expert's routes computed once per holder set."""
         return PlanPricer(self, counts)
 
-    def _t_expert_fwd(self, routes) -> float:
+    def t_expert_fwd_routes(self, routes) -> float:
+        """:meth:`t_expert_fwd` of a route matrix (:meth:`routes`)."""
         return float(np.asarray(routes).sum(0).max(initial=0)) * 2.0 * self.numel / self.flops
 
-    def _t_a2a(self, routes) -> float:
+    def t_a2a_routes(self, routes) -> float:
+        """:meth:`t_a2a` of a route matrix (:meth:`routes`)."""
         R = np.asarray(routes, dtype=np.float64) * self.d_model * self.act_bytes
         N, G = R.shape[0], self.ranks_per_node
         K = N // G
@@ -176,9 +183,9 @@ class PlanPricer:
     def __init__(self, cost: FSSDPCost, counts):
         self.cost = cost
         self.counts = np.asarray(counts, dtype=np.int64)
-        self._rule = LocalityFirst(cost.ranks_per_node)
+        self._rule = cost.rule
         self._memo: dict = {}
-        self._base = None  # (holders, routes) of the last full routing: later plans are priced as its delta
+        self._base = None  # (holders, routes) of the first plan priced, fully routed: later plans are its deltas
 
     def _expert_routes(self, e: int, holders_e: tuple) -> np.ndarray:
         key = (e, holders_e)

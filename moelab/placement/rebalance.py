@@ -42,7 +42,7 @@ def moves(old: Sequence[int], new: Sequence[int]) -> list:
 def layer_time(cost, owners, counts) -> float:
     """One layer's forward + backward time of a permutation (§2.9: 4 all-to-alls, 3x the expert forward)."""
     R = cost.routes(tuple((int(o),) for o in owners), counts)
-    return 4.0 * cost._t_a2a(R) + 3.0 * cost._t_expert_fwd(R)
+    return 4.0 * cost.t_a2a_routes(R) + 3.0 * cost.t_expert_fwd_routes(R)
 
 
 def decide(old, new, counts, K: int, cost, decision: str = "cost", iterations: int = 1) -> tuple:
