@@ -10,6 +10,8 @@ import torch
 from moelab.config import ConfigError, RunConfig
 from moelab.placement.flexmoe import (balance_ratio, canonical, device_loads, load_gain, schedule, slot_budget,
                                       slots_used, time_gain, undo_steps)
+from moelab.moe.experts import expert_param_shapes
+from moelab.runtime.memory import storage_bytes
 from moelab.testing import TINY_TRAIN, run_ranks
 
 EP2 = ((0,), (0,), (1,), (1,))  # 4 experts on 2 devices
@@ -274,7 +276,12 @@ def _train(rank, world, overrides):
     experts = _snapshot(tr.model.moe_layers(), opt)
     dense = torch.cat([p.detach().reshape(-1) for p in tr.model.dense_parameters()])
     ops = [(r.op, r.group, r.tags.get("phase")) for r in tr.comm.rec.comm]
-    return dict(losses=losses, experts=experts, dense=dense, plans=tr.plans, made=made, ops=ops,
+    u, layers = tr.update, tr.model.moe_layers()
+    memory = dict(params=u.param_bytes(), dense=storage_bytes(tr.model.dense_parameters()),
+                  held=[len(lay.experts.experts) for lay in layers], item=layers[0].experts.w1.element_size(),
+                  expert_numel=sum(int(torch.Size(s).numel()) for s in expert_param_shapes(layers[0].experts) if s),
+                  reserved={k: [t.numel() for t in v] for k, v in u.reserved().items()} if hasattr(u, "reserved") else {})
+    return dict(losses=losses, experts=experts, dense=dense, plans=tr.plans, made=made, ops=ops, memory=memory,
                 rounds=list(getattr(tr.update, "rounds", [])))
 
 
@@ -312,6 +319,29 @@ def test_training_with_replicas_equals_the_single_process_run(single, world):
         assert syncs and all(op == "all_reduce" for op, g, ph in r["ops"] if ph == "replica_sync")
         assert all(g.startswith("replica:") for g in syncs)
         assert [op for op, g, ph in r["ops"] if ph == "migrate"] == ["all_to_all"] * migrations
+        _assert_slot_budget_held(r["memory"], world, FLEX["r"])
+
+
+def _assert_slot_budget_held(m, world, r):
+    """Every rank holds the whole budget E/N + r per layer: filled slots as experts, the rest as reserve."""
+    budget, pe = 4 // world + r, m["expert_numel"]
+    free = [budget - h for h in m["held"]]
+    assert min(free) >= 0 and m["reserved"] == {"params": [f * pe for f in free], "grads": [f * pe for f in free],
+                                                "optim": [2 * f * pe for f in free]}
+    assert m["params"] - m["dense"] == len(free) * budget * pe * m["item"]
+
+
+def test_without_reserve_only_filled_slots_use_memory_and_training_is_unchanged(single):
+    on = run_ranks(_train, 2, {"parallel.strategy": "flexmoe", "parallel.strategy_options": FLEX}, timeout=150)
+    off = run_ranks(_train, 2, {"parallel.strategy": "flexmoe", "parallel.strategy_options": {**FLEX, "reserve": False}},
+                    timeout=150)
+    for a, b in zip(on, off):
+        assert a["losses"] == b["losses"] and all(torch.equal(x, y) for k in a["experts"]
+                                                  for x, y in zip(a["experts"][k], b["experts"][k]))
+        m = b["memory"]
+        assert m["reserved"] == {} and m["params"] - m["dense"] == sum(m["held"]) * m["expert_numel"] * m["item"]
+        assert sum(m["held"]) < len(m["held"]) * (2 + FLEX["r"]), "every slot filled: reserve would not differ"
+        _assert_slot_budget_held(a["memory"], 2, FLEX["r"])
 
 
 def test_simulated_migration_and_replica_bytes():

@@ -3,6 +3,7 @@
 | option | default | meaning (spec ``papers/hecate.md`` §3 FlexMoE) |
 |---|---|---|
 | ``r`` | 1 | reserved expert slots per device and layer (slot budget E/N + r); 0: FlexMoE can only Migrate, and with every slot full it never changes EP |
+| ``reserve`` | true | hold the budget's unfilled slots as real storage (params, grads, Adam moments), as FlexMoE reserves memory for incoming experts and their optimizer states; false: only filled slots use memory |
 | ``interval`` | 10 | K: the scheduler runs every K iterations (and its steps must pay back within K iterations) |
 | ``threshold`` | 1.2 | it also runs when the window's balance ratio max/mean device load exceeds this (> 1) |
 | ``max_steps`` | 4 | at most this many greedy steps (Expand / Shrink / Migrate) per layer and round |
@@ -35,6 +36,7 @@ class FlexMoEOptions(StrategyOptions):
     error = FlexMoEOptionError
 
     r: int = 1
+    reserve: bool = True
     interval: int = 10
     threshold: float = 1.2
     max_steps: int = 4

@@ -13,6 +13,11 @@ Per iteration, every rank, from all-gathered integers only (so every rank comput
   all-reduce of the expert's flat gradient over its replica-set group: every copy then holds the full
   gradient and takes the identical Adam step (each copy has its own Adam state);
 - ``step``: Adam on everything the rank holds; the window takes this iteration's ``[N, E]`` loads.
+
+Memory: with ``reserve`` (default) the slots of the budget E/N + r that a layer does not fill on this rank
+are held as real storage for parameters, gradients and both Adam moments (:meth:`FlexMoEUpdate.reserved`),
+so the run holds what any round may need, the memory FlexMoE reserves for incoming experts and their
+optimizer states (the paper's C1) and what the simulator's memory model counts.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ class FlexMoEUpdate(DataParallelUpdate):
         self._window: list = []  # per iteration, [L, N, E] int64 global loads (the last `window` kept)
         self.iteration = 0
         self._cost = None
+        self._reserve = (None, {})  # (held slots per layer, {category: [storage per layer]})
         self.rounds: list = []  # (iteration, layer, steps) of every round that changed a layer
 
     # ---- the cost model ---------------------------------------------------------------------------
@@ -123,3 +129,37 @@ class FlexMoEUpdate(DataParallelUpdate):
     def step(self) -> None:
         super().step()
         self.iteration += 1
+
+    # ---- the slot budget's unfilled slots, held as storage (memory by category) -----------------------------
+    def reserved(self) -> dict:
+        """``{"params", "grads", "optim": [tensor per layer]}``: the free slots E/N + r - held of each layer
+        on this rank, one expert's parameter elements per slot (two per slot for Adam's moments). Rebuilt when
+        a round changes what the rank holds; empty without ``reserve``."""
+        if not self.options.reserve:
+            return {}
+        me = self.comm.rank
+        held = tuple(len(layer.placement.local_experts(me)) for layer in self.layers)
+        if held != self._reserve[0]:
+            budget = self.E // self.N + self.options.r
+            out = {"params": [], "grads": [], "optim": []}
+            for layer, n in zip(self.layers, held):
+                free = max(budget - n, 0) * self._expert_numel(layer)
+                for cat, k in (("params", 1), ("grads", 1), ("optim", 2)):
+                    out[cat].append(layer.experts.w1.new_empty(k * free))
+            self._reserve = (held, out)
+        return self._reserve[1]
+
+    @staticmethod
+    def _expert_numel(layer) -> int:
+        from moelab.moe.experts import expert_param_shapes
+
+        return sum(int(torch.Size(s).numel()) for s in expert_param_shapes(layer.experts) if s is not None)
+
+    def param_tensors(self) -> list:
+        return super().param_tensors() + self.reserved().get("params", [])
+
+    def grad_tensors(self) -> list:
+        return super().grad_tensors() + self.reserved().get("grads", [])
+
+    def optimizer_tensors(self) -> list:
+        return super().optimizer_tensors() + self.reserved().get("optim", [])
