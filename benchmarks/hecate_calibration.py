@@ -3,11 +3,12 @@ upsampled REAL traces, each Table 1 model; Hecate at the assumed t_paper and at 
 spec's calibration rule ``all_slots`` (t_cal = every free slot: all or nothing) and with ``best`` (the fastest
 t_cal of 1..free slots by the cost model, ``calibration_rule: best``).
 
-Printed per (model, variant): the mean simulated iteration's speedup over EP, the layer calls whose calibration was
-accepted, and the policy's CPU seconds per layer call (Alg. 1 + calibration, measured here with ``thread_time``)
-beside the simulated MoE layer: the paper-scale replay does NOT price the policy's time (a REAL run's simulation
-does, ``calibration_cpu_s``), so read a speedup together with that column. m = E (memory does not bind at batch 1,
-as in the reproduction's Fig. 9).
+Printed per (model, variant): the mean simulated iteration's speedup over EP, without the policy's time (as the
+reproduction's figures, which must not depend on the host) and with this CPU's calibration time on every rank's
+path before each dispatch (``time_policy``: ``thread_time`` per layer call, priced as a REAL run's record is); the
+layer calls whose calibration was accepted; the calibration's and the whole policy's (Alg. 1 too, which runs
+ahead of the layer and is not priced) CPU ms per layer call beside the simulated MoE layer. m = E (memory does not
+bind at batch 1, as in the reproduction's Fig. 9).
 
 Usage: python benchmarks/hecate_calibration.py [--scale default] [--models GPT-MoE-S GPT-MoE-L BERT-MoE BERT-MoE-Deep]
 """
@@ -33,8 +34,8 @@ def main(argv=None) -> int:
     prof = paper_profile("hecate_A", 16)
     print(f"# SIMULATED on hecate_A, 16 GPUs; traces: the {a.scale} scale's REAL routing upsampled (reproduction kit); "
           f"t_paper = {assumptions().value('t_paper')} (an assumption), m = E")
-    print(f"{'model':14s} {'system':20s} {'rule':9s} {'speedup':>7s} {'accepted':>12s} {'policy ms/call':>14s} "
-          f"{'sim MoE layer ms':>16s}")
+    print(f"{'model':14s} {'system':20s} {'rule':9s} {'speedup':>7s} {'priced':>7s} {'accepted':>12s} "
+          f"{'calib ms/call':>13s} {'policy ms/call':>14s} {'sim MoE layer ms':>16s}")
     for model in a.models:
         loads = paper_loads(scale_spec(a.scale).name, model, "hecate_A", 16, 0)
         cfg = paper_config(model, prof, layers=loads.shape[1], batch=int(assumptions().value("batch_per_gpu")))
@@ -42,14 +43,16 @@ def main(argv=None) -> int:
         ep = simulate_system(c, prof, loads, plans).iter_s.mean()
         for system, rule in VARIANTS:
             t0 = time.thread_time()
-            c, plans, note = system_plans(system, cfg, prof, loads, calibration_rule=rule)
+            c, plans, note = system_plans(system, cfg, prof, loads, calibration_rule=rule, time_policy=True)
             cpu = time.thread_time() - t0
             calls = loads.shape[0] * loads.shape[1]
-            df = simulate_system(c, prof, loads, plans)
+            calib = sum(sum(p["policy_s"]) for p in plans) / calls
+            priced = simulate_system(c, prof, loads, plans)
+            df = simulate_system(c, prof, loads, [{k: v for k, v in p.items() if k != "policy_s"} for p in plans])
             moe = df.moe_s.mean() / loads.shape[1]
             acc = note.split("calibrations accepted: ")[1].split(";")[0]
-            print(f"{model:14s} {system:20s} {rule:9s} {ep / df.iter_s.mean():6.2f}x {acc:>12s} "
-                  f"{1e3 * cpu / calls:14.2f} {1e3 * moe:16.2f}")
+            print(f"{model:14s} {system:20s} {rule:9s} {ep / df.iter_s.mean():6.2f}x {ep / priced.iter_s.mean():6.2f}x "
+                  f"{acc:>12s} {1e3 * calib:13.2f} {1e3 * cpu / calls:14.2f} {1e3 * moe:16.2f}")
     return 0
 
 

@@ -51,3 +51,21 @@ def test_calibration_policy_time_is_compute_before_dispatch():
     pol = [o for o in g.ops if ".calibrate_policy." in o.name]
     assert len(pol) == cfg.parallel.nproc and {o.ranks for o in pol} == {(r,) for r in range(cfg.parallel.nproc)}
     assert simulate(g).makespan == pytest.approx(base + 0.02 + g.op_overhead_s, rel=1e-9)  # plus the per-op overhead
+
+
+def test_replay_times_the_calibration_only_when_asked():
+    """``time_policy`` adds this host's calibration seconds per layer (``policy_s``, what a REAL run records) and
+    changes no plan; without it the replay is host-independent (no timing key)."""
+    import numpy as np
+
+    from moelab.placement.fssdp_cost import FSSDPCost
+    from moelab.strategies.hecate.experiments.replay import hecate_plans
+
+    trace = np.random.default_rng(1).integers(0, 50, size=(4, 2, 4, 8)) * np.array([8, 1, 1, 1, 1, 1, 1, 1])
+    cost = FSSDPCost.from_profile(get_profile("hecate_A"), d_model=64, d_ff=128, ranks_per_node=2)
+    kw = dict(t=2, m=2, ranks_per_node=2, cost=cost, calibration_rule="best")
+    plain, timed = hecate_plans(trace, **kw), hecate_plans(trace, **kw, time_policy=True)
+    assert all("policy_s" not in p for p in plain)
+    assert [{k: v for k, v in p.items() if k != "policy_s"} for p in timed] == plain
+    assert all(len(p["policy_s"]) == 2 and min(p["policy_s"]) >= 0 for p in timed)
+    assert any(s != "off" for p in plain for s in p["calibration"]) and sum(sum(p["policy_s"]) for p in timed) > 0

@@ -6,6 +6,7 @@ calibration sees the iteration's own counts, as after the gate), so paper-scale 
 policies the runtime runs, not a model of them."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import numpy as np
@@ -17,10 +18,14 @@ from moelab.placement.fssdp import (LoadWindow, calibrate_plan, holders_of, homo
 def hecate_plans(trace, *, t: int, m: int, ranks_per_node: int, cost=None, reshard_interval: int = 100,
                  window: int = 5, reshard_window: Optional[int] = None, calibration: bool = True, rm: bool = False,
                  assign: str = "proportional", materialize: bool = True, shard: bool = True,
-                 prefer_fewer_free: bool = True, backend: str = "a2a", calibration_rule: str = "all_slots") -> list:
+                 prefer_fewer_free: bool = True, backend: str = "a2a", calibration_rule: str = "all_slots",
+                 time_policy: bool = False) -> list:
     """Per iteration of ``trace`` (``[iters, layers, N, E]`` tokens per source and expert) the graph kwargs
     ``owners / prefetch / holders / moved / rm / backend`` plus ``calibration`` (per layer: off, nothing,
-    rejected, accepted). ``cost``: a :class:`~moelab.placement.fssdp_cost.FSSDPCost` (needed for calibration)."""
+    rejected, accepted). ``cost``: a :class:`~moelab.placement.fssdp_cost.FSSDPCost` (needed for calibration).
+    ``time_policy``: also ``policy_s``, this host's CPU seconds of each layer's calibration (``thread_time``),
+    which the graph puts on every rank's path before dispatch as a REAL run's record does; off by default, so
+    that figures do not depend on the host."""
     trace = np.asarray(trace, dtype=np.int64)
     iters, L, N, E = trace.shape
     G = int(ranks_per_node)
@@ -34,19 +39,20 @@ def hecate_plans(trace, *, t: int, m: int, ranks_per_node: int, cost=None, resha
             moved = [(l, e, owners[l][e], new[l][e]) for l in range(L) for e in range(E) if new[l][e] != owners[l][e]]
             owners = new
         F = win.estimate()
-        pre, final, status = [], [], []
+        pre, final, status, cpu = [], [], [], []
         for l in range(L):
             P = holders_of(owners[l])
             p = materialize_plan(owners[l], F[l].tolist(), t, m, N, G, assign) if materialize and len(win) else P
-            f, s = p, "off"
+            f, s, c0 = p, "off", time.thread_time()
             if calibration and materialize and m > 0 and cost is not None:
                 cal = calibrate_plan(p, owners[l], trace[it, l], m, N, G, cost, assign, calibration_rule)
                 f, s = cal.holders, cal.status
+            cpu.append(time.thread_time() - c0)
             pre.append(p)
             final.append(f)
             status.append(s)
         out.append(dict(owners=[list(o) for o in owners], prefetch=pre, holders=final, moved=moved, rm=rm,
-                        backend=backend, calibration=status))
+                        backend=backend, calibration=status, **({"policy_s": cpu} if time_policy else {})))
         loads = trace[it].sum(1)
         win.push(loads)
         rwin.push(loads)
