@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from moelab.placement import Placement
-from moelab.placement.rules import LocalityFirst
+from moelab.placement.rules import LocalityFirst, add_routes
 
 from .fssdp import overlap_degree as _overlap_degree
 
@@ -135,6 +135,8 @@ class FSSDPCost:
         G = self.ranks_per_node
         per_dev, node_in, node_out = {}, {}, {}
         for h0, h1 in zip(holders_from, holders_to):
+            if h0 == h1:  # most experts of a calibration or a prefetch: nothing to gather
+                continue
             owner, new = h0[0], [d for d in h1 if d not in h0]
             for d in new:
                 per_dev[d] = per_dev.get(d, 0) + 1
@@ -191,7 +193,9 @@ class PlanPricer:
         key = (e, holders_e)
         if key not in self._memo:
             N = self.counts.shape[0]
-            self._memo[key] = Placement(1, N, (holders_e,), self._rule).routes(self.counts[:, e:e + 1])
+            out = np.zeros((N, N), dtype=np.int64)
+            add_routes(self._rule, N, holders_e, self.counts[:, e], out)
+            self._memo[key] = out
         return self._memo[key]
 
     def routes(self, holders) -> np.ndarray:

@@ -16,6 +16,7 @@ and the simulator's route matrix share one code path: :meth:`Placement.split`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -49,28 +50,33 @@ class KeepLocalRule:
     def candidates(self, src: int, holders: Sequence[int]) -> Sequence[int]:
         raise NotImplementedError
 
-    def source_groups(self, world_size: int, holders: Sequence[int]):
-        """``(sources, candidates)`` pairs covering every rank once: sources sharing a candidate list."""
-        return [(np.arange(world_size), list(self.candidates(0, holders)))]
-
     def route_replicated(self, placement, e: int, counts, out) -> None:
         """Add every source's tokens for expert ``e`` to ``out[src, dst]``: :meth:`blocks` for all
-        sources at once (``counts[src]``). In :func:`rotating_split` the candidate at position c gets
-        ``count // n`` tokens plus one when ``(c - src) mod n < count mod n``."""
-        h = placement.holders[e]
-        counts = np.asarray(counts, dtype=np.int64)
-        keep = np.zeros(placement.world_size, dtype=bool)
-        keep[list(h)] = True
-        own = np.flatnonzero(keep)
-        out[own, own] += counts[own]
-        for srcs, cand in self.source_groups(placement.world_size, h):
-            srcs = srcs[~keep[srcs]]
-            if not len(srcs):
-                continue
-            n = len(cand)
-            base, rem = np.divmod(counts[srcs], n)
-            for c, dst in enumerate(cand):
-                out[srcs, dst] += base + (((c - srcs) % n) < rem)
+        sources at once (``counts[src]``), by :func:`add_routes`."""
+        add_routes(self, placement.world_size, placement.holders[e], counts, out)
+
+
+def add_routes(rule, world_size: int, holders: Sequence[int], counts, out) -> None:
+    """``out[src, dst] +=`` the tokens ``counts[src]`` of one expert with ``holders`` that ``rule`` sends from
+    every source to every holder: :meth:`KeepLocalRule.blocks` for all sources in one vectorised step. In
+    :func:`rotating_split` the candidate at position j gets ``count // n`` tokens plus one when
+    ``(j - src) mod n < count mod n``; which candidates a source has depends on the holders only, so that
+    table is built once per holder set (:func:`_route_table`) and the policies' pricing, which routes the
+    same sets again and again, pays a few array operations per expert."""
+    src, dst, pos, n = _route_table(rule, int(world_size), tuple(int(r) for r in holders))
+    c = np.asarray(counts, dtype=np.int64)[src]
+    out[src, dst] += c // n + (pos < c % n)  # (src, dst) pairs are distinct: plain fancy-index addition
+
+
+@functools.lru_cache(maxsize=65536)
+def _route_table(rule, world_size: int, holders: tuple) -> tuple:
+    """Every (source, candidate) pair of ``rule`` for one holder set as int64 arrays ``(src, dst, j - src mod n,
+    n)``; a holder's only candidate is itself."""
+    rows = []
+    for s in range(world_size):
+        cand = (s,) if s in holders else tuple(rule.candidates(s, holders))
+        rows.extend((s, d, (j - s) % len(cand), len(cand)) for j, d in enumerate(cand))
+    return tuple(np.ascontiguousarray(a) for a in np.asarray(rows, dtype=np.int64).T)
 
 
 @dataclass(frozen=True)
@@ -100,14 +106,6 @@ class LocalityFirst(KeepLocalRule):
     def candidates(self, src: int, holders: Sequence[int]) -> Sequence[int]:
         node = src // self.ranks_per_node
         return sorted(r for r in holders if r // self.ranks_per_node == node) or sorted(holders)
-
-    def source_groups(self, world_size: int, holders: Sequence[int]):
-        """Nodes holding the expert route to their own holders; all other nodes to every holder."""
-        G = self.ranks_per_node
-        nodes = sorted({r // G for r in holders})
-        ranks = np.arange(world_size)
-        groups = [(ranks[ranks // G == nd], self.candidates(nd * G, holders)) for nd in nodes]
-        return groups + [(ranks[~np.isin(ranks // G, nodes)], sorted(holders))]
 
     def to_dict(self) -> dict:
         return {"rule": self.name, "ranks_per_node": self.ranks_per_node}
