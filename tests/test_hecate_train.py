@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moelab.config import ConfigError, RunConfig
+from moelab.runtime.memory import storage_bytes
 from moelab.testing import TINY_TRAIN, run_ranks
 
 BASE = {**TINY_TRAIN, "train.iters": 5, "model.moe.num_experts": 8, "model.n_layers": 2}
@@ -43,6 +44,16 @@ def _train(rank, world, variants):
             tr.model.ln_f.register_forward_hook(  # all layers' forwards are done, no backward has started
                 lambda *a: storage.append([sum(t.untyped_storage().nbytes() for t in l.replica_tensors())
                                            for l in layers]))
+            inflight = []  # at every memory sample with spRS in flight: (bytes counted beyond the base, expected)
+            sample, u = tr.update.memory.sample, tr.update
+
+            def counted(*a, _sample=sample, _u=u, _layers=layers, _inflight=inflight, **k):
+                if any(lay.sprs_grads for lay in _layers):
+                    base = storage_bytes([p.grad for p in _u.param_tensors() if getattr(p, "grad", None) is not None])
+                    want = sum(len(lay._call.pool.experts) * lay.numel * 8 for lay in _layers if lay.sprs_grads)
+                    _inflight.append((_u.grad_bytes() - base, want))
+                return _sample(*a, **k)
+            tr.update.memory.sample = counted
         losses = [row["loss"] for row in tr.run()]
         experts = {}
         for li, layer in enumerate(tr.model.moe_layers()):
@@ -56,6 +67,7 @@ def _train(rank, world, variants):
                 for r in tr.comm.rec.comm]
         spans = [(s[0], s[2], s[3], s[4].get("layer"), s[4].get("phase"), s[4].get("iter")) for s in tr.comm.rec.spans]
         out[name] = dict(losses=losses, experts=experts, dense=dense, plans=tr.plans, storage=storage, recs=recs,
+                         inflight=inflight if opts is not None else [],
                          spans=spans, owned=[len(l.experts.experts) for l in tr.model.moe_layers()])
     return out
 
@@ -67,6 +79,16 @@ def runs():
     got = run_ranks(_train, 4, {k: (v, {"parallel.topology.nodes": 2, "train.batch_size": _batch(k)})
                                 for k, v in VARIANTS.items()}, timeout=120)
     return refs, got
+
+
+def test_replica_gradients_count_as_gradient_memory_until_the_sprs_is_waited(runs):
+    """Spec §5.7: a replica holds params + grads. Its gradient (zeros without tokens) is gradient memory from its
+    layer's expert backward until the spRS that sends it is waited: exactly replicas here x P_e x 8 B (fp64)."""
+    _, got = runs
+    for name in ("reshard3", "reshard3_rm", "hier"):
+        seen = [x for r in got for x in r[name]["inflight"]]
+        assert any(want > 0 for _, want in seen), f"{name}: no replica gradient was ever in flight"
+        assert all(have == want for have, want in seen), (name, seen[:5])
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

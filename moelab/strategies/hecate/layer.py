@@ -49,6 +49,10 @@ class HecateCall:
         grads = {e: (g.reshape(-1) if g is not None else torch.zeros(lay.numel, dtype=lay.dtype))
                  for e, g in zip(self.pool.experts, g_rows)}
         plan = sparse_plan(self.P, self.final, lay.comm.rank, lay.comm.world_size, lay.G)
+        lay.sprs_grads = list(grads.values())  # gradient memory until the spRS is waited (owner_grads)
+        if lay.driver is not None:  # the replicas and their gradients, both alive at this point
+            lay.driver.memory.sample()
+        self.pool.release()  # the replicas are dead once their gradients exist: free them now, not at sync
         with lay.comm.rec.tagged(layer=lay.layer_id, phase="sprs"):
             lay.rs_handle = sp_reduce_scatter(lay.comm, plan, grads, lay.numel, lay.dtype, lay.group, lay.backend,
                                               later=lay.later)
@@ -97,6 +101,7 @@ class HecateMoELayer(MoELayer):
         self._prefetch = None  # (holders, handle) issued beside attention
         self._call: Optional[HecateCall] = None
         self.rs_handle = None
+        self.sprs_grads: list = []  # replica gradients in flight in the spRS (memory accounting)
         self.record: dict = {}
         self.moved: list = []
         self._cost = None
@@ -220,6 +225,7 @@ class HecateMoELayer(MoELayer):
         """Wait for this layer's spRS and return its sums as gradients shaped like the stacked params."""
         h, self.rs_handle = self.rs_handle, None
         got = h.wait() if h is not None else {}
+        self.sprs_grads = []
         acc = [None if p is None else zeros(p) for p in self.experts.stacked()]
         for e, t in got.items():
             s = self.experts.experts.index(e)
@@ -239,6 +245,10 @@ class HecateMoELayer(MoELayer):
 
     def replica_tensors(self) -> list:
         return [self._call.pool.pool] if self._call is not None else []
+
+    def replica_grad_tensors(self) -> list:
+        """The replicas' gradients this rank sends by spRS, alive from the experts' backward until it is waited."""
+        return self.sprs_grads
 
     def plan_record(self) -> dict:
         rec = super().plan_record()

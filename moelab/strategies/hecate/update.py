@@ -215,6 +215,9 @@ class HecateUpdate(DataParallelUpdate):
     def param_tensors(self) -> list:
         return super().param_tensors() + [t for layer in self.layers for t in layer.replica_tensors()]
 
+    def grad_tensors(self) -> list:
+        return super().grad_tensors() + [t for layer in self.layers for t in layer.replica_grad_tensors()]
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
