@@ -86,11 +86,13 @@ def interval_bars(frame, *, label: str, title: str = "Fig. 15b: speedup of re-sh
 
 
 @labelled
-def memory_bars(frame, *, label: str, title: str = "Fig. 13: peak memory per device (activations excluded)"):
+def memory_bars(frame, *, label: str, title: str = "Fig. 13: peak memory per device (activations excluded)",
+                unit: str = "GB"):
+    """Stacked Opt / Grad / Param bars from the frame's ``optim_<unit>``, ``grad_<unit>``, ``param_<unit>``."""
     fig = go.Figure()
-    for c, name, colour in (("optim_GB", "Opt", "#4c78a8"), ("grad_GB", "Grad", "#f58518"), ("param_GB", "Param", "#54a24b")):
-        fig.add_bar(x=frame.system, y=frame[c], name=name, marker_color=colour)
-    return finish(fig, title, label, barmode="stack", yaxis_title="GB per device")
+    for c, name, colour in (("optim", "Opt", "#4c78a8"), ("grad", "Grad", "#f58518"), ("param", "Param", "#54a24b")):
+        fig.add_bar(x=frame.system, y=frame[f"{c}_{unit}"], name=name, marker_color=colour)
+    return finish(fig, title, label, barmode="stack", yaxis_title=f"{unit} per device")
 
 
 @labelled

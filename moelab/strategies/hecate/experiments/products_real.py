@@ -1,4 +1,4 @@
-"""Hecate's REAL products (Figs. 1, 4, 5, 6, 8, 9r), the motivation (M1-M3) and the sweeps beside them
+"""Hecate's REAL products (Figs. 1, 4, 5, 6, 8, 9r, 13r), the motivation (M1-M3) and the sweeps beside them
 (Figs. 9t, 14): registered functions, ids as in ``experiments/hecate/manifest.yaml``."""
 from __future__ import annotations
 
@@ -51,6 +51,27 @@ def fig8(ctx):
     return Made(s, tables={"table_fig08_sharding": (df, "Fig. 8: experts and load per device and layer"),
                            "table_fig08_balance": (s, "Fig. 8: max/mean device load per layer")},
                 figures={"fig08_sharding": F.sharding_bars(df, label=df.attrs["label"])})
+
+
+@product(P, "fig13r", needs_real=True, quantities={
+    "flexmoe_over_hecate": Quantity("peak memory (params + grads + optimizer) of FlexMoE over Hecate", X),
+    "hecate_params_over_ep": Quantity("parameter memory of Hecate over EP", X),
+    "hecate_total_over_ep": Quantity("peak memory (params + grads + optimizer) of Hecate over EP", X)})
+def fig13r(ctx):
+    """Fig. 13's exact accounting on the REAL runs (fp32 storages), beside the SIMULATED paper-scale ``fig13``."""
+    from . import real
+
+    df = real.fig13_real(ctx.scale.name)
+    s = df.set_index("system").total_MB
+    df["flexmoe_over_hecate"] = s["FlexMoE"] / s["Hecate"]
+    df["hecate_params_over_ep"] = df.set_index("system").param_over_ep["Hecate"]
+    df["hecate_total_over_ep"] = s["Hecate"] / s["EP"]
+    order = "holds" if s["FlexMoE"] > s["Hecate"] > s["EP"] else "does NOT hold"
+    notes = [f"trend check, the paper's order FlexMoE > Hecate > EP in model states {order} here (FlexMoE / Hecate "
+             f"{s['FlexMoE'] / s['Hecate']:.2f}, Hecate / EP {s['Hecate'] / s['EP']:.2f})"]
+    return Made(df, tables={"table_fig13r_memory": (df, "Fig. 13 (REAL): peak model-state memory per rank")}, notes=notes,
+                figures={"fig13r_memory": F.memory_bars(df, label=df.attrs["label"], unit="MB",
+                                                        title="Fig. 13 (REAL): model-state memory per rank at the iteration peak")})
 
 
 @product(P, "fig1")

@@ -33,7 +33,8 @@ def real_runs(scale="smoke") -> dict:
     from moelab.sim.realruns import run_real_many
 
     sp = scale_spec(scale)
-    systems = {"EP": ("ep", {}), "Hecate": ("hecate", None), "FSDP": ("fsdp_expert", {}),
+    systems = {"EP": ("ep", {}), "Hecate": ("hecate", None), "Hecate-RM": ("hecate", {**HECATE_REAL, "rm": True}),
+               "FSDP": ("fsdp_expert", {}),
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": sp.ranks_per_node}),
                "FlexMoE": ("flexmoe", {"interval": 2}), "SmartMoE": ("smartmoe", {"interval": 2})}
     from moelab.strategies import known_strategies
@@ -68,6 +69,27 @@ def fig9_real(scale="smoke", cluster: str = "hecate_A") -> pd.DataFrame:
     df["model"], df["gpus"] = f"tiny (d={sp.d}, E={sp.experts})", sp.nproc
     df.attrs["label"] = (f"SIMULATED: {cluster} links and compute pricing the plans and loads of REAL runs on {sp.nproc} "
                          f"gloo ranks ({sp.nodes} declared nodes), tiny model; real_iter_ms is this CPU's wall clock")
+    return df
+
+
+def fig13_real(scale="smoke") -> pd.DataFrame:
+    """Model-state memory per rank as the REAL runs measured it (Fig. 13's exact accounting, spec §4): the distinct
+    storages of live parameters, gradients and optimizer state (:mod:`moelab.runtime.memory`), fp32, each category
+    at its peak, the max over ranks and over the iterations after the first (whose plan has no history)."""
+    sp = scale_spec(scale)
+    runs = real_runs(sp.name)
+    rows = []
+    for name, run in runs.items():
+        m = run.memory[run.memory.iter >= 1]
+        rows.append(dict(system=name, **{f"{c}_MB": float(m[f"mem_{k}_peak_bytes"].max()) / 1e6
+                                         for c, k in (("param", "params"), ("grad", "grads"), ("optim", "optim"))}))
+    df = pd.DataFrame(rows)
+    df["total_MB"] = df.param_MB + df.grad_MB + df.optim_MB
+    ep = df.set_index("system").loc["EP"]
+    df["param_over_ep"], df["total_over_ep"] = df.param_MB / ep.param_MB, df.total_MB / ep.total_MB
+    df.attrs["label"] = (runs["EP"].label + "; model states of fp32 training (params and grads 4 B, Adam 8 B per "
+                         "parameter), storage bytes of live tensors at the iteration peak; Hecate t = m = 2, "
+                         "FlexMoE r = 1 holding its slot budget")
     return df
 
 
