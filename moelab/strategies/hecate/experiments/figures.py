@@ -172,3 +172,25 @@ def t_sweep(frame, *, label: str, title: str = "Sensitivity: Hecate's speedup ov
                         marker_color=_c(i))
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
     return finish(fig, title, label, xaxis_title="t = m (experts replicated per layer)", yaxis_title="speedup over EP")
+
+
+@labelled
+def device_load(frame, *, label: str, title: str = "Fig. 11 (REAL): busiest device over the mean, per MoE layer call"):
+    """Boxes of max / mean tokens per device over the calls of each layer, one box per system."""
+    fig = go.Figure()
+    for i, s in enumerate(dict.fromkeys(frame.system)):
+        g = frame[frame.system == s]
+        fig.add_box(x=[f"layer {l}" for l in g.layer], y=g.max_over_mean, name=s,
+                    marker_color=SYSTEM_COLOURS.get(s.split(" (")[0], _c(i)))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    return finish(fig, title, label, boxmode="group", yaxis_title="max / mean tokens per device")
+
+
+@labelled
+def phase_bytes(frame, *, label: str, title: str = "Fig. 12 (REAL): bytes per iteration by phase and system"):
+    """Stacked bars: bytes all ranks sent per iteration, one segment per (phase, op)."""
+    fig = go.Figure()
+    for i, ph in enumerate(sorted(set(frame.phase))):
+        g = frame[frame.phase == ph]
+        fig.add_bar(x=g.system, y=g.bytes, name=ph, marker_color=_c(i))
+    return finish(fig, title, label, barmode="stack", yaxis_title="bytes sent per iteration (all ranks)")

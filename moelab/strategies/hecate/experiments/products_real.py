@@ -1,4 +1,4 @@
-"""Hecate's REAL products (Figs. 1, 4, 5, 6, 8, 9r, 13r), the motivation (M1-M3) and the sweeps beside them
+"""Hecate's REAL products (Figs. 1, 4, 5, 6, 8, 9r, 11r, 12r, 13r, 15ar), the motivation (M1-M3) and the sweeps beside them
 (Figs. 9t, 14): registered functions, ids as in ``experiments/hecate/manifest.yaml``."""
 from __future__ import annotations
 
@@ -51,6 +51,41 @@ def fig8(ctx):
     return Made(s, tables={"table_fig08_sharding": (df, "Fig. 8: experts and load per device and layer"),
                            "table_fig08_balance": (s, "Fig. 8: max/mean device load per layer")},
                 figures={"fig08_sharding": F.sharding_bars(df, label=df.attrs["label"])})
+
+
+@product(P, "fig11r", needs_real=True)
+def fig11r(ctx):
+    """Fig. 11's device load on the REAL runs: max / mean tokens per device per MoE layer call."""
+    from . import real
+
+    df = real.device_loads(ctx.scale.name)
+    s = df.groupby("system", sort=False).max_over_mean.median()
+    notes = ["median max / mean tokens per device: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items())]
+    return Made(df, tables={"table_fig11r_load": (df, "Fig. 11 (REAL): device load per MoE layer call")}, notes=notes,
+                figures={"fig11r_load": F.device_load(df, label=df.attrs["label"])})
+
+
+@product(P, "fig12r", needs_real=True)
+def fig12r(ctx):
+    """Fig. 12's byte breakdown on the REAL runs: bytes per iteration by phase, every system."""
+    from . import real
+
+    df = real.bytes_by_phase(ctx.scale.name)
+    return Made(df, tables={"table_fig12r_bytes": (df, "Fig. 12 (REAL): bytes per iteration by phase")},
+                figures={"fig12r_bytes": F.phase_bytes(df, label=df.attrs["label"])})
+
+
+@product(P, "fig15ar", needs_real=True)
+def fig15ar(ctx):
+    """Fig. 15a's ablation on the REAL runs (their plans timed by the simulator, as Fig. 9's small run)."""
+    from . import real
+
+    df = real.ablation_real(ctx.scale.name)
+    idle = [r.system for r in df.itertuples() if r.system != "EP" and not r.policy_fired]
+    notes = [f"no plan change in these iterations (the policy did not fire): {idle}"] if idle else []
+    return Made(df, tables={"table_fig15ar_ablation": (df, "Fig. 15a (REAL plans): ablation priced on cluster A")}, notes=notes,
+                figures={"fig15ar_ablation": F.speedup_bars(df, label=df.attrs["label"], facet="gpus",
+                                                            title="Fig. 15a (small): REAL plans of the ablation, timed by the simulator on cluster A")})
 
 
 @product(P, "fig13r", needs_real=True, quantities={

@@ -12,6 +12,8 @@ from .common import ScaleSpec, scale_spec
 from .trace import real_trace, trace_label
 
 HECATE_REAL = {"t": 2, "m": 2, "reshard_interval": 3}  # small enough to see every mechanism in a few iterations
+ABLATION_REAL = {"Hecate (sharding only)": {**HECATE_REAL, "materialize": False, "calibration": False},
+                 "Hecate (materialization only)": {**HECATE_REAL, "shard": False}}  # Fig. 15a's ablation
 
 
 def real_config(sp: ScaleSpec, strategy: str = "hecate", options=None):
@@ -36,7 +38,8 @@ def real_runs(scale="smoke") -> dict:
     systems = {"EP": ("ep", {}), "Hecate": ("hecate", None), "Hecate-RM": ("hecate", {**HECATE_REAL, "rm": True}),
                "FSDP": ("fsdp_expert", {}),
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": sp.ranks_per_node}),
-               "FlexMoE": ("flexmoe", {"interval": 2}), "SmartMoE": ("smartmoe", {"interval": 2})}
+               "FlexMoE": ("flexmoe", {"interval": 2}), "SmartMoE": ("smartmoe", {"interval": 2}),
+               **{n: ("hecate", o) for n, o in ABLATION_REAL.items()}}
     from moelab.strategies import known_strategies
 
     have = known_strategies()
@@ -58,6 +61,7 @@ def fig9_real(scale="smoke", cluster: str = "hecate_A") -> pd.DataFrame:
         sim = simulate_real(run.cfg, run.loads, prof, plans=run.graph_plans())
         t = np.array([r.makespan for r in sim.results])[1:]
         fired = sum(1 for it in run.plans for r in it if (r.get("hecate", {}).get("prefetch") or r.get("shadowed")
+                                                          or r.get("hecate", {}).get("moved")
                                                           or r.get("flexmoe", {}).get("steps")
                                                           or r.get("smartmoe", {}).get("moved")))
         rows.append(dict(system=name, policy_fired=fired,
@@ -69,6 +73,62 @@ def fig9_real(scale="smoke", cluster: str = "hecate_A") -> pd.DataFrame:
     df["model"], df["gpus"] = f"tiny (d={sp.d}, E={sp.experts})", sp.nproc
     df.attrs["label"] = (f"SIMULATED: {cluster} links and compute pricing the plans and loads of REAL runs on {sp.nproc} "
                          f"gloo ranks ({sp.nodes} declared nodes), tiny model; real_iter_ms is this CPU's wall clock")
+    return df
+
+
+def device_loads(scale="smoke", systems=("EP", "Hecate", "Hecate (sharding only)", "Hecate (materialization only)")):
+    """Fig. 11's device load on the REAL runs: per system, iteration (after the first) and MoE layer, the tokens
+    each device computes, the recorded per-source counts routed through the recorded holders by the run's rule
+    (EP: the owners; Hecate: its plan's P' with the locality-first dispatcher, exact integers), as max / mean."""
+    from moelab.placement import Placement
+    from moelab.placement.rules import LocalityFirst
+
+    sp = scale_spec(scale)
+    runs = real_runs(sp.name)
+    rows = []
+    for name in [n for n in systems if n in runs]:
+        run = runs[name]
+        N = run.cfg.parallel.nproc
+        for it, recs in enumerate(run.plans):
+            for rec in recs if it >= 1 else ():
+                C = np.asarray(rec["counts"], dtype=np.int64)
+                E = C.shape[1]
+                holders = rec["hecate"]["holders"] if "hecate" in rec else [[e // (E // N)] for e in range(E)]
+                pl = Placement(E, N, tuple(tuple(h) for h in holders), LocalityFirst(sp.ranks_per_node))
+                load = pl.routes(C).sum(0)
+                rows.append(dict(system=name, iter=it, layer=rec["layer"], max_tokens=int(load.max()),
+                                 mean_tokens=float(load.mean()), max_over_mean=float(load.max() / max(load.mean(), 1e-9))))
+    df = pd.DataFrame(rows)
+    df.attrs["label"] = (runs["EP"].label + "; tokens each rank computes per MoE layer: the recorded counts routed "
+                         "through the recorded plan (exact), iterations after the first")
+    return df
+
+
+def bytes_by_phase(scale="smoke") -> pd.DataFrame:
+    """Fig. 12's byte breakdown on the REAL runs: per system and phase, the bytes all ranks sent per iteration
+    (mean over the iterations after the first) as the comm door recorded them, intra- and inter-node."""
+    sp = scale_spec(scale)
+    runs = real_runs(sp.name)
+    rows = []
+    for name, run in runs.items():
+        c = run.comm[run.comm.iter >= 1]
+        n_it = max(int(c.iter.nunique()), 1)
+        for (phase, op), g in c.groupby([c.phase.fillna(""), c.op]):
+            rows.append(dict(system=name, phase=f"{phase} {op}".strip(), bytes_intra=float(g.bytes_intra.sum()) / n_it,
+                             bytes_inter=float(g.bytes_inter.sum()) / n_it))
+    df = pd.DataFrame(rows)
+    df["bytes"] = df.bytes_intra + df.bytes_inter
+    df.attrs["label"] = runs["EP"].label + "; bytes sent per iteration, all ranks, as recorded by the comm door"
+    return df
+
+
+def ablation_real(scale="smoke", cluster: str = "hecate_A") -> pd.DataFrame:
+    """Fig. 15a on the REAL runs: EP, sharding only, materialization only and Hecate, their recorded plans and
+    loads priced by the simulator on ``cluster`` (as :func:`fig9_real`), with the wall clock beside."""
+    full = fig9_real(scale, cluster)
+    keep = [s for s in ("EP", *ABLATION_REAL, "Hecate") if s in set(full.system)]
+    df = full.set_index("system").loc[keep].reset_index()
+    df.attrs["label"] = full.attrs["label"]
     return df
 
 
