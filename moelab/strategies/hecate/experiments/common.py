@@ -91,5 +91,7 @@ def table1() -> pd.DataFrame:
     t = pd.DataFrame(rows)
     t["matches_paper"] = t.params_B.round(2) == t.paper_params_B
     t.attrs["label"] = ("REAL: moelab's parameter counting of its Table 1 configs (no training); "
-                        "paper_params_B is the paper's column (reference); heads/vocab are spec §4 [choice]")
+                        "paper_params_B is the paper's column (reference); heads/vocab are spec §4 [choice]; "
+                        "training at this size is SUBSTITUTE: tiny models of the same shape on gloo ranks, and the "
+                        "simulator at the paper's size, stand in for it (no GPU cluster)")
     return t
