@@ -267,8 +267,12 @@ def test_plan_pricer_equals_a_full_routing_for_every_plan_it_prices():
     plans = [holders_of(owners)] + [
         tuple(tuple([owners[e]] + sorted(set(rng.choice(N, size=rng.integers(0, N), replace=False).tolist()) - {owners[e]}))
               for e in range(E)) for _ in range(12)]
-    for P in plans + plans[::-1]:  # the first plan becomes the base; later ones are deltas against it
-        assert np.array_equal(pr.routes(P), c.routes(P, C))
+    # nested plans (calibration's `best` candidates: one more expert everywhere each time) go from the last plan
+    nested = [tuple(tuple(range(N)) if e < k else holders_of(owners)[e] for e in range(E)) for k in range(1, 6)]
+    for P in plans + plans[::-1] + nested:  # the first plan becomes the base; later ones deltas of it or the last
+        R = pr.routes(P)
+        assert np.array_equal(R, c.routes(P, C))
         assert pr.t_moe(P) == c.t_moe(P, C)
+        R += 1  # the caller's copy: the pricer's own stays exact
     with pytest.raises(ValueError, match="experts"):
         pr.routes(plans[0][:-1])

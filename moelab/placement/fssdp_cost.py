@@ -188,6 +188,7 @@ class PlanPricer:
         self._rule = cost.rule
         self._memo: dict = {}
         self._base = None  # (holders, routes) of the first plan priced, fully routed: later plans are its deltas
+        self._last = None  # (holders, routes) of the latest plan priced (or of its nearest)
 
     def _expert_routes(self, e: int, holders_e: tuple) -> np.ndarray:
         key = (e, holders_e)
@@ -201,15 +202,18 @@ class PlanPricer:
     def routes(self, holders) -> np.ndarray:
         holders = tuple(tuple(h) for h in holders)
         if self._base is None:
-            self._base = (holders, self.cost.routes(holders, self.counts))
-        base_h, R = self._base
-        if len(holders) != len(base_h):
-            raise ValueError(f"plan has {len(holders)} experts, the counts {len(base_h)}")
+            self._base = self._last = (holders, self.cost.routes(holders, self.counts))
+        if len(holders) != len(self._base[0]):
+            raise ValueError(f"plan has {len(holders)} experts, the counts {len(self._base[0])}")
+        # from whichever of the first and the last plan differs in fewer experts: calibration's `best`
+        # candidates are nested (each adds the next hottest expert), so the last one is one expert away
+        diffs = [[e for e, (h0, h1) in enumerate(zip(ref[0], holders)) if h0 != h1] for ref in (self._base, self._last)]
+        (ref_h, R), changed = min(zip((self._base, self._last), diffs), key=lambda x: len(x[1]))
         R = R.copy()
-        for e, (h0, h1) in enumerate(zip(base_h, holders)):
-            if h0 != h1:
-                R += self._expert_routes(e, h1) - self._expert_routes(e, h0)
-        return R
+        for e in changed:
+            R += self._expert_routes(e, holders[e]) - self._expert_routes(e, ref_h[e])
+        self._last = (holders, R)
+        return R.copy()  # the caller's to change; the pricer keeps its own
 
     def t_moe(self, holders) -> float:
         return self.cost.t_moe_routes(self.routes(holders))
