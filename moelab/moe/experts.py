@@ -62,6 +62,11 @@ def expert_param_shapes(experts: "Experts") -> list:
     return [None if p is None else tuple(p.shape[1:]) for p in experts.stacked()]
 
 
+def expert_numel(experts: "Experts") -> int:
+    """Elements of one expert's parameters (w1, b1, w2, b2): the length of its flat buffer."""
+    return sum(math.prod(s) for s in expert_param_shapes(experts) if s is not None)
+
+
 def flatten_slot(params: Sequence[Optional[torch.Tensor]], slot: int) -> torch.Tensor:
     """One slot of stacked ``(w1, b1, w2, b2)`` as a flat detached buffer (broadcast/reduce unit)."""
     return torch.cat([p[slot].detach().reshape(-1) for p in params if p is not None])

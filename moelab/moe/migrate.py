@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from moelab.moe.experts import expert_param_shapes, flatten_slot, unflatten
+from moelab.moe.experts import expert_numel, expert_param_shapes, flatten_slot, unflatten
 from moelab.placement import Placement
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -123,7 +123,7 @@ def move_experts(comm, layers: Sequence, moves, placements: dict, optimizer=None
             parts.append(flatten_slot(full, s))
         return torch.cat(parts)
 
-    numel = sum(0 if s is None else int(torch.Size(s).numel()) for s in shapes[0])
+    numel = expert_numel(layers[0].experts)
     got = {}
     if moves:
         members = list(comm.group_ranks(group))

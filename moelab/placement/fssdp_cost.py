@@ -207,8 +207,9 @@ class PlanPricer:
             raise ValueError(f"plan has {len(holders)} experts, the counts {len(self._base[0])}")
         # from whichever of the first and the last plan differs in fewer experts: calibration's `best`
         # candidates are nested (each adds the next hottest expert), so the last one is one expert away
-        diffs = [[e for e, (h0, h1) in enumerate(zip(ref[0], holders)) if h0 != h1] for ref in (self._base, self._last)]
-        (ref_h, R), changed = min(zip((self._base, self._last), diffs), key=lambda x: len(x[1]))
+        refs = (self._base,) if self._last is self._base else (self._base, self._last)
+        (ref_h, R), changed = min(((ref, [e for e, (h0, h1) in enumerate(zip(ref[0], holders)) if h0 != h1])
+                                   for ref in refs), key=lambda x: len(x[1]))
         R = R.copy()
         for e in changed:
             R += self._expert_routes(e, holders[e]) - self._expert_routes(e, ref_h[e])

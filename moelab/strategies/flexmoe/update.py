@@ -26,6 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from moelab.moe.experts import expert_numel
 from moelab.moe.migrate import migrate_holders
 from moelab.moe.sync import sync_dense_grads
 from moelab.placement.flexmoe import plan_round
@@ -143,17 +144,11 @@ class FlexMoEUpdate(DataParallelUpdate):
             budget = self.E // self.N + self.options.r
             out = {"params": [], "grads": [], "optim": []}
             for layer, n in zip(self.layers, held):
-                free = max(budget - n, 0) * self._expert_numel(layer)
+                free = max(budget - n, 0) * expert_numel(layer.experts)
                 for cat, k in (("params", 1), ("grads", 1), ("optim", 2)):
                     out[cat].append(layer.experts.w1.new_empty(k * free))
             self._reserve = (held, out)
         return self._reserve[1]
-
-    @staticmethod
-    def _expert_numel(layer) -> int:
-        from moelab.moe.experts import expert_param_shapes
-
-        return sum(int(torch.Size(s).numel()) for s in expert_param_shapes(layer.experts) if s is not None)
 
     def param_tensors(self) -> list:
         return super().param_tensors() + self.reserved().get("params", [])

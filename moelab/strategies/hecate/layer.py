@@ -22,7 +22,7 @@ import torch
 
 from moelab.comm.sparse import NODE_BACKENDS, sp_all_gather, sp_reduce_scatter, sparse_plan
 from moelab.comm.stream import comm_stream
-from moelab.moe.experts import expert_param_shapes, flatten_slot, unflatten
+from moelab.moe.experts import expert_numel, expert_param_shapes, flatten_slot, unflatten
 from moelab.moe.layer import MoELayer
 from moelab.placement import Placement
 from moelab.placement.fssdp import calibrate_plan, holders_of
@@ -80,7 +80,7 @@ class HecateMoELayer(MoELayer):
         self.dispatcher = type(self.dispatcher)(self.comm, self.placement)
         self.dtype = dtype
         self.shapes = expert_param_shapes(self.experts)
-        self.numel = sum(0 if s is None else int(torch.Size(s).numel()) for s in self.shapes)
+        self.numel = expert_numel(self.experts)
         try:
             self.comm.group_ranks("sparse")
             self.group = "sparse"

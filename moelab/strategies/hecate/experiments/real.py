@@ -81,6 +81,7 @@ def device_loads(scale="smoke", systems=("EP", "Hecate", "Hecate (sharding only)
     each device computes, the recorded per-source counts routed through the recorded holders by the run's rule
     (EP: the owners; Hecate: its plan's P' with the locality-first dispatcher, exact integers), as max / mean."""
     from moelab.placement import Placement
+    from moelab.placement.fssdp import holders_of, homogeneous_owners
     from moelab.placement.rules import LocalityFirst
 
     sp = scale_spec(scale)
@@ -93,7 +94,7 @@ def device_loads(scale="smoke", systems=("EP", "Hecate", "Hecate (sharding only)
             for rec in recs if it >= 1 else ():
                 C = np.asarray(rec["counts"], dtype=np.int64)
                 E = C.shape[1]
-                holders = rec["hecate"]["holders"] if "hecate" in rec else [[e // (E // N)] for e in range(E)]
+                holders = rec["hecate"]["holders"] if "hecate" in rec else holders_of(homogeneous_owners(1, E, N)[0])
                 pl = Placement(E, N, tuple(tuple(h) for h in holders), LocalityFirst(sp.ranks_per_node))
                 load = pl.routes(C).sum(0)
                 rows.append(dict(system=name, iter=it, layer=rec["layer"], max_tokens=int(load.max()),
