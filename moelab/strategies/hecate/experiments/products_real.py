@@ -1,4 +1,4 @@
-"""Hecate's REAL products (Figs. 1, 4, 5, 6, 8, 9r, 11r, 12r, 13r, 15ar), the motivation (M1-M3) and the sweeps beside them
+"""Hecate's REAL products (Figs. 1r, 4, 5, 6, 8, 9r, 11r, 12r, 13r, 15ar), Fig. 1's simulated timeline, the motivation (M1-M3) and the sweeps beside them
 (Figs. 9t, 14): registered functions, ids as in ``experiments/hecate/manifest.yaml``."""
 from __future__ import annotations
 
@@ -31,6 +31,28 @@ def fig5(ctx):
     return Made(ev, tables={"table_fig05_events": (ev, "Fig. 5: one iteration's events (REAL)")},
                 figures={"fig05_events": F.gantt(ev, label=ev.attrs["label"],
                                                  title="Fig. 5: FSSDP workflow of one iteration (spAG beside attention, spRS after backward)")})
+
+
+@product(P, "fig1r", needs_real=True)
+def fig1r(ctx):
+    """Fig. 1's two timelines on the REAL runs: one iteration of EP and of Hecate on the same gloo ranks and data."""
+    import pandas as pd
+
+    from . import real
+
+    frames = []
+    for system in ("EP", "Hecate"):
+        ev = real.event_order(ctx.scale.name, system=system)
+        ev["row"] = system + " rank " + ev["rank"].astype(str) + " " + ev["kind"]
+        frames.append(ev.assign(system=system))
+    df = pd.concat(frames, ignore_index=True)
+    span = df.groupby("system").end_ms.max()
+    df.attrs["label"] = frames[1].attrs["label"].replace("; iteration", "; EP and Hecate, iteration")
+    return Made(df, tables={"table_fig01r_events": (df, "Fig. 1 (REAL): one iteration of EP and of Hecate")},
+                notes=["iteration span (first event to last, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in span.items()),
+                       "attention spans are recorded by Hecate's pre-hooks only: in EP's rows it is the gap before each gate"],
+                figures={"fig01r_events": F.gantt(df, label=df.attrs["label"],
+                                                  title="Fig. 1 (REAL): one iteration of EP and of FSSDP, every rank")})
 
 
 @product(P, "fig6", needs_real=True)

@@ -183,11 +183,12 @@ def fig4_bytes(scale="smoke") -> pd.DataFrame:
     return df
 
 
-def event_order(scale="smoke", iteration: int = None) -> pd.DataFrame:
-    """One iteration of the REAL Hecate run as rows (rank, what, start, end) from the door's records and the
-    recorder's spans: attention (forward; backward start marks), spAG issue -> wait, spRS, all-to-alls."""
+def event_order(scale="smoke", iteration: int = None, system: str = "Hecate") -> pd.DataFrame:
+    """One iteration of ``system``'s REAL run as rows (rank, what, start, end) from the door's records and the
+    recorder's spans: attention (forward; backward start marks), gate, experts, spAG issue -> wait, spRS,
+    all-to-alls; times from the iteration's first event."""
     sp = scale_spec(scale)
-    hec = real_runs(sp.name)["Hecate"]
+    hec = real_runs(sp.name)[system]
     it = iteration if iteration is not None else hec.iters - 1
     c = hec.comm[hec.comm.iter == it]
     s = hec.spans[(hec.spans.iter == it) & hec.spans.name.isin(["attention", "attention.bwd.start", "experts", "gate"])]
