@@ -233,6 +233,19 @@ def test_machine_profile_pools_cores_so_a_lone_busy_rank_runs_at_full_speed(monk
         machine_profile(c, FAKE_CAL, compute="gemm", share_cores="yes")
 
 
+def test_compute_is_measured_on_one_rank_of_plain_ep_whatever_the_strategy():
+    """The compute-rate probe runs the model on one rank with every expert local: a strategy whose options
+    need several nodes (Hecate's ``hier`` backend) must not make it invalid."""
+    from moelab.sim.realruns import _compute_only_cfg
+
+    c = RunConfig().with_overrides({"parallel.nproc": 4, "parallel.topology.nodes": 2, "model.moe.num_experts": 4,
+                                    "parallel.strategy": "hecate",
+                                    "parallel.strategy_options": {"spag_backend": "hier"}}).validate()
+    one = _compute_only_cfg(c).validate()
+    assert (one.parallel.nproc, one.parallel.topology.nodes, one.parallel.strategy) == (1, 1, "ep")
+    assert one.model == c.model
+
+
 def test_compare_reports_a_mismatch_loudly():
     """A doctored measurement must show up as a mismatch row and a warning, never averaged away."""
     import pandas as pd

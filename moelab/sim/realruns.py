@@ -187,7 +187,10 @@ def run_real(cfg: RunConfig, nproc: Optional[int] = None, *, timeout: float = 30
 
 
 def _compute_only_cfg(cfg: RunConfig) -> RunConfig:
-    return cfg.with_overrides({"parallel.nproc": 1, "parallel.topology.nodes": 1,
+    """``cfg``'s model on one rank, every expert local: plain EP (a strategy's options, e.g. Hecate's ``hier``
+    backend, may not be valid on one node, and on one rank none of them changes the compute)."""
+    return cfg.with_overrides({"parallel.nproc": 1, "parallel.topology.nodes": 1, "parallel.strategy": "ep",
+                               "parallel.strategy_options": {},
                                "parallel.topology.ranks_per_node": None, "parallel.placement": None,
                                "emulation.enabled": False, "train.trace": False})
 
