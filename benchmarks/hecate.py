@@ -10,8 +10,10 @@ comparing small differences). An iteration's time is the slowest rank's; the tab
 without the door's held-out fixed costs per call (``moelab.sim.local.emulated_call_costs``: a call's
 software beside its link time, then the emulator's sync), with the ranks' compute scaled by a static core share or
 with the host's cores pooled (``machine_profile(share_cores="pool")``: k ranks computing at once share them, a rank
-waiting for a collective leaves its core to the others), and pooled with the sparse collectives issued beside
-compute priced at the fixed costs measured on busy ranks.
+waiting for a collective leaves its core to the others), pooled with the sparse collectives issued beside
+compute priced at the fixed costs measured on busy ranks, and pooled with every call's fixed costs and moved bytes
+as its ranks' CPU work on the shared cores (``ClusterProfile.software_on_cores``, ``cpu_s_per_byte`` from
+:func:`moelab.sim.local.transport_cpu_per_byte`, held out).
 
 Printed: iteration time and speedup over EP (measured / simulated) of Hecate (full, sharding only,
 materialization only, RM, no calibration) and every baseline present (FasterMoE, FlexMoE, FSDP, SmartMoE);
@@ -145,9 +147,11 @@ def main(argv=None) -> int:
     comp0, reals, _ = validate(named, warmup=a.warmup, timeout=a.timeout, warn=False)
     fixed = measure_emulated_call_costs(named[0][1], timeout=a.timeout, busy=True)
 
-    def predict(share_cores, busy=False):
+    def predict(share_cores, busy=False, on_cores=False):
         busy_costs = {"busy_call_overhead_s": fixed["busy"]["call_s"],
                       "busy_emulated_sync_s": fixed["busy"]["sync_s"]} if busy else {}
+        if on_cores:  # the calls' fixed costs and bytes as CPU work on the pooled cores (held-out probes)
+            busy_costs = {"software_on_cores": True, "cpu_s_per_byte": fixed["cpu_s_per_byte"]}
         sims = [simulate_real(c, r.loads, dataclasses.replace(
             machine_profile(c, None, compute="model", share_cores=share_cores), call_overhead_s=fixed["call_s"],
             emulated_sync_s=fixed["sync_s"], **busy_costs), plans=r.graph_plans()) for (_, c), r in zip(named, reals)]
@@ -155,25 +159,30 @@ def main(argv=None) -> int:
 
     (comp, sims), (comp_pool, sims_pool) = predict(True), predict("pool")
     comp_busy, _ = predict("pool", busy=True)
+    comp_cpu, _ = predict("pool", on_cores=True)
     print(f"held-out fixed costs of a call through the emulated door (1-element all-to-all, all ranks at once): "
           f"software {1e3 * fixed['call_s']:.2f} ms beside its link time, then sync {1e3 * fixed['sync_s']:.2f} ms; "
           f"with a thread computing beside the calls on every rank {1e3 * fixed['busy']['call_s']:.2f} + "
-          f"{1e3 * fixed['busy']['sync_s']:.2f} ms")
-    t0, t, tp, tb = (timed_medians(c) for c in (comp0, comp, comp_pool, comp_busy))
-    ep, ep0, epp, epb = t.loc["EP"], t0.loc["EP"], tp.loc["EP"], tb.loc["EP"]
+          f"{1e3 * fixed['busy']['sync_s']:.2f} ms; CPU per byte a rank moves (256 KiB a peer): "
+          f"{1e9 * fixed['cpu_s_per_byte']:.3f} ns")
+    t0, t, tp, tb, tc = (timed_medians(c) for c in (comp0, comp, comp_pool, comp_busy, comp_cpu))
+    ep, ep0, epp, epb, epc = t.loc["EP"], t0.loc["EP"], tp.loc["EP"], tb.loc["EP"], tc.loc["EP"]
     print(f"\n{'system':30s} {'iter ms real':>12s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} {'pred err':>8s}"
           f" | {'w/o fixed':>9s} {'speedup':>7s} {'err':>5s} | {'pooled':>7s} {'speedup':>7s} {'err':>5s}"
-          f" | {'+busy':>7s} {'speedup':>7s} {'err':>5s}")
+          f" | {'+busy':>7s} {'speedup':>7s} {'err':>5s} | {'cpu':>7s} {'speedup':>7s} {'err':>5s}")
     for name, row in t.iterrows():
-        cols = [(t0.loc[name].sim_s, ep0.sim_s), (tp.loc[name].sim_s, epp.sim_s), (tb.loc[name].sim_s, epb.sim_s)]
+        cols = [(t0.loc[name].sim_s, ep0.sim_s), (tp.loc[name].sim_s, epp.sim_s), (tb.loc[name].sim_s, epb.sim_s),
+                (tc.loc[name].sim_s, epc.sim_s)]
         print(f"{name:30s} {1e3 * row.real_s:12.1f} {1e3 * row.sim_s:8.1f} {ep.real_s / row.real_s:12.2f} "
               f"{ep.sim_s / row.sim_s:6.2f} {(row.sim_s - row.real_s) / row.real_s:+8.0%}" + "".join(
                   f" | {1e3 * x:{w}.1f} {e / x:7.2f} {(x - row.real_s) / row.real_s:+5.0%}"
-                  for (x, e), w in zip(cols, (9, 7, 7))))
+                  for (x, e), w in zip(cols, (9, 7, 7, 7))))
     print("sim: the cores shared by a static factor (every rank at cores / ranks), with the idle fixed costs; "
           "'pooled': the engine's pool instead (k ranks computing at once share the cores, a waiting rank's core "
           "goes to the others); '+busy': pooled, and the sparse collectives issued beside compute (spAG beside "
-          "attention, spRS beside backward) at the busy fixed costs")
+          "attention, spRS beside backward) at the busy fixed costs; 'cpu': pooled, every call's fixed costs and "
+          "every byte it moves as CPU work of its ranks on the pooled cores (held out: the idle costs, the CPU per "
+          "byte), instead of the busy costs")
 
     runs = dict(zip([n for n, _ in named], reals))
     steady_state(comp, runs, a.warmup, comp_pool)

@@ -219,3 +219,12 @@ def test_exchange_by_class_is_by_link_class_over_a_matrix(data):
         want = [[by_link_class(topo, me, dict(zip(group, M[i].tolist())))[c] for c in ("local", "intra", "inter")]
                 for i, me in enumerate(group)]
         assert got.tolist() == want
+
+
+def test_moved_bytes_counts_what_a_member_sends_and_receives_from_the_others():
+    from moelab.comm.bytes import moved_bytes
+
+    S = [[5, 1, 2], [3, 7, 0], [4, 4, 9]]  # member i sends member j; the diagonal stays on the rank
+    assert moved_bytes({"op": "all_to_all", "group": [4, 5, 6], "splits": S}) == {4: 3 + 7, 5: 3 + 1 + 4, 6: 8 + 2}
+    ring = moved_bytes({"op": "all_reduce", "group": [0, 1, 2, 3], "nbytes": 400})
+    assert ring == dict.fromkeys(range(4), 2 * 2 * 3 * 100)  # 2(n-1)/n of the tensor out, as much in

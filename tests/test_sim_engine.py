@@ -288,3 +288,36 @@ def test_a_call_beside_compute_pays_the_busy_fixed_costs_where_measured(sync):
     expected = 2.2 + 3.0 if sync is None else max(2.2, 3.0) + 0.75  # before the links, or beside them then the sync
     assert plain == pytest.approx(2.7 if sync is None else 2.2 + 0.25)
     assert simulate(g).makespan == pytest.approx(expected)
+
+
+def _pooled_call(n=4, cores=2.0, cpb=0.0):
+    from moelab.sim.costs import Demand
+
+    g = OpGraph(n, {"L": 1.0})
+    g.share_cores(cores)
+    g.call_overhead_s, g.emulated_sync_s = 2.0, 0.5
+    g.software_cpu_share, g.cpu_s_per_byte = min(1.0, cores / n), cpb
+    return g, [Demand(0.0, {"L": 1e-9})]  # links that take no time: the fixed costs alone
+
+
+def test_software_on_cores_reproduces_the_held_out_cost_on_idle_ranks_and_shares_the_cores_when_busy():
+    """The held-out cost (every rank calling at once on the pool) is what a call costs on idle ranks; with
+    every rank computing beside it, call and compute share the cores: the call stretches, the compute is
+    delayed by the call's CPU, the total CPU is conserved; each byte moved adds its CPU."""
+    g, d = _pooled_call()
+    g.transfer("a", range(4), d)
+    assert simulate(g).makespan == pytest.approx(2.0 + 0.5)
+    g, d = _pooled_call()
+    g.transfer("a", range(4), d, beside_compute=True)
+    for r in range(4):
+        g.compute(r, f"c{r}", 1.0)  # 1 s of one core on each rank: 2 s of the pool
+    res = simulate(g)
+    cpu = 4 * (2.0 + 0.5) * 0.5 + 4 * 1.0  # the calls' CPU (share 1/2 of each cost) and the compute's
+    assert res.makespan == pytest.approx(cpu / 2)  # the pool never idles: everything in 4 s
+    assert res.makespan > 2.0 + 0.5 and res.makespan > 2.0  # both slower than alone
+    g.busy_fixed = (30.0, 30.0)  # the pool prices a busy host: measured busy costs do not apply on top
+    assert simulate(g).makespan == pytest.approx(res.makespan)
+    g, d = _pooled_call(cpb=1e-3)
+    g.transfer("a", range(4), d, comm={"op": "all_reduce", "group": list(range(4)), "nbytes": 1000})
+    moved = 2 * 2 * 3 / 4 * 1000  # ring all-reduce: 2(n-1)/n of the tensor sent, as much received
+    assert simulate(g).makespan == pytest.approx(2.0 + moved * 1e-3 / 0.5 + 0.5)  # each rank at half a core

@@ -406,6 +406,7 @@ def test_emulated_call_costs_leave_the_links_out():
                                       "emulation.inter_latency_us": 30_000.0}).validate()
     got = measure_emulated_call_costs(cfg, timeout=60, busy=True)
     assert 0.0 <= got["call_s"] < 0.015 and 0.0 <= got["sync_s"] < 0.015
+    assert 0.0 < got["cpu_s_per_byte"] < 1e-7  # a loopback copy costs CPU, far less than 10 MB/s of it; no latency in it
     busy = got["busy"]  # the same calls with a thread computing beside them, in the same spawn
     assert set(busy) == {"call_s", "sync_s"} and 0.0 <= busy["call_s"] < 0.025 and 0.0 <= busy["sync_s"] < 0.025
 

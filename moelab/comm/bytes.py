@@ -50,6 +50,22 @@ def by_link_class(topo: Topology, me: int, per_peer: dict) -> dict:
     return acc
 
 
+def moved_bytes(comm: dict) -> dict:
+    """Per member of a call (a simulator op's ``comm`` record: op, group, nbytes or splits, ...): the bytes it
+    sends to and receives from the other members, summed: what a host copies through its transport for it."""
+    group = [int(r) for r in comm["group"]]
+    splits = comm.get("splits")
+    S = None if splits is None else np.asarray(splits)
+    extra = {k: v for k, v in comm.items() if k not in ("op", "group", "nbytes", "splits", "root", "peer")}
+    out = {}
+    for i, me in enumerate(group):
+        kw = dict(nbytes=int(comm.get("nbytes", 0) or 0), root=comm.get("root"), peer=comm.get("peer"), **extra)
+        sent = peer_bytes(comm["op"], group, me, splits=None if S is None else [int(x) for x in S[i]], **kw)
+        got = recv_bytes(comm["op"], group, me, splits=None if S is None else [int(x) for x in S[:, i]], **kw)
+        out[me] = sum(int(b) for r, b in sent.items() if r != me) + sum(int(b) for r, b in got.items() if r != me)
+    return out
+
+
 def exchange_by_class(S, node, received: bool = False) -> tuple:
     """The array twin of :func:`by_link_class` for a per-member exchange ``S[i, j]`` (bytes member i
     sends member j; ``node[i]``: member i's node): per member, ``(local, intra, inter)`` bytes it

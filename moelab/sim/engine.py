@@ -57,6 +57,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from moelab.comm.bytes import moved_bytes
 from moelab.sim.result import SimResult
 
 
@@ -103,6 +104,8 @@ class OpGraph:
         self.phase_overhead_s = 0.0  # fixed seconds per phase of a phased call (each a batched p2p round), if > 0
         self.emulated_sync_s: Optional[float] = None  # not None: fixed costs run beside the links (see transfer)
         self.busy_fixed: Optional[tuple] = None  # (call_s, sync_s) of a call issued while its ranks compute
+        self.software_cpu_share: Optional[float] = None  # a number: fixed costs are CPU work on the pool (transfer)
+        self.cpu_s_per_byte = 0.0  # ... and so is every byte a member moves, at this many CPU seconds per byte
         self.interference: Optional[tuple] = None  # (classes: tuples of streams, gamma): see interfere()
         self.call_gate: Optional[tuple] = None  # (high streams, low streams, high_waits): see the module doc
 
@@ -175,10 +178,19 @@ class OpGraph:
         backward); where :attr:`busy_fixed` is set (ranks sharing a host's cores, where such a call
         waits for a core) it pays those fixed costs instead.
 
+        :attr:`software_cpu_share` (EMULATED links on a shared CPU pool): the fixed costs are CPU work on
+        that pool instead of plain durations, so a call waits for a core as long as ranks compute and
+        the compute waits for the call's software in turn; each member rank draws ``share × cost`` CPU
+        seconds (the held-out cost was measured with every rank calling at once on the pool, where each
+        got ``share`` of a core), plus :attr:`cpu_s_per_byte` for every byte it sends to or receives from
+        another member (``comm``'s record, :func:`moelab.comm.bytes.moved_bytes`: loopback transports copy
+        them on the same cores). :attr:`busy_fixed` then does not apply: the pool prices a busy host.
+
         ``comm`` (the accounting record) goes on the first phase only, so bytes are counted once.
         """
         call_s, sync_s = self.call_overhead_s, self.emulated_sync_s
-        if beside_compute and self.busy_fixed is not None:
+        on_cores = self.software_cpu_share is not None and self.cpu_pool is not None and sync_s is not None
+        if beside_compute and self.busy_fixed is not None and not on_cores:
             call_s, sync_s = self.busy_fixed[0], (self.busy_fixed[1] if sync_s is not None else None)
         fixed = [0.0] * len(demands)
         if call_overhead and demands:
@@ -193,12 +205,29 @@ class OpGraph:
                             duration=d.alpha + (0.0 if beside else fixed[i]), links=d.links,
                             deps=tuple(deps) if last is None else (last,), category=category,
                             comm=comm if i == 0 else None, kind="comm", **kw)
+        if on_cores and (sum(fixed) > 0 or sync_s > 0):
+            return self._software_on_cores(name, ranks, sum(fixed), sync_s, deps, last, stream, category, kw, comm)
         if beside and (sum(fixed) > 0 or sync_s > 0):
             sw = self.add(f"{name}.software", ranks, stream=f"{stream}.software", duration=sum(fixed), deps=deps,
                           category=category, kind="comm", **kw)
             last = self.add(f"{name}.sync", ranks, stream=stream, duration=sync_s,
                             deps=(sw,) if last is None else (last, sw), category=category, kind="comm", **kw)
         return last
+
+
+    def _software_on_cores(self, name, ranks, call_s, sync_s, deps, links_done, stream, category, kw, comm=None) -> int:
+        """A call's software and sync as each member rank's CPU work on the shared pool (see :meth:`transfer`):
+        the software beside the link time, then the sync once both are done; returns the call's last op."""
+        share, pool = float(self.software_cpu_share), self.cpu_pool
+        moved = moved_bytes(comm) if comm and self.cpu_s_per_byte > 0 else {}
+        sw = tuple(self.add(f"{name}.software.{r}", (r,), stream=f"{stream}.software",
+                            links={pool: call_s * share + self.cpu_s_per_byte * moved.get(r, 0)},
+                            deps=deps, category=category, kind="comm", **kw) for r in ranks)
+        ready = sw if links_done is None else (links_done, *sw)
+        syncs = tuple(self.add(f"{name}.sync.{r}", (r,), stream=stream, links={pool: sync_s * share}, deps=ready,
+                               category=category, kind="comm", **kw) for r in ranks)
+        return self.add(f"{name}.sync", ranks, stream=stream, duration=0.0, deps=syncs, category=category,
+                        kind="comm", **kw)
 
 
 class DeadlockError(RuntimeError):

@@ -203,7 +203,10 @@ def new_graph(profile, topo: Topology, meta: Optional[dict] = None) -> OpGraph:
     collective call ``call_overhead_s`` (both 0 on the paper testbeds), a phased one
     ``phase_overhead_s`` per phase where set; ``emulated_sync_s`` prices the door's EMULATED links
     (:meth:`moelab.sim.engine.OpGraph.transfer`); ``busy_call_overhead_s`` (and ``busy_emulated_sync_s``)
-    price a call issued while its ranks compute, where measured."""
+    price a call issued while its ranks compute, where measured; ``software_on_cores`` makes the fixed costs
+    CPU work on the shared cores instead (every member rank draws min(1, cores / ranks) of them: the
+    held-out cost ran with every rank calling at once), and each byte moved ``cpu_s_per_byte``, which prices
+    a busy host without the busy costs."""
     g = OpGraph(topo.world_size, costs.link_capacities(profile, topo), meta=meta)
     g.share_cores(getattr(profile, "shared_cores", 0) or 0, getattr(profile, "op_overhead_s", 0.0) or 0.0)
     g.call_overhead_s = float(getattr(profile, "call_overhead_s", 0.0) or 0.0)
@@ -212,6 +215,10 @@ def new_graph(profile, topo: Topology, meta: Optional[dict] = None) -> OpGraph:
     busy = getattr(profile, "busy_call_overhead_s", None)
     if busy is not None:
         g.busy_fixed = (float(busy), getattr(profile, "busy_emulated_sync_s", None) or 0.0)
+    cores = getattr(profile, "shared_cores", 0) or 0
+    if getattr(profile, "software_on_cores", False) and cores > 0:
+        g.software_cpu_share = min(1.0, cores / topo.world_size)
+        g.cpu_s_per_byte = float(getattr(profile, "cpu_s_per_byte", 0.0) or 0.0)
     return g
 
 

@@ -252,6 +252,37 @@ def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps
     return {"call_s": max(0.0, statistics.median(walls[2:]) - sync - alone), "sync_s": sync}
 
 
+def transport_cpu_per_byte(comm, group: str = "world", peer_bytes: int = 1 << 18, reps: int = 8) -> float:
+    """CPU seconds a member spends per byte it sends to or receives from the others, measured on ``comm``'s
+    door: the process CPU time (every thread, kernel included) of an all-to-all of ``peer_bytes`` to each
+    member less that of a 1-element one, over the bytes moved; the members' mean (CPU time, not wall
+    time: who waits for whom does not enter). The emulated links' sleep costs no CPU, so this is what the loopback transport and the door copy
+    on the host's cores. Held out: an all-to-all of fixed size, nothing of a run (``cpu_s_per_byte`` of a
+    profile with ``software_on_cores``, :meth:`moelab.sim.engine.OpGraph.transfer`)."""
+    import statistics
+    import time
+
+    import torch
+
+    from moelab.repro.timing import gather_floats
+
+    members = comm.group_ranks(group)
+    n, rows = len(members), max(1, peer_bytes // 4)
+
+    def cpu_of(k):
+        x, per = torch.zeros(n * k, 1), [k] * n
+        out = []
+        for _ in range(reps + 2):
+            c0 = time.process_time()
+            comm.all_to_all_raw(x, per, per, group)
+            out.append(time.process_time() - c0)
+        return statistics.median(out[2:])
+
+    per_byte = (cpu_of(rows) - cpu_of(1)) / (2 * (n - 1) * (rows - 1) * 4)
+    comm.rec.comm.clear()
+    return max(0.0, statistics.mean(gather_floats(comm, per_byte, group)))
+
+
 @contextlib.contextmanager
 def _computing(on: bool = True, yields: bool = False):
     """While the block runs, a thread runs single-threaded GEMMs (which release the GIL) beside it
@@ -287,13 +318,14 @@ def _emulated_call_costs_rank(rank, world, cfg, busy=False):
     from moelab.runtime.train import topology_for
 
     comm = Communicator(topology_for(cfg, world), cfg.emulation)
-    idle = emulated_call_costs(comm)
+    idle = {**emulated_call_costs(comm), "cpu_s_per_byte": transport_cpu_per_byte(comm)}
     return {**idle, "busy": emulated_call_costs(comm, busy=True, yields=cfg.emulation.compute_yields)} if busy else idle
 
 
 def measure_emulated_call_costs(cfg: RunConfig, timeout: float = 120.0, busy: bool = False) -> dict:
     """:func:`emulated_call_costs` of an all-to-all over the world on ``cfg``'s ranks, topology and
-    emulated links (one spawn of ``cfg.parallel.nproc`` ranks); ``busy``: also with the ranks computing,
+    emulated links (one spawn of ``cfg.parallel.nproc`` ranks), with :func:`transport_cpu_per_byte` under
+    ``"cpu_s_per_byte"``; ``busy``: also with the ranks computing,
     under the key ``"busy"``, in the same spawn (at SCHED_IDLE under ``emulation.compute_yields``)."""
     from moelab.testing import run_ranks
 

@@ -50,6 +50,8 @@ class ClusterProfile:
     emulated_sync_s: Optional[float] = None  # a number: EMULATED links, fixed costs beside link time (OpGraph.transfer)
     busy_call_overhead_s: Optional[float] = None  # a number: call_overhead_s of a call issued while the ranks compute
     busy_emulated_sync_s: Optional[float] = None  # ... and its emulated_sync_s (both measured with compute beside)
+    software_on_cores: bool = False  # shared_cores and EMULATED links: a call's fixed costs are CPU work on those cores
+    cpu_s_per_byte: float = 0.0  # ... and each byte a rank sends or receives costs it this much CPU (held out)
     allreduce: str = "ring"  # "ring" (gloo, the emulator) | "nccl": per message the faster of ring and a latency-optimal schedule (sim/costs.py)
     extra: dict = field(default_factory=dict)  # paper constants that are not link/compute numbers
     sources: dict = field(default_factory=dict)  # field -> spec section / paper sentence / [assumption]
