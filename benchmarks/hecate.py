@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     print(f"held-out fixed costs of a call through the emulated door (1-element all-to-all, all ranks at once): "
           f"software {1e3 * fixed['call_s']:.2f} ms beside its link time, then sync {1e3 * fixed['sync_s']:.2f} ms; "
           f"with a thread computing beside the calls on every rank {1e3 * fixed['busy']['call_s']:.2f} + "
-          f"{1e3 * fixed['busy']['sync_s']:.2f} ms; CPU per byte a rank moves (256 KiB a peer): "
+          f"{1e3 * fixed['busy']['sync_s']:.2f} ms; CPU per byte a rank moves (64 and 512 KiB a peer, slope): "
           f"{1e9 * fixed['cpu_s_per_byte']:.3f} ns")
     t0, t, tp, tb, tc = (timed_medians(c) for c in (comp0, comp, comp_pool, comp_busy, comp_cpu))
     ep, ep0, epp, epb, epc = t.loc["EP"], t0.loc["EP"], tp.loc["EP"], tb.loc["EP"], tc.loc["EP"]

@@ -231,7 +231,8 @@ def main(argv=None) -> int:
               f"(the mean over the {len(runs) + len(ctrl_runs)} runs, each measured after its iterations: software "
               f"{1e3 * min(probes[k]['call_s']):.2f}-{1e3 * max(probes[k]['call_s']):.2f} ms, sync "
               f"{1e3 * min(probes[k]['sync_s']):.2f}-{1e3 * max(probes[k]['sync_s']):.2f} ms)")
-    print(f"held-out CPU per byte a rank moves (an all-to-all of 256 KiB a peer, process CPU time): {1e9 * cpb:.3f} ns")
+    print("held-out CPU per byte a rank moves (all-to-alls of 64 and 512 KiB a peer, the slope of their process CPU "
+          f"time): {1e9 * cpb:.3f} ns")
     sims, simf, simb, simp, simc = {}, {}, {}, {}, {}
     for pol, c, r in zip(names, cfgs, runs):
         if c.parallel.strategy_options.get("pack_controller"):

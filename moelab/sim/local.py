@@ -252,13 +252,15 @@ def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps
     return {"call_s": max(0.0, statistics.median(walls[2:]) - sync - alone), "sync_s": sync}
 
 
-def transport_cpu_per_byte(comm, group: str = "world", peer_bytes: int = 1 << 18, reps: int = 8) -> float:
+def transport_cpu_per_byte(comm, group: str = "world", peer_bytes: int = 1 << 19, reps: int = 16) -> float:
     """CPU seconds a member spends per byte it sends to or receives from the others, measured on ``comm``'s
-    door: the process CPU time (every thread, kernel included) of an all-to-all of ``peer_bytes`` to each
-    member less that of a 1-element one, over the bytes moved; the members' mean (CPU time, not wall
-    time: who waits for whom does not enter). The emulated links' sleep costs no CPU, so this is what the loopback transport and the door copy
-    on the host's cores. Held out: an all-to-all of fixed size, nothing of a run (``cpu_s_per_byte`` of a
-    profile with ``software_on_cores``, :meth:`moelab.sim.engine.OpGraph.transfer`)."""
+    door: the process CPU time (every thread, kernel included) of all-to-alls of ``peer_bytes`` and of
+    ``peer_bytes / 8`` to each member, alternated, the slope between their medians over the bytes moved;
+    the members' mean. CPU time, not wall time: the emulated links' sleep and who waits for whom do not
+    enter, and the slope leaves out what a call costs whatever its size (its fixed costs are measured apart,
+    :func:`emulated_call_costs`). So this is what the loopback transport and the door copy per byte on the
+    host's cores. Held out: all-to-alls of fixed sizes, nothing of a run (``cpu_s_per_byte`` of a profile with
+    ``software_on_cores``, :meth:`moelab.sim.engine.OpGraph.transfer`)."""
     import statistics
     import time
 
@@ -266,20 +268,18 @@ def transport_cpu_per_byte(comm, group: str = "world", peer_bytes: int = 1 << 18
 
     from moelab.repro.timing import gather_floats
 
-    members = comm.group_ranks(group)
-    n, rows = len(members), max(1, peer_bytes // 4)
-
-    def cpu_of(k):
-        x, per = torch.zeros(n * k, 1), [k] * n
-        out = []
-        for _ in range(reps + 2):
+    n = len(comm.group_ranks(group))
+    sizes = (max(1, peer_bytes // 32), max(2, peer_bytes // 4))  # rows of 4 bytes: 1/8 and all of peer_bytes
+    xs = [(torch.zeros(n * k, 1), [k] * n) for k in sizes]
+    cpu: list = [[], []]
+    for _ in range(reps + 1):
+        for i, (x, per) in enumerate(xs):
             c0 = time.process_time()
             comm.all_to_all_raw(x, per, per, group)
-            out.append(time.process_time() - c0)
-        return statistics.median(out[2:])
-
-    per_byte = (cpu_of(rows) - cpu_of(1)) / (2 * (n - 1) * (rows - 1) * 4)
+            cpu[i].append(time.process_time() - c0)
     comm.rec.comm.clear()
+    small, large = (statistics.median(c[1:]) for c in cpu)
+    per_byte = (large - small) / (2 * (n - 1) * (sizes[1] - sizes[0]) * 4)
     return max(0.0, statistics.mean(gather_floats(comm, per_byte, group)))
 
 
