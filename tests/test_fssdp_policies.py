@@ -139,6 +139,48 @@ def test_calibration_best_rule_takes_the_few_hot_experts_the_all_slots_rule_cann
         calibrate_plan(P, owners, heavy, 2, 4, 2, c, rule="some")
 
 
+def _calibrate_by_loop(holders, owners, C, m, N, G, c, rule):
+    """The rule as the spec words it: Alg. 1 re-run for each t_cal, each proposal priced on its own."""
+    from moelab.placement.fssdp import _alg1, _canonical
+
+    holders = _canonical(holders)
+    F = C.sum(0).tolist()
+    m_rem = min(remaining_slots(holders, owners, m, N))
+    t_before = c.t_moe(holders, C)
+    best = None
+    for t_cal in (range(1, m_rem + 1) if rule == "best" else (m_rem,)) if m_rem > 0 else ():
+        cal = _alg1(holders, F, t_cal, t_cal, N, G, "proportional")
+        if cal == holders:
+            continue
+        t = c.t_moe(cal, C) + c.t_spag(holders, cal)
+        if best is None or t < best[1]:
+            best = (cal, t)
+    if best is None:
+        return holders, False, t_before
+    return (best[0] if best[1] < t_before else holders), best[1] < t_before, best[1]
+
+
+@pytest.mark.parametrize("N, G, E, hier", [(4, 2, 8, True), (8, 4, 16, False), (8, 2, 8, True), (16, 4, 32, True)])
+def test_calibration_prices_its_nested_candidates_in_one_pass_exactly_as_one_by_one(N, G, E, hier):
+    """``calibrate_plan`` prices every t_cal of a call at once (cumulative route deltas, a batched cost); the
+    plan, the decision and the modeled times equal the spec's loop over Alg. 1 bit for bit, on skewed and
+    flat counts, with replicas already materialized and slots already used."""
+    rng = np.random.default_rng(N * E + G)
+    c = cost(G, hier=hier)
+    owners = [e // (E // N) for e in range(E)]
+    for trial in range(12):
+        skew = rng.dirichlet(np.full(E, 0.3 if trial % 2 else 3.0))
+        C = rng.multinomial(int(rng.integers(1, 40000)), skew, size=N)
+        P = materialize_plan(owners, C.sum(0), int(rng.integers(0, 3)), int(rng.integers(0, 3)), N, G)
+        m = int(rng.integers(0, E))
+        for rule in ("all_slots", "best"):
+            got = calibrate_plan(P, owners, C, m, N, G, c, rule=rule)
+            want = _calibrate_by_loop(P, owners, C, m, N, G, c, rule)
+            assert (got.holders, got.accepted) == want[:2] and got.t_after == want[2], (trial, rule)
+    R = np.stack([c.routes(P, C), c.routes(holders_of(owners), C)])
+    assert list(c.t_moe_many(R)) == [c.t_moe_routes(r) for r in R]
+
+
 # ---- Alg. 2 ----------------------------------------------------------------------------------------------
 def brute_least_loaded_node(F_layer, placed, e, slots, N, G):
     """Node loads (this layer's J' experts placed so far) of nodes with a free slot: the minimum."""

@@ -173,21 +173,30 @@ def calibrate_plan(holders, owners: Sequence[int], counts, m: int, N: int, ranks
     holders = _canonical(holders)
     F = C.sum(0).tolist()
     m_rem = min(remaining_slots(holders, owners, m, N))
-    price = cost.pricer(C).t_moe
-    t_before = float(price(holders))
-    if m_rem <= 0:
+    pricer = cost.pricer(C)
+    t_before = float(pricer.t_moe(holders))
+    # Alg. 1 with t = m = t_cal puts the t_cal hottest experts on every device: the candidates t_cal = 1..m_rem
+    # are nested, each the one before plus the next hottest expert everywhere, and are priced in one pass
+    top = top_experts(F, m_rem) if m_rem > 0 and any(F) else ()
+    steps = [(e, _canonical([holders[e] + tuple(d for d in range(N) if d not in holders[e])])[0]) for e in top]
+    differs = np.cumsum([h != holders[e] for e, h in steps]) > 0  # candidate k is not P' itself
+    ks = [k for k in (range(len(steps)) if rule == "best" else range(len(steps))[-1:]) if differs[k]]
+    if not ks:
         return Calibration(holders, False, (), t_before, t_before)
-    best = None
-    for t_cal in (range(1, m_rem + 1) if rule == "best" else (m_rem,)):
-        cal = _alg1(holders, F, t_cal, t_cal, N, ranks_per_node, assign)
-        if cal == holders or (best is not None and cal == best[0]):
-            continue
-        t_after = float(price(cal)) + float(cost.t_spag(holders, cal))
-        if best is None or t_after < best[1]:
-            best = (cal, t_after)
-    if best is None:
-        return Calibration(holders, False, (), t_before, t_before)
-    cal, t_after = best
+
+    def proposal(k):
+        cal = list(holders)
+        for e, h in steps[:k + 1]:
+            cal[e] = h
+        return tuple(cal)
+
+    if len(ks) == 1:  # one proposal (all_slots): price that plan alone
+        cal = proposal(ks[0])
+        t_after = float(pricer.t_moe(cal)) + float(cost.t_spag(holders, cal))
+    else:  # best: every proposal in one pass, the first minimum (ties go to fewer replicas)
+        t = cost.t_moe_many(pricer.routes_growing(holders, steps)[ks]) + cost.t_spag_growing(holders, steps, N)[ks]
+        i = int(np.argmin(t))
+        cal, t_after = proposal(ks[i]), float(t[i])
     added = tuple((e, d) for e in range(len(cal)) for d in cal[e] if d not in holders[e])
     ok = t_after < t_before
     return Calibration(cal if ok else holders, ok, added, t_before, t_after)

@@ -16,6 +16,7 @@ same split the runtime dispatches with). Times in seconds:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Optional
 
 import numpy as np
@@ -108,6 +109,24 @@ class FSSDPCost:
         """Prices many plans of one call's ``counts``, each expert's routes computed once per holder set."""
         return PlanPricer(self, counts)
 
+    def t_moe_many(self, routes) -> np.ndarray:
+        """:meth:`t_moe_routes` of a stack of route matrices ``[plans, src, dst]`` in one pass: the same
+        arithmetic on exact integer sums, so each entry equals the one-plan price to the last bit."""
+        T = np.asarray(routes, dtype=np.int64)
+        K, N = T.shape[0], T.shape[1]
+        G = self.ranks_per_node
+        R = T.astype(np.float64) * self.d_model * self.act_bytes
+        node = np.arange(N) // G
+        same = node[:, None] == node[None, :]
+        R[:, np.arange(N), np.arange(N)] = 0.0
+        intra, inter = np.where(same, R, 0.0), np.where(same, 0.0, R)
+        t_intra = np.maximum(intra.sum(2).max(1, initial=0), intra.sum(1).max(1, initial=0)) / self.intra_Bps
+        out_n = inter.reshape(K, N // G, G, N).sum(axis=(2, 3))
+        in_n = inter.reshape(K, N, N // G, G).sum(axis=(1, 3))
+        t_inter = np.maximum(out_n.max(1, initial=0), in_n.max(1, initial=0)) / self.nic_Bps
+        expert = T.sum(1).max(1, initial=0).astype(np.float64) * 2.0 * self.numel / self.flops
+        return 2.0 * (self.alpha_a2a_s + np.maximum(t_intra, t_inter)) + expert
+
     def t_expert_fwd_routes(self, routes) -> float:
         """:meth:`t_expert_fwd` of a route matrix (:meth:`routes`)."""
         return float(np.asarray(routes).sum(0).max(initial=0)) * 2.0 * self.numel / self.flops
@@ -129,25 +148,45 @@ class FSSDPCost:
         return self.alpha_a2a_s + float(max(t_intra, t_inter))
 
     # ---- sparse collectives ---------------------------------------------------------------------------
+    def _spag_counts(self, pairs, N: int) -> tuple:
+        """Per ``(h0, h1)`` of ``pairs`` (one expert's holders before and after), its share of spAG(h0 -> h1)
+        as int arrays ``[pairs, devices]`` and ``[pairs, nodes]``: copies each device receives, and expert
+        crossings into / out of each node's NIC (``hier``: a remote node once; flat: once per device)."""
+        G = self.ranks_per_node
+        K, nodes = len(pairs), -(-N // G)
+        before, after = np.zeros((K, nodes * G), bool), np.zeros((K, nodes * G), bool)
+        for side, out in ((0, before), (1, after)):  # one flat scatter per side, not one per expert
+            sets = [p[side] for p in pairs]
+            out[np.repeat(np.arange(K), [len(h) for h in sets]), np.fromiter(chain.from_iterable(sets), np.int64)] = True
+        per_dev = (after & ~before).astype(np.int64)
+        owner_node = np.array([h0[0] // G for h0, _ in pairs], dtype=np.int64)
+        remote = per_dev.reshape(K, nodes, G).sum(-1)
+        remote[np.arange(K), owner_node] = 0
+        node_in = (remote > 0).astype(np.int64) if self.hier else remote
+        node_out = np.zeros_like(node_in)
+        node_out[np.arange(K), owner_node] = node_in.sum(1)
+        return per_dev, node_in, node_out
+
+    def _spag_time(self, per_dev, node_in, node_out) -> np.ndarray:
+        """Seconds of a gather whose totals (arrays, last axis per device or node) are given."""
+        s = self.expert_bytes
+        t_nic = s * np.maximum(node_in.max(-1, initial=0), node_out.max(-1, initial=0)) / self.nic_Bps
+        return np.maximum(t_nic, s * per_dev.max(-1, initial=0) / self.intra_Bps)
+
     def t_spag(self, holders_from, holders_to) -> float:
         """Seconds of spAG(P_from, P_to) (spRS(P_to, P_from) is its mirror, same time): every copy in
         ``holders_to`` not in ``holders_from`` comes from the expert's owner."""
-        G = self.ranks_per_node
-        per_dev, node_in, node_out = {}, {}, {}
-        for h0, h1 in zip(holders_from, holders_to):
-            if h0 == h1:  # most experts of a calibration or a prefetch: nothing to gather
-                continue
-            owner, new = h0[0], [d for d in h1 if d not in h0]
-            for d in new:
-                per_dev[d] = per_dev.get(d, 0) + 1
-            remote = sorted({d // G for d in new} - {owner // G})
-            k = len(remote) if self.hier else sum(1 for d in new if d // G != owner // G)
-            node_out[owner // G] = node_out.get(owner // G, 0) + k
-            for n in remote:
-                node_in[n] = node_in.get(n, 0) + (1 if self.hier else sum(1 for d in new if d // G == n))
-        s = self.expert_bytes
-        t_nic = s * max([*node_in.values(), *node_out.values(), 0]) / self.nic_Bps
-        return float(max(t_nic, s * max(per_dev.values(), default=0) / self.intra_Bps))
+        pairs = [(h0, h1) for h0, h1 in zip(holders_from, holders_to) if h0 != h1]
+        if not pairs:
+            return 0.0
+        N = 1 + max(d for pair in pairs for h in pair for d in h)
+        return float(self._spag_time(*(a.sum(0) for a in self._spag_counts(pairs, N))))
+
+    def t_spag_growing(self, holders_from, steps, N: int) -> np.ndarray:
+        """:meth:`t_spag` from ``holders_from`` to each plan of a growing sequence: plan k applies ``steps[:k+1]``
+        (``(expert, its new holders)``, each expert once), one time per plan."""
+        counts = self._spag_counts([(tuple(holders_from[e]), tuple(h)) for e, h in steps], N)
+        return self._spag_time(*(np.cumsum(a, axis=0) for a in counts))
 
     # ---- overlap ---------------------------------------------------------------------------------------
     @staticmethod
@@ -218,3 +257,13 @@ class PlanPricer:
 
     def t_moe(self, holders) -> float:
         return self.cost.t_moe_routes(self.routes(holders))
+
+    def routes_growing(self, holders, steps) -> np.ndarray:
+        """Route matrices ``[plans, src, dst]`` of a growing sequence from ``holders``: plan k applies
+        ``steps[:k+1]`` (``(expert, its new holders)``, each expert once), as cumulative expert deltas."""
+        holders = tuple(tuple(h) for h in holders)
+        R0 = self.routes(holders)
+        zero = np.zeros_like(R0)
+        D = np.stack([zero if tuple(h) == holders[e] else self._expert_routes(e, tuple(h)) - self._expert_routes(e, holders[e])
+                      for e, h in steps])
+        return R0[None] + np.cumsum(D, axis=0)
