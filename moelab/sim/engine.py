@@ -214,7 +214,6 @@ class OpGraph:
                             deps=(sw,) if last is None else (last, sw), category=category, kind="comm", **kw)
         return last
 
-
     def _software_on_cores(self, name, ranks, call_s, sync_s, deps, links_done, stream, category, kw, comm=None) -> int:
         """A call's software and sync as each member rank's CPU work on the shared pool (see :meth:`transfer`):
         the software beside the link time, then the sync once both are done; returns the call's last op."""
