@@ -6,7 +6,9 @@ makespan, critical-path breakdown, peak memory. ``calibrate`` measures this mach
 simulator can be checked against real small runs: on a CPU host, ranks share its cores (an engine
 CPU pool) and pay fitted per-op and per-call costs (profile fields ``shared_cores``,
 ``op_overhead_s``, ``call_overhead_s``; 0 on the paper testbeds); a call issued while its ranks
-compute can pay costs measured that way (``busy_call_overhead_s``, ``OpGraph.transfer(beside_compute=)``).
+compute can pay costs measured that way (``busy_call_overhead_s``, ``OpGraph.transfer(beside_compute=)``), or
+every call's fixed costs and moved bytes can be CPU work on the pooled cores (``software_on_cores``,
+``cpu_s_per_byte``, held out by ``local.transport_cpu_per_byte``).
 """
 from moelab.sim import costs  # noqa: F401  (before graphs, which uses it)
 from moelab.sim.calibrate import (COMPUTE_MODELS, TRAIN_MODELS, AlphaBeta, calibrate_gpu, calibrate_local,
