@@ -105,6 +105,8 @@ def fig15ar(ctx):
     df = real.ablation_real(ctx.scale.name)
     idle = [r.system for r in df.itertuples() if r.system != "EP" and not r.policy_fired]
     notes = [f"no plan change in these iterations (the policy did not fire): {idle}"] if idle else []
+    notes.append("REAL, this CPU's wall clock of the same runs, speedup over EP: " + ", ".join(
+        f"{r.system} {r.real_speedup_vs_ep:.2f}x" for r in df.itertuples() if r.system != "EP"))
     return Made(df, tables={"table_fig15ar_ablation": (df, "Fig. 15a (REAL plans): ablation priced on cluster A")}, notes=notes,
                 figures={"fig15ar_ablation": F.speedup_bars(df, label=df.attrs["label"], facet="gpus",
                                                             title="Fig. 15a (small): REAL plans of the ablation, timed by the simulator on cluster A")})
