@@ -230,10 +230,10 @@ def main(argv=None) -> int:
     print("states: model states, params + grads + optim (each at its peak), the paper's memory comparison; the total "
           "adds the activations, which follow the busiest device's tokens")
     flexmoe_tuned(runs, peak, t)
-    dev = {n: max_device_tokens(r.plans[a.warmup:], a.nproc) for n, r in runs.items()
+    dev = {n: max_device_tokens(r.plans[a.warmup:], a.nproc, a.nproc // a.nodes) for n, r in runs.items()
            if n == "EP" or n.startswith("Hecate")}
-    print("tokens the busiest device computes per MoE layer over EP's (median over iterations; a replicated "
-          "expert's tokens split evenly over its holders): " + ", ".join(f"{n} {v / dev['EP']:.2f}" for n, v in dev.items()))
+    print("tokens the busiest device computes per MoE layer over EP's (median over iterations; each call's counts "
+          "routed through its holders by the dispatcher's rule, exact): " + ", ".join(f"{n} {v / dev['EP']:.2f}" for n, v in dev.items()))
     moe = {n: (real_moe_s(r, a.warmup), sim_moe_s(sm, c, a.warmup), sim_moe_s(sp, c, a.warmup))
            for (n, c), r, sm, sp in zip(named, reals, sims, sims_pool)}
     print(f"\n{'MoE layers alone (ms/iter)':30s} {'real':>8s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} "
@@ -337,20 +337,22 @@ def spag_exposed(run, warmup: int) -> tuple:
     return (exposed / total if total else float("nan")), 1e3 * exposed, 1e3 * total
 
 
-def max_device_tokens(plans, N: int) -> float:
-    """Median over iterations of the mean over layers of the busiest device's tokens: EP's owners are
-    e // (E / N); Hecate's come from its plan records (holders per expert, tokens split evenly over them)."""
+def max_device_tokens(plans, N: int, G: int) -> float:
+    """Median over iterations of the mean over layers of the busiest device's tokens: each layer call's recorded
+    per-source counts routed through its recorded holders by Hecate's dispatcher rule (``LocalityFirst`` over
+    nodes of ``G``: exact integers, as the runtime splits them); EP's holders are the owners e // (E / N)."""
+    from moelab.placement import Placement
+    from moelab.placement.rules import LocalityFirst
+
     per_iter = []
     for it in plans:
         worst = []
         for rec in it:
-            counts = np.asarray(rec["counts"], dtype=float).reshape(-1, len(rec["counts"][-1])).sum(0)
-            E = len(counts)
+            C = np.asarray(rec["counts"], dtype=np.int64).reshape(N, -1)
+            E = C.shape[1]
             holders = rec["hecate"]["holders"] if "hecate" in rec else [[e // (E // N)] for e in range(E)]
-            load = np.zeros(N)
-            for e, hs in enumerate(holders):
-                load[list(hs)] += counts[e] / len(hs)
-            worst.append(load.max())
+            pl = Placement(E, N, tuple(tuple(int(d) for d in h) for h in holders), LocalityFirst(G))
+            worst.append(int(pl.routes(C).sum(0).max()))
         per_iter.append(np.mean(worst))
     return float(np.median(per_iter))
 
