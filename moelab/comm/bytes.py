@@ -57,9 +57,9 @@ def moved_bytes(comm: dict) -> dict:
     splits = comm.get("splits")
     S = None if splits is None else np.asarray(splits)
     extra = {k: v for k, v in comm.items() if k not in ("op", "group", "nbytes", "splits", "root", "peer")}
+    kw = dict(nbytes=int(comm.get("nbytes", 0) or 0), root=comm.get("root"), peer=comm.get("peer"), **extra)
     out = {}
     for i, me in enumerate(group):
-        kw = dict(nbytes=int(comm.get("nbytes", 0) or 0), root=comm.get("root"), peer=comm.get("peer"), **extra)
         sent = peer_bytes(comm["op"], group, me, splits=None if S is None else [int(x) for x in S[i]], **kw)
         got = recv_bytes(comm["op"], group, me, splits=None if S is None else [int(x) for x in S[:, i]], **kw)
         out[me] = sum(int(b) for r, b in sent.items() if r != me) + sum(int(b) for r, b in got.items() if r != me)

@@ -166,7 +166,8 @@ def calibrate_plan(holders, owners: Sequence[int], counts, m: int, N: int, ranks
 
     ``rule``: ``all_slots`` (the spec's [choice]) proposes t_cal = m_rem, every free slot, so the proposal is
     all or nothing; ``best`` prices t_cal = 1..m_rem and proposes the fastest (ties: fewer replicas), so a
-    call whose full proposal does not pay may still take the few hottest experts."""
+    call whose full proposal does not pay may still take the few hottest experts. ``assign`` does not enter:
+    with t = m, Alg. 1 assigns no slots by load (kept for the callers' symmetry with :func:`materialize_plan`)."""
     if rule not in CALIBRATION_RULES:
         raise ValueError(f"rule must be one of {CALIBRATION_RULES}, got {rule!r}")
     C = np.asarray(counts, dtype=np.int64)

@@ -110,11 +110,19 @@ class FSSDPCost:
         return PlanPricer(self, counts)
 
     def t_moe_many(self, routes) -> np.ndarray:
-        """:meth:`t_moe_routes` of a stack of route matrices ``[plans, src, dst]`` in one pass: the same
-        arithmetic on exact integer sums, so each entry equals the one-plan price to the last bit."""
-        T = np.asarray(routes, dtype=np.int64)
-        K, N = T.shape[0], T.shape[1]
-        G = self.ranks_per_node
+        """:meth:`t_moe_routes` of a stack of route matrices ``[plans, src, dst]`` in one pass (the one-plan
+        prices are this on a stack of one)."""
+        T = np.asarray(routes)
+        return 2.0 * self._t_a2a_many(T) + self._t_expert_fwd_many(T)
+
+    def _t_expert_fwd_many(self, T) -> np.ndarray:
+        """Per plan of ``T`` ``[plans, src, dst]``: the busiest device's expert forward."""
+        return T.sum(1).max(1, initial=0).astype(np.float64) * 2.0 * self.numel / self.flops
+
+    def _t_a2a_many(self, T) -> np.ndarray:
+        """Per plan of ``T`` ``[plans, src, dst]``: alpha + the larger of the busiest device's intra-node bytes
+        (out or in) and the busiest node's NIC bytes (out or in), each over its bandwidth."""
+        K, N, G = T.shape[0], T.shape[1], self.ranks_per_node
         R = T.astype(np.float64) * self.d_model * self.act_bytes
         node = np.arange(N) // G
         same = node[:, None] == node[None, :]
@@ -124,28 +132,15 @@ class FSSDPCost:
         out_n = inter.reshape(K, N // G, G, N).sum(axis=(2, 3))
         in_n = inter.reshape(K, N, N // G, G).sum(axis=(1, 3))
         t_inter = np.maximum(out_n.max(1, initial=0), in_n.max(1, initial=0)) / self.nic_Bps
-        expert = T.sum(1).max(1, initial=0).astype(np.float64) * 2.0 * self.numel / self.flops
-        return 2.0 * (self.alpha_a2a_s + np.maximum(t_intra, t_inter)) + expert
+        return self.alpha_a2a_s + np.maximum(t_intra, t_inter)
 
     def t_expert_fwd_routes(self, routes) -> float:
         """:meth:`t_expert_fwd` of a route matrix (:meth:`routes`)."""
-        return float(np.asarray(routes).sum(0).max(initial=0)) * 2.0 * self.numel / self.flops
+        return float(self._t_expert_fwd_many(np.asarray(routes)[None])[0])
 
     def t_a2a_routes(self, routes) -> float:
         """:meth:`t_a2a` of a route matrix (:meth:`routes`)."""
-        R = np.asarray(routes, dtype=np.float64) * self.d_model * self.act_bytes
-        N, G = R.shape[0], self.ranks_per_node
-        K = N // G
-        node = np.arange(N) // G
-        same = node[:, None] == node[None, :]
-        np.fill_diagonal(R, 0.0)
-        intra = np.where(same, R, 0.0)
-        inter = np.where(same, 0.0, R)
-        t_intra = max(intra.sum(1).max(initial=0), intra.sum(0).max(initial=0)) / self.intra_Bps
-        out_n = inter.reshape(K, G, N).sum(axis=(1, 2))
-        in_n = inter.reshape(N, K, G).sum(axis=(0, 2))
-        t_inter = max(out_n.max(initial=0), in_n.max(initial=0)) / self.nic_Bps
-        return self.alpha_a2a_s + float(max(t_intra, t_inter))
+        return float(self._t_a2a_many(np.asarray(routes)[None])[0])
 
     # ---- sparse collectives ---------------------------------------------------------------------------
     def _spag_counts(self, pairs, N: int) -> tuple:
