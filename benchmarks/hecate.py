@@ -339,22 +339,10 @@ def spag_exposed(run, warmup: int) -> tuple:
 
 def max_device_tokens(plans, N: int, G: int) -> float:
     """Median over iterations of the mean over layers of the busiest device's tokens: each layer call's recorded
-    per-source counts routed through its recorded holders by Hecate's dispatcher rule (``LocalityFirst`` over
-    nodes of ``G``: exact integers, as the runtime splits them); EP's holders are the owners e // (E / N)."""
-    from moelab.placement import Placement
-    from moelab.placement.rules import LocalityFirst
+    counts routed through its recorded holders by Hecate's dispatcher rule (``call_device_load``, exact)."""
+    from moelab.strategies.hecate.experiments.real import call_device_load
 
-    per_iter = []
-    for it in plans:
-        worst = []
-        for rec in it:
-            C = np.asarray(rec["counts"], dtype=np.int64).reshape(N, -1)
-            E = C.shape[1]
-            holders = rec["hecate"]["holders"] if "hecate" in rec else [[e // (E // N)] for e in range(E)]
-            pl = Placement(E, N, tuple(tuple(int(d) for d in h) for h in holders), LocalityFirst(G))
-            worst.append(int(pl.routes(C).sum(0).max()))
-        per_iter.append(np.mean(worst))
-    return float(np.median(per_iter))
+    return float(np.median([np.mean([int(call_device_load(rec, N, G).max()) for rec in it]) for it in plans]))
 
 
 def real_moe_s(run, warmup: int) -> float:

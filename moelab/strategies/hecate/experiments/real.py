@@ -78,14 +78,23 @@ def fig9_real(scale="smoke", cluster: str = "hecate_A") -> pd.DataFrame:
     return df
 
 
-def device_loads(scale="smoke", systems=("EP", "Hecate", "Hecate (sharding only)", "Hecate (materialization only)")):
-    """Fig. 11's device load on the REAL runs: per system, iteration (after the first) and MoE layer, the tokens
-    each device computes, the recorded per-source counts routed through the recorded holders by the run's rule
-    (EP: the owners; Hecate: its plan's P' with the locality-first dispatcher, exact integers), as max / mean."""
+def call_device_load(rec: dict, N: int, ranks_per_node: int) -> np.ndarray:
+    """Tokens each rank computes in one recorded MoE layer call: its per-source counts routed through its holders
+    (Hecate: the plan's P'; otherwise EP's owners) by the locality-first dispatcher, exact integers."""
     from moelab.placement import Placement
     from moelab.placement.fssdp import holders_of, homogeneous_owners
     from moelab.placement.rules import LocalityFirst
 
+    C = np.asarray(rec["counts"], dtype=np.int64).reshape(N, -1)
+    E = C.shape[1]
+    holders = rec["hecate"]["holders"] if "hecate" in rec else holders_of(homogeneous_owners(1, E, N)[0])
+    return Placement(E, N, tuple(tuple(int(d) for d in h) for h in holders), LocalityFirst(ranks_per_node)).routes(C).sum(0)
+
+
+def device_loads(scale="smoke", systems=("EP", "Hecate", "Hecate (sharding only)", "Hecate (materialization only)")):
+    """Fig. 11's device load on the REAL runs: per system, iteration (after the first) and MoE layer, the tokens
+    each device computes, the recorded per-source counts routed through the recorded holders by the run's rule
+    (EP: the owners; Hecate: its plan's P' with the locality-first dispatcher, exact integers), as max / mean."""
     sp = scale_spec(scale)
     runs = real_runs(sp.name)
     rows = []
@@ -94,11 +103,7 @@ def device_loads(scale="smoke", systems=("EP", "Hecate", "Hecate (sharding only)
         N = run.cfg.parallel.nproc
         for it, recs in enumerate(run.plans):
             for rec in recs if it >= 1 else ():
-                C = np.asarray(rec["counts"], dtype=np.int64)
-                E = C.shape[1]
-                holders = rec["hecate"]["holders"] if "hecate" in rec else holders_of(homogeneous_owners(1, E, N)[0])
-                pl = Placement(E, N, tuple(tuple(h) for h in holders), LocalityFirst(sp.ranks_per_node))
-                load = pl.routes(C).sum(0)
+                load = call_device_load(rec, N, sp.ranks_per_node)
                 rows.append(dict(system=name, iter=it, layer=rec["layer"], max_tokens=int(load.max()),
                                  mean_tokens=float(load.mean()), max_over_mean=float(load.max() / max(load.mean(), 1e-9))))
     df = pd.DataFrame(rows)
