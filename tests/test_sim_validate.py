@@ -246,6 +246,38 @@ def test_compute_is_measured_on_one_rank_of_plain_ep_whatever_the_strategy():
     assert one.model == c.model
 
 
+def test_compute_line_fits_a_rate_and_a_cost_per_op_through_batch_multiples(monkeypatch):
+    """``measure_compute_line`` times the model at several batch multiples and fits ``ops x overhead +
+    flops / rate``: on steps made by a known line both numbers come back, where the one effective rate of
+    ``measure_compute`` is slower than the marginal one (the fixed costs spread over the FLOPs);
+    ``machine_profile(compute="model_line")`` prices compute ops with both, on the pooled cores."""
+    import moelab.sim.local as local
+    import moelab.sim.realruns as realruns
+
+    rate, over, ops = 5e10, 2e-3, 26
+
+    def fake(c, iters=10, warmup=2, cache=True):
+        flops = 1e9 * c.train.batch_size
+        return dict(flops=flops, ops=ops, time_s=ops * over + flops / rate, flops_per_s=flops / (ops * over + flops / rate))
+
+    monkeypatch.setattr(realruns, "measure_compute", fake)
+    c = cfg(4, **{"train.batch_size": 3})
+    fit = realruns.measure_compute_line(c)
+    assert [p["batch"] for p in fit["points"]] == [3, 6, 12]
+    assert fit["flops_per_s"] == pytest.approx(rate) and fit["op_overhead_s"] == pytest.approx(over)
+    assert fit["kind"] == "fitted" and fit["r2"] == pytest.approx(1.0)
+    assert fake(c)["flops_per_s"] < 0.9 * rate  # what the single rate would have priced the experts at
+    with pytest.raises(ValueError, match="two distinct"):
+        realruns.measure_compute_line(c, scales=(2, 2))
+    monkeypatch.setattr(local, "measure_compute_line", realruns.measure_compute_line)
+    monkeypatch.setattr(local, "cpu_cores", lambda: 2)
+    prof = machine_profile(c, FAKE_CAL, compute="model_line", share_cores="pool")
+    assert prof.achieved_flops == pytest.approx(rate) and prof.op_overhead_s == pytest.approx(over)
+    assert prof.shared_cores == 2 and "measure_compute_line" in prof.sources["achieved_flops"]
+    plain = machine_profile(c, FAKE_CAL, compute="gemm", share_cores="pool")
+    assert plain.op_overhead_s == 0.0
+
+
 def test_compare_reports_a_mismatch_loudly():
     """A doctored measurement must show up as a mismatch row and a warning, never averaged away."""
     import pandas as pd

@@ -17,7 +17,7 @@ from typing import Optional
 from moelab.comm.topology import Topology
 from moelab.config import RunConfig
 from moelab.sim.calibrate import cpu_cores
-from moelab.sim.realruns import measure_compute
+from moelab.sim.realruns import measure_compute, measure_compute_line
 
 GB = 1e9
 
@@ -33,6 +33,8 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
     - a number: FLOP/s per rank measured elsewhere (:func:`measure_compute_concurrent`: the ranks
       already shared the cores while measuring, so no core share is applied);
     - ``"model"``: effective FLOP/s of this model on one process (:func:`measure_compute`);
+    - ``"model_line"``: this model's compute line on one process, a rate and a cost per compute op
+      (:func:`measure_compute_line`: the large ops at the rate they run, the fixed costs per op);
     - ``"gemm"``: the calibrated GEMM rate (raw, under-predicts tiny CPU models);
     - ``"calibrated"``: the calibration's one-process compute line (``calibration["compute"]``,
       :func:`moelab.sim.calibrate.fit_compute`) with the host's cores as a pool the ranks share
@@ -42,7 +44,8 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
       a compute line and a per-call cost fitted on real multi-rank training steps of held-out
       shapes, so the sharing of the cores is in those two terms (no pool).
 
-    ``share_cores`` (for ``"model"``/``"gemm"``): ranks beyond the core count time-share the cores.
+    ``share_cores`` (for ``"model"``/``"model_line"``/``"gemm"``): ranks beyond the core count time-share
+    the cores.
     ``True``: each rank's rate is scaled by ``min(1, cores / nproc)``, a static factor, whether or not
     they compute at the same time; ``"pool"``: the engine's CPU pool instead (k ranks computing at once
     each run at ``min(1, cores / k)``; a rank waiting for a collective leaves its core to the others, so
@@ -84,21 +87,26 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
     elif isinstance(compute, (int, float)):
         flops, tag = float(compute), "model"
         src = f"effective FLOP/s of this model, {cfg.parallel.nproc} processes at once (measure_compute_concurrent)"
-    elif compute in ("model", "gemm"):
+    elif compute in ("model", "model_line", "gemm"):
         if compute == "model":
             flops, src = measure_compute(cfg)["flops_per_s"], "effective FLOP/s of this model on 1 process (measure_compute)"
+        elif compute == "model_line":
+            fit = measure_compute_line(cfg)
+            flops, pool["op_overhead_s"] = fit["flops_per_s"], fit["op_overhead_s"]
+            src = (f"fitted: {fit['source']}: {fit['flops_per_s'] / 1e9:.1f} GFLOP/s and {fit['op_overhead_s'] * 1e3:.2f} "
+                   "ms per compute op")
         else:
             flops, src = float(calibration["gemm_flops"]), "GEMM FLOP/s (calibrate_local)"
         tag, cores = compute, cpu_cores()
-        if share_cores == "pool" and cores < cfg.parallel.nproc:  # no per-op cost: the measured rate has it
+        if share_cores == "pool" and cores < cfg.parallel.nproc:  # "model": no per-op cost, the rate has it
             pool["shared_cores"] = cores
             src += f" x {cores} cores pooled by the ranks"
         elif share_cores is True:
             share = min(1.0, cores / cfg.parallel.nproc)
             src += f" x {share:g} core share"
     else:
-        raise ValueError("compute must be a FLOP/s number, 'model', 'gemm', 'calibrated' or 'in_context', "
-                         f"got {compute!r}")
+        raise ValueError("compute must be a FLOP/s number, 'model', 'model_line', 'gemm', 'calibrated' or "
+                         f"'in_context', got {compute!r}")
     prof = dataclasses.replace(base, name=name or f"local-{tag}", nodes=topo.nodes, **pool,
                                gpus_per_node=topo.ranks_per_node, achieved_flops=flops * share,
                                sources={**base.sources, "achieved_flops": src})

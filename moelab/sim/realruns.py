@@ -245,6 +245,31 @@ def measure_compute(cfg: RunConfig, iters: int = 10, warmup: int = 2, cache: boo
     return out
 
 
+def measure_compute_line(cfg: RunConfig, scales: Sequence[int] = (1, 2, 4), iters: int = 10, warmup: int = 2,
+                         cache: bool = True) -> dict:
+    """``cfg``'s model on one process at ``scales`` x its per-rank batch, and the line
+    ``time = op_overhead_s * ops + flops / flops_per_s`` through those steps
+    (:func:`moelab.sim.calibrate.fit_compute`; the ops are the same at every batch).
+
+    Why: :func:`measure_compute`'s one effective rate spreads a tiny model's fixed per-op cost (the
+    interpreter, small kernels, the optimizer) over its FLOPs, so the large ops, the experts, are priced
+    several times slower than they run, and the time a schedule can hide behind them is overstated (on
+    Lina's benchmark model, 2.5 ms a step op and 88 GFLOP/s marginal, against 51 GFLOP/s effective).
+    Returns the fit (``kind: fitted``, ``source``) with each point's ``batch``, ``flops`` and
+    ``time_s``."""
+    from moelab.sim.calibrate import fit_compute
+
+    if not scales or any(int(k) < 1 for k in scales) or len(set(scales)) < 2:
+        raise ValueError(f"scales must hold at least two distinct batch multiples >= 1, got {scales!r}")
+    b = cfg.train.batch_size
+    rows = [dict(batch=k * b, **measure_compute(cfg.with_overrides({"train.batch_size": k * b}), iters, warmup, cache))
+            for k in sorted(set(int(k) for k in scales))]
+    fit = fit_compute({c: [r[c] for r in rows] for c in ("ops", "flops", "time_s")})
+    return {**fit, "points": rows,
+            "source": f"single-process training steps of this model at batches {[r['batch'] for r in rows]} "
+                      "(measure_compute_line), 1 thread"}
+
+
 def _compute_worker(i, cfg_dicts, iters, warmup, barrier, q, state):
     import torch
 
