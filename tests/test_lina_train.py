@@ -16,14 +16,15 @@ POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina")
 COALESCED = ("lina_coalesce", "lina", {"coalesce_bytes": S})  # small gradients share micro-ops of <= S
 
 
-def _train(rank, world, policies, opts):
+def _train(rank, world, policies, opts, overrides=None):
     from moelab.config import RunConfig
     from moelab.runtime.train import Trainer
 
     out = {}
     for entry in policies:  # a policy, or (name, policy, its own options)
         name, pol, own = (entry, entry, {}) if isinstance(entry, str) else entry
-        cfg = RunConfig().with_overrides({**TINY_TRAIN, **BASE, "parallel.nproc": world, "parallel.strategy_options":
+        cfg = RunConfig().with_overrides({**TINY_TRAIN, **BASE, **(overrides or {}), "parallel.nproc": world,
+                                          "parallel.strategy_options":
                                           {"policy": pol, "partition_bytes": S, **opts, **own}}).validate()
         tr = Trainer.build(cfg)
         losses = [row["loss"] for row in tr.run()]
@@ -34,7 +35,7 @@ def _train(rank, world, policies, opts):
             losses=losses, params={n: p.detach().clone() for n, p in tr.model.named_parameters()},
             records=list(sched.records) if sched else [], marks=list(sched.marks) if sched else [],
             held=list(sched.held) if sched else [],
-            stalls=sched.stalls if sched else 0, dp_seq=dp_seq,
+            stalls=sched.stalls if sched else 0, dp_seq=dp_seq, plans=list(sched.plans) if sched else [],
             micro_ops=list(getattr(upd, "last_micro_ops", [])),
             shapes=[(p.numel(), p.element_size()) for p in getattr(upd, "order", [])])
         if sched:
@@ -154,6 +155,8 @@ def test_four_ranks_match_the_baseline_with_random_launch_delays():
     ({"launch_jitter_ms": -1}, {}, "launch_jitter_ms must be >= 0"),
     ({"partition_bytes": 1024, "coalesce_bytes": 2048}, {}, "coalesce_bytes must lie in 0..partition_bytes"),
     ({"policy": "priority", "coalesce_bytes": 8}, {}, "coalesce_bytes packs the micro-ops of the partitioned"),
+    ({"policy": "fixed", "launch_agreement": "plan"}, {}, "launch_agreement='plan' plans the priority scheduler"),
+    ({"policy": "ddp_overlap", "launch_agreement": "plan"}, {}, "has none to plan"),
 ])
 def test_bad_input_is_a_config_error_before_launch(opts, over, msg):
     from moelab.config import ConfigError, RunConfig
@@ -288,6 +291,48 @@ def test_leader_agreement_trains_the_same_model_and_keeps_the_leaders_rules():
             if r == 0:
                 high = _intervals(got["records"], "high")
                 assert not any(h["wait"] < lo["start"] < h["end"] for lo in low for h in high)
+
+
+def test_plan_agreement_launches_the_same_micro_ops_in_the_same_window_on_every_rank():
+    """``launch_agreement: plan``: every rank launches each micro-op in the same backward window (planned
+    from the last step's agreed windows and durations), so no all-to-all ever waits on a peer's op: no
+    release of the bounded wait, the same parameters as the baseline (bitwise; pipelined: allclose), and
+    ops launched before the drain from the second step on. Wide experts give the windows compute to fill.
+    With 0.5 ms of random delay before each launch, so that ranks drift apart as they would."""
+    plan = {"launch_agreement": "plan"}
+    pols = ("ddp_overlap", ("priority", "priority", plan), ("lina", "lina", plan), ("lina_pipe", "lina_pipe", plan))
+    res = run_ranks(_train, 2, pols, {"launch_jitter_ms": 0.5}, {"model.d_ff": 1024, "model.n_layers": 3},
+                    timeout=300)
+    for pol in ("priority", "lina", "lina_pipe"):
+        windows = []
+        for r in range(2):
+            ref, got = res[r]["ddp_overlap"], res[r][pol]
+            for n, p in ref["params"].items():
+                same = torch.equal(got["params"][n], p) if pol != "lina_pipe" else \
+                    torch.allclose(got["params"][n], p, rtol=1e-10, atol=1e-12)
+                assert same, (pol, n)
+            assert got["stalls"] == 0 and len(got["plans"]) == 5, (pol, r)
+            low = _intervals(got["records"], "low")
+            windows.append({(lo["iter"], lo["name"]): lo["window"] for lo in low})
+            last = {it: max(w for (i, _), w in windows[-1].items() if i == it) for it in range(5)}
+            early = [k for k, w in windows[-1].items() if k[0] >= 1 and w < last[k[0]]]
+            # the plan launched ops during backward (pipelined: the experts' backward is held, and the tiny
+            # attention's windows between layers may hold none)
+            assert early or pol == "lina_pipe", (pol, r, got["plans"])
+            assert all(w == last[0] for (i, _), w in windows[-1].items() if i == 0)  # step 0: all at the drain
+        assert windows[0] == windows[1], pol
+
+
+def test_plan_windows_fills_each_window_in_fifo_order_within_its_free_time_and_queue():
+    from moelab.comm.priority import plan_windows
+
+    # windows of 5, 0 and 4 s; ops of 2, 2, 2, 3, 1 s, all queued
+    assert plan_windows([5, 0, 4], [5, 5, 5], [2, 2, 2, 3, 1]) == [2, 2, 3]
+    # an op not queued by its window's call waits, and the ops behind it
+    assert plan_windows([5, 0, 4], [1, 5, 5], [2, 2, 2, 3, 1]) == [1, 1, 3]
+    # an op longer than every window holds the FIFO: the rest go at the drain
+    assert plan_windows([5, 5], [3, 3], [1, 9, 1]) == [1, 1]
+    assert plan_windows([], [], [1.0]) == []
 
 
 def test_micro_op_plan_packs_only_consecutive_small_gradients_of_one_group():

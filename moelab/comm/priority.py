@@ -33,6 +33,18 @@ bound for the same op.
 ``agreement`` (optional) replaces the bounded wait's escape by a leader per group deciding every
 launch (see ``__init__``); followers' launches are recorded with ``forced``.
 
+``plan`` (optional, a departure from the paper's local rule that keeps its intent) makes every rank
+launch the same micro-ops in the same window, so that no rank can start an op its peers reach only
+after their all-to-all. A *window* is the stretch of backward before each backward high call (the
+first from the backward's start, then from one call's end to the next call's arrival). After each
+step, one small all-reduce agrees on each window's free time (the least over ranks, from its start to
+the first of the marker and the call; zero where a :meth:`hold` touched it) and each op's duration (the
+most over ranks; a window's free time starts at the end of a hold inside it); the next step launches, in
+window ``w``, the FIFO's next ops whose agreed durations fit its agreed free time (never an op the rank had not queued by that window's call: the same count
+on every rank, queued in program order). A high call waits for its window's planned ops; ops are not
+gated otherwise. The first step plans nothing (all at the drain). The cost: one planning step and two
+small calls per step; a window shorter than the plan delays its call (recorded as ``plan_wait``).
+
 ``records``: one dict per call - high: ``wait`` (arrival), ``start``, ``end``, ``released``; low:
 ``enqueue``, ``start``, ``end``, ``nbytes``, ``group``, ``name`` (``forced``) - ``marks``: the times
 :meth:`imminent` was called, and ``held``: each :meth:`hold`'s ``[start, end]``, so tests can check the rules
@@ -71,9 +83,11 @@ class LowOp:
 class PriorityScheduler(Scheduler):
     def __init__(self, comm, mode: str = "priority", max_inflight: int = 1, waits_for_inflight: bool = True,
                  block_on_imminent: bool = True, stall_s: Optional[float] = None,
-                 jitter_s: float = 0.0, seed: int = 0, agreement: Optional[dict] = None):
+                 jitter_s: float = 0.0, seed: int = 0, agreement: Optional[dict] = None, plan: bool = False):
         if mode not in ("priority", "fixed"):
             raise ValueError(f"PriorityScheduler mode must be 'priority' or 'fixed', got {mode!r}")
+        if plan and (mode != "priority" or agreement):
+            raise ValueError("plan applies to mode 'priority' without a leader agreement")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.comm, self.mode, self.max_inflight = comm, mode, max_inflight
@@ -85,6 +99,16 @@ class PriorityScheduler(Scheduler):
         # their own all-to-all). The cross-rank stall of the local design cannot happen: every rank reaches
         # op k before its next all-to-all (same backward order), so the wait needs no bound in practice.
         self.agreement = dict(agreement or {})
+        self.plan = plan
+        self.planned: list = []  # plan: cumulative ops launched by the end of each window (this step)
+        self.plans: list = []  # plan: every step's windows' op counts, for the log
+        self._win = self._step_launched = self._submitted = 0
+        self._win_open = 0.0
+        self._win_free: list = []  # plan: this step's measured free time per window
+        self._win_queued: list = []  # plan: ops queued by each window's call
+        self._win_held = False
+        self._draining = False
+        self._step_low: list = []
         self._flag = None
         self._popped = 0
         self._rng = random.Random(seed)
@@ -126,7 +150,10 @@ class PriorityScheduler(Scheduler):
                "phase": call.tags.get("phase"), "layer": call.tags.get("layer")}
         with self.cv:
             self.waiting += 1
-            if self.mode == "priority" and self.waits_for_inflight and self.inflight:
+            if self.plan:
+                if rec["phase"] == "bwd":
+                    self._plan_admit(rec)
+            elif self.mode == "priority" and self.waits_for_inflight and self.inflight:
                 if self.launched <= self.stalled_upto:  # only ops a release already gave up on
                     rec["released"] = True
                 elif not self.cv.wait_for(lambda: self.inflight == 0, timeout=self._stall_bound()):
@@ -147,6 +174,9 @@ class PriorityScheduler(Scheduler):
             rec["end"] = time.perf_counter()
             self.running -= 1
             self.blocked = False
+            if self.plan and rec["phase"] == "bwd":  # the next window opens
+                self._win += 1
+                self._win_open, self._win_held = rec["end"], bool(self.holds)
             if self.mode == "fixed" and rec["phase"] == "bwd" and call.op == "all_to_all":
                 self.bwd_high += 1
                 if self.bwd_high % 2 == 0:  # between two MoE layers
@@ -172,6 +202,7 @@ class PriorityScheduler(Scheduler):
         span = [time.perf_counter(), None]
         with self.cv:
             self.holds += 1
+            self._win_held = True
             self.held.append(span)
         try:
             yield
@@ -179,6 +210,8 @@ class PriorityScheduler(Scheduler):
             with self.cv:
                 self.holds -= 1
                 span[1] = time.perf_counter()
+                if not self.holds:  # plan: the window's free time starts here
+                    self._win_held, self._win_open = False, span[1]
                 self.cv.notify_all()
 
     def submit(self, op: LowOp) -> None:
@@ -186,6 +219,7 @@ class PriorityScheduler(Scheduler):
         op.tags = dict(self.comm.rec.tags)  # the submitter's (iteration, layer): tags are thread-local
         with self.cv:
             self._raise()
+            self._submitted += 1
             self.queue.append((op, {"kind": "low", "enqueue": time.perf_counter(), "nbytes": op.nbytes,
                                     "group": op.group, "name": op.name, "iter": op.tags.get("iter")}))
             self.cv.notify_all()
@@ -195,12 +229,16 @@ class PriorityScheduler(Scheduler):
         with self.cv:
             self.bwd_high = 0
             self.released_at = 0
+            self._win = self._step_launched = self._submitted = 0
+            self._win_open, self._win_held, self._draining = time.perf_counter(), bool(self.holds), False
+            self._win_free, self._win_queued, self._step_low = [], [], []
 
     def drain(self, timeout: float = 600.0) -> None:
         """Release everything queued and return once every low op completed (before the optimizer)."""
         with self.cv:
             self.released_at = len(self.queue)
             self.blocked = False
+            self._draining = True
             self.cv.notify_all()
             ok = self.cv.wait_for(lambda: self._error is not None or (not self.queue and self.inflight == 0 and
                                                                        not self._popped and not self._handles),
@@ -209,11 +247,57 @@ class PriorityScheduler(Scheduler):
             if not ok:
                 raise TimeoutError(f"priority scheduler: {len(self.queue)} queued and {self.inflight} in-flight low "
                                    f"ops did not finish within {timeout:.0f}s")
+        if self.plan:
+            self._agree()
 
     def close(self) -> None:
         with self.cv:
             self._closed = True
             self.cv.notify_all()
+
+    # ---- plan (cross-rank agreed launches) ---------------------------------------------------------------
+    def _planned(self, w: int) -> int:
+        """Ops launched by the end of window ``w`` in this step's plan (0 before a plan exists)."""
+        if not self.planned:
+            return 0
+        return self.planned[min(w, len(self.planned) - 1)]
+
+    def _plan_admit(self, rec: dict) -> None:
+        """The ``w``-th backward high call closes window ``w``: record its free time and queued count, then
+        wait (lock held by the caller) for the window's planned ops - launched and completed - on this rank.
+        (Windows open at the calls' ends; pipelined chunks overlap, but their windows are held: free 0.)"""
+        w, now = len(self._win_free), time.perf_counter()
+        end = now  # the window ends at the first marker since it opened, else at this call
+        for t in reversed(self.marks):
+            if t < self._win_open:
+                break
+            end = t
+        self._win_free.append(0.0 if self._win_held or self.holds else end - self._win_open)
+        self._win_queued.append(self._submitted)
+        target = min(self._planned(w), self._submitted)
+        ok = self.cv.wait_for(lambda: self._error is not None or (self._step_launched >= target and not self.inflight),
+                              timeout=600.0)
+        self._raise()
+        if not ok:
+            raise TimeoutError(f"priority scheduler (plan): window {w}'s {target} planned ops did not finish in 600 s")
+        rec["window"], rec["plan_wait"] = w, time.perf_counter() - now
+
+    def _agree(self) -> None:
+        """After the drain: agree with every rank on the windows' free time (least) and the ops' durations
+        (most), and plan the next step (:func:`plan_windows`). Two small all-gathers over every rank."""
+        durs = [r["end"] - r["start"] for r in self._step_low]
+        mine = torch.tensor([len(self._win_free), len(durs)], dtype=torch.float64)
+        with self.comm.rec.tagged(phase="plan", name="lina_plan"):
+            shapes = self.comm.all_gather(mine, group="world")
+            if not bool((shapes == mine).all()):
+                raise RuntimeError(f"priority scheduler (plan): ranks saw different (windows, ops) this step: "
+                                   f"{shapes.tolist()}")
+            data = torch.tensor(self._win_free + [float(q) for q in self._win_queued] + durs, dtype=torch.float64)
+            every = self.comm.all_gather(data, group="world")
+        W = len(self._win_free)
+        free, queued = every[:, :W].min(0).values, every[:, W:2 * W].min(0).values
+        self.planned = plan_windows(free.tolist(), [int(q) for q in queued.tolist()], every[:, 2 * W:].max(0).values.tolist())
+        self.plans.append(list(self.planned))
 
     # ---- internals -----------------------------------------------------------------------------------
     def _stall_bound(self) -> float:
@@ -236,6 +320,9 @@ class PriorityScheduler(Scheduler):
             return True  # a follower is told when: it waits in the control broadcast
         if self.mode == "fixed":
             return self.released_at > 0
+        if self.plan:
+            return self.inflight < self.max_inflight and (
+                self._draining or self._step_launched < self._planned(self._win))
         return (self.waiting == 0 and self.running == 0 and not self.blocked and not self.holds
                 and self.inflight < self.max_inflight)
 
@@ -254,7 +341,9 @@ class PriorityScheduler(Scheduler):
                 if leader:
                     self.inflight += 1
                     self.launched += 1
-                    rec["start"] = time.perf_counter()
+                    self._step_launched += 1
+                    self._step_low.append(rec)
+                    rec["start"], rec["window"] = time.perf_counter(), self._win
                     self.records.append(rec)
             if self.jitter_s:
                 time.sleep(self._rng.uniform(0.0, self.jitter_s))
@@ -314,3 +403,17 @@ class PriorityScheduler(Scheduler):
             self.inflight -= 1
             self.cv.notify_all()
         return True
+
+
+def plan_windows(free: list, queued: list, durations: list) -> list:
+    """Cumulative count of FIFO ops launched by the end of each window: window ``w`` takes the next ops
+    while their summed ``durations`` fit its ``free`` seconds, never past the ``queued[w]``-th (the ops
+    queued by its closing call); an op that fits no window waits for the drain, and so do the ops behind it."""
+    out, k = [], 0
+    for f, n in zip(free, queued):
+        t, stop = 0.0, min(int(n), len(durations))
+        while k < stop and t + durations[k] <= f:
+            t += durations[k]
+            k += 1
+        out.append(k)
+    return out

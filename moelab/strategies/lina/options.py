@@ -10,7 +10,7 @@
 | ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.comm.priority`) |
 | ``block_on_combine_backward`` | true | stop launching micro-ops once a MoE layer's combine backward starts |
 | ``stall_ms`` | 0 | the bound of that wait in ms (0: three times the median of the last 16 micro-op times, at least 5 ms) |
-| ``launch_agreement`` | none | ``none``: each rank's scheduler decides alone (the paper's design; its non-preemptive wait is bounded against the cross-rank stall); ``leader``: the first rank of a group decides every micro-op's launch and tells the others by a 1-element broadcast on a control group (no stall, one more small call per micro-op) |
+| ``launch_agreement`` | none | ``none``: each rank's scheduler decides alone (the paper's design; its non-preemptive wait is bounded against the cross-rank stall); ``leader``: the first rank of a group decides every micro-op's launch and tells the others by a 1-element broadcast on a control group (no stall, one more small call per micro-op); ``plan``: every rank launches the same micro-ops in the same backward window, planned from the previous step's windows and op durations agreed by two small all-gathers a step (no stall; the first step reduces everything after backward; :mod:`moelab.comm.priority`) |
 | ``experts_per_device`` | 0 | q, experts packed per rank: EP over blocks of E/q contiguous ranks, each block a full copy, ``expert_dp`` over the copies (0: 2 for ``lina_full``, else 1) |
 | ``launch_jitter_ms`` | 0 | a random per-rank delay before each micro-op launch (robustness runs, spec §5 I7) |
 | ``pack_controller`` | false | ``lina_full`` only: start from ``experts_per_device`` (0: 1) and let :mod:`.packing` double q from measured micro-op times |
@@ -49,7 +49,7 @@ class LinaOptions(StrategyOptions):
     stall_ms: float = 0.0
     launch_jitter_ms: float = 0.0
     experts_per_device: int = 0
-    launch_agreement: str = field(default="none", metadata={"choices": ("none", "leader")})
+    launch_agreement: str = field(default="none", metadata={"choices": ("none", "leader", "plan")})
     pack_controller: bool = False
     pack_start_step: int = 10
     pack_every: int = 4
@@ -117,6 +117,9 @@ class LinaOptions(StrategyOptions):
             cap = _capacity(run_cfg)
             if cap is not None and not 1 <= self.a2a_chunks <= cap:
                 errs.append(f"a2a_chunks={self.a2a_chunks} must lie in 1..C={cap} (the capacity, the dim it cuts)")
+        if self.launch_agreement == "plan" and self.policy not in SCHEDULED[1:]:
+            errs.append(f"launch_agreement='plan' plans the priority scheduler's launches: policy {self.policy!r} "
+                        f"has none to plan (use one of {SCHEDULED[1:]})")
         if p.placement is not None:
             errs.append("lina places experts one block per rank (or by packing): parallel.placement must be unset")
         E, N, q = moe.num_experts, p.nproc, self.q

@@ -81,7 +81,8 @@ class LinaUpdate(OverlappedDataParallelUpdate):
             waits_for_inflight=o.a2a_waits_for_inflight, block_on_imminent=o.block_on_combine_backward,
             stall_s=o.stall_ms / 1e3 if o.stall_ms else None, jitter_s=o.launch_jitter_ms / 1e3,
             seed=cfg.train.seed * 1009 + comm.rank,
-            agreement=o.control_groups(comm.world_size, cfg.model.moe.num_experts))
+            agreement=o.control_groups(comm.world_size, cfg.model.moe.num_experts),
+            plan=o.launch_agreement == "plan")
         comm.scheduler = self.sched
         self.iteration = 0
         self.packing = None
