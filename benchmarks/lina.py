@@ -17,10 +17,14 @@ during backward waits for a core); the last column prices the calls a policy iss
 busy costs (the mean over the runs).
 
 Defaults: links slow enough that a micro-op's link time (48 KB: ~10 ms across nodes) exceeds a call's
-software cost on 4 ranks sharing 2 cores (~1.5 ms), and 2 sequences per rank so that the backward
-all-to-all and the gradient all-reduce move comparable bytes (1.6 vs 1.9 MB per rank and step): the
-baseline's overlap then slows its backward all-to-all as the paper's Fig. 2 shows. With 8 sequences the
-all-to-all carries 4x the all-reduce's bytes and there is little for priority to win.
+software cost on 4 ranks sharing 2 cores (~1.5 ms); width 192, experts 16 x as wide, 4 sequences per rank
+(since 2026-11-29). Priority can shorten a step only where the backward compute between two all-to-alls can
+hold the all-reduce it defers; otherwise the deferred bytes come back at the end of the step. The earlier
+defaults (``--d 128 --ff 4 --batch 2``) had, in rank 0's records, 7-15 ms of expert backward against ~47 ms
+of all-reduce per layer: the step was communication-bound, and priority gained 1.03-1.05x. Here the
+experts' backward (~200 ms a layer) holds a layer's all-reduce (~95 ms alone), and a backward all-to-all
+(590 KB per rank) and a layer's all-reduce move comparable bytes, so the baseline's overlap still slows
+its all-to-all (~80 ms alone, ~173 ms beside the all-reduce).
 
 ``--gamma`` (default ``fitted``): the emulated ports' all-to-all / all-reduce interference
 (``emulation.interference_gamma``, :mod:`moelab.comm.links`), by default Lina's gamma FITTED in the
@@ -41,8 +45,9 @@ rank) under ``lina`` vs ``ddp_overlap``. Targets (issue #13): backward all-to-al
 step >= 1.1x at an all-to-all share >= 30 %; control within 5 %; predictions within 25 %. CPU timings
 are not the paper's GPUs: the ratios check mechanisms.
 
-Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04] [--batch 2]
-                                 [--intra 0.02] [--inter 0.005] [--gamma fitted] [--d 128] [--layers 4] [--only POLICY ...]
+Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04] [--batch 4]
+                                 [--intra 0.02] [--inter 0.005] [--gamma fitted] [--d 192] [--ff 16] [--layers 4]
+                                 [--only POLICY ...] [--repeat 1]
                                  [--compute-yields auto|on|off]
        python benchmarks/lina.py --serve default [--serve-links 0.01 0.002] [--replica-rounding nearest|balanced]
                                  # the inference variants (4 ranks, EMULATED)
@@ -59,6 +64,10 @@ EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4}),  # the same policy, fo
          "lina_pipe_nowait": ("lina_pipe", {"a2a_waits_for_inflight": False}),
          "lina_leader": ("lina", {"launch_agreement": "leader"}),  # the first rank decides every launch
          "lina_pipe_leader": ("lina_pipe", {"launch_agreement": "leader"}),
+         # every rank launches the same ops in the same window, planned from the last step (no stall)
+         "priority_plan": ("priority", {"launch_agreement": "plan"}),
+         "lina_plan": ("lina", {"launch_agreement": "plan"}),
+         "lina_pipe_plan": ("lina_pipe", {"launch_agreement": "plan"}),
          # small gradients (norms, biases) share micro-ops of <= S: a departure from the spec (one gradient each)
          "lina_coalesce": ("lina", {"coalesce_bytes": "S"}),
          "lina_pipe_coalesce": ("lina_pipe", {"coalesce_bytes": "S"}),
@@ -96,21 +105,23 @@ def measured(run, warmup):
 
 
 def predicted(cfg, run, fixed: Optional[dict] = None, busy: Optional[dict] = None, share_cores=True,
-              cpu_s_per_byte: Optional[float] = None):
+              cpu_s_per_byte: Optional[float] = None, compute: str = "model"):
     """The simulator's step on the emulated links with this model's measured compute; ``fixed``
     (:func:`_probe_call_costs`): each call's held-out software cost beside its link time, then the
     emulator's sync, as the door emulates (``ClusterProfile.emulated_sync_s``); ``busy``: the same
     measured with the ranks computing, for the calls a policy issues beside backward; ``share_cores``: as
     :func:`moelab.sim.local.machine_profile` (``"pool"``: the engine's pool of this host's cores);
     ``cpu_s_per_byte`` (with the pool): every call's fixed costs and moved bytes as its ranks' CPU work on
-    the pooled cores instead of the busy costs (``ClusterProfile.software_on_cores``)."""
+    the pooled cores instead of the busy costs (``ClusterProfile.software_on_cores``); ``compute``: as
+    :func:`moelab.sim.local.machine_profile` (``"model_line"``: a rate and a cost per op fitted over batch
+    multiples, so the experts are priced at the rate they run)."""
     import dataclasses
 
     from moelab.sim.local import machine_profile
     from moelab.sim.validate import simulate_real
 
     ep = cfg.with_overrides({"parallel.strategy": "ep", "parallel.strategy_options": {}})  # compute rate: the same model
-    prof = machine_profile(ep, None, compute="model", share_cores=share_cores)
+    prof = machine_profile(ep, None, compute=compute, share_cores=share_cores)
     if fixed:
         prof = dataclasses.replace(prof, call_overhead_s=fixed["call_s"], emulated_sync_s=fixed["sync_s"])
     if busy:
@@ -157,13 +168,16 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mb", type=float, default=0.04, help="DDP bucket MiB (the paper's 25, scaled)")
     p.add_argument("--intra", type=float, default=0.02)
     p.add_argument("--inter", type=float, default=0.005)
-    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--d", type=int, default=192)
     p.add_argument("--gamma", default="fitted", help="emulated all-to-all/all-reduce interference: a number >= 1 "
                    "(1 = fair sharing) or 'fitted' (Lina's gamma fitted to the paper's Fig. 4 in the simulator)")
-    p.add_argument("--ff", type=int, default=4, help="expert hidden size as a multiple of --d (compute per token)")
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank and step (all-to-all bytes scale with it)")
+    p.add_argument("--ff", type=int, default=16, help="expert hidden size as a multiple of --d (compute per token)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step (all-to-all bytes scale with it)")
     p.add_argument("--only", nargs="*", help="run only these policies (ddp_overlap always; the control always)")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=1, help="rounds of every policy, interleaved (ddp_overlap, priority, "
+                   "..., then again): each speedup is the median of the rounds' ratios, so a shared host's slow drifts "
+                   "cancel")
     p.add_argument("--compute-yields", choices=("auto", "on", "off"), default=None,
                    help="emulation.compute_yields: the ranks' compute threads at SCHED_IDLE during the iterations, "
                    "so a communication thread's call does not wait for a core (auto: on where the host allows; "
@@ -177,6 +191,8 @@ def main(argv=None) -> int:
                    help="with --serve: replicas of a hot expert, floor(n(e)) (the spec's), n(e) rounded, or as many as "
                    "bring the busiest device within BALANCE_TOL of the mean (moelab.placement.lina.allocate_balanced)")
     a = p.parse_args(argv)
+    if a.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {a.repeat}")
     from moelab.runtime.cpu_priority import resolve
 
     a.compute_yields = resolve(a.compute_yields or ("off" if a.serve else "auto"))
@@ -195,13 +211,19 @@ def main(argv=None) -> int:
     controls = ("ddp_overlap", "lina") + (("lina_coalesce",) if "lina_coalesce" in names else ())
     cfgs = [config(a, pol, **opts) for pol, opts in map(variant, names)]
     ctrl_cfgs = [config(a, pol, 4, **opts) for pol, opts in map(variant, controls)]
-    runs = run_real_many(cfgs + ctrl_cfgs, timeout=1800, probe=_probe_call_costs)
-    runs, ctrl_runs = runs[:len(cfgs)], runs[len(cfgs):]
+    n = len(cfgs)
+    every = run_real_many(cfgs * a.repeat + ctrl_cfgs, timeout=1800 * a.repeat, probe=_probe_call_costs)
+    rounds, ctrl_runs = [every[i * n:(i + 1) * n] for i in range(a.repeat)], every[n * a.repeat:]
+    runs = [r for rr in rounds for r in rr]  # every round's (the probes)
     probes = {k: {c: [r.probe[k][c] for r in runs + ctrl_runs] for c in ("call_s", "sync_s")} for k in ("idle", "busy")}
     fixed = {k: {c: statistics.mean(v) for c, v in p.items()} for k, p in probes.items()}  # one set for every policy
     cpb = statistics.mean(r.probe["idle"]["cpu_s_per_byte"] for r in runs + ctrl_runs)
-    res = {pol: measured(r, a.warmup) for pol, r in zip(names, runs)}
-    base_step, base_bwd = res["ddp_overlap"][0], res["ddp_overlap"][1]
+    per_round = [{pol: measured(r, a.warmup) for pol, r in zip(names, rr)} for rr in rounds]
+    res = {pol: tuple(statistics.median(x[pol][j] for x in per_round) for j in range(3)) for pol in names}
+    speedup = {pol: [x["ddp_overlap"][0] / x[pol][0] for x in per_round] for pol in names}  # each round's ratio
+    bwd_x = {pol: statistics.median(x["ddp_overlap"][1] / x[pol][1] if x[pol][1] else float("nan") for x in per_round)
+             for pol in names}
+    runs = rounds[0]  # the simulator prices the first round's loads
     print("REAL: 4 gloo ranks (2 nodes x 2), EMULATED links "
           f"{a.intra}/{a.inter} GB/s, all-to-all/all-reduce interference gamma {a.gamma:.2f} ({gamma_src}); "
           f"S={a.S:g} B, bucket {a.bucket_mb} MiB; compute threads "
@@ -214,8 +236,12 @@ def main(argv=None) -> int:
         lm = r.layer_metrics
         stalls = (lm.groupby("rank").sched_stalls.max().mean() / len(r.step_times)) if (
             lm is not None and len(lm) and "sched_stalls" in lm) else 0.0
-        print(f"{pol:17s} {1e3 * step:8.1f} {base_step / step:8.2f} {1e3 * bwd:10.1f} "
-              f"{base_bwd / bwd if bwd else float('nan'):6.2f} {100 * share:8.1f}% {stalls:20.1f}")
+        print(f"{pol:17s} {1e3 * step:8.1f} {statistics.median(speedup[pol]):8.2f} {1e3 * bwd:10.1f} "
+              f"{bwd_x[pol]:6.2f} {100 * share:8.1f}% {stalls:20.1f}")
+    if a.repeat > 1:
+        print(f"{a.repeat} rounds, policies interleaved; step ms, bwd a2a ms, share: medians over rounds; speedups: the "
+              "median of each round's ratio. Each round's step speedup: " + "; ".join(
+                  f"{pol} " + " ".join(f"{x:.2f}" for x in v) for pol, v in speedup.items() if pol != "ddp_overlap"))
     lm = runs[names.index("lina_full_ctl")].layer_metrics if "lina_full_ctl" in names else None
     if lm is not None and "pack_decision" in lm:
         d = lm[(lm["rank"] == 0) & (lm.layer == 0) & lm.pack_decision.notna()]
@@ -228,12 +254,12 @@ def main(argv=None) -> int:
     for k, f in fixed.items():
         print(f"held-out fixed costs per collective call, all ranks calling, {k} ranks: software "
               f"{1e3 * f['call_s']:.2f} ms beside its link time, then the emulator's sync {1e3 * f['sync_s']:.2f} ms "
-              f"(the mean over the {len(runs) + len(ctrl_runs)} runs, each measured after its iterations: software "
+              f"(the mean over the {len(every)} runs, each measured after its iterations: software "
               f"{1e3 * min(probes[k]['call_s']):.2f}-{1e3 * max(probes[k]['call_s']):.2f} ms, sync "
               f"{1e3 * min(probes[k]['sync_s']):.2f}-{1e3 * max(probes[k]['sync_s']):.2f} ms)")
     print("held-out CPU per byte a rank moves (all-to-alls of 64 and 512 KiB a peer, the slope of their process CPU "
           f"time): {1e9 * cpb:.3f} ns")
-    sims, simf, simb, simp, simc = {}, {}, {}, {}, {}
+    sims, simf, simb, simp, simc, siml = {}, {}, {}, {}, {}, {}
     for pol, c, r in zip(names, cfgs, runs):
         if c.parallel.strategy_options.get("pack_controller"):
             c = final_block(c, r)
@@ -247,26 +273,29 @@ def main(argv=None) -> int:
             simb[pol] = predicted(c, r, fixed["idle"], fixed["busy"])
             simp[pol] = predicted(c, r, fixed["idle"], fixed["busy"], share_cores="pool")
             simc[pol] = predicted(c, r, fixed["idle"], share_cores="pool", cpu_s_per_byte=cpb)
+            siml[pol] = predicted(c, r, fixed["idle"], share_cores="pool", cpu_s_per_byte=cpb, compute="model_line")
         except Exception as e:  # noqa: BLE001 - a policy the simulator cannot price is said, not hidden
             print(f"simulator: {pol}: {e}")
     if "ddp_overlap" in sims:
         print("sim: no fixed cost; +idle: every call the idle ranks' fixed costs; +busy: calls issued beside "
               "backward the busy ranks' (the others the idle ranks'); pooled: +busy with the host's cores pooled "
               "(k ranks computing at once share them) instead of a static share; cpu: pooled, every call's idle "
-              "fixed costs and moved bytes as CPU work of its ranks on the pooled cores, no busy costs")
+              "fixed costs and moved bytes as CPU work of its ranks on the pooled cores, no busy costs; line: cpu with "
+              "the model's compute line (a rate and a cost per op over batch multiples) instead of one effective rate")
         print(f"{'policy':17s} {'real speedup':>12s} " + " ".join(f"{h:>9s} {'error':>6s}" for h in (
-            "sim", "sim+idle", "sim+busy", "pooled", "cpu")))
-        errs: dict = {"idle": [], "busy": [], "pooled": [], "cpu": []}
+            "sim", "sim+idle", "sim+busy", "pooled", "cpu", "line")))
+        errs: dict = {"idle": [], "busy": [], "pooled": [], "cpu": [], "line": []}
         for pol in sims:
-            real = base_step / res[pol][0]
-            got = [d["ddp_overlap"] / d[pol] for d in (sims, simf, simb, simp, simc)]
+            real = statistics.median(speedup[pol])
+            got = [d["ddp_overlap"] / d[pol] for d in (sims, simf, simb, simp, simc, siml)]
             for k, x in zip(errs, got[1:]):
                 errs[k].append(abs(x / real - 1))
             print(f"{pol:17s} {real:12.2f} " + " ".join(f"{x:9.2f} {100 * abs(x / real - 1):5.0f}%" for x in got))
         cp = [[predicted(c, r, *f, **kw) for c, r in zip(ctrl_cfgs[:2], ctrl_runs[:2])]
               for f, kw in (((), {}), ((fixed["idle"],), {}), ((fixed["idle"], fixed["busy"]), {}),
                             ((fixed["idle"], fixed["busy"]), {"share_cores": "pool"}),
-                            ((fixed["idle"],), {"share_cores": "pool", "cpu_s_per_byte": cpb}))]
+                            ((fixed["idle"],), {"share_cores": "pool", "cpu_s_per_byte": cpb}),
+                            ((fixed["idle"],), {"share_cores": "pool", "cpu_s_per_byte": cpb, "compute": "model_line"}))]
         print(f"{'control lina/ddp':17s} {ctrl[1] / ctrl[0]:12.2f} " + " ".join(
             f"{p[1] / p[0]:9.2f} {100 * abs(p[1] / p[0] / (ctrl[1] / ctrl[0]) - 1):5.0f}%" for p in cp) + " (step ratio)")
         print("largest simulator error on a speedup (target 25 %): " + ", ".join(
