@@ -4,6 +4,9 @@ gradient exactly, the scheduler's log obeys the priority rules, and every rank i
 collective sequence per group."""
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 import torch
 
@@ -293,16 +296,30 @@ def test_leader_agreement_trains_the_same_model_and_keeps_the_leaders_rules():
                 assert not any(h["wait"] < lo["start"] < h["end"] for lo in low for h in high)
 
 
+def _train_planned(rank, world, policies, opts, overrides=None):
+    """:func:`_train` with a planner that ignores durations: a window with free time (not held) takes every op
+    queued by its call, so the cross-rank launch plan is exercised alike on a loaded host and an idle one."""
+    import moelab.comm.priority as priority
+
+    def every_queued(free, queued, durations):
+        out, k = [], 0
+        for f, q in zip(free, queued):
+            k = max(k, min(int(q), len(durations))) if f > 0 else k
+            out.append(k)
+        return out
+
+    priority.plan_windows = every_queued
+    return _train(rank, world, policies, opts, overrides)
+
+
 def test_plan_agreement_launches_the_same_micro_ops_in_the_same_window_on_every_rank():
-    """``launch_agreement: plan``: every rank launches each micro-op in the same backward window (planned
-    from the last step's agreed windows and durations), so no all-to-all ever waits on a peer's op: no
-    release of the bounded wait, the same parameters as the baseline (bitwise; pipelined: allclose), and
-    ops launched before the drain from the second step on. Wide experts give the windows compute to fill.
-    With 0.5 ms of random delay before each launch, so that ranks drift apart as they would."""
+    """``launch_agreement: plan``: every rank launches each micro-op in the same backward window, so no
+    all-to-all ever waits on a peer's op: no release of the bounded wait, the same parameters as the
+    baseline (bitwise; pipelined: allclose), and, from the second step on, ops launched in the windows the
+    plan gave them. With 0.5 ms of random delay before each launch, so that ranks drift apart."""
     plan = {"launch_agreement": "plan"}
     pols = ("ddp_overlap", ("priority", "priority", plan), ("lina", "lina", plan), ("lina_pipe", "lina_pipe", plan))
-    res = run_ranks(_train, 2, pols, {"launch_jitter_ms": 0.5}, {"model.d_ff": 1024, "model.n_layers": 3},
-                    timeout=300)
+    res = run_ranks(_train_planned, 2, pols, {"launch_jitter_ms": 0.5}, {"model.n_layers": 3}, timeout=300)
     for pol in ("priority", "lina", "lina_pipe"):
         windows = []
         for r in range(2):
@@ -315,12 +332,59 @@ def test_plan_agreement_launches_the_same_micro_ops_in_the_same_window_on_every_
             low = _intervals(got["records"], "low")
             windows.append({(lo["iter"], lo["name"]): lo["window"] for lo in low})
             last = {it: max(w for (i, _), w in windows[-1].items() if i == it) for it in range(5)}
-            early = [k for k, w in windows[-1].items() if k[0] >= 1 and w < last[k[0]]]
-            # the plan launched ops during backward (pipelined: the experts' backward is held, and the tiny
-            # attention's windows between layers may hold none)
-            assert early or pol == "lina_pipe", (pol, r, got["plans"])
             assert all(w == last[0] for (i, _), w in windows[-1].items() if i == 0)  # step 0: all at the drain
+            early = [k for k, w in windows[-1].items() if k[0] >= 1 and w < last[k[0]]]
+            assert early, (pol, r, got["plans"])  # later steps: ops launched in backward's windows
+            high = [h for h in _intervals(got["records"], "high") if h.get("window") is not None]
+            # a planned op never runs during a backward all-to-all of its own rank
+            assert not [lo for lo in low for h in high if h["start"] < lo["start"] < h["end"]], (pol, r)
         assert windows[0] == windows[1], pol
+
+
+def test_plan_launches_each_windows_ops_before_its_call_and_the_rest_after_the_last():
+    """The scheduler alone (threads, a fake door): with a plan of 2, 2 and 4 ops by the end of windows 0-2,
+    the first call waits for ops 0-1, the second for none, the third for ops 2-3; op 4 goes after the last
+    planned window, before the drain. The drain then agrees on this step's windows and plans the next."""
+    from moelab.comm.priority import LowOp, PriorityScheduler
+    from moelab.comm.scheduler import Call
+
+    class Rec:
+        tags: dict = {}
+
+        @contextlib.contextmanager
+        def tagged(self, **tags):
+            yield
+
+    class Door:
+        rec = Rec()
+
+        def all_gather(self, x, group="world"):
+            return x.unsqueeze(0)  # one rank
+
+    class Done:
+        def wait(self):
+            pass
+
+    s = PriorityScheduler(Door(), plan=True)
+    s.planned = [2, 2, 4]
+    s.new_step()
+    for i in range(5):
+        s.submit(LowOp(Done, 8, "dp", f"op{i}"))
+    for w in range(3):
+        call = Call("all_to_all", "ep", (0, 1), {}, {}, {"phase": "bwd"})
+        s.admit(call)
+        assert s._step_launched == [2, 2, 4][w] and not s.inflight, w
+        s.done(call)
+    end = time.perf_counter() + 10.0  # op 4: after the last planned window, without the drain
+    while s._step_launched < 5:
+        assert time.perf_counter() < end, "the op after the last window was not launched before the drain"
+        time.sleep(0.001)
+    s.drain()
+    lows = [r for r in s.records if r["kind"] == "low"]
+    assert [lo["window"] for lo in lows] == [0, 0, 2, 2, 3]
+    assert len(s.plans) == 1 and len(s.planned) == 3  # the next step's plan: one count per window
+    with pytest.raises(ValueError, match="plan applies"):
+        PriorityScheduler(Door(), mode="fixed", plan=True)
 
 
 def test_plan_windows_fills_each_window_in_fifo_order_within_its_free_time_and_queue():

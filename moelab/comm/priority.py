@@ -35,15 +35,16 @@ launch (see ``__init__``); followers' launches are recorded with ``forced``.
 
 ``plan`` (optional, a departure from the paper's local rule that keeps its intent) makes every rank
 launch the same micro-ops in the same window, so that no rank can start an op its peers reach only
-after their all-to-all. A *window* is the stretch of backward before each backward high call (the
-first from the backward's start, then from one call's end to the next call's arrival). After each
-step, one small all-reduce agrees on each window's free time (the least over ranks, from its start to
-the first of the marker and the call; zero where a :meth:`hold` touched it) and each op's duration (the
-most over ranks; a window's free time starts at the end of a hold inside it); the next step launches, in
-window ``w``, the FIFO's next ops whose agreed durations fit its agreed free time (never an op the rank had not queued by that window's call: the same count
-on every rank, queued in program order). A high call waits for its window's planned ops; ops are not
-gated otherwise. The first step plans nothing (all at the drain). The cost: one planning step and two
-small calls per step; a window shorter than the plan delays its call (recorded as ``plan_wait``).
+after their all-to-all. A *window* is the stretch of backward before each backward high call: from the
+backward's start, a call's end or a hold's end, to the first of the combine marker, a hold's start and
+the call (zero for a window that opens inside a :meth:`hold`). After each step, two small all-gathers
+over every rank agree on each window's free time (the least over ranks) and each op's duration (the
+most over ranks). The next step launches, in window ``w``, the FIFO's next ops whose agreed durations
+fit its agreed free time, never an op the rank had not queued by that window's call (the same count on
+every rank: gradients are queued in program order); after the last planned window, every op at once
+(no high call is left to protect). A high call waits for its window's planned ops; ops are not gated
+otherwise. The first step plans nothing (all at the drain). The cost: two small calls per step, and a
+window shorter than planned delays its call (recorded as ``plan_wait``).
 
 ``records``: one dict per call - high: ``wait`` (arrival), ``start``, ``end``, ``released``; low:
 ``enqueue``, ``start``, ``end``, ``nbytes``, ``group``, ``name`` (``forced``) - ``marks``: the times
@@ -106,7 +107,8 @@ class PriorityScheduler(Scheduler):
         self._win_open = 0.0
         self._win_free: list = []  # plan: this step's measured free time per window
         self._win_queued: list = []  # plan: ops queued by each window's call
-        self._win_held = False
+        self._win_held = False  # plan: a hold was on when the window opened (and has not ended since)
+        self._hold_began = 0.0
         self._draining = False
         self._step_low: list = []
         self._flag = None
@@ -202,7 +204,7 @@ class PriorityScheduler(Scheduler):
         span = [time.perf_counter(), None]
         with self.cv:
             self.holds += 1
-            self._win_held = True
+            self._hold_began = span[0]  # plan: a window's free time ends here
             self.held.append(span)
         try:
             yield
@@ -267,12 +269,12 @@ class PriorityScheduler(Scheduler):
         wait (lock held by the caller) for the window's planned ops - launched and completed - on this rank.
         (Windows open at the calls' ends; pipelined chunks overlap, but their windows are held: free 0.)"""
         w, now = len(self._win_free), time.perf_counter()
-        end = now  # the window ends at the first marker since it opened, else at this call
-        for t in reversed(self.marks):
+        end = min(now, self._hold_began) if self._hold_began >= self._win_open else now  # a hold began in it
+        for t in reversed(self.marks):  # or the first marker since it opened
             if t < self._win_open:
                 break
-            end = t
-        self._win_free.append(0.0 if self._win_held or self.holds else end - self._win_open)
+            end = min(end, t)
+        self._win_free.append(0.0 if self._win_held else end - self._win_open)
         self._win_queued.append(self._submitted)
         target = min(self._planned(w), self._submitted)
         ok = self.cv.wait_for(lambda: self._error is not None or (self._step_launched >= target and not self.inflight),
@@ -296,7 +298,8 @@ class PriorityScheduler(Scheduler):
             every = self.comm.all_gather(data, group="world")
         W = len(self._win_free)
         free, queued = every[:, :W].min(0).values, every[:, W:2 * W].min(0).values
-        self.planned = plan_windows(free.tolist(), [int(q) for q in queued.tolist()], every[:, 2 * W:].max(0).values.tolist())
+        durations = every[:, 2 * W:].max(0).values.tolist()
+        self.planned = plan_windows(free.tolist(), [int(q) for q in queued.tolist()], durations)
         self.plans.append(list(self.planned))
 
     # ---- internals -----------------------------------------------------------------------------------
@@ -322,7 +325,8 @@ class PriorityScheduler(Scheduler):
             return self.released_at > 0
         if self.plan:
             return self.inflight < self.max_inflight and (
-                self._draining or self._step_launched < self._planned(self._win))
+                self._draining or self._step_launched < self._planned(self._win)
+                or (bool(self.planned) and self._win >= len(self.planned)))
         return (self.waiting == 0 and self.running == 0 and not self.blocked and not self.holds
                 and self.inflight < self.max_inflight)
 
