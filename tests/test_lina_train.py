@@ -5,6 +5,7 @@ collective sequence per group."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -385,6 +386,23 @@ def test_plan_launches_each_windows_ops_before_its_call_and_the_rest_after_the_l
     assert len(s.plans) == 1 and len(s.planned) == 3  # the next step's plan: one count per window
     with pytest.raises(ValueError, match="plan applies"):
         PriorityScheduler(Door(), mode="fixed", plan=True)
+    # pipelined chunks: a call that arrives before the one before it ended waits only for the windows that
+    # opened (a planned count past them would wait for ops the launcher may not start yet: a deadlock)
+    s.planned = [1, 3]
+    s.new_step()
+    for i in range(3):
+        s.submit(LowOp(Done, 8, "dp", f"op{i}"))
+    first, second = (Call("all_to_all", "ep", (0, 1), {}, {}, {"phase": "bwd"}) for _ in range(2))
+    s.admit(first)
+    t = threading.Thread(target=s.admit, args=(second,), daemon=True)
+    t.start()
+    t.join(timeout=10.0)
+    assert not t.is_alive(), "the second chunk's call waited for ops of a window that never opened"
+    assert s._win_free[1] == 0.0 and s._step_launched == 1  # no window between the two arrivals
+    s.done(first)
+    s.done(second)
+    s.drain()
+    s.close()
 
 
 def test_plan_windows_fills_each_window_in_fifo_order_within_its_free_time_and_queue():

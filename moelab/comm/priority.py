@@ -108,6 +108,7 @@ class PriorityScheduler(Scheduler):
         self._win_free: list = []  # plan: this step's measured free time per window
         self._win_queued: list = []  # plan: ops queued by each window's call
         self._win_held = False  # plan: a hold was on when the window opened (and has not ended since)
+        self._win_opened = False  # plan: a window opened since the last backward high call's arrival
         self._hold_began = 0.0
         self._draining = False
         self._step_low: list = []
@@ -178,7 +179,7 @@ class PriorityScheduler(Scheduler):
             self.blocked = False
             if self.plan and rec["phase"] == "bwd":  # the next window opens
                 self._win += 1
-                self._win_open, self._win_held = rec["end"], bool(self.holds)
+                self._win_open, self._win_held, self._win_opened = rec["end"], bool(self.holds), True
             if self.mode == "fixed" and rec["phase"] == "bwd" and call.op == "all_to_all":
                 self.bwd_high += 1
                 if self.bwd_high % 2 == 0:  # between two MoE layers
@@ -213,7 +214,7 @@ class PriorityScheduler(Scheduler):
                 self.holds -= 1
                 span[1] = time.perf_counter()
                 if not self.holds:  # plan: the window's free time starts here
-                    self._win_held, self._win_open = False, span[1]
+                    self._win_held, self._win_open, self._win_opened = False, span[1], True
                 self.cv.notify_all()
 
     def submit(self, op: LowOp) -> None:
@@ -233,6 +234,7 @@ class PriorityScheduler(Scheduler):
             self.released_at = 0
             self._win = self._step_launched = self._submitted = 0
             self._win_open, self._win_held, self._draining = time.perf_counter(), bool(self.holds), False
+            self._win_opened = True
             self._win_free, self._win_queued, self._step_low = [], [], []
 
     def drain(self, timeout: float = 600.0) -> None:
@@ -274,9 +276,13 @@ class PriorityScheduler(Scheduler):
             if t < self._win_open:
                 break
             end = min(end, t)
-        self._win_free.append(0.0 if self._win_held else end - self._win_open)
+        free = end - self._win_open if self._win_opened and not self._win_held else 0.0
+        self._win_free.append(free)  # zero too for a call that arrives before the one before it ended (chunks)
         self._win_queued.append(self._submitted)
-        target = min(self._planned(w), self._submitted)
+        self._win_opened = False
+        # the ops the launcher may have started by now: windows open at the calls' ends (the same program point
+        # on every rank), so a call arriving before earlier ones ended waits only for their windows' ops
+        target = min(self._planned(min(w, self._win)), self._submitted)
         ok = self.cv.wait_for(lambda: self._error is not None or (self._step_launched >= target and not self.inflight),
                               timeout=600.0)
         self._raise()
