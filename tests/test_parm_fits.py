@@ -3,6 +3,7 @@ every rank gets the same numbers, one-member groups are skipped, calibration tra
 and on EMULATED links the fitted slope is the emulator's own per-element time."""
 from __future__ import annotations
 
+import pytest
 
 from moelab.testing import run_ranks
 
@@ -32,6 +33,7 @@ def test_fits_agree_on_every_rank_and_skip_one_member_groups():
     assert all(r["records"] == 0 for r in res)
 
 
+@pytest.mark.timing  # fits wall-clock times of emulated links: run alone, not beside another worker
 def test_emulated_fit_recovers_the_declared_link():
     res = run_ranks(_fits_rank, 4, True, timeout=120)
     ag = res[0]["fits"]["AG_MP"]

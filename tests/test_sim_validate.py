@@ -337,6 +337,7 @@ def test_bytes_exact_dense_2_ranks(runs2):
     assert _cmp(runs2["dense"], "dense").metrics["bytes_exact"]
 
 
+@pytest.mark.timing  # predicted vs measured wall-clock on emulated links: run alone, not beside another worker
 @pytest.mark.timeout(120)
 def test_emulated_validation_2_ranks(runs2):
     """EMULATED slow links: the simulator predicts step time over a spread of configs at spec §5.9's
