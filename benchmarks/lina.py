@@ -214,10 +214,10 @@ def main(argv=None) -> int:
     n = len(cfgs)
     every = run_real_many(cfgs * a.repeat + ctrl_cfgs, timeout=1800 * a.repeat, probe=_probe_call_costs)
     rounds, ctrl_runs = [every[i * n:(i + 1) * n] for i in range(a.repeat)], every[n * a.repeat:]
-    runs = [r for rr in rounds for r in rr]  # every round's (the probes)
-    probes = {k: {c: [r.probe[k][c] for r in runs + ctrl_runs] for c in ("call_s", "sync_s")} for k in ("idle", "busy")}
+    probed = [r for rr in rounds for r in rr] + ctrl_runs  # every run's probes
+    probes = {k: {c: [r.probe[k][c] for r in probed] for c in ("call_s", "sync_s")} for k in ("idle", "busy")}
     fixed = {k: {c: statistics.mean(v) for c, v in p.items()} for k, p in probes.items()}  # one set for every policy
-    cpb = statistics.mean(r.probe["idle"]["cpu_s_per_byte"] for r in runs + ctrl_runs)
+    cpb = statistics.mean(r.probe["idle"]["cpu_s_per_byte"] for r in probed)
     per_round = [{pol: measured(r, a.warmup) for pol, r in zip(names, rr)} for rr in rounds]
     res = {pol: tuple(statistics.median(x[pol][j] for x in per_round) for j in range(3)) for pol in names}
     speedup = {pol: [x["ddp_overlap"][0] / x[pol][0] for x in per_round] for pol in names}  # each round's ratio

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from moelab.comm.priority import LowOp, PriorityScheduler
 from moelab.comm.scheduler import Call
@@ -23,7 +24,15 @@ class FakeRec:
 
 
 class FakeComm:
+    """One rank's door; ``peer`` maps what this rank all-gathers to what a second rank would (None: one rank)."""
     rec = FakeRec()
+
+    def __init__(self, peer=None):
+        self.peer = peer or (lambda x: None)
+
+    def all_gather(self, x, group="world"):
+        other = self.peer(x)
+        return torch.stack([x] if other is None else [x, other])
 
 
 class Sleep:
@@ -232,3 +241,71 @@ def test_the_default_stall_bound_follows_the_typical_micro_op_not_the_stalled_on
     s._low_s = [0.5] * 20 + [0.01] * 16  # only the last 16 count
     assert s._stall_bound() == pytest.approx(0.03)
     s.close()
+
+
+def test_plan_launches_each_windows_ops_before_its_call_and_the_rest_after_the_last():
+    """The scheduler alone (threads, a fake door): with a plan of 2, 2 and 4 ops by the end of windows 0-2,
+    the first call waits for ops 0-1, the second for none, the third for ops 2-3; op 4 goes after the last
+    planned window, before the drain. The drain then agrees on this step's windows and plans the next."""
+    class Done:
+        def wait(self):
+            pass
+
+    s = PriorityScheduler(FakeComm(), plan=True)
+    s.planned = [2, 2, 4]
+    s.new_step()
+    for i in range(5):
+        s.submit(LowOp(Done, 8, "dp", f"op{i}"))
+    for w in range(3):
+        call = Call("all_to_all", "ep", (0, 1), {}, {}, {"phase": "bwd"})
+        s.admit(call)
+        assert s._step_launched == [2, 2, 4][w] and not s.inflight, w
+        s.done(call)
+    end = time.perf_counter() + 10.0  # op 4: after the last planned window, without the drain
+    while s._step_launched < 5:
+        assert time.perf_counter() < end, "the op after the last window was not launched before the drain"
+        time.sleep(0.001)
+    s.drain()
+    lows = [r for r in s.records if r["kind"] == "low"]
+    assert [lo["window"] for lo in lows] == [0, 0, 2, 2, 3]
+    assert len(s.plans) == 1 and len(s.planned) == 3  # the next step's plan: one count per window
+    with pytest.raises(ValueError, match="plan applies"):
+        PriorityScheduler(FakeComm(), mode="fixed", plan=True)
+    # pipelined chunks: a call that arrives before the one before it ended waits only for the windows that
+    # opened (a planned count past them would wait for ops the launcher may not start yet: a deadlock)
+    s.planned = [1, 3]
+    s.new_step()
+    for i in range(3):
+        s.submit(LowOp(Done, 8, "dp", f"op{i}"))
+    first, second = (Call("all_to_all", "ep", (0, 1), {}, {}, {"phase": "bwd"}) for _ in range(2))
+    s.admit(first)
+    t = threading.Thread(target=s.admit, args=(second,), daemon=True)
+    t.start()
+    t.join(timeout=10.0)
+    assert not t.is_alive(), "the second chunk's call waited for ops of a window that never opened"
+    assert s._win_free[1] == 0.0 and s._step_launched == 1  # no window between the two arrivals
+    s.done(first)
+    s.done(second)
+    s.drain()
+    s.close()
+
+
+def test_plan_agrees_on_the_least_free_time_and_the_longest_op_over_ranks():
+    """The plan is made from every rank's values: each window's least free time and each op's longest
+    duration (a rank's own values alone would plan more ops than its slower peer can fit: a stall)."""
+    s = PriorityScheduler(FakeComm(peer=lambda x: x if len(x) == 2 else
+                                   torch.tensor([0.5, 1.0, 2, 3, 0.5, 0.25, 0.25], dtype=torch.float64)), plan=True)
+    s._win_free, s._win_queued = [1.0, 0.25], [2, 3]
+    s._step_low = [{"start": 0.0, "end": d} for d in (0.25, 0.5, 0.25)]
+    s._agree()
+    assert s.planned == [1, 1]  # free (0.5, 0.25), ops (0.5, 0.5, 0.25); this rank's own values plan [2, 3]
+    alone = PriorityScheduler(FakeComm(), plan=True)
+    alone._win_free, alone._win_queued, alone._step_low = s._win_free, s._win_queued, s._step_low
+    alone._agree()
+    assert alone.planned == [2, 3]
+    odd = PriorityScheduler(FakeComm(peer=lambda x: x + 1 if len(x) == 2 else x), plan=True)
+    odd._win_free, odd._win_queued, odd._step_low = s._win_free, s._win_queued, s._step_low
+    with pytest.raises(RuntimeError, match="different"):
+        odd._agree()
+    for x in (s, alone, odd):
+        x.close()

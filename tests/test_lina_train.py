@@ -4,10 +4,6 @@ gradient exactly, the scheduler's log obeys the priority rules, and every rank i
 collective sequence per group."""
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-
 import pytest
 import torch
 
@@ -340,69 +336,6 @@ def test_plan_agreement_launches_the_same_micro_ops_in_the_same_window_on_every_
             # a planned op never runs during a backward all-to-all of its own rank
             assert not [lo for lo in low for h in high if h["start"] < lo["start"] < h["end"]], (pol, r)
         assert windows[0] == windows[1], pol
-
-
-def test_plan_launches_each_windows_ops_before_its_call_and_the_rest_after_the_last():
-    """The scheduler alone (threads, a fake door): with a plan of 2, 2 and 4 ops by the end of windows 0-2,
-    the first call waits for ops 0-1, the second for none, the third for ops 2-3; op 4 goes after the last
-    planned window, before the drain. The drain then agrees on this step's windows and plans the next."""
-    from moelab.comm.priority import LowOp, PriorityScheduler
-    from moelab.comm.scheduler import Call
-
-    class Rec:
-        tags: dict = {}
-
-        @contextlib.contextmanager
-        def tagged(self, **tags):
-            yield
-
-    class Door:
-        rec = Rec()
-
-        def all_gather(self, x, group="world"):
-            return x.unsqueeze(0)  # one rank
-
-    class Done:
-        def wait(self):
-            pass
-
-    s = PriorityScheduler(Door(), plan=True)
-    s.planned = [2, 2, 4]
-    s.new_step()
-    for i in range(5):
-        s.submit(LowOp(Done, 8, "dp", f"op{i}"))
-    for w in range(3):
-        call = Call("all_to_all", "ep", (0, 1), {}, {}, {"phase": "bwd"})
-        s.admit(call)
-        assert s._step_launched == [2, 2, 4][w] and not s.inflight, w
-        s.done(call)
-    end = time.perf_counter() + 10.0  # op 4: after the last planned window, without the drain
-    while s._step_launched < 5:
-        assert time.perf_counter() < end, "the op after the last window was not launched before the drain"
-        time.sleep(0.001)
-    s.drain()
-    lows = [r for r in s.records if r["kind"] == "low"]
-    assert [lo["window"] for lo in lows] == [0, 0, 2, 2, 3]
-    assert len(s.plans) == 1 and len(s.planned) == 3  # the next step's plan: one count per window
-    with pytest.raises(ValueError, match="plan applies"):
-        PriorityScheduler(Door(), mode="fixed", plan=True)
-    # pipelined chunks: a call that arrives before the one before it ended waits only for the windows that
-    # opened (a planned count past them would wait for ops the launcher may not start yet: a deadlock)
-    s.planned = [1, 3]
-    s.new_step()
-    for i in range(3):
-        s.submit(LowOp(Done, 8, "dp", f"op{i}"))
-    first, second = (Call("all_to_all", "ep", (0, 1), {}, {}, {"phase": "bwd"}) for _ in range(2))
-    s.admit(first)
-    t = threading.Thread(target=s.admit, args=(second,), daemon=True)
-    t.start()
-    t.join(timeout=10.0)
-    assert not t.is_alive(), "the second chunk's call waited for ops of a window that never opened"
-    assert s._win_free[1] == 0.0 and s._step_launched == 1  # no window between the two arrivals
-    s.done(first)
-    s.done(second)
-    s.drain()
-    s.close()
 
 
 def test_plan_windows_fills_each_window_in_fifo_order_within_its_free_time_and_queue():

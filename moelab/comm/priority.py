@@ -103,7 +103,7 @@ class PriorityScheduler(Scheduler):
         self.plan = plan
         self.planned: list = []  # plan: cumulative ops launched by the end of each window (this step)
         self.plans: list = []  # plan: every step's windows' op counts, for the log
-        self._win = self._step_launched = self._submitted = 0
+        self._win = self._submitted = 0
         self._win_open = 0.0
         self._win_free: list = []  # plan: this step's measured free time per window
         self._win_queued: list = []  # plan: ops queued by each window's call
@@ -111,7 +111,7 @@ class PriorityScheduler(Scheduler):
         self._win_opened = False  # plan: a window opened since the last backward high call's arrival
         self._hold_began = 0.0
         self._draining = False
-        self._step_low: list = []
+        self._step_low: list = []  # this step's launched low ops' records (their count drives the plan)
         self._flag = None
         self._popped = 0
         self._rng = random.Random(seed)
@@ -232,7 +232,7 @@ class PriorityScheduler(Scheduler):
         with self.cv:
             self.bwd_high = 0
             self.released_at = 0
-            self._win = self._step_launched = self._submitted = 0
+            self._win = self._submitted = 0
             self._win_open, self._win_held, self._draining = time.perf_counter(), bool(self.holds), False
             self._win_opened = True
             self._win_free, self._win_queued, self._step_low = [], [], []
@@ -260,6 +260,10 @@ class PriorityScheduler(Scheduler):
             self.cv.notify_all()
 
     # ---- plan (cross-rank agreed launches) ---------------------------------------------------------------
+    @property
+    def _step_launched(self) -> int:
+        return len(self._step_low)
+
     def _planned(self, w: int) -> int:
         """Ops launched by the end of window ``w`` in this step's plan (0 before a plan exists)."""
         if not self.planned:
@@ -351,7 +355,6 @@ class PriorityScheduler(Scheduler):
                 if leader:
                     self.inflight += 1
                     self.launched += 1
-                    self._step_launched += 1
                     self._step_low.append(rec)
                     rec["start"], rec["window"] = time.perf_counter(), self._win
                     self.records.append(rec)
