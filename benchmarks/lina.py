@@ -59,7 +59,11 @@ import statistics
 from typing import Optional
 
 POLICIES = ("ddp_overlap", "after_backward", "fixed", "priority", "lina", "lina_pipe", "lina_full")
-EXTRA = {"lina_inflight4": ("lina", {"max_inflight": 4}),  # the same policy, four micro-ops in flight
+EXTRA = {"lina_inflight2": ("lina", {"max_inflight": 2}),  # the same policy, two micro-ops in flight
+         "lina_inflight4": ("lina", {"max_inflight": 4}),  # four
+         # one in flight while an all-to-all can arrive, four in the drain after backward
+         "lina_drain4": ("lina", {"drain_inflight": 4}),
+         "priority_drain4": ("priority", {"drain_inflight": 4}),
          "lina_nowait": ("lina", {"a2a_waits_for_inflight": False}),  # an all-to-all does not wait for the one in flight
          "lina_pipe_nowait": ("lina_pipe", {"a2a_waits_for_inflight": False}),
          "lina_leader": ("lina", {"launch_agreement": "leader"}),  # the first rank decides every launch
@@ -208,7 +212,8 @@ def main(argv=None) -> int:
     from moelab.sim.realruns import run_real_many
 
     names = tuple(n for n in POLICIES + tuple(EXTRA) if not a.only or n == "ddp_overlap" or n in a.only)
-    controls = ("ddp_overlap", "lina") + (("lina_coalesce",) if "lina_coalesce" in names else ())
+    controls = ("ddp_overlap", "lina") + tuple(n for n in ("lina_coalesce", "lina_inflight2", "lina_inflight4", "lina_drain4")
+                                               if n in names)
     cfgs = [config(a, pol, **opts) for pol, opts in map(variant, names)]
     ctrl_cfgs = [config(a, pol, 4, **opts) for pol, opts in map(variant, controls)]
     n = len(cfgs)

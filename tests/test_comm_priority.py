@@ -165,14 +165,43 @@ def test_max_inflight_bounds_concurrent_low_ops():
     for _ in range(6):
         s.submit(low(0.02))
     s.drain()
-    lows = [r for r in s.records if r["kind"] == "low"]
-    events = sorted([(r["start"], 1) for r in lows] + [(r["end"], -1) for r in lows], key=lambda e: (e[0], e[1]))
+    assert peak_inflight(s.records) == 2
+    s.close()
+
+
+def peak_inflight(records, since=float("-inf")) -> int:
+    """The most low ops in flight at once among those launched at or after ``since``."""
+    lows = [r for r in records if r["kind"] == "low" and r["start"] >= since]
+    events = sorted([(r["start"], 1) for r in lows] + [(r.get("end", float("inf")), -1) for r in lows],
+                    key=lambda e: (e[0], e[1]))  # an op still in flight ends at infinity
     level = peak = 0
     for _, d in events:
         level += d
         peak = max(peak, level)
-    assert peak == 2
-    s.close()
+    return peak
+
+
+def test_the_drain_lifts_the_in_flight_bound_to_drain_inflight():
+    """While an all-to-all can still arrive one op is in flight at most; once the drain starts (after
+    backward: none can), up to ``drain_inflight``."""
+    for drain, want in ((3, 3), (None, 1)):
+        s = PriorityScheduler(FakeComm(), drain_inflight=drain)
+        for _ in range(3):
+            s.submit(low(0.05))
+        in_flight(s)
+        end = time.perf_counter() + 5.0
+        while len([r for r in s.records if "end" in r]) < 2:  # two ops done under the backward's bound
+            assert time.perf_counter() < end
+            time.sleep(0.001)
+        before = peak_inflight(s.records)
+        t = time.perf_counter()
+        for _ in range(6):
+            s.submit(low(0.05))
+        s.drain()
+        assert before == 1 and peak_inflight(s.records, since=t) == want, (drain, before)
+        s.close()
+    with pytest.raises(ValueError, match="drain_inflight"):
+        PriorityScheduler(FakeComm(), drain_inflight=0)
 
 
 def test_work_conservation_within_a_wakeup_tolerance():

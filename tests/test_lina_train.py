@@ -14,6 +14,7 @@ BASE = {"model.moe.dispatcher": "dense", "model.moe.capacity_factor": 2.0, "trai
 S = 1024  # bytes: the largest fp64 gradient (32x16 weights = 4 KiB) splits into 4 micro-ops
 POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina")
 COALESCED = ("lina_coalesce", "lina", {"coalesce_bytes": S})  # small gradients share micro-ops of <= S
+DRAINED = ("lina_drain4", "lina", {"drain_inflight": 4})  # up to 4 micro-ops in flight after backward
 
 
 def _train(rank, world, policies, opts, overrides=None):
@@ -45,13 +46,13 @@ def _train(rank, world, policies, opts, overrides=None):
 
 @pytest.fixture(scope="module")
 def runs2():
-    return run_ranks(_train, 2, POLICIES + (COALESCED,), {}, timeout=300)
+    return run_ranks(_train, 2, POLICIES + (COALESCED, DRAINED), {}, timeout=300)
 
 
 def test_every_policy_trains_the_baseline_model_bitwise_on_2_ranks(runs2):
     for r in range(2):
         ref = runs2[r]["ddp_overlap"]
-        for pol in POLICIES + COALESCED[:1]:
+        for pol in POLICIES + COALESCED[:1] + DRAINED[:1]:
             got = runs2[r][pol]
             assert got["losses"] == ref["losses"], pol
             for n, p in ref["params"].items():
@@ -146,6 +147,7 @@ def test_four_ranks_match_the_baseline_with_random_launch_delays():
     ({"bogus": 1}, {}, "unknown lina option"),
     ({"partition_bytes": 4}, {}, "below one float64 element"),
     ({"max_inflight": 0}, {}, "max_inflight must be >= 1"),
+    ({"drain_inflight": -1}, {}, "drain_inflight must be >= 0"),
     ({"policy": "lina_pipe", "a2a_chunks": 1000}, {}, "a2a_chunks=1000 must lie in 1..C"),
     ({"policy": "lina_pipe"}, {"model.moe.dispatcher": "sparse"}, "set model.moe.dispatcher='dense'"),
     ({}, {"parallel.nproc": 1}, "parallel.nproc must be >= 2"),

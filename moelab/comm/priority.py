@@ -12,6 +12,8 @@ Rules (``mode="priority"``, Lina's scheduler):
   while fewer than ``max_inflight`` low ops are in flight;
 - an arriving high call overtakes every queued low op; with ``waits_for_inflight`` it waits for the
   low ops in flight (non-preemptive: at most ``max_inflight`` micro-ops ahead of it);
+- :meth:`drain` (after backward, before the optimizer: no high call can arrive) lifts the bound to
+  ``drain_inflight`` (default ``max_inflight``, the spec's one bound);
 - inside :meth:`hold` (a pipelined layer's backward: its chunks' all-to-alls follow one another with
   compute between them) no low op is launched, not even in the gaps between those high calls.
 
@@ -84,14 +86,18 @@ class LowOp:
 class PriorityScheduler(Scheduler):
     def __init__(self, comm, mode: str = "priority", max_inflight: int = 1, waits_for_inflight: bool = True,
                  block_on_imminent: bool = True, stall_s: Optional[float] = None,
-                 jitter_s: float = 0.0, seed: int = 0, agreement: Optional[dict] = None, plan: bool = False):
+                 jitter_s: float = 0.0, seed: int = 0, agreement: Optional[dict] = None, plan: bool = False,
+                 drain_inflight: Optional[int] = None):
         if mode not in ("priority", "fixed"):
             raise ValueError(f"PriorityScheduler mode must be 'priority' or 'fixed', got {mode!r}")
         if plan and (mode != "priority" or agreement):
             raise ValueError("plan applies to mode 'priority' without a leader agreement")
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if max_inflight < 1 or (drain_inflight is not None and drain_inflight < 1):
+            raise ValueError(f"max_inflight and drain_inflight must be >= 1, got {max_inflight}, {drain_inflight}")
         self.comm, self.mode, self.max_inflight = comm, mode, max_inflight
+        # the drain's bound: no high call can arrive before the optimizer, so the bound that keeps an all-to-all's
+        # wait short protects nothing there; more ops in flight overlap the calls' fixed costs (None: max_inflight)
+        self.drain_inflight = max_inflight if drain_inflight is None else drain_inflight
         self.waits_for_inflight, self.block_on_imminent, self.stall_s = waits_for_inflight, block_on_imminent, stall_s
         self.jitter_s = jitter_s  # a random delay before each launch (robustness tests: order must not depend on timing)
         # agreement: {op group: control group over the same ranks}. The op group's first rank (the leader)
@@ -133,7 +139,7 @@ class PriorityScheduler(Scheduler):
         self._error: Optional[BaseException] = None
         self._closed = False
         # one op in flight (the default): the launcher waits for it itself, no thread hand-off per op
-        self.inline_wait = mode == "priority" and max_inflight == 1
+        self.inline_wait = mode == "priority" and max(max_inflight, self.drain_inflight) == 1
         self._launcher = threading.Thread(target=self._launch_loop, name="lina-comm", daemon=True)
         self._launcher.start()
         if not self.inline_wait:
@@ -334,11 +340,14 @@ class PriorityScheduler(Scheduler):
         if self.mode == "fixed":
             return self.released_at > 0
         if self.plan:
-            return self.inflight < self.max_inflight and (
+            return self.inflight < self._bound() and (
                 self._draining or self._step_launched < self._planned(self._win)
                 or (bool(self.planned) and self._win >= len(self.planned)))
         return (self.waiting == 0 and self.running == 0 and not self.blocked and not self.holds
-                and self.inflight < self.max_inflight)
+                and self.inflight < self._bound())
+
+    def _bound(self) -> int:
+        return self.drain_inflight if self._draining else self.max_inflight
 
     def _launch_loop(self) -> None:
         as_comm_thread()
