@@ -41,8 +41,10 @@ behind 4 ranks' compute on 2 cores (as a NIC does not wait for the GPU). The bus
 with the probe's compute thread at SCHED_IDLE too.
 
 Control: the same model packed q = E (every rank holds every expert, so no all-to-all byte leaves a
-rank) under ``lina`` vs ``ddp_overlap``. Targets (issue #13): backward all-to-all >= 1.3x faster;
-step >= 1.1x at an all-to-all share >= 30 %; control within 5 %; predictions within 25 %. CPU timings
+rank) under ``lina`` vs ``ddp_overlap`` (also ``lina_coalesce``, ``lina_inflight2``/``4`` and ``lina_drain4`` when
+they run: one micro-op in flight exposes each call's fixed cost, ``drain_inflight`` lifts the bound after
+backward). Targets (issue #13): backward all-to-all >= 1.3x faster; step >= 1.1x at an all-to-all share >= 30 %;
+control within 5 %; predictions within 25 %. CPU timings
 are not the paper's GPUs: the ratios check mechanisms.
 
 Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04] [--batch 4]
