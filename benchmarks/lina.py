@@ -298,13 +298,14 @@ def main(argv=None) -> int:
             for k, x in zip(errs, got[1:]):
                 errs[k].append(abs(x / real - 1))
             print(f"{pol:17s} {real:12.2f} " + " ".join(f"{x:9.2f} {100 * abs(x / real - 1):5.0f}%" for x in got))
-        cp = [[predicted(c, r, *f, **kw) for c, r in zip(ctrl_cfgs[:2], ctrl_runs[:2])]
+        cp = [[predicted(c, r, *f, **kw) for c, r in zip(ctrl_cfgs, ctrl_runs)]
               for f, kw in (((), {}), ((fixed["idle"],), {}), ((fixed["idle"], fixed["busy"]), {}),
                             ((fixed["idle"], fixed["busy"]), {"share_cores": "pool"}),
                             ((fixed["idle"],), {"share_cores": "pool", "cpu_s_per_byte": cpb}),
                             ((fixed["idle"],), {"share_cores": "pool", "cpu_s_per_byte": cpb, "compute": "model_line"}))]
-        print(f"{'control lina/ddp':17s} {ctrl[1] / ctrl[0]:12.2f} " + " ".join(
-            f"{p[1] / p[0]:9.2f} {100 * abs(p[1] / p[0] / (ctrl[1] / ctrl[0]) - 1):5.0f}%" for p in cp) + " (step ratio)")
+        for j, name in enumerate(controls[1:], 1):
+            print(f"{'control ' + name:17s} {ctrl[j] / ctrl[0]:12.2f} " + " ".join(
+                f"{p[j] / p[0]:9.2f} {100 * abs(p[j] / p[0] / (ctrl[j] / ctrl[0]) - 1):5.0f}%" for p in cp) + " (step ratio)")
         print("largest simulator error on a speedup (target 25 %): " + ", ".join(
             f"sim+{k} {100 * max(v):.0f}%" if k in ("idle", "busy") else f"{k} {100 * max(v):.0f}%" for k, v in errs.items()))
     return 0

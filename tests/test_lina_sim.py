@@ -247,3 +247,32 @@ def test_micro_ops_in_flight_run_on_as_many_streams_and_one_in_flight_is_a_chain
         if k == 1:  # a chain: each starts when the one before has ended
             assert all(res.start[b.id] >= res.end[a.id] - 1e-12 for a, b in zip(grads, grads[1:]))
     assert spans[4] <= spans[2] <= spans[1] and spans[4] < spans[1]
+
+
+def test_drain_inflight_lifts_the_bound_only_after_backward():
+    """``drain_inflight`` k': during backward one micro-op in flight (unit n after unit n - 1), once the
+    backward's last gradient is ready up to k' at once; with a per-call cost that shortens the iteration."""
+    prof = dataclasses.replace(get_profile("lina"), call_overhead_s=2e-3)
+
+    def run(k2):
+        cfg = paper_cfg(layers=4).with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6,
+                                                                                "drain_inflight": k2}})
+        g = lina_iteration_graph(cfg, prof, synthetic_loads(cfg), policy="lina", elem_bytes=2)
+        return g, simulate(g)
+
+    (g1, one), (g4, four) = run(0), run(4)
+    assert not g1.any_of and four.makespan < one.makespan
+    backward_end = max(four.end[o.id] for o in g4.ops if o.category in ("attention", "expert"))
+    grads = [o for o in g4.ops if o.category == "allreduce"]
+
+    def peak(ops):
+        ev = sorted([(four.start[o.id], 1) for o in ops] + [(four.end[o.id], -1) for o in ops])
+        level = top = 0
+        for _, d in ev:
+            level += d
+            top = max(top, level)
+        return top
+
+    during = [o for o in grads if four.start[o.id] < backward_end - 1e-12]
+    assert during and peak(during) == 1
+    assert peak(grads) == 4

@@ -321,3 +321,20 @@ def test_software_on_cores_reproduces_the_held_out_cost_on_idle_ranks_and_shares
     g.transfer("a", range(4), d, comm={"op": "all_reduce", "group": list(range(4)), "nbytes": 1000})
     moved = 2 * 2 * 3 / 4 * 1000  # ring all-reduce: 2(n-1)/n of the tensor sent, as much received
     assert simulate(g).makespan == pytest.approx(2.0 + moved * 1e-3 / 0.5 + 0.5)  # each rank at half a core
+
+
+def test_alternative_dependencies_start_an_op_when_one_alternative_has_ended():
+    """``any_of``: c waits for its own dep and for every op of one alternative ((a1, a2) or (b,)), whichever
+    is complete first."""
+    def run(a_s, b_s):
+        g = OpGraph(2)
+        a1, a2 = g.compute(0, "a1", a_s), g.compute(1, "a2", 0.5)
+        b = g.compute(0, "b", b_s, stream="other")
+        d = g.compute(1, "d", 0.2, stream="other")
+        c = g.add("c", (0, 1), stream="c", duration=0.1, deps=(d,))
+        g.any_of[c] = ((a1, a2), (b,))
+        return simulate(g).start[c]
+
+    assert run(1.0, 3.0) == pytest.approx(1.0)  # (a1, a2) ended at 1.0 (a2 at 0.5), before b
+    assert run(2.0, 0.7) == pytest.approx(0.7)  # b first
+    assert run(0.1, 0.1) == pytest.approx(0.2)  # b's alternative met at 0.1: its own dep d (0.2) decides

@@ -41,6 +41,10 @@ Refinements of the sharing rule, each off unless a graph asks for it:
   be a tuple of streams, one class: its streams do not interfere among themselves (several all-reduce
   streams against the all-to-all's).
 
+- **Alternative dependencies** (``OpGraph.any_of``: op -> tuple of op-id tuples): beside its deps, an
+  op waits until every op of *one* alternative has ended (a scheduler's bound that changes at an event:
+  Lina's micro-op n after micro-op n - k during backward, or after n - k' once the drain began).
+
 Events go through one heap. A flow is re-rated only when a flow sharing one of its links joins or
 leaves (once per instant however many do), and re-scheduled only if its rate changed, so the cost
 is O(ops log ops + changes x flows sharing the changed links), with no per-token or per-byte work.
@@ -108,6 +112,7 @@ class OpGraph:
         self.cpu_s_per_byte = 0.0  # ... and so is every byte a member moves, at this many CPU seconds per byte
         self.interference: Optional[tuple] = None  # (classes: tuples of streams, gamma): see interfere()
         self.call_gate: Optional[tuple] = None  # (high streams, low streams, high_waits): see the module doc
+        self.any_of: dict = {}  # op -> alternatives (tuples of op ids), one of which must have ended: module doc
 
     def interfere(self, streams, gamma) -> None:
         """Flows of different streams among ``streams`` slow each other by ``gamma`` (a number >= 1, or
@@ -416,6 +421,17 @@ def simulate(graph: OpGraph) -> SimResult:
             blocker[i] = by
             ready.append(i)
 
+    alt_left: dict = {}  # op -> ops still running per alternative (see OpGraph.any_of)
+    alt_dependents: list = [[] for _ in range(n)]
+    for i, alts in graph.any_of.items():
+        alts = [set(a) for a in alts]
+        if alts and all(alts):  # an empty alternative is met from the start
+            waiting[i] += 1
+            alt_left[i] = [len(a) for a in alts]
+            for j, a in enumerate(alts):
+                for d in a:
+                    alt_dependents[d].append((i, j))
+
     for q in queues.values():
         release(q[0], 0.0, -1)
 
@@ -468,6 +484,12 @@ def simulate(graph: OpGraph) -> SimResult:
                 release(q[0], t, i)
         for j in dependents[i]:
             release(j, t, i)
+        for j, a in alt_dependents[i]:
+            left = alt_left[j]
+            if min(left) > 0:  # no alternative met yet
+                left[a] -= 1
+                if left[a] == 0:
+                    release(j, t, i)
 
     start_ready(0.0)
     done = 0

@@ -7,7 +7,7 @@
 | ``coalesce_bytes`` | 0 | partitioned policies: consecutive gradients of at most this many bytes (on one group) share a micro-op of at most S, copied into one buffer; 0: one gradient per micro-op (the spec's §2.2; coalescing is a departure from it, for the many tiny norm and bias gradients) |
 | ``a2a_chunks`` | 4 | m, all-to-all micro-ops per all-to-all (``lina_pipe``, ``lina_full``) |
 | ``max_inflight`` | 1 | low-priority micro-ops in flight at once |
-| ``drain_inflight`` | 0 | micro-ops in flight at once during the drain after backward, where no all-to-all can arrive (0: ``max_inflight``, the spec's one bound throughout; more overlaps each call's fixed cost with the ops before it; the simulator prices ``max_inflight`` there too) |
+| ``drain_inflight`` | 0 | micro-ops in flight at once during the drain after backward, where no all-to-all can arrive (0: ``max_inflight``, the spec's one bound throughout; more overlaps each call's fixed cost with the ops before it) |
 | ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.comm.priority`) |
 | ``block_on_combine_backward`` | true | stop launching micro-ops once a MoE layer's combine backward starts |
 | ``stall_ms`` | 0 | the bound of that wait in ms (0: three times the median of the last 16 micro-op times, at least 5 ms) |

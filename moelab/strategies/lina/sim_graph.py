@@ -26,7 +26,9 @@ Every policy but ``after_backward`` issues its all-reduces beside backward's com
 
 The scheduled policies (``priority`` and the partitioned ones) also gate calls per rank
 (:attr:`moelab.sim.engine.OpGraph.call_gate`): a started micro-op is not shared with the all-to-all
-that arrives, the all-to-all waits for it (``a2a_waits_for_inflight``).
+that arrives, the all-to-all waits for it (``a2a_waits_for_inflight``). Micro-op n starts after
+micro-op n - ``max_inflight``, or, with ``drain_inflight``, after n - ``drain_inflight`` once the backward's
+last gradient is ready (:attr:`moelab.sim.engine.OpGraph.any_of`).
 
 Not modelled: the combine-backward block and the pipelined backward's hold (the DES knows the
 all-to-all's time, so nothing is launched "just before" it by accident) and the bounded wait's releases
@@ -82,7 +84,10 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     topo = topology_of(cfg)
     N, E = topo.world_size, moe.num_experts
     q = opts.q
-    streams = ar_streams(opts.max_inflight if opts.scheduled else 1)  # the scheduler's in-flight bound (DDP: 1)
+    inflight = opts.max_inflight if opts.scheduled else 1  # the scheduler's in-flight bound (DDP: 1)
+    # in the drain after backward (no all-to-all can arrive): drain_inflight (fixed mode's drain is ungated anyway)
+    drain_inflight = max(inflight, opts.drain_inflight) if opts.scheduled and policy != "fixed" else inflight
+    streams = ar_streams(drain_inflight)
     placement = opts.placement(N, E) if q > 1 else (placement or Placement.expert_parallel(E, N))
     eb = elem_bytes or elem_bytes_of(cfg)
     loads = np.asarray(loads, dtype=np.int64)
@@ -153,6 +158,10 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
             if n >= len(streams):  # a rank's queue: at most max_inflight at once, unit n after unit n - max_inflight
                 deps += issued[n - len(streams)]
             groups = expert_groups if ready[k][0].endswith(".experts") else [ranks]
+            if drain_inflight > inflight and n >= inflight:  # n - max_inflight has ended, or the drain began
+                go = g.add(f"grad.{policy}.{n}.go", ranks, stream="allreduce.go", deps=deps, category="scheduler")
+                g.any_of[go] = (issued[n - inflight], tuple(ready[-1][1]))
+                deps = [go]
             issued.append(tuple(g.transfer(f"grad.{policy}.{n}" + (f".g{gi}" if len(groups) > 1 else ""), grp,
                                            [costs.ring_demand("all_reduce", grp, ctx.topo, profile, nbytes)],
                                            deps=deps, category="allreduce", stream=streams[n % len(streams)],
