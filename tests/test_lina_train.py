@@ -148,6 +148,7 @@ def test_four_ranks_match_the_baseline_with_random_launch_delays():
     ({"partition_bytes": 4}, {}, "below one float64 element"),
     ({"max_inflight": 0}, {}, "max_inflight must be >= 1"),
     ({"drain_inflight": -1}, {}, "drain_inflight must be >= 0"),
+    ({"max_inflight": 2, "drain_inflight": 1}, {}, "drain_inflight lifts the in-flight bound"),
     ({"policy": "lina_pipe", "a2a_chunks": 1000}, {}, "a2a_chunks=1000 must lie in 1..C"),
     ({"policy": "lina_pipe"}, {"model.moe.dispatcher": "sparse"}, "set model.moe.dispatcher='dense'"),
     ({}, {"parallel.nproc": 1}, "parallel.nproc must be >= 2"),

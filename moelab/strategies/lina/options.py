@@ -7,7 +7,7 @@
 | ``coalesce_bytes`` | 0 | partitioned policies: consecutive gradients of at most this many bytes (on one group) share a micro-op of at most S, copied into one buffer; 0: one gradient per micro-op (the spec's §2.2; coalescing is a departure from it, for the many tiny norm and bias gradients) |
 | ``a2a_chunks`` | 4 | m, all-to-all micro-ops per all-to-all (``lina_pipe``, ``lina_full``) |
 | ``max_inflight`` | 1 | low-priority micro-ops in flight at once |
-| ``drain_inflight`` | 0 | micro-ops in flight at once during the drain after backward, where no all-to-all can arrive (0: ``max_inflight``, the spec's one bound throughout; more overlaps each call's fixed cost with the ops before it) |
+| ``drain_inflight`` | 0 | micro-ops in flight at once during the drain after backward, where no all-to-all can arrive (0: ``max_inflight``, the spec's one bound throughout; else at least ``max_inflight``; more overlaps each call's fixed cost with the ops before it) |
 | ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.comm.priority`) |
 | ``block_on_combine_backward`` | true | stop launching micro-ops once a MoE layer's combine backward starts |
 | ``stall_ms`` | 0 | the bound of that wait in ms (0: three times the median of the last 16 micro-op times, at least 5 ms) |
@@ -63,6 +63,9 @@ class LinaOptions(StrategyOptions):
             errs.append(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.drain_inflight < 0:
             errs.append(f"drain_inflight must be >= 0 (0: max_inflight), got {self.drain_inflight}")
+        elif 0 < self.drain_inflight < self.max_inflight:
+            errs.append(f"drain_inflight lifts the in-flight bound after backward: 0 (max_inflight) or >= "
+                        f"max_inflight={self.max_inflight}, got {self.drain_inflight}")
         if self.a2a_chunks < 1:
             errs.append(f"a2a_chunks must be >= 1, got {self.a2a_chunks}")
         if self.experts_per_device < 0:
@@ -92,6 +95,11 @@ class LinaOptions(StrategyOptions):
         """Experts packed per rank at the start (``experts_per_device``; 0 means 2 under ``lina_full``
         without the controller, else 1)."""
         return self.experts_per_device or (2 if self.policy == "lina_full" and not self.pack_controller else 1)
+
+    @property
+    def drain_bound(self) -> int:
+        """Micro-ops in flight in the drain after backward (the scheduler and the simulator both use this)."""
+        return self.drain_inflight or self.max_inflight
 
     @property
     def scheduled(self) -> bool:

@@ -86,7 +86,7 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     q = opts.q
     inflight = opts.max_inflight if opts.scheduled else 1  # the scheduler's in-flight bound (DDP: 1)
     # in the drain after backward (no all-to-all can arrive): drain_inflight (fixed mode's drain is ungated anyway)
-    drain_inflight = max(inflight, opts.drain_inflight) if opts.scheduled and policy != "fixed" else inflight
+    drain_inflight = opts.drain_bound if opts.scheduled and policy != "fixed" else inflight
     streams = ar_streams(drain_inflight)
     placement = opts.placement(N, E) if q > 1 else (placement or Placement.expert_parallel(E, N))
     eb = elem_bytes or elem_bytes_of(cfg)

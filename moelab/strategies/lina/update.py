@@ -82,7 +82,7 @@ class LinaUpdate(OverlappedDataParallelUpdate):
             stall_s=o.stall_ms / 1e3 if o.stall_ms else None, jitter_s=o.launch_jitter_ms / 1e3,
             seed=cfg.train.seed * 1009 + comm.rank,
             agreement=o.control_groups(comm.world_size, cfg.model.moe.num_experts),
-            plan=o.launch_agreement == "plan", drain_inflight=o.drain_inflight or None)
+            plan=o.launch_agreement == "plan", drain_inflight=o.drain_bound)
         comm.scheduler = self.sched
         self.iteration = 0
         self.packing = None
