@@ -220,3 +220,15 @@ def assert_matches_reference(results, ref: dict, *, bias: bool = True, scale: fl
             want = ref["eg"][e] if bias else [ref["eg"][e][0], ref["eg"][e][2]]
             for got, w in zip(grads, want):
                 torch.testing.assert_close(got, scale * w, **tol)
+
+
+# ---- schedules ---------------------------------------------------------------------------------
+def peak_overlap(intervals) -> int:
+    """The most ``(start, end)`` intervals open at once (one ending where another starts does not
+    overlap it): how many ops a scheduler's log or a simulated schedule had in flight at its peak."""
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    level = peak = 0
+    for _, d in events:
+        level += d
+        peak = max(peak, level)
+    return peak

@@ -11,6 +11,7 @@ import torch
 
 from moelab.comm.priority import LowOp, PriorityScheduler
 from moelab.comm.scheduler import Call
+from moelab.testing import peak_overlap
 
 pytestmark = pytest.mark.timing  # wall-clock assertions: run alone (scripts/test.sh)
 
@@ -170,15 +171,10 @@ def test_max_inflight_bounds_concurrent_low_ops():
 
 
 def peak_inflight(records, since=float("-inf")) -> int:
-    """The most low ops in flight at once among those launched at or after ``since``."""
-    lows = [r for r in records if r["kind"] == "low" and r["start"] >= since]
-    events = sorted([(r["start"], 1) for r in lows] + [(r.get("end", float("inf")), -1) for r in lows],
-                    key=lambda e: (e[0], e[1]))  # an op still in flight ends at infinity
-    level = peak = 0
-    for _, d in events:
-        level += d
-        peak = max(peak, level)
-    return peak
+    """The most low ops in flight at once among those launched at or after ``since`` (one still in
+    flight ends at infinity)."""
+    return peak_overlap([(r["start"], r.get("end", float("inf"))) for r in records
+                         if r["kind"] == "low" and r["start"] >= since])
 
 
 def test_the_drain_lifts_the_in_flight_bound_to_drain_inflight():

@@ -12,6 +12,7 @@ from moelab.sim import simulate
 from moelab.sim.graphs import dense_param_count, synthetic_loads
 from moelab.sim.profiles import get_profile
 from moelab.strategies.lina.sim_graph import lina_iteration_graph
+from moelab.testing import peak_overlap
 
 POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina")
 
@@ -266,12 +267,7 @@ def test_drain_inflight_lifts_the_bound_only_after_backward():
     grads = [o for o in g4.ops if o.category == "allreduce"]
 
     def peak(ops):
-        ev = sorted([(four.start[o.id], 1) for o in ops] + [(four.end[o.id], -1) for o in ops])
-        level = top = 0
-        for _, d in ev:
-            level += d
-            top = max(top, level)
-        return top
+        return peak_overlap([(four.start[o.id], four.end[o.id]) for o in ops])
 
     during = [o for o in grads if four.start[o.id] < backward_end - 1e-12]
     assert during and peak(during) == 1
