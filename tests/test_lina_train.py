@@ -125,8 +125,9 @@ def test_same_collective_sequence_on_every_rank(runs2):
 def test_four_ranks_match_the_baseline_with_random_launch_delays():
     """allclose 1e-12 on 4 ranks (ring sums change order), and per-rank random delays before every
     micro-op launch neither hang nor change the result (I7)."""
-    res = run_ranks(_train, 4, ("ddp_overlap", "priority", "lina", COALESCED), {"launch_jitter_ms": 2.0}, timeout=300)
-    checked = ("priority", "lina", COALESCED[0])
+    res = run_ranks(_train, 4, ("ddp_overlap", "priority", "lina", COALESCED, DRAINED), {"launch_jitter_ms": 2.0},
+                    timeout=300)
+    checked = ("priority", "lina", COALESCED[0], DRAINED[0])
     for r in range(4):
         ref = res[r]["ddp_overlap"]
         for pol in checked:
@@ -314,9 +315,10 @@ def test_plan_agreement_launches_the_same_micro_ops_in_the_same_window_on_every_
     baseline (bitwise; pipelined: allclose), and, from the second step on, ops launched in the windows the
     plan gave them. With 0.5 ms of random delay before each launch, so that ranks drift apart."""
     plan = {"launch_agreement": "plan"}
-    pols = ("ddp_overlap", ("priority", "priority", plan), ("lina", "lina", plan), ("lina_pipe", "lina_pipe", plan))
+    pols = ("ddp_overlap", ("priority", "priority", plan), ("lina", "lina", plan), ("lina_pipe", "lina_pipe", plan),
+            ("lina_drain4", "lina", {**plan, "drain_inflight": 4}))  # the plan beside a wider drain
     res = run_ranks(_train_planned, 2, pols, {"launch_jitter_ms": 0.5}, {"model.n_layers": 3}, timeout=300)
-    for pol in ("priority", "lina", "lina_pipe"):
+    for pol in ("priority", "lina", "lina_pipe", "lina_drain4"):
         windows = []
         for r in range(2):
             ref, got = res[r]["ddp_overlap"], res[r][pol]
