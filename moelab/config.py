@@ -141,6 +141,8 @@ class ServeConfig:
     path_len: int = 3  # Lp: preceding MoE layers in a path; scheduling starts at MoE layer Lp
     k_est: int = 2  # per-token experts kept from the path distribution
     k_cmp: int = 2  # top experts compared by phase 2
+    replan_test: str = "sets"  # phase 2 re-plans iff: the top-k_cmp sets differ (the paper's) | load: the kept plan's busiest device exceeds its estimated load by more than replan_tol
+    replan_tol: float = 0.1  # [choice] with replan_test=load: the busiest load's tolerated excess over the estimate's
     max_pack: int = 4  # experts per device at most
     replica_rounding: str = "floor"  # replicas of an expert wanting n(e) devices: floor (spec [R]) | nearest | balanced (for the busiest device)
     profile_batches: int = 4  # training-split batches per rank traced to fit the path table

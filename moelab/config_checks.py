@@ -195,10 +195,14 @@ def serve_errors(cfg: RunConfig) -> list:
     errs = []
     if sv.variant not in SERVE_VARIANTS:
         errs.append(f"serve.variant must be one of {list(SERVE_VARIANTS)}, got {sv.variant!r}")
-    from moelab.placement.lina import ROUNDING
+    from moelab.placement.lina import REPLAN_TESTS, ROUNDING
 
     if sv.replica_rounding not in ROUNDING:
         errs.append(f"serve.replica_rounding must be one of {list(ROUNDING)}, got {sv.replica_rounding!r}")
+    if sv.replan_test not in REPLAN_TESTS:
+        errs.append(f"serve.replan_test must be one of {list(REPLAN_TESTS)}, got {sv.replan_test!r}")
+    if isinstance(sv.replan_tol, bool) or not isinstance(sv.replan_tol, (int, float)) or not sv.replan_tol >= 0:
+        errs.append(f"serve.replan_tol must be a number >= 0, got {sv.replan_tol!r}")
     if sv.arrival not in ("poisson", "closed"):
         errs.append(f"serve.arrival must be 'poisson' or 'closed', got {sv.arrival!r}")
     for name, v, lo in (("requests", sv.requests, 1), ("batch_size", sv.batch_size, 1), ("max_pack", sv.max_pack, 1),

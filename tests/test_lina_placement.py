@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from moelab.placement.lina import BALANCE_TOL, allocate, busiest, needs_replan, replica_split, to_placement, top_set
+from moelab.placement.lina import (BALANCE_TOL, allocate, busiest, load_off, needs_replan, replica_split, to_placement,
+                                  top_set)
 from moelab.placement.popularity import PathTable, estimation_accuracy, markov_traces, pattern_share
 
 
@@ -116,6 +117,25 @@ def test_phase_two_replans_iff_top_sets_differ_and_never_with_an_oracle():
         assert not needs_replan(a, a, 2)
     assert top_set([0.1, 0.5, 0.5, 0.2], 2) == {1, 2}
     assert not needs_replan([0.5, 0.4, 0.1], [0.4, 0.5, 0.1], 2)  # same set, other order
+
+
+def test_phase_two_by_load_replans_iff_the_busiest_device_exceeds_its_estimate():
+    # the right top-2 set, the wrong magnitudes: the set test keeps the plan, the load test does not
+    est, act = [0.4, 0.4, 0.1, 0.1], [0.7, 0.1, 0.1, 0.1]
+    devs = allocate(2 * np.asarray(est), 2, 4)
+    assert not needs_replan(est, act, 2)
+    assert busiest(devs, [0.8, 0.8, 0.2, 0.2]) == pytest.approx(1.0) and busiest(devs, [1.4, 0.2, 0.2, 0.2]) > 1.5
+    assert load_off(devs, est, act, 0.1) and not load_off(devs, est, act, 0.7)
+    # normalised: an estimate of K_est entries per token (summing below 1) compares as the same shares
+    assert not load_off(devs, 0.5 * np.asarray(est), est, 0.0)
+    assert load_off(devs, [0.0] * 4, act, 0.1)  # an estimate of nothing re-plans
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        a, b = rng.random(8), rng.random(8)
+        d = allocate(4 * a / a.sum(), 4, 4)
+        assert not load_off(d, a, a, 0.0)  # an oracle estimate never re-plans
+        ratio = busiest(d, 4 * b / b.sum()) / busiest(d, 4 * a / a.sum())
+        assert load_off(d, a, b, 0.1) == (ratio > 1.1 + 1e-9)
 
 
 def test_replica_split_is_near_equal_and_rotates():

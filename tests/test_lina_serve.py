@@ -7,7 +7,7 @@ import pytest
 
 from moelab.config import RunConfig
 from moelab.config_checks import serve_errors
-from moelab.placement.lina import needs_replan
+from moelab.placement.lina import load_off, needs_replan
 from moelab.testing import run_ranks
 
 SERVE = {
@@ -18,30 +18,33 @@ SERVE = {
     "serve.path_len": 2, "serve.profile_batches": 2,
 }
 VARIANTS = ("baseline", "lina", "lina_no_estimation", "lina_no_finetune", "ideal")
+LOAD = ("lina_load", "lina", {"serve.replan_test": "load"})  # phase 2 by the kept plan's busiest load
 
 
 def _serve(rank, world, variants, extra):
     from moelab.runtime.serve import run
 
     out = {}
-    for v in variants:
-        cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": world, "serve.variant": v, **extra}).validate()
+    for entry in variants:  # a variant, or (name, variant, its own overrides)
+        name, v, own = (entry, entry, {}) if isinstance(entry, str) else entry
+        cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": world, "serve.variant": v, **extra,
+                                          **own}).validate()
         assert not serve_errors(cfg)
-        res = run(cfg)
-        out[v] = res
+        out[name] = run(cfg)
     return out
 
 
 @pytest.fixture(scope="module")
 def served():
-    return run_ranks(_serve, 4, VARIANTS, {}, timeout=300), run_ranks(_serve, 1, ("baseline",), {}, timeout=120)
+    return run_ranks(_serve, 4, VARIANTS + (LOAD,), {}, timeout=300), run_ranks(_serve, 1, ("baseline",), {},
+                                                                                timeout=120)
 
 
 def test_every_request_is_served_once_with_the_single_process_answers(served):
     four, one = served
     ref = {r["id"]: r for r in one[0]["baseline"]["requests"]}
     assert sorted(ref) == list(range(10))
-    for v in VARIANTS:
+    for v in VARIANTS + LOAD[:1]:
         got = {r["id"]: r for r in four[0][v]["requests"]}
         assert sorted(got) == list(range(10)), v
         assert all(r["latency_s"] >= r["end_s"] - r["start_s"] - 1e-9 for r in got.values())
@@ -73,6 +76,18 @@ def test_phase_two_replans_iff_the_top_sets_differ(served):
             assert len(devs) == 4 and {e for d in devs for e in d} == {0, 1, 2, 3}
 
 
+def test_phase_two_by_load_replans_iff_phase_ones_plan_carries_more_than_its_estimate(served):
+    import json
+
+    four, _ = served
+    rows = [r for r in four[0][LOAD[0]]["layers"] if r["batch"] >= 0 and r["planned_from"] == "estimate"]
+    assert rows
+    for r in rows:
+        pop_hat, pop = json.loads(r["pop_hat"]), json.loads(r["pop"])
+        kept = json.loads(r["p1_devs"]) if r["replanned"] else json.loads(r["devs"])
+        assert load_off(kept, pop_hat, pop, 0.1) == r["replanned"], r
+
+
 def test_phase_one_loads_the_next_layers_experts_ahead_and_a_kept_plan_swaps_nothing(served):
     four, _ = served
     for v in ("lina", "lina_no_finetune"):
@@ -102,6 +117,8 @@ def test_malformed_requests_are_rejected_not_fatal(tmp_path):
     ({"model.moe.capacity_factor": 1.0}, "no drops"),
     ({"serve.variant": "magic"}, "serve.variant must be one of"),
     ({"serve.replica_rounding": "ceil"}, "replica_rounding must be"),
+    ({"serve.replan_test": "magic"}, "replan_test must be one of"),
+    ({"serve.replan_tol": -0.1}, "replan_tol must be a number >= 0"),
 ])
 def test_bad_serve_config_is_reported_before_launch(over, msg):
     cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 4, **over})

@@ -12,7 +12,8 @@ Every rank runs these on the same all-gathered inputs and gets the same plan wit
   ``rounding="balanced"`` (:func:`allocate_balanced`, an option): replica counts chosen for the busiest
   device instead, packed largest first.
 - :func:`top_set`, :func:`needs_replan`: phase 2 re-plans iff the estimated and actual top-``K``
-  expert sets differ (set comparison, order ignored).
+  expert sets differ (set comparison, order ignored). :func:`load_off` (an option): iff the kept plan's
+  busiest device carries more of the actual load than the estimate promised it.
 - :func:`replica_split`: a source's tokens of one expert in near-equal contiguous parts over its
   replicas, part j to replica ``(j + src) mod R`` (rotation spreads the remainders).
 """
@@ -30,6 +31,7 @@ from moelab.placement import Placement
 
 
 ROUNDING = ("floor", "nearest", "balanced")
+REPLAN_TESTS = ("sets", "load")  # phase 2: the paper's top-K set comparison | the kept plan's busiest load
 BALANCE_TOL = 0.05  # [choice] "balanced" stops adding replicas once the busiest device is within 5 % of the
 #                     mean load (each replica costs a swap and a launch; see allocate_balanced)
 
@@ -184,6 +186,20 @@ def top_set(pop, k: int) -> frozenset:
 def needs_replan(pop_hat, pop, k: int) -> bool:
     """Phase 2: re-plan iff the estimated and the actual top-k sets differ."""
     return top_set(pop_hat, k) != top_set(pop, k)
+
+
+def load_off(devs, pop_hat, pop, tol: float) -> bool:
+    """Phase 2 by load (``serve.replan_test: load``): re-plan iff the plan made from ``pop_hat`` puts on
+    its busiest device more than ``1 + tol`` times the busiest load the estimate predicted for it (both
+    normalised to N devices' worth). The set test ignores magnitudes: a plan can keep the right hot
+    experts and still balance them badly; a plan as good as its estimate is kept however coarse its
+    replicas (a re-plan from the actual counts could not round them finer). An estimate of nothing
+    re-plans."""
+    est, act = np.asarray(pop_hat, dtype=np.float64), np.asarray(pop, dtype=np.float64)
+    if not est.sum() > 0:
+        return True
+    N = len(devs)
+    return busiest(devs, N * act / act.sum()) > (1.0 + tol) * busiest(devs, N * est / est.sum()) + 1e-12
 
 
 def replica_split(count: int, replicas: int, src: int) -> list:

@@ -12,8 +12,9 @@ Per call it picks this batch's placement by the variant, then runs :func:`moelab
   every rank (no scheduler rank: the same plan everywhere without a broadcast) and loads layer l+1's
   newly placed experts from the bank, all while layer l dispatches and computes (the paper's
   prefetch; on a CPU the load is a memory copy). Phase 2 - after layer l+1's gate the
-  count exchange gives the actual popularity; if its top-``k_cmp`` set differs from the estimate's,
-  every rank re-plans from it and loads what the new plan adds on the critical path (blocking);
+  count exchange gives the actual popularity; if its top-``k_cmp`` set differs from the estimate's
+  (``serve.replan_test: load``: if phase 1's plan carries more of the actual load on its busiest device
+  than the estimate promised, by over ``replan_tol``), every rank re-plans from it and loads what the new plan adds on the critical path (blocking);
 - ``lina_no_estimation``: no phase 1; every scheduled layer plans from the actual counts (blocking);
 - ``lina_no_finetune``: phase 1 only.
 
@@ -37,7 +38,7 @@ from moelab.moe.experts import Experts
 from moelab.moe.gates import Gate
 from moelab.moe.layer import init_gate_
 from moelab.moe.serve import serve_forward
-from moelab.placement.lina import allocate, needs_replan
+from moelab.placement.lina import allocate, load_off, needs_replan
 from moelab.runtime.cpu_priority import as_comm_thread
 
 SCHEDULED = ("lina", "lina_no_estimation", "lina_no_finetune")
@@ -62,9 +63,11 @@ def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int, pl
         return static, "static", False
     if sv.variant == "lina_no_estimation":
         return _plan(sv, pop, N, seed), "actual", False
-    if sv.variant == "lina" and needs_replan(pop_hat, pop, sv.k_cmp):
+    kept = planned if planned is not None else phase1_plan(sv, pop_hat, N, seed)
+    if sv.variant == "lina" and (load_off(kept, pop_hat, pop, sv.replan_tol) if sv.replan_test == "load"
+                                 else needs_replan(pop_hat, pop, sv.k_cmp)):
         return _plan(sv, pop, N, seed + 1), "estimate", True
-    return (planned if planned is not None else phase1_plan(sv, pop_hat, N, seed)), "estimate", False
+    return kept, "estimate", False
 
 
 class ServeContext:
@@ -145,6 +148,8 @@ class LinaServeLayer(nn.Module):
                                            ctx.static(), ctx.plan_seed(j), planned)
         t_p2 = time.perf_counter() - t
         rec.update(planned_from=how, replanned=replanned, p1_wait_s=t_p1, prefetched=prefetched, prefetch_s=prefetch_s)
+        if replanned and planned is not None:
+            rec["p1_devs"] = planned  # what phase 1 had loaded, replaced
         if pop_hat is not None:
             rec["pop_hat"] = pop_hat.tolist()
         self._phase1_issue(j + 1)

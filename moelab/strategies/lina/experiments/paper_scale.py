@@ -352,14 +352,15 @@ def fitted_infer_tokens(scale: str, seed: int = 0) -> dict:
 
 @cached
 def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, free_scheduling: bool = False,
-              rounding: str = "floor") -> pd.DataFrame:
+              rounding: str = "floor", replan_test: str = "sets") -> pd.DataFrame:
     """Fig. 16 at one device per expert: every variant's batch times from the REAL model's routing
     traces (its first half fits the path table, the second half is served), priced at paper scale: the
     served half cut into the REAL serving path's batches (B sequences), each tiled to the assumed paper
     batch (``tokens_per_batch``; default: :func:`fitted_infer_tokens`'s) so Lina's fixed scheduling costs
     meet a paper-size batch; ``variants``: default all; ``free_scheduling``: a what-if with the paper's
     scheduler costs (``o_plan``, ``o_check``) set to zero, to separate them from the placement's quality;
-    ``rounding``: the scheduled variants' ``serve.replica_rounding`` (:func:`moelab.placement.lina.allocate`)."""
+    ``rounding``: the scheduled variants' ``serve.replica_rounding`` (:func:`moelab.placement.lina.allocate`);
+    ``replan_test``: Lina's ``serve.replan_test`` (phase 2 by the top sets, or by load)."""
     from moelab.comm.topology import Topology
     from moelab.placement.popularity import PathTable
     from moelab.strategies.lina.sim_infer import InferShape, simulate_serving
@@ -379,7 +380,7 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     k = max(1, round((fitted_infer_tokens(scale, seed)["tokens"] if fit else tokens_per_batch) / real))
     src = np.arange(len(test)) % E
     batches = [np.tile(np.arange(b * real, (b + 1) * real), k) for b in range(n_batches)]
-    sv = ServeConfig(path_len=Lp, replica_rounding=rounding)
+    sv = ServeConfig(path_len=Lp, replica_rounding=rounding, replan_test=replan_test)
     rows = simulate_serving(test, src, batches, variants or VARIANTS, sv, table, calibrated_profile(),
                             Topology(E, min(4, E)), InferShape(),
                             overheads={"o_plan_s": 0.0, "o_check_s": 0.0} if free_scheduling else None)

@@ -30,6 +30,8 @@ DEPARTURE_NOTE = ("lina_coalesce: lina with runs of consecutive small gradients 
 VARIANTS = ("baseline", "ideal", "lina", "lina_no_estimation", "lina_no_finetune")
 SCHEDULED = VARIANTS[2:]  # the variants that plan placements (serve.replica_rounding applies to them)
 BALANCED_SUFFIX = " (balanced)"  # their runs with serve.replica_rounding "balanced" (moelab.placement.lina.allocate_balanced)
+LOAD_KEY = "lina (balanced, load test)"  # lina (balanced) whose phase 2 re-plans by load (serve.replan_test "load")
+LOAD_OPTIONS = {"serve.replica_rounding": "balanced", "serve.replan_test": "load"}
 WORLD, NODES = 4, 2
 
 
@@ -188,7 +190,8 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     ``emulated``: serve over the scale's contention-aware EMULATED links (2 nodes x 2; training stays REAL),
     or over links of ``(intra, inter)`` GB/s per rank when a pair is given. ``rounding``: the scheduled
     variants' ``serve.replica_rounding`` (the spec's ``floor``, or ``nearest``, ``balanced``); with ``floor`` they
-    are also served with ``balanced`` (keys ``"<variant> (balanced)"``) on the same model. ``yields``: serve with
+    are also served with ``balanced`` (keys ``"<variant> (balanced)"``), and ``lina`` with ``balanced`` and
+    phase 2 by load (:data:`LOAD_KEY`), on the same model. ``yields``: serve with
     ``emulation.compute_yields`` (the ranks' serving threads at SCHED_IDLE, phase 1's loader not)."""
     import dataclasses
 
@@ -209,6 +212,7 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
         if rounding == "floor":  # the option beside the spec's rounding, on the same trained model
             runs.update({v + BALANCED_SUFFIX: {"serve.variant": v, **links, "serve.replica_rounding": "balanced"}
                          for v in SCHEDULED})
+            runs[LOAD_KEY] = {"serve.variant": "lina", **links, **LOAD_OPTIONS}
     else:
         runs = {v: {"serve.variant": v, **links} for v in ("ideal", "lina")}
     with tempfile.TemporaryDirectory(prefix="moelab-lina-") as d:
