@@ -52,6 +52,7 @@ Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-
                                  [--only POLICY ...] [--repeat 1]
                                  [--compute-yields auto|on|off]
        python benchmarks/lina.py --serve default [--serve-links 0.01 0.002] [--replica-rounding nearest|balanced]
+                                 [--repeat 1]
                                  # the inference variants (4 ranks, EMULATED)
 """
 from __future__ import annotations
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeat", type=int, default=1, help="rounds of every policy, interleaved (ddp_overlap, priority, "
                    "..., then again): each speedup is the median of the rounds' ratios, so a shared host's slow drifts "
-                   "cancel")
+                   "cancel; with --serve: every variant served R times, interleaved, the samples pooled")
     p.add_argument("--compute-yields", choices=("auto", "on", "off"), default=None,
                    help="emulation.compute_yields: the ranks' compute threads at SCHED_IDLE during the iterations, "
                    "so a communication thread's call does not wait for a core (auto: on where the host allows; "
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
 
     a.compute_yields = resolve(a.compute_yields or ("off" if a.serve else "auto"))
     if a.serve:
-        return serve_rows(a.serve, tuple(a.serve_links), a.replica_rounding, a.compute_yields)
+        return serve_rows(a.serve, tuple(a.serve_links), a.replica_rounding, a.compute_yields, a.repeat)
     gamma_src = "given"
     if a.gamma == "fitted":
         from moelab.strategies.lina.experiments.paper_scale import fitted_gamma
@@ -311,7 +312,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool = False) -> int:
+def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool = False, repeat: int = 1) -> int:
     """Inference: p50/p95/p99 request latency and p95 batch time of every variant over the baseline's, and
     Lina's re-plan rate (4 gloo ranks serving over EMULATED ``links`` = (intra, inter) GB/s, 2 nodes x 2,
     so a hot expert's rank pays for its bytes as on the paper's network; no simulator prediction of this
@@ -322,7 +323,7 @@ def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool =
 
     from moelab.strategies.lina.experiments import frames
 
-    df = frames.serve_summary(scale, emulated=links, rounding=rounding, yields=yields).set_index("variant")
+    df = frames.serve_summary(scale, emulated=links, rounding=rounding, yields=yields, repeat=repeat).set_index("variant")
     base = df.loc["baseline"]
     print(df.attrs["label"])
     print(f"{'variant':30s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "
@@ -331,8 +332,16 @@ def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool =
         ratios = [base[c] / r[c] for c in ("p50_latency_s", "p95_latency_s", "p99_latency_s", "p95_batch_s")]
         print(f"{v:30s} {1e3 * r.p50_latency_s:8.1f} {1e3 * r.p95_latency_s:8.1f} {1e3 * r.p99_latency_s:8.1f} "
               f"{1e3 * r.p95_batch_s:12.1f} " + " ".join(f"{x:9.2f}" for x in ratios))
+    if repeat > 1:  # the spread: baseline over variant per round
+        su = frames.inference_suite(scale, emulated=links, rounding=rounding, yields=yields, repeat=repeat)["serve"]
+
+        def p95(key, rnd):
+            return np.percentile([q["latency_s"] for q in su[key]["requests"] if q["round"] == rnd], 95)
+        print("per round, baseline over variant, p95 request latency:")
+        for v in df.index:
+            print(f"  {v:30s} " + " ".join(f"{p95('baseline', r) / p95(v, r):6.2f}" for r in range(repeat)))
     for key in [k for k in df.index if k.startswith("lina") and "no_" not in k]:  # the runs that re-plan
-        acc = frames.estimation_accuracy(scale, key=key, emulated=links, rounding=rounding, yields=yields)
+        acc = frames.estimation_accuracy(scale, key=key, emulated=links, rounding=rounding, yields=yields, repeat=repeat)
         w = acc.instances.sum()
         print(f"{key}: re-plan rate {np.average(acc.replan_rate, weights=acc.instances) if w else float('nan'):.1%}, "
               f"estimation accuracy {np.average(acc.accuracy, weights=acc.instances) if w else float('nan'):.1%} "

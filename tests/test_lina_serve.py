@@ -135,3 +135,21 @@ def test_moelab_serve_stores_a_run_with_requests_and_batches(tmp_path):
     assert sorted(res.requests["id"]) == list(range(6)) and (res.requests["status"] == "served").all()
     assert res.batches["requests"].sum() == 6 and res.summary["iters"] == len(res.batches)
     assert len(res.plans) == len(res.batches) * 4  # one record per (batch, MoE layer)
+
+
+def test_a_repeated_suite_serves_every_run_in_interleaved_rounds_and_pools_their_records(tmp_path):
+    """``inference_suite(repeat=R)`` (the benchmark's ``--serve ... --repeat R``): each run served R times,
+    every record tagged with its round, the rounds' records pooled under the run's key."""
+    from moelab.strategies.lina.experiments.runs import _suite_rank
+
+    cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 2, "train.iters": 2}).validate().to_dict()
+    runs = {"base": {"serve.variant": "baseline"}, "lina": {"serve.variant": "lina"}}
+    once = run_ranks(_suite_rank, 2, cfg, runs, str(tmp_path / "a"), timeout=300)[0]["serve"]
+    twice = run_ranks(_suite_rank, 2, cfg, runs, str(tmp_path / "b"), 2, timeout=300)[0]["serve"]
+    assert list(twice) == list(runs)
+    for key in runs:
+        for part in ("requests", "batches", "layers"):
+            rounds = [row["round"] for row in twice[key][part]]  # batches per run depend on arrival timing
+            assert rounds == sorted(rounds) and set(rounds) == {0, 1} and once[key][part], (key, part)
+        ids = [q["id"] for q in twice[key]["requests"]]
+        assert sorted(ids) == sorted(2 * [q["id"] for q in once[key]["requests"]])

@@ -100,10 +100,10 @@ def busy_and_memory(scale, seed=0, policies=("ddp_overlap", "lina_full")) -> pd.
 
 
 # ---- inference (REAL) ---------------------------------------------------------------------------------
-def serve_summary(scale, seed=0, keys=None, emulated=False, rounding="floor", yields=False) -> pd.DataFrame:
+def serve_summary(scale, seed=0, keys=None, emulated=False, rounding="floor", yields=False, repeat=1) -> pd.DataFrame:
     """Fig. 16 (REAL; ``emulated``: served over EMULATED links): per variant, request latency p50/p95/p99
-    and batch time median/p95, each also over Ideal's (``yields``: see :func:`inference_suite`)."""
-    su = inference_suite(scale, seed, emulated=emulated, rounding=rounding, yields=yields)
+    and batch time median/p95, each also over Ideal's (``yields``, ``repeat``: see :func:`inference_suite`)."""
+    su = inference_suite(scale, seed, emulated=emulated, rounding=rounding, yields=yields, repeat=repeat)
     keys = keys or [k for k in su["serve"] if not k.startswith("lina_Lp")]
     rows = []
     for k in keys:
@@ -129,8 +129,8 @@ def speedups_over_baseline(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def layer_records(scale, seed=0, key="lina", dataset="pydocs", emulated=False, rounding="floor",
-                  yields=False) -> pd.DataFrame:
-    su = inference_suite(scale, seed, dataset, emulated, rounding, yields)
+                  yields=False, repeat=1) -> pd.DataFrame:
+    su = inference_suite(scale, seed, dataset, emulated, rounding, yields, repeat)
     df = pd.DataFrame(su["serve"][key]["layers"])
     for col in ("pop", "pop_hat", "devs"):
         if col in df:
@@ -153,9 +153,9 @@ def layer_p95(scale, seed=0) -> pd.DataFrame:
 
 
 def estimation_accuracy(scale, seed=0, key="lina", k=2, dataset="pydocs", emulated=False,
-                        rounding="floor", yields=False) -> pd.DataFrame:
+                        rounding="floor", yields=False, repeat=1) -> pd.DataFrame:
     """Fig. 19 (REAL): per MoE layer, the fraction of batches whose estimated top-k set was right."""
-    df = layer_records(scale, seed, key, dataset, emulated, rounding, yields)
+    df = layer_records(scale, seed, key, dataset, emulated, rounding, yields, repeat)
     df = df[df.planned_from == "estimate"]
     rows = [{"layer": int(layer), "accuracy": float(np.mean([top_set(a, k) == top_set(b, k)
                                                               for a, b in zip(g.pop_hat, g["pop"])])),

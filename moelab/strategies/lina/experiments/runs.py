@@ -164,7 +164,7 @@ def max_pack(s) -> int:
     return 4 * max(1, s.i_experts // WORLD)
 
 
-def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir):
+def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir, repeat=1):
     from moelab.runtime.checkpoint import save
     from moelab.runtime.serve import run
     from moelab.runtime.train import Trainer
@@ -174,16 +174,19 @@ def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir):
     rows = tr.run()
     save(tr, ckpt_dir, cfg.train.iters)
     out = {"losses": [r["loss"] for r in rows], "loads": tr.loads, "serve": {}}
-    for key, over in runs.items():
-        sc = RunConfig.from_dict(cfg_dict).with_overrides({"train.init_from": ckpt_dir, **over}).validate()
-        res = run(sc)
-        out["serve"][key] = {"requests": res["requests"], "batches": res["batches"], "layers": res["layers"]}
+    for rnd in range(repeat):  # rounds of every run, interleaved: a drift of the host hits every variant alike
+        for key, over in runs.items():
+            sc = RunConfig.from_dict(cfg_dict).with_overrides({"train.init_from": ckpt_dir, **over}).validate()
+            res = run(sc)
+            got = out["serve"].setdefault(key, {"requests": [], "batches": [], "layers": []})
+            for part, rows in got.items():
+                rows += [{**row, "round": rnd} for row in res[part]]
     return out
 
 
 @cached
 def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated: bool = False,
-                    rounding: str = "floor", yields: bool = False) -> dict:
+                    rounding: str = "floor", yields: bool = False, repeat: int = 1) -> dict:
     """Train, checkpoint and serve (see module doc). Returns rank 0's records per serve run (keys: the
     variants, and ``lina_Lp{n}`` per Table 5 path length; on another ``dataset`` ``ideal`` and ``lina``),
     ``loads`` (training, last iterations), ``traces`` ([tokens, MoE layers] of the profiling split), ``losses``.
@@ -192,7 +195,8 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     variants' ``serve.replica_rounding`` (the spec's ``floor``, or ``nearest``, ``balanced``); with ``floor`` they
     are also served with ``balanced`` (keys ``"<variant> (balanced)"``), and ``lina`` with ``balanced`` and
     phase 2 by load (:data:`LOAD_KEY`), on the same model. ``yields``: serve with
-    ``emulation.compute_yields`` (the ranks' serving threads at SCHED_IDLE, phase 1's loader not)."""
+    ``emulation.compute_yields`` (the ranks' serving threads at SCHED_IDLE, phase 1's loader not). ``repeat``:
+    serve every run that many times, interleaved, its records pooled (each with its ``round``)."""
     import dataclasses
 
     from moelab.testing import run_ranks
@@ -216,7 +220,7 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     else:
         runs = {v: {"serve.variant": v, **links} for v in ("ideal", "lina")}
     with tempfile.TemporaryDirectory(prefix="moelab-lina-") as d:
-        res = run_ranks(_suite_rank, WORLD, cfg.to_dict(), runs, d, timeout=3600)
+        res = run_ranks(_suite_rank, WORLD, cfg.to_dict(), runs, d, repeat, timeout=3600 * repeat)
         out = res[0]
         out["traces"] = _traces(cfg, d) if dataset == "pydocs" else None  # Figs. 9, Table 2: the main domain
     out["label"] = (f"REAL: {WORLD} gloo ranks, a {s.i_layers}-layer MoE LM (d={s.i_d}, E={s.i_experts}, top-1) "
@@ -228,6 +232,8 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
         out["label"] += f", replicas rounded {rounding} (the spec's floor is the default)"
     if yields:
         out["label"] += ", compute yielding to communication (SCHED_IDLE)"
+    if repeat > 1:
+        out["label"] += f", every variant served {repeat} times, interleaved, the rounds' samples pooled"
     return out
 
 
