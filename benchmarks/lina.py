@@ -41,11 +41,11 @@ behind 4 ranks' compute on 2 cores (as a NIC does not wait for the GPU). The bus
 with the probe's compute thread at SCHED_IDLE too.
 
 Control: the same model packed q = E (every rank holds every expert, so no all-to-all byte leaves a
-rank) under ``lina`` vs ``ddp_overlap`` (also ``lina_coalesce``, ``lina_inflight2``/``4`` and ``lina_drain4`` when
-they run: one micro-op in flight exposes each call's fixed cost, ``drain_inflight`` lifts the bound after
-backward). Targets (issue #13): backward all-to-all >= 1.3x faster; step >= 1.1x at an all-to-all share >= 30 %;
-control within 5 %; predictions within 25 %. CPU timings
-are not the paper's GPUs: the ratios check mechanisms.
+rank) under ``lina`` vs ``ddp_overlap`` (also ``lina_coalesce``, ``lina_inflight2``/``4``, ``lina_drain4`` and
+``lina_plan_drain4`` when they run: one micro-op in flight exposes each call's fixed cost, ``drain_inflight``
+lifts the bound after backward). Targets (issue #13): backward all-to-all >= 1.3x faster; step >= 1.1x at an
+all-to-all share >= 30 %; control within 5 %; predictions within 25 %. CPU timings are not the paper's GPUs: the
+ratios check mechanisms.
 
 Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-mb 0.04] [--batch 4]
                                  [--intra 0.02] [--inter 0.005] [--gamma fitted] [--d 192] [--ff 16] [--layers 4]
@@ -75,6 +75,7 @@ EXTRA = {"lina_inflight2": ("lina", {"max_inflight": 2}),  # the same policy, tw
          "priority_plan": ("priority", {"launch_agreement": "plan"}),
          "lina_plan": ("lina", {"launch_agreement": "plan"}),
          "lina_pipe_plan": ("lina_pipe", {"launch_agreement": "plan"}),
+         "lina_plan_drain4": ("lina", {"launch_agreement": "plan", "drain_inflight": 4}),  # both
          # small gradients (norms, biases) share micro-ops of <= S: a departure from the spec (one gradient each)
          "lina_coalesce": ("lina", {"coalesce_bytes": "S"}),
          "lina_pipe_coalesce": ("lina_pipe", {"coalesce_bytes": "S"}),
@@ -215,8 +216,8 @@ def main(argv=None) -> int:
     from moelab.sim.realruns import run_real_many
 
     names = tuple(n for n in POLICIES + tuple(EXTRA) if not a.only or n == "ddp_overlap" or n in a.only)
-    controls = ("ddp_overlap", "lina") + tuple(n for n in ("lina_coalesce", "lina_inflight2", "lina_inflight4", "lina_drain4")
-                                               if n in names)
+    in_control = ("lina_coalesce", "lina_inflight2", "lina_inflight4", "lina_drain4", "lina_plan_drain4")
+    controls = ("ddp_overlap", "lina") + tuple(n for n in in_control if n in names)
     cfgs = [config(a, pol, **opts) for pol, opts in map(variant, names)]
     ctrl_cfgs = [config(a, pol, 4, **opts) for pol, opts in map(variant, controls)]
     n = len(cfgs)
