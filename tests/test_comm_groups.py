@@ -193,3 +193,41 @@ def test_trainer_creates_the_declared_groups(world):
     for r, (ranks, s) in enumerate(run_ranks(_trainer_groups, world, timeout=90)):
         mine = list(range(half)) if r < half else list(range(half, world))
         assert ranks == mine and s == sum(m + 1 for m in mine)
+
+
+def _built_and_closed(rank, world, runs, close):
+    import os
+
+    from moelab.comm.door import Communicator
+    from moelab.config import EmulationConfig
+
+    def threads():
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+    emu = EmulationConfig(enabled=True, intra_bw_GBps=10.0, inter_bw_GBps=10.0)
+    counts, sums = [threads()], []
+    for k in range(runs):  # a benchmark's configurations, one after another in one process
+        comm = Communicator(Topology(world, world), emu, groups={"esp": [list(range(world))]})
+        x = torch.tensor([float(rank + k)])
+        comm.all_reduce_(x, group="esp")
+        comm.replica_group(list(range(world)))
+        sums.append(float(x))
+        if close:
+            comm.close()
+            comm.close()  # idempotent
+        counts.append(threads())
+    return counts, sums
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_closed_communicator_leaves_no_process_group_threads_behind():
+    """``Communicator.close``: a process building one communicator per configuration keeps a bounded
+    number of threads, where without it every build adds its groups' gloo threads; the world group
+    still works for the next build."""
+    closed = run_ranks(_built_and_closed, 2, 6, True, timeout=120)
+    kept = run_ranks(_built_and_closed, 2, 6, False, timeout=120)
+    for r in range(2):
+        assert closed[r][1] == kept[r][1] == [float(2 * k + 1) for k in range(6)]
+        c, k = closed[r][0], kept[r][0]
+        assert max(c) <= c[0] + 2, c  # every build closed: back to the threads before it
+        assert k[-1] >= k[1] + 5 * 4, k  # each build without close adds its groups' threads

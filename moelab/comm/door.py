@@ -113,6 +113,7 @@ class Communicator:
         declared = validate_groups(groups or {}, self.world_size)
         decl = {**default_groups(topo), **declared}
         self._groups: dict = {}
+        self._made: list = []  # the process groups this communicator created, destroyed by close()
         self._seq: dict = {}
         self._shadow: dict = {}  # group -> what agrees on a call's emulated finish: a Board or a process group
         self._replica_names: dict = {}  # rank set -> name of its on-demand group (replica_group)
@@ -143,7 +144,25 @@ class Communicator:
 
     def _new_group(self, ranks):
         # every rank creates every instance; a one-rank instance never communicates: none is made
-        return dist.new_group(ranks) if self.distributed and len(ranks) > 1 else None
+        pg = dist.new_group(ranks) if self.distributed and len(ranks) > 1 else None
+        if pg is not None and pg is not dist.GroupMember.NON_GROUP_MEMBER:
+            self._made.append(pg)
+        return pg
+
+    def close(self) -> None:
+        """Destroy the process groups this communicator made, after a barrier on the world (no peer is
+        still in a call on one). Collective; call it once the run's last collective is done. A process
+        that runs many configurations in turn (a benchmark, a reproduction suite) otherwise keeps every
+        run's groups and their gloo threads: ~15 threads per run and rank, whose idle wake-ups took
+        ~13 % of a core per rank after 24 short serving runs on 4 ranks (0.4 s of CPU in 3 idle
+        seconds, against 0.08 s after 2). Idempotent."""
+        made, self._made = self._made, []
+        if made and dist.is_initialized():
+            dist.barrier()
+            for pg in made:
+                dist.destroy_process_group(pg)
+        # drop this communicator's references too: a group's threads end when its last reference goes
+        self._groups, self._shadow, self._replica_names = {}, {}, {}
 
     # ---- the emulator's finish-time agreement ------------------------------------------------
     def _board_setup(self, mode: str):

@@ -250,6 +250,7 @@ def run(cfg: RunConfig, out_dir=None) -> dict:
         ctx.close()
     if out_dir is not None:
         write_outputs(out_dir, comm, res, rejected, traces)
+    comm.close()  # a process serving again (a suite's next variant) starts without this run's groups
     res["rejected"] = rejected
     return res
 

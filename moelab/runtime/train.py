@@ -240,6 +240,14 @@ class Trainer:
                     on_iter(row)
         return self.metrics
 
+    def close(self) -> None:
+        """The end of this trainer in a process that goes on (a benchmark's or a suite's next configuration):
+        the update's hooks and threads, then the communicator's process groups (collective: every rank)."""
+        close = getattr(self.update, "close", None)
+        if close is not None:
+            close()
+        self.comm.close()
+
     def write_outputs(self, out_dir: str) -> None:
         """Rank 0: metrics.csv, loads.csv; every rank: trace_rank{r}.json (at most ``train.trace_iters``
         iterations), comm_rank{r}.csv (every record)."""

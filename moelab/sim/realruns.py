@@ -126,7 +126,7 @@ def _real_worker(rank, world, cfg_dicts, probe=None):
                                 for m in tr.metrics]))
         if probe is not None:
             out[-1]["probe"] = probe(tr)
-        del tr
+        tr.close()  # its process groups and threads: the next configuration runs beside none of them
     return out
 
 

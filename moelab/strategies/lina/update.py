@@ -131,6 +131,10 @@ class LinaUpdate(OverlappedDataParallelUpdate):
         super().step()
         self.iteration += 1
 
+    def close(self) -> None:
+        """Stop the communication thread (:meth:`moelab.runtime.train.Trainer.close`)."""
+        self.sched.close()
+
     def checkpoint_state(self) -> dict:
         return {"iteration": self.iteration, "packing": self.packing.state() if self.packing else None}
 

@@ -174,6 +174,7 @@ def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir, repeat=1):
     rows = tr.run()
     save(tr, ckpt_dir, cfg.train.iters)
     out = {"losses": [r["loss"] for r in rows], "loads": tr.loads, "serve": {}}
+    tr.close()
     for rnd in range(repeat):  # rounds of every run, interleaved: a drift of the host hits every variant alike
         for key, over in runs.items():
             sc = RunConfig.from_dict(cfg_dict).with_overrides({"train.init_from": ckpt_dir, **over}).validate()
