@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.config import ServeConfig
 from moelab.placement.lina import BALANCE_TOL
 from moelab.repro.registry import Made, Quantity, product
 
@@ -117,8 +118,8 @@ def fig16s(ctx):
 
 
 LOAD_NOTE = (f"row '{LOAD_KEY}': an option, not the paper's - lina (balanced) whose phase 2 re-plans iff the kept plan's "
-             "busiest device carries more than 1 + serve.replan_tol (0.1) times the load the estimate predicted for it "
-             "(serve.replan_test: load), instead of iff the top-2 sets differ")
+             f"busiest device carries more than 1 + serve.replan_tol ({ServeConfig.replan_tol}) times the load the estimate "
+             f"predicted for it (serve.replan_test: load), instead of iff the top-{ServeConfig.k_cmp} sets differ")
 WHAT_IF = ", scheduler costs 0 (what-if)"  # the sensitivity row priced without Lina's scheduler costs
 
 
