@@ -14,7 +14,8 @@ Per call it picks this batch's placement by the variant, then runs :func:`moelab
   prefetch; on a CPU the load is a memory copy). Phase 2 - after layer l+1's gate the
   count exchange gives the actual popularity; if its top-``k_cmp`` set differs from the estimate's
   (``serve.replan_test: load``: if phase 1's plan carries more of the actual load on its busiest device
-  than the estimate promised, by over ``replan_tol``), every rank re-plans from it and loads what the new plan adds on the critical path (blocking);
+  than the estimate promised, by over ``replan_tol``), every rank re-plans from it and loads what the
+  new plan adds on the critical path (blocking);
 - ``lina_no_estimation``: no phase 1; every scheduled layer plans from the actual counts (blocking);
 - ``lina_no_finetune``: phase 1 only.
 

@@ -73,8 +73,8 @@ def plans_for_batch(traces, src, variant: str, sv, table, N: int, E: int, seed: 
         if scheduled and variant != "lina_no_estimation":
             pop_hat = table.estimate(t[:, j - sv.path_len:j], j, sv.k_est)
         plan_seed = hash((seed, batch, j)) & 0x7FFFFFFF
-        devs, how, replanned = choose_plan(sv, scheduled, pop, pop_hat, N, static, plan_seed)
-        early = (phase1_plan(sv, pop_hat, N, plan_seed) if replanned else devs) if how == "estimate" else None
+        early = phase1_plan(sv, pop_hat, N, plan_seed) if pop_hat is not None else None  # phase 1, as loaded
+        devs, how, replanned = choose_plan(sv, scheduled, pop, pop_hat, N, static, plan_seed, early)
         out.append((devs, how, replanned, counts, early))
     return out
 
