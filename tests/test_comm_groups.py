@@ -205,29 +205,34 @@ def _built_and_closed(rank, world, runs, close):
         return len(os.listdir(f"/proc/{os.getpid()}/task"))
 
     emu = EmulationConfig(enabled=True, intra_bw_GBps=10.0, inter_bw_GBps=10.0)
-    counts, sums = [threads()], []
+    counts, sums, reused, prev = [threads()], [], [], None
     for k in range(runs):  # a benchmark's configurations, one after another in one process
         comm = Communicator(Topology(world, world), emu, groups={"esp": [list(range(world))]})
         x = torch.tensor([float(rank + k)])
         comm.all_reduce_(x, group="esp")
         comm.replica_group(list(range(world)))
         sums.append(float(x))
+        groups = {id(pg) for _, pg in comm._made}
+        reused.append(prev is not None and groups == prev)
+        prev = groups
         if close:
             comm.close()
             comm.close()  # idempotent
         counts.append(threads())
-    return counts, sums
+    return counts, sums, reused
 
 
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_a_closed_communicator_leaves_no_process_group_threads_behind():
     """``Communicator.close``: a process building one communicator per configuration keeps a bounded
-    number of threads, where without it every build adds its groups' gloo threads; the world group
-    still works for the next build."""
+    number of threads (the next build takes the closed one's groups from the pool), where without it
+    every build adds its groups' gloo threads; the pooled groups compute the right sums."""
     closed = run_ranks(_built_and_closed, 2, 6, True, timeout=120)
     kept = run_ranks(_built_and_closed, 2, 6, False, timeout=120)
     for r in range(2):
         assert closed[r][1] == kept[r][1] == [float(2 * k + 1) for k in range(6)]
         c, k = closed[r][0], kept[r][0]
-        assert max(c) <= c[0] + 2, c  # every build closed: back to the threads before it
+        assert max(c[1:]) <= c[1] + 2, c  # after the first build, no build adds threads
         assert k[-1] >= k[1] + 5 * 4, k  # each build without close adds its groups' threads
+        assert closed[r][2] == [False] + [True] * 5  # every later build took the same groups back
+        assert not any(kept[r][2])  # nothing given back, nothing reused
