@@ -174,6 +174,7 @@ def train_snapshot(rank: int, world: int, overrides: dict) -> dict:
             for s, e in enumerate(ex.experts):
                 experts[(li, e)] = torch.cat([p[s].detach().reshape(-1) for p in (ex.w1, ex.b1, ex.w2, ex.b2)]).clone()
         dense = torch.cat([p.detach().reshape(-1) for p in model.dense_parameters()]).clone()
+    tr.close()  # callers train many configurations in one spawn
     return dict(losses=losses, experts=experts, loads=tr.loads, dense=dense,
                 shadows=[list(getattr(layer, "shadow_log", [])) for layer in tr.model.moe_layers()],
                 ops=ops, cls=type(tr.model.moe_layers()[0]).__name__)

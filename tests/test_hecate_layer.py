@@ -46,6 +46,7 @@ def _layer(rank, world, G, cases):
         ((y * gys[rank]).sum() + layer.aux_loss).backward()
         recs = [(r.tags.get("phase"), {q: b for q, b in r.sent_to.items() if q != rank},
                  {q: b for q, b in r.recv_from.items() if q != rank}) for r in comm.rec.comm if r.group == "sparse"]
+        comm.close()  # one spawn runs every case: hand the groups on to the next
         out.append(dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad.clone(), eg=expert_grads(layer.experts),
                         rec=layer.plan_record()["hecate"], recs=recs))
     return out

@@ -77,9 +77,7 @@ def _run(rank, world, runs):
                         log=list(packing.log) if packing else None,
                         migrated=sum(r.tags.get("phase") == "migrate" for r in tr.comm.rec.comm),
                         metrics=[m for m in tr.layer_metrics if "pack_decision" in m])
-        sched = getattr(tr.update, "sched", None)
-        if sched:
-            sched.close()
+        tr.close()  # the communication thread, then the groups (handed on to the next run)
     return out
 
 

@@ -39,8 +39,7 @@ def _train(rank, world, policies, opts, overrides=None):
             stalls=sched.stalls if sched else 0, dp_seq=dp_seq, plans=list(sched.plans) if sched else [],
             micro_ops=list(getattr(upd, "last_micro_ops", [])),
             shapes=[(p.numel(), p.element_size()) for p in getattr(upd, "order", [])])
-        if sched:
-            sched.close()
+        tr.close()  # the communication thread, then the groups (handed on to the next run)
     return out
 
 
@@ -204,9 +203,7 @@ def _packed(rank, world, runs):
                 experts[(li, e)] = torch.cat([p[s].detach().reshape(-1) for p in (ex.w1, ex.b1, ex.w2, ex.b2)]).clone()
         dense = torch.cat([p.detach().reshape(-1) for p in tr.model.dense_parameters()]).clone()
         out[key] = dict(losses=losses, experts=experts, dense=dense)
-        sched = getattr(tr.update, "sched", None)
-        if sched:
-            sched.close()
+        tr.close()  # the communication thread, then the groups (handed on to the next run)
     return out
 
 
@@ -255,7 +252,7 @@ def _packed_timing(rank, world):
     for rec in tr.update.sched.records:
         if rec["kind"] == "low" and rec["group"] in expert_groups:
             out.setdefault(rec["iter"], {"a2a": [], "experts": []})["experts"].append(rec["enqueue"] + shift)
-    tr.update.sched.close()
+    tr.close()
     return out
 
 

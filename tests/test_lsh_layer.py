@@ -45,6 +45,7 @@ def _run(rank, world, E, cases, hot):
         ((y * gys[rank]).sum() + layer.aux_loss).backward()
         a2a = [(r.tags.get("phase"), dict(r.sent_to), dict(r.recv_from)) for r in comm.rec.comm if r.op == "all_to_all"]
         gathers = [sum(r.sent_to.values()) for r in comm.rec.comm if r.op == "all_gather"]
+        comm.close()  # one spawn runs every case: hand the groups on to the next
         out.append(dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad.clone(), aux=layer.aux_loss.detach(),
                         eg=expert_grads(layer.experts), idx=layer.last_routing.idx, w=layer.last_routing.weights.detach(),
                         rec=layer.plan_record(), metrics=dict(getattr(layer, "last_metrics", {})), a2a=a2a,

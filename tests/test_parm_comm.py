@@ -42,6 +42,7 @@ def _saa_rank(rank, world):
         (y2 * W.reshape(y2.shape)).sum().backward()
         out[n_mp] = dict(equal=torch.equal(A, B), grad_equal=torch.equal(x1.grad, x2.grad), op=rec.op,
                          group=rec.group, sent=rec.sent_to, phases=len(phases), mp=comm.group_ranks(MP))
+        comm.close()  # one spawn runs every case: hand the groups on to the next
     return out
 
 
@@ -82,6 +83,7 @@ def _saa_combined_rank(rank, world, cells):
         (y2.sum(2) * W).sum().backward()
         out[(n_mp, n_esp)] = dict(equal=torch.equal(comb, want),
                                   grad=torch.equal(x1.grad, x2.grad), sent=rec.sent_to, mp=comm.group_ranks(MP))
+        comm.close()  # one spawn runs every case: hand the groups on to the next
     return out
 
 
@@ -127,6 +129,7 @@ def _fusion_rank(rank, world):
         (fused * W).sum().backward()
         (base * W).sum().backward()
         out[(n_esp, E)] = dict(fused=fused.detach(), base=base.detach(), g1=g1.grad, g2=g2.grad)
+        comm.close()  # one spawn runs every case: hand the groups on to the next
     return out
 
 
@@ -254,6 +257,7 @@ def _records_rank(rank, world, cells, f):
             out[(n_mp, n_esp, sched, variant, saa_bwd, mode)] = dict(
                 calls=[(r.op, r.group, r.tags.get("phase", "fwd"), r.sent_to) for r in comm.rec.comm[n0:]],
                 values=(y.detach(), x.grad, layer.wg.grad, layer.w1.grad, layer.w2.grad))
+        comm.close()  # one spawn runs every case: hand the groups on to the next
     return out
 
 

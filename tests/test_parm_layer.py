@@ -55,6 +55,7 @@ def _layer_results(rank, world, cells, gate, dispatchers, e_local):
                     y=y.detach(), gx=x.grad, gg=layer.wg.grad, w1=layer.w1.grad, w2=layer.w2.grad,
                     b2=None if layer.b2 is None else layer.b2.grad, last=dict(layer.last),
                     experts=lay.experts_of(rank), esp=lay.coords(rank)["esp"])
+        comm.close()  # one spawn runs every case: hand the groups on to the next
     return out
 
 
@@ -188,6 +189,7 @@ def _drop_results(rank, world, cells, f):
             with torch.no_grad():
                 y = layer(xs[lay.coords(rank)["dp"]])
             out[(n_mp, n_esp, sched)] = (y, float(layer.aux), layer.last["capacity"])
+        comm.close()  # one spawn runs every case: hand the groups on to the next
     return out
 
 

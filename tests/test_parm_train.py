@@ -60,6 +60,7 @@ def _train(rank, world, runs):
         tr = Trainer.build(cfg)
         losses = [row["loss"] for row in tr.run()]
         out[key] = dict(losses=losses, params=_full_params(tr))
+        tr.close()  # one spawn runs every case: hand the groups on to the next
     return out
 
 

@@ -51,6 +51,7 @@ def _train(rank, world, overrides):
     out["experts"] = experts
     if hasattr(upd, "full_params"):
         out["materialized_after"] = upd.materialized
+    tr.close()  # callers train many configurations in one spawn
     return out
 
 

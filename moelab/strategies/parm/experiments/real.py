@@ -77,6 +77,7 @@ def _rank(rank, world, scale, seed=0):
         if cell == (2, 2):
             out["fits"]["REAL"] = F.measure_fits(comm, lay, sizes=tuple(2 ** e for e in s.fit_exps),
                                                  reps=s.fit_reps, warmup=1)
+        comm.close()  # every cell builds two communicators: hand their groups on to the next
         emu = Communicator(topo, emulation=emulation(s), groups=lay.groups())
         layers = {m: ParmMoE(emu, lay, s.M, s.h * n_esp, schedule=m, capacity_factor=s.f, seed=seed) for m in SCHEDULES}
         times = time_round_robin(emu, layers, x, s.iters, s.warmup)
@@ -97,6 +98,7 @@ def _rank(rank, world, scale, seed=0):
                 med = {m: statistics.median(v) for m, v in t.items()}
                 pick, _, _ = select(ParmShape(B=1, L=S_, M=M_, E=lay.num_experts, k=1, f=f_, n_mp=4, n_esp=4), ab)
                 out["f7"].append(dict(S=S_, M=M_, f=f_, **{f"{m}_s": v for m, v in med.items()}, pick=pick))
+        emu.close()
     return out
 
 
