@@ -8,6 +8,8 @@ timelines), the byte checks of the tests, and the simulator's validation.
 
 - **Groups** are real process groups, one per declared instance, created once at build
   (:mod:`moelab.comm.groups`), so two threads may run collectives on two groups at once.
+  ``close()`` hands them to a per-process pool that the next communicator over the same rank sets
+  takes from (a process that runs many configurations keeps a bounded number of groups).
 - **Async**: every collective takes ``async_op=True`` and returns a :class:`Handle`; ``wait()``
   returns the result and completes the record. A sync call is issue + wait.
 - **Scheduler hook**: ``Communicator.scheduler`` (:mod:`moelab.comm.scheduler`) admits every call
