@@ -236,3 +236,35 @@ def test_a_closed_communicator_leaves_no_process_group_threads_behind():
         assert k[-1] >= k[1] + 5 * 4, k  # each build without close adds its groups' threads
         assert closed[r][2] == [False] + [True] * 5  # every later build took the same groups back
         assert not any(kept[r][2])  # nothing given back, nothing reused
+
+
+def _across_worlds(rank, world):
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from moelab.comm.door import Communicator
+
+    def build_and_sum(k):
+        comm = Communicator(Topology(world, world), groups={"esp": [list(range(world))]})
+        x = torch.tensor([float(rank + k)])
+        comm.all_reduce_(x, group="esp")
+        made = [pg for _, pg in comm._made]  # held: an id alone could be reused by a later object
+        comm.close()
+        return float(x), made
+
+    first, old = build_and_sum(0)  # its groups go to the pool ...
+    dist.destroy_process_group()  # ... and die with the world
+    store = dist.PrefixStore("second world", dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), None, False,
+                                                           timedelta(seconds=60)))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    second, new = build_and_sum(1)
+    return first, second, sum(a is b for a in old for b in new)
+
+
+def test_a_new_world_does_not_take_the_old_worlds_groups():
+    """The pool empties when the default group changes: a communicator built after the world was destroyed
+    and initialised again creates its groups, and they compute the right sums."""
+    for first, second, shared in run_ranks(_across_worlds, 2, timeout=90):
+        assert (first, second, shared) == (1.0, 3.0, 0)
