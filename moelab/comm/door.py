@@ -196,7 +196,7 @@ class Communicator:
             dist.barrier()
             for key, pg in made:
                 _GROUP_POOL.give(key, pg)
-        # drop this communicator's references too: a group's threads end when its last reference goes
+        # drop this communicator's references too: its groups may now serve another communicator
         self._groups, self._shadow, self._replica_names = {}, {}, {}
 
     # ---- the emulator's finish-time agreement ------------------------------------------------
