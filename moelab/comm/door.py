@@ -102,10 +102,11 @@ class _GroupPool:
             self._world, self._free = world, {}
         return self._free
 
-    def take(self, key: tuple) -> Optional[tuple]:
-        """``(group,)`` given back over ``key`` earliest, or None: call ``new_group``."""
+    def take(self, key: tuple):
+        """The group given back over ``key`` earliest, or None: call ``new_group`` (which never
+        returns None; a non-member's placeholder is a value too)."""
         free = self._current().get(key)
-        return (free.pop(0),) if free else None
+        return free.pop(0) if free else None
 
     def give(self, key: tuple, pg) -> None:
         self._current().setdefault(key, []).append(pg)
@@ -177,8 +178,9 @@ class Communicator:
         if not (self.distributed and len(ranks) > 1):
             return None
         key = tuple(ranks)
-        pooled = _GROUP_POOL.take(key)
-        pg = pooled[0] if pooled else dist.new_group(ranks)
+        pg = _GROUP_POOL.take(key)
+        if pg is None:
+            pg = dist.new_group(ranks)
         self._made.append((key, pg))
         return pg
 
