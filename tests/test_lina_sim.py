@@ -272,3 +272,27 @@ def test_drain_inflight_lifts_the_bound_only_after_backward():
     during = [o for o in grads if four.start[o.id] < backward_end - 1e-12]
     assert during and peak(during) == 1
     assert peak(grads) == 4
+
+
+def test_leader_agreement_prices_one_control_broadcast_before_each_micro_op():
+    """``launch_agreement: leader``: each micro-op follows its leader's go, a 1-element broadcast on the
+    micro-op's stream and ranks; with a per-call cost the iteration gets longer by those calls."""
+    prof = dataclasses.replace(get_profile("lina"), call_overhead_s=2e-3)
+
+    def run(agreement):
+        cfg = paper_cfg(layers=4).with_overrides({"parallel.strategy_options": {
+            "partition_bytes": 4e6, "launch_agreement": agreement}})
+        g = lina_iteration_graph(cfg, prof, synthetic_loads(cfg), policy="lina", elem_bytes=2)
+        return g, simulate(g)
+
+    (g0, none), (g1, lead) = run("none"), run("leader")
+    assert not [o for o in g0.ops if o.name.endswith(".lead")]
+    by_id = {o.id: o for o in g1.ops}
+    grads = [o for o in g1.ops if o.category == "allreduce"]
+    goes = [o for o in g1.ops if o.name.endswith(".lead")]
+    assert len(goes) == len(grads) == len([o for o in g0.ops if o.category == "allreduce"])
+    for o in grads:
+        (go,) = [by_id[d] for d in o.deps]
+        assert go.name == o.name + ".lead" and go.stream == o.stream and go.ranks == o.ranks
+        assert lead.start[o.id] >= lead.end[go.id] - 1e-12
+    assert lead.makespan > none.makespan

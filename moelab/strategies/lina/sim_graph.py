@@ -28,7 +28,9 @@ The scheduled policies (``priority`` and the partitioned ones) also gate calls p
 (:attr:`moelab.sim.engine.OpGraph.call_gate`): a started micro-op is not shared with the all-to-all
 that arrives, the all-to-all waits for it (``a2a_waits_for_inflight``). Micro-op n starts after
 micro-op n - ``max_inflight``, or, with ``drain_inflight``, after n - ``drain_inflight`` once the backward's
-last gradient is ready (:attr:`moelab.sim.engine.OpGraph.any_of`).
+last gradient is ready (:attr:`moelab.sim.engine.OpGraph.any_of`). With ``launch_agreement: leader`` every
+micro-op is preceded by its leader's go, a 1-element broadcast on the same stream (category ``scheduler``:
+a call's fixed cost each; the leader's gate is priced as every rank's).
 
 Not modelled: the combine-backward block and the pipelined backward's hold (the DES knows the
 all-to-all's time, so nothing is launched "just before" it by accident) and the bounded wait's releases
@@ -149,6 +151,7 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
             low = set(streams) | {AR}
             g.call_gate = ({A2A, f"{A2A}.software"}, low | {f"{x}.software" for x in low}, opts.a2a_waits_for_inflight)
         issued: list = []  # per unit, its ops
+        leader = opts.scheduled and opts.launch_agreement == "leader"
         for n, (nbytes, k) in enumerate(units):
             deps = list(ready[k][1])
             if policy == "fixed":
@@ -162,12 +165,18 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
                 go = g.add(f"grad.{policy}.{n}.go", ranks, stream="allreduce.go", deps=deps, category="scheduler")
                 g.any_of[go] = (issued[n - inflight], tuple(ready[-1][1]))
                 deps = [go]
-            issued.append(tuple(g.transfer(f"grad.{policy}.{n}" + (f".g{gi}" if len(groups) > 1 else ""), grp,
-                                           [costs.ring_demand("all_reduce", grp, ctx.topo, profile, nbytes)],
-                                           deps=deps, category="allreduce", stream=streams[n % len(streams)],
-                                           phase="sync", beside_compute=policy != "after_backward",
-                                           comm={"op": "all_reduce", "group": grp, "nbytes": nbytes})
-                                for gi, grp in enumerate(groups)))
+            ops, stream = [], streams[n % len(streams)]
+            for gi, grp in enumerate(groups):
+                name, d = f"grad.{policy}.{n}" + (f".g{gi}" if len(groups) > 1 else ""), deps
+                if leader:  # the leader's go: a 1-element broadcast on the group's control group, then the op
+                    d = [g.transfer(f"{name}.lead", grp, [costs.broadcast_demand(grp, grp[0], ctx.topo, profile, 4)],
+                                    deps=deps, category="scheduler", stream=stream, phase="sync", beside_compute=True,
+                                    comm={"op": "broadcast", "group": grp, "nbytes": 4})]
+                ops.append(g.transfer(name, grp, [costs.ring_demand("all_reduce", grp, ctx.topo, profile, nbytes)],
+                                      deps=d, category="allreduce", stream=stream, phase="sync",
+                                      beside_compute=policy != "after_backward",
+                                      comm={"op": "all_reduce", "group": grp, "nbytes": nbytes}))
+            issued.append(tuple(ops))
         last = tuple(x for ops in issued[-len(streams):] for x in ops) or tuple(ready[-1][1])
         return packed_expert_sync(ctx, last) if q > 1 and not hooked_experts else last
 
