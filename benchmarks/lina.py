@@ -141,15 +141,19 @@ def predicted(cfg, run, fixed: Optional[dict] = None, busy: Optional[dict] = Non
     return float(sim.makespan[0])
 
 
-def final_block(cfg, run):
-    """``cfg`` with the controller off and q fixed at the block the run ended on (None: no block logged)."""
+def timed_block(cfg, run, warmup):
+    """``(cfg with the controller off and q fixed at the block every timed step ran, that block)``; ``(None,
+    blocks)`` where the timed steps (``iter >= warmup``) ran several blocks or none was logged (the
+    simulator then prices no single q as the measured median)."""
     lm = run.layer_metrics
     if lm is None or "block" not in lm or lm.block.dropna().empty:
-        return None
+        return None, ()
+    blocks = tuple(sorted({int(b) for b in lm[lm.iter >= warmup].block.dropna()}))
+    if len(blocks) != 1:
+        return None, blocks
     E = cfg.model.moe.num_experts
-    block = int(lm[lm.iter == lm.iter.max()].block.dropna().iloc[0])
-    opts = {**cfg.parallel.strategy_options, "pack_controller": False, "experts_per_device": E // block}
-    return cfg.with_overrides({"parallel.strategy_options": opts}).validate()
+    opts = {**cfg.parallel.strategy_options, "pack_controller": False, "experts_per_device": E // blocks[0]}
+    return cfg.with_overrides({"parallel.strategy_options": opts}).validate(), blocks[0]
 
 
 def _probe_call_costs(tr) -> dict:
@@ -271,12 +275,12 @@ def main(argv=None) -> int:
     sims, simf, simb, simp, simc, siml = {}, {}, {}, {}, {}, {}
     for pol, c, r in zip(names, cfgs, runs):
         if c.parallel.strategy_options.get("pack_controller"):
-            c = final_block(c, r)
+            c, block = timed_block(c, r, a.warmup)
             if c is None:
-                print(f"simulator: {pol}: not priced (no block recorded)")
+                print(f"simulator: {pol}: not priced (its timed steps ran blocks {block or 'not recorded'})")
                 continue
-            print(f"simulator: {pol} priced at the block it ended on, as a static q = "
-                  f"{c.parallel.strategy_options['experts_per_device']} (its earlier steps ran other blocks)")
+            print(f"simulator: {pol} priced as a static q = {c.parallel.strategy_options['experts_per_device']}, "
+                  f"the block of {block} ranks every timed step ran (a switch's migration is in the first of them)")
         try:
             sims[pol], simf[pol] = predicted(c, r), predicted(c, r, fixed["idle"])
             simb[pol] = predicted(c, r, fixed["idle"], fixed["busy"])
