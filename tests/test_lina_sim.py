@@ -106,19 +106,22 @@ def test_pipelined_graph_conserves_bytes_and_is_the_plain_one_at_one_chunk():
     four = cfg.with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "a2a_chunks": 4}})
     g1, r1 = run(one, prof, "lina_pipe")
     g4, r4 = run(four, prof, "lina_pipe")
-    assert r1.makespan == pytest.approx(plain.makespan, rel=1e-12)
+    assert len(g1.gate_holds) == 2  # one chunk still holds the scheduler over the layer's backward, as the runtime
+    g1.gate_holds.clear()
+    assert simulate(g1).makespan == pytest.approx(plain.makespan, rel=1e-12)
     assert a2a_bytes(g4) == a2a_bytes(g1) == a2a_bytes(plain_g)
     assert sum(o.category == "a2a" for o in g4.ops) == 4 * sum(o.category == "a2a" for o in g1.ops)
 
 
 def test_packing_keeps_all_to_alls_inside_blocks_and_adds_the_expert_gradient_sync():
-    """q = 2 on 16 ranks, E = 16: blocks of 8 ranks (two nodes), no all-to-all byte crosses a block;
+    """q = 2 on 16 ranks, E = 16, 4 MoE layers: blocks of 8 ranks (two nodes), no all-to-all byte crosses a block;
     the copies' expert gradients are all-reduced over groups of 2 (one rank per block); Lina queues them
     as its layer's backward ends (some start during backward, in the gaps between all-to-alls: one chunk
     per all-to-all here, since chunked ones keep the all-to-all stream busy through this backward and the
-    call gate holds micro-ops until it ends), a bucketed policy after backward."""
+    call gate holds micro-ops until it ends; outside the MoE layers' backward, which the pipelined path
+    holds), a bucketed policy after backward."""
     def graph(policy):
-        c = paper_cfg(layers=2).with_overrides({"parallel.strategy_options": {
+        c = paper_cfg(layers=4).with_overrides({"parallel.strategy_options": {
             "policy": policy, "experts_per_device": 2, "partition_bytes": 4e6, "a2a_chunks": 1}})
         g = lina_iteration_graph(c, get_profile("lina"), synthetic_loads(c), elem_bytes=2)
         df = simulate(g).ops_frame()
@@ -135,7 +138,7 @@ def test_packing_keeps_all_to_alls_inside_blocks_and_adds_the_expert_gradient_sy
             assert M[:8, 8:].sum() == 0 and M[8:, :8].sum() == 0
     edp = [o for o in g.ops if o.category == "allreduce" and len(o.comm["group"]) == 2]
     m = cfg.model
-    assert sum(o.comm["nbytes"] for o in edp) == 2 * 8 * 2 * (2 * m.d_model * m.d_ff + m.d_ff + m.d_model) * 2
+    assert sum(o.comm["nbytes"] for o in edp) == 4 * 8 * 2 * (2 * m.d_model * m.d_ff + m.d_ff + m.d_model) * 2
 
 
 def _a2a_and_allreduce_overlap(res) -> bool:
@@ -296,3 +299,25 @@ def test_leader_agreement_prices_one_control_broadcast_before_each_micro_op():
         assert go.name == o.name + ".lead" and go.stream == o.stream and go.ranks == o.ranks
         assert lead.start[o.id] >= lead.end[go.id] - 1e-12
     assert lead.makespan > none.makespan
+
+
+def test_no_micro_op_starts_inside_a_pipelined_layers_backward():
+    """``lina_pipe``: from a layer's first backward chunk call to its last one, the runtime's hold keeps
+    every micro-op back (the layer's expert backward between them included). Compute slow enough that
+    each chunk's call ends before its experts do: without the holds, micro-ops start in those gaps."""
+    cfg = paper_cfg(layers=4).with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "a2a_chunks": 4}})
+    g, _ = run(cfg, dataclasses.replace(get_profile("lina"), call_overhead_s=1e-4, achieved_flops=1e12), "lina_pipe")
+    by = {o.name: o for o in g.ops}
+    layers = sorted({int(n.split(".")[0][1:]) for n in by if n.startswith("L") and ".combine.bwd.c0" in n})
+    grads = [o for o in g.ops if o.category == "allreduce"]
+
+    def inside(res):
+        for i in layers:
+            a, b = res.start[by[f"L{i}.combine.bwd.c0"].id], res.start[by[f"L{i}.dispatch.bwd.c3"].id]
+            assert b > a
+            yield from (o.name for o in grads if a - 1e-12 < res.start[o.id] < b - 1e-12)
+
+    assert layers and len(g.gate_holds) == len(layers)
+    assert not list(inside(simulate(g)))
+    g.gate_holds.clear()
+    assert list(inside(simulate(g)))

@@ -338,3 +338,27 @@ def test_alternative_dependencies_start_an_op_when_one_alternative_has_ended():
     assert run(1.0, 3.0) == pytest.approx(1.0)  # (a1, a2) ended at 1.0 (a2 at 0.5), before b
     assert run(2.0, 0.7) == pytest.approx(0.7)  # b first
     assert run(0.1, 0.1) == pytest.approx(0.2)  # b's alternative met at 0.1: its own dep d (0.2) decides
+
+
+def test_a_gate_hold_keeps_low_calls_back_over_the_compute_between_its_calls():
+    """Two high calls of rank 0 with 1 s of compute between them, a low call ready at 0.5 s: gated, it
+    starts in that compute gap (its links are free); with the pair as a gate hold, only once the second
+    high call has ended (the hold ends at its start, the call itself then blocks)."""
+    links = {("a", 0): GB}
+
+    def run(hold):
+        g = OpGraph(1, links)
+        g.call_gate = ({"a2a"}, {"grad"}, True)
+        first = g.add("a2a.0", 0, stream="a2a", links={("a", 0): 0.5 * GB})
+        work = g.compute(0, "experts", 1.0, deps=(first,))
+        last = g.add("a2a.1", 0, stream="a2a", links={("a", 0): 0.5 * GB}, deps=(work,))
+        w = g.compute(0, "wait", 0.5, stream="other")
+        low = g.add("micro-op", 0, stream="grad", links={("a", 0): 0.25 * GB}, deps=(w,))
+        if hold:
+            g.gate_holds.append((first, last))
+        return simulate(g), low, last
+
+    r, low, last = run(False)
+    assert r.start[low] == pytest.approx(0.5)
+    r, low, last = run(True)
+    assert r.start[last] == pytest.approx(1.5) and r.start[low] == pytest.approx(r.end[last]) == pytest.approx(2.0)

@@ -29,7 +29,9 @@ Refinements of the sharing rule, each off unless a graph asks for it:
   does not start while, on one of its ranks, a high op waits or runs; with ``high_waits`` a high op
   that becomes ready while low ops run on its ranks waits until they end (non-preemptive: the call in
   flight finishes first), else it starts beside them. Stream priority above still shares the links
-  among what does run.
+  among what does run. ``OpGraph.gate_holds`` (``[(first, last), ...]``) extends a high stretch over the
+  compute between calls: from ``first``'s start to ``last``'s start, ``first``'s ranks count as a high
+  op waiting (a pipelined layer's backward holds the scheduler until its last chunk's call is issued).
 - **Per-flow limits** (``OpGraph.flow_limits``: link -> the most capacity one flow may take). A
   pool of C CPU cores shared by single-threaded ranks is a link of capacity C with limit 1: k ranks
   computing at once each run at ``min(1, C/k)`` of their own speed (the local profile's
@@ -113,6 +115,7 @@ class OpGraph:
         self.interference: Optional[tuple] = None  # (classes: tuples of streams, gamma): see interfere()
         self.call_gate: Optional[tuple] = None  # (high streams, low streams, high_waits): see the module doc
         self.any_of: dict = {}  # op -> alternatives (tuples of op ids), one of which must have ended: module doc
+        self.gate_holds: list = []  # [(first op, last op)]: the call gate's holds, see the module doc
 
     def interfere(self, streams, gamma) -> None:
         """Flows of different streams among ``streams`` slow each other by ``gamma`` (a number >= 1, or
@@ -358,6 +361,10 @@ class _CallGate:
         self.high = np.zeros(graph.world_size, dtype=np.int64)  # high ops waiting or running, per rank
         self.low = np.zeros(graph.world_size, dtype=np.int64)  # low ops running, per rank
         self.held: list = []  # ready ops the gate holds back (a held high op already counts in self.high)
+        self.hold_step = {}  # op -> +1 (its start opens a hold on its ranks) or -1 (closes the hold on them)
+        for first, last in graph.gate_holds:
+            ranks = tuple(self.ops[first].ranks)
+            self.hold_step[first], self.hold_step[last] = (1, ranks), (-1, ranks)
 
     def admit(self, ready) -> list:
         """Of the ready ops (and those held), the ones that start now: high ones first, then low ones."""
@@ -378,6 +385,9 @@ class _CallGate:
                     continue
                 self.low[r] += 1
             go.append(i)
+            if i in self.hold_step:
+                step, ranks = self.hold_step[i]
+                self.high[list(ranks)] += step
         return go
 
     def ended(self, i) -> list:

@@ -32,8 +32,11 @@ last gradient is ready (:attr:`moelab.sim.engine.OpGraph.any_of`). With ``launch
 micro-op is preceded by its leader's go, a 1-element broadcast on the same stream (category ``scheduler``:
 a call's fixed cost each; the leader's gate is priced as every rank's).
 
-Not modelled: the combine-backward block and the pipelined backward's hold (the DES knows the
-all-to-all's time, so nothing is launched "just before" it by accident) and the bounded wait's releases
+A pipelined layer's backward holds the gate from its first chunk's call to its last
+(:attr:`moelab.sim.engine.OpGraph.gate_holds`), as the runtime's :meth:`~moelab.comm.priority.PriorityScheduler.hold`.
+
+Not modelled: the combine-backward block (the DES knows the all-to-all's time, so nothing is launched
+"just before" it by accident) and the bounded wait's releases
 (a cross-rank race; the runtime pays one bound per stalled micro-op, ~1-3 a step in benchmarks/lina.py).
 """
 from __future__ import annotations
@@ -229,6 +232,8 @@ def pipelined_stages(routes, chunks, cap):
             rows = part.sum(0)
             exps = [ctx.experts(r, f"L{i}.experts.{phase}.c{n}", rows[r], (moves[n],), i, phase) for r in ctx.ranks]
             outs.append(ctx.a2a(f"L{i}.{second}.c{n}", part.T, exps, i, phase, beside_compute=n < last))
+        if phase == "bwd":  # the runtime's hold: no micro-op launches until the last chunk's call is issued
+            ctx.g.gate_holds.append((moves[0], outs[-1]))
         return [outs[-1]] * len(ctx.ranks)  # one comm stream: the last combine ends last
 
     def moe_forward(ctx, i, j, deps):
