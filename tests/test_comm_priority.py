@@ -315,6 +315,26 @@ def test_plan_launches_each_windows_ops_before_its_call_and_the_rest_after_the_l
     s.close()
 
 
+def test_under_a_plan_the_gaps_between_a_pipelined_layers_calls_are_windows():
+    """With ``plan`` a hold holds nothing (every rank launches the same ops in the same window, so there is
+    no stall to avoid): the compute between two chunks' backward calls is measured as the second call's
+    window, which the next step's plan may fill. Without the plan the hold spans it."""
+    s = PriorityScheduler(FakeComm(), plan=True)
+    s.new_step()
+    with s.hold():
+        high(s, 0.01, "bwd")
+        time.sleep(0.1)  # the experts' backward of a chunk
+        high(s, 0.01, "bwd")
+    assert not s.held and s._win_free[1] >= 0.09
+    s.drain()
+    s.close()
+    s = PriorityScheduler(FakeComm())
+    with s.hold():
+        high(s, 0.01, "bwd")
+    assert len(s.held) == 1
+    s.close()
+
+
 def test_plan_agrees_on_the_least_free_time_and_the_longest_op_over_ranks():
     """The plan is made from every rank's values: each window's least free time and each op's longest
     duration (a rank's own values alone would plan more ops than its slower peer can fit: a stall)."""

@@ -15,7 +15,8 @@ Rules (``mode="priority"``, Lina's scheduler):
 - :meth:`drain` (after backward, before the optimizer: no high call can arrive) lifts the bound to
   ``drain_inflight`` (default ``max_inflight``, the spec's one bound);
 - inside :meth:`hold` (a pipelined layer's backward: its chunks' all-to-alls follow one another with
-  compute between them) no low op is launched, not even in the gaps between those high calls.
+  compute between them) no low op is launched, not even in the gaps between those high calls (with
+  ``plan`` there is no hold: those gaps are windows).
 
 ``mode="fixed"`` (the rejected "deferred" design): queued low ops are released only at release points
 - after every second backward all-to-all, i.e. between MoE layers - and then all at once, ungated.
@@ -38,8 +39,9 @@ launch (see ``__init__``); followers' launches are recorded with ``forced``.
 ``plan`` (optional, a departure from the paper's local rule that keeps its intent) makes every rank
 launch the same micro-ops in the same window, so that no rank can start an op its peers reach only
 after their all-to-all. A *window* is the stretch of backward before each backward high call: from the
-backward's start, a call's end or a hold's end, to the first of the combine marker, a hold's start and
-the call (zero for a window that opens inside a :meth:`hold`). After each step, two small all-gathers
+backward's start or a call's end to the first of the combine marker and the call (zero for a call that
+arrives before the one before it ended; a pipelined layer's gaps between its chunks' calls are windows,
+:meth:`hold` does not apply). After each step, two small all-gathers
 over every rank agree on each window's free time (the least over ranks) and each op's duration (the
 most over ranks). The next step launches, in window ``w``, the FIFO's next ops whose agreed durations
 fit its agreed free time, never an op the rank had not queued by that window's call (the same count on
@@ -113,9 +115,7 @@ class PriorityScheduler(Scheduler):
         self._win_open = 0.0
         self._win_free: list = []  # plan: this step's measured free time per window
         self._win_queued: list = []  # plan: ops queued by each window's call
-        self._win_held = False  # plan: a hold was on when the window opened (and has not ended since)
         self._win_opened = False  # plan: a window opened since the last backward high call's arrival
-        self._hold_began = 0.0
         self._draining = False
         self._step_low: list = []  # this step's launched low ops' records (their count drives the plan)
         self._flag = None
@@ -185,7 +185,7 @@ class PriorityScheduler(Scheduler):
             self.blocked = False
             if self.plan and rec["phase"] == "bwd":  # the next window opens
                 self._win += 1
-                self._win_open, self._win_held, self._win_opened = rec["end"], bool(self.holds), True
+                self._win_open, self._win_opened = rec["end"], True
             if self.mode == "fixed" and rec["phase"] == "bwd" and call.op == "all_to_all":
                 self.bwd_high += 1
                 if self.bwd_high % 2 == 0:  # between two MoE layers
@@ -204,14 +204,15 @@ class PriorityScheduler(Scheduler):
     def hold(self):
         """High calls follow one another with compute between them (a pipelined layer's backward): launch
         no low op until the block ends, as :meth:`imminent` does before one call - the next chunk is
-        imminent in every gap between two."""
-        if self.mode != "priority" or not self.block_on_imminent:
+        imminent in every gap between two. Not with ``plan``: there every rank launches the same ops in the
+        same window, so the stall the hold avoids cannot happen, and the gaps between the chunks' calls are
+        windows the plan may fill (each call still waits for its window's planned ops)."""
+        if self.mode != "priority" or not self.block_on_imminent or self.plan:
             yield
             return
         span = [time.perf_counter(), None]
         with self.cv:
             self.holds += 1
-            self._hold_began = span[0]  # plan: a window's free time ends here
             self.held.append(span)
         try:
             yield
@@ -219,8 +220,6 @@ class PriorityScheduler(Scheduler):
             with self.cv:
                 self.holds -= 1
                 span[1] = time.perf_counter()
-                if not self.holds:  # plan: the window's free time starts here
-                    self._win_held, self._win_open, self._win_opened = False, span[1], True
                 self.cv.notify_all()
 
     def submit(self, op: LowOp) -> None:
@@ -239,7 +238,7 @@ class PriorityScheduler(Scheduler):
             self.bwd_high = 0
             self.released_at = 0
             self._win = self._submitted = 0
-            self._win_open, self._win_held, self._draining = time.perf_counter(), bool(self.holds), False
+            self._win_open, self._draining = time.perf_counter(), False
             self._win_opened = True
             self._win_free, self._win_queued, self._step_low = [], [], []
 
@@ -279,14 +278,15 @@ class PriorityScheduler(Scheduler):
     def _plan_admit(self, rec: dict) -> None:
         """The ``w``-th backward high call closes window ``w``: record its free time and queued count, then
         wait (lock held by the caller) for the window's planned ops - launched and completed - on this rank.
-        (Windows open at the calls' ends; pipelined chunks overlap, but their windows are held: free 0.)"""
+        (Windows open at the calls' ends; a pipelined layer's chunk calls overlap, and a call issued before
+        the one before it ended closes a window of zero.)"""
         w, now = len(self._win_free), time.perf_counter()
-        end = min(now, self._hold_began) if self._hold_began >= self._win_open else now  # a hold began in it
+        end = now
         for t in reversed(self.marks):  # or the first marker since it opened
             if t < self._win_open:
                 break
             end = min(end, t)
-        free = end - self._win_open if self._win_opened and not self._win_held else 0.0
+        free = end - self._win_open if self._win_opened else 0.0
         self._win_free.append(free)  # zero too for a call that arrives before the one before it ended (chunks)
         self._win_queued.append(self._submitted)
         self._win_opened = False

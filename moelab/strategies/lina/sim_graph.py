@@ -33,7 +33,8 @@ micro-op is preceded by its leader's go, a 1-element broadcast on the same strea
 a call's fixed cost each; the leader's gate is priced as every rank's).
 
 A pipelined layer's backward holds the gate from its first chunk's call to its last
-(:attr:`moelab.sim.engine.OpGraph.gate_holds`), as the runtime's :meth:`~moelab.comm.priority.PriorityScheduler.hold`.
+(:attr:`moelab.sim.engine.OpGraph.gate_holds`), as the runtime's :meth:`~moelab.comm.priority.PriorityScheduler.hold`
+(not under ``launch_agreement: plan``, which otherwise is priced as its policy: its windows are not modelled).
 
 Not modelled: the combine-backward block (the DES knows the all-to-all's time, so nothing is launched
 "just before" it by accident) and the bounded wait's releases
@@ -112,7 +113,8 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
         from moelab.strategies.lina.pipeline import chunk_bounds
 
         m_chunks = opts.a2a_chunks
-        fwd, bwd = pipelined_stages(routes, [b - a for a, b in chunk_bounds(cap, min(m_chunks, cap))], cap)
+        fwd, bwd = pipelined_stages(routes, [b - a for a, b in chunk_bounds(cap, min(m_chunks, cap))], cap,
+                                    hold=opts.launch_agreement != "plan")
     else:
         fwd, bwd = token_stages(routes)
     between: list = []  # op ids of each MoE layer's backward dispatch all-to-all (between two MoE layers)
@@ -215,11 +217,13 @@ def ar_streams(inflight: int) -> tuple:
     return (AR,) + tuple(f"{AR}.{i}" for i in range(1, inflight))
 
 
-def pipelined_stages(routes, chunks, cap):
+def pipelined_stages(routes, chunks, cap, hold: bool = True):
     """The token path of :func:`moelab.sim.graphs.token_stages` cut into all-to-all micro-ops of
     ``chunks[j]`` capacity rows each: dispatch j+1 in flight while experts compute chunk j, combine j
     issued when it is done; backward mirrors it (combine gradient first, 2x expert compute). Every
-    chunk's all-to-all but the first dispatch and the last combine is issued beside expert compute."""
+    chunk's all-to-all but the first dispatch and the last combine is issued beside expert compute.
+    ``hold``: the backward holds the call gate from its first chunk's call to its last (the runtime's
+    scheduler does, but not under ``launch_agreement: plan``)."""
     def stage(ctx, i, j, deps, phase):
         first, second = ("dispatch", "combine") if phase == "fwd" else ("combine.bwd", "dispatch.bwd")
         parts = [routes[j] * c // cap for c in chunks]
@@ -232,7 +236,7 @@ def pipelined_stages(routes, chunks, cap):
             rows = part.sum(0)
             exps = [ctx.experts(r, f"L{i}.experts.{phase}.c{n}", rows[r], (moves[n],), i, phase) for r in ctx.ranks]
             outs.append(ctx.a2a(f"L{i}.{second}.c{n}", part.T, exps, i, phase, beside_compute=n < last))
-        if phase == "bwd":  # the runtime's hold: no micro-op launches until the last chunk's call is issued
+        if hold and phase == "bwd":  # the runtime's hold: no micro-op launches until the last chunk's call is issued
             ctx.g.gate_holds.append((moves[0], outs[-1]))
         return [outs[-1]] * len(ctx.ranks)  # one comm stream: the last combine ends last
 
