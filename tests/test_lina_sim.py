@@ -303,8 +303,9 @@ def test_leader_agreement_prices_one_control_broadcast_before_each_micro_op():
 
 def test_no_micro_op_starts_inside_a_pipelined_layers_backward():
     """``lina_pipe``: from a layer's first backward chunk call to its last one, the runtime's hold keeps
-    every micro-op back (not under ``launch_agreement: plan``) (the layer's expert backward between them included). Compute slow enough that
-    each chunk's call ends before its experts do: without the holds, micro-ops start in those gaps."""
+    every micro-op back, the layer's expert backward between them included. Compute slow enough that each
+    chunk's call ends before its experts do: without the holds, micro-ops start in those gaps. No hold under
+    ``launch_agreement: plan`` or without the combine block, as in the runtime."""
     cfg = paper_cfg(layers=4).with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "a2a_chunks": 4}})
     g, _ = run(cfg, dataclasses.replace(get_profile("lina"), call_overhead_s=1e-4, achieved_flops=1e12), "lina_pipe")
     by = {o.name: o for o in g.ops}
@@ -321,6 +322,6 @@ def test_no_micro_op_starts_inside_a_pipelined_layers_backward():
     assert not list(inside(simulate(g)))
     g.gate_holds.clear()
     assert list(inside(simulate(g)))
-    planned = cfg.with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "a2a_chunks": 4,
-                                                                "launch_agreement": "plan"}})
-    assert not run(planned, get_profile("lina"), "lina_pipe")[0].gate_holds  # the plan's scheduler holds nothing
+    for unheld in ({"launch_agreement": "plan"}, {"block_on_combine_backward": False}):
+        c = cfg.with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "a2a_chunks": 4, **unheld}})
+        assert not run(c, get_profile("lina"), "lina_pipe")[0].gate_holds, unheld  # the scheduler holds nothing

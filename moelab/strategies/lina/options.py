@@ -102,6 +102,12 @@ class LinaOptions(StrategyOptions):
         return self.drain_inflight or self.max_inflight
 
     @property
+    def holds_pipelined_backward(self) -> bool:
+        """A pipelined layer's backward holds the scheduler (:meth:`moelab.comm.priority.PriorityScheduler.hold`,
+        built from these options: priority mode, the combine block on, no plan); the simulator prices it."""
+        return self.pipelined and self.block_on_combine_backward and self.launch_agreement != "plan"
+
+    @property
     def scheduled(self) -> bool:
         return self.policy in SCHEDULED
 

@@ -34,7 +34,8 @@ a call's fixed cost each; the leader's gate is priced as every rank's).
 
 A pipelined layer's backward holds the gate from its first chunk's call to its last
 (:attr:`moelab.sim.engine.OpGraph.gate_holds`), as the runtime's :meth:`~moelab.comm.priority.PriorityScheduler.hold`
-(not under ``launch_agreement: plan``, which otherwise is priced as its policy: its windows are not modelled).
+(not under ``launch_agreement: plan``, which otherwise is priced as its policy: its windows are not modelled, nor
+without the combine block).
 
 Not modelled: the combine-backward block (the DES knows the all-to-all's time, so nothing is launched
 "just before" it by accident) and the bounded wait's releases
@@ -114,7 +115,7 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
 
         m_chunks = opts.a2a_chunks
         fwd, bwd = pipelined_stages(routes, [b - a for a, b in chunk_bounds(cap, min(m_chunks, cap))], cap,
-                                    hold=opts.launch_agreement != "plan")
+                                    hold=opts.holds_pipelined_backward)
     else:
         fwd, bwd = token_stages(routes)
     between: list = []  # op ids of each MoE layer's backward dispatch all-to-all (between two MoE layers)
@@ -222,8 +223,8 @@ def pipelined_stages(routes, chunks, cap, hold: bool = True):
     ``chunks[j]`` capacity rows each: dispatch j+1 in flight while experts compute chunk j, combine j
     issued when it is done; backward mirrors it (combine gradient first, 2x expert compute). Every
     chunk's all-to-all but the first dispatch and the last combine is issued beside expert compute.
-    ``hold``: the backward holds the call gate from its first chunk's call to its last (the runtime's
-    scheduler does, but not under ``launch_agreement: plan``)."""
+    ``hold``: the backward holds the call gate from its first chunk's call to its last (where the runtime's
+    scheduler does: :attr:`moelab.strategies.lina.options.LinaOptions.holds_pipelined_backward`)."""
     def stage(ctx, i, j, deps, phase):
         first, second = ("dispatch", "combine") if phase == "fwd" else ("combine.bwd", "dispatch.bwd")
         parts = [routes[j] * c // cap for c in chunks]
