@@ -138,7 +138,8 @@ class ServeConfig:
     batch_size: int = 8  # B: sequences per batch over all ranks
     max_wait_ms: float = 10.0  # a batch leaves when full or when its first request waited this long
     requests_file: Optional[str] = None  # CSV id,arrival_s,text instead of drawn requests; malformed rows rejected
-    path_len: int = 3  # Lp: preceding MoE layers in a path; scheduling starts at MoE layer Lp
+    path_len: int = 3  # Lp: preceding MoE layers in a path; estimation starts at MoE layer Lp
+    first_layers: str = "static"  # lina's layers before Lp: static (the paper's slower start) | actual: planned from the actual counts (phase 2 without an estimate)
     k_est: int = 2  # per-token experts kept from the path distribution
     k_cmp: int = 2  # top experts compared by phase 2
     replan_test: str = "sets"  # phase 2 re-plans iff: the top-k_cmp sets differ (the paper's) | load: the kept plan's busiest device exceeds its estimated load by more than replan_tol

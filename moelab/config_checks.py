@@ -199,6 +199,8 @@ def serve_errors(cfg: RunConfig) -> list:
 
     if sv.replica_rounding not in ROUNDING:
         errs.append(f"serve.replica_rounding must be one of {list(ROUNDING)}, got {sv.replica_rounding!r}")
+    if sv.first_layers not in ("static", "actual"):
+        errs.append(f"serve.first_layers must be static or actual, got {sv.first_layers!r}")
     if sv.replan_test not in REPLAN_TESTS:
         errs.append(f"serve.replan_test must be one of {list(REPLAN_TESTS)}, got {sv.replan_test!r}")
     if isinstance(sv.replan_tol, bool) or not isinstance(sv.replan_tol, (int, float)) or not sv.replan_tol >= 0:

@@ -19,6 +19,7 @@ SERVE = {
 }
 VARIANTS = ("baseline", "lina", "lina_no_estimation", "lina_no_finetune", "ideal")
 LOAD = ("lina_load", "lina", {"serve.replan_test": "load"})  # phase 2 by the kept plan's busiest load
+FIRST = ("lina_first", "lina", {"serve.first_layers": "actual"})  # layers before path_len planned from the counts
 
 
 def _serve(rank, world, variants, extra):
@@ -36,7 +37,7 @@ def _serve(rank, world, variants, extra):
 
 @pytest.fixture(scope="module")
 def served():
-    return run_ranks(_serve, 4, VARIANTS + (LOAD,), {}, timeout=300), run_ranks(_serve, 1, ("baseline",), {},
+    return run_ranks(_serve, 4, VARIANTS + (LOAD, FIRST), {}, timeout=300), run_ranks(_serve, 1, ("baseline",), {},
                                                                                 timeout=120)
 
 
@@ -44,7 +45,7 @@ def test_every_request_is_served_once_with_the_single_process_answers(served):
     four, one = served
     ref = {r["id"]: r for r in one[0]["baseline"]["requests"]}
     assert sorted(ref) == list(range(10))
-    for v in VARIANTS + LOAD[:1]:
+    for v in VARIANTS + LOAD[:1] + FIRST[:1]:
         got = {r["id"]: r for r in four[0][v]["requests"]}
         assert sorted(got) == list(range(10)), v
         assert all(r["latency_s"] >= r["end_s"] - r["start_s"] - 1e-9 for r in got.values())
@@ -56,22 +57,26 @@ def test_every_request_is_served_once_with_the_single_process_answers(served):
 
 
 def test_phase_two_replans_iff_the_top_sets_differ(served):
+    """Layers before path_len have no estimate: static for lina and lina_no_finetune, planned from the
+    actual counts with first_layers=actual; lina_no_estimation plans every layer from the counts."""
     four, _ = served
-    for v in ("lina", "lina_no_finetune", "lina_no_estimation"):
+    for v in ("lina", "lina_no_finetune", "lina_no_estimation", FIRST[0]):
         rows = [r for r in four[0][v]["layers"] if r["batch"] >= 0]
         assert rows
         for r in rows:
             import json
 
+            if v == "lina_no_estimation" or (v == FIRST[0] and r["layer"] < 2):
+                assert r["planned_from"] == "actual" and not r["replanned"] and "pop_hat" not in r, (v, r)
+                devs = json.loads(r["devs"])
+                assert {e for d in devs for e in d} == {0, 1, 2, 3}
+                continue
             if r["layer"] < 2:
                 assert r["planned_from"] == "static"
                 continue
-            if v == "lina_no_estimation":
-                assert r["planned_from"] == "actual" and not r["replanned"]
-                continue
             pop_hat, pop = json.loads(r["pop_hat"]), json.loads(r["pop"])
             assert r["planned_from"] == "estimate"
-            assert r["replanned"] == (v == "lina" and needs_replan(pop_hat, pop, 2)), r
+            assert r["replanned"] == (v in ("lina", FIRST[0]) and needs_replan(pop_hat, pop, 2)), r
             devs = json.loads(r["devs"])
             assert len(devs) == 4 and {e for d in devs for e in d} == {0, 1, 2, 3}
 
@@ -119,6 +124,7 @@ def test_malformed_requests_are_rejected_not_fatal(tmp_path):
     ({"serve.replica_rounding": "ceil"}, "replica_rounding must be"),
     ({"serve.replan_test": "magic"}, "replan_test must be one of"),
     ({"serve.replan_tol": -0.1}, "replan_tol must be a number >= 0"),
+    ({"serve.first_layers": "dynamic"}, "first_layers must be static or actual"),
 ])
 def test_bad_serve_config_is_reported_before_launch(over, msg):
     cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 4, **over})

@@ -135,3 +135,21 @@ def test_batch_size_fit_reaches_table_one_all_to_all_per_layer(monkeypatch):
         assert ps.inference("smoke").attrs["batch_tokens"] == fit["tokens"]
     finally:
         ps.inference.cache_clear(), ps.fitted_infer_tokens.cache_clear()
+
+
+def test_which_layers_get_a_plan_and_from_what():
+    """Spec §2.3: lina_no_estimation plans every layer from the actual counts (from layer 1, [R]); lina and
+    lina_no_finetune keep the static placement before path_len (no full path yet), and lina plans those from
+    the actual counts with serve.first_layers=actual. The simulator and the runtime share the rule."""
+    import dataclasses
+
+    t = markov_traces(2048, L, E, order=1, seed=2)
+    table = PathTable.fit(t, E, SV.path_len)
+    src = np.arange(len(t)) % N
+    first = dataclasses.replace(SV, first_layers="actual")
+    for v, sv, before in (("lina", SV, "static"), ("lina_no_finetune", SV, "static"),
+                          ("lina_no_finetune", first, "static"), ("lina", first, "actual"),
+                          ("lina_no_estimation", SV, "actual")):
+        hows = [how for _, how, *_ in plans_for_batch(t, src, v, sv, table, N, E)]
+        after = "actual" if v == "lina_no_estimation" else "estimate"
+        assert hows == [before] * SV.path_len + [after] * (L - SV.path_len), (v, sv.first_layers, hows)

@@ -16,10 +16,12 @@ Per call it picks this batch's placement by the variant, then runs :func:`moelab
   (``serve.replan_test: load``: if phase 1's plan carries more of the actual load on its busiest device
   than the estimate promised, by over ``replan_tol``), every rank re-plans from it and loads what the
   new plan adds on the critical path (blocking);
-- ``lina_no_estimation``: no phase 1; every scheduled layer plans from the actual counts (blocking);
+- ``lina_no_estimation``: no phase 1; every layer, from the first, plans from the actual counts (blocking);
 - ``lina_no_finetune``: phase 1 only.
 
-Layers before MoE layer ``path_len`` (no full path yet) use the static placement. Experts a plan puts
+Which layers get a plan: :func:`schedules`. ``lina`` and ``lina_no_finetune`` keep the static placement in
+the layers before MoE layer ``path_len`` (no full path to estimate from yet); ``serve.first_layers: actual``
+lets ``lina`` plan those from the actual counts (phase 2 without an estimate). Experts a plan puts
 on a rank are copied from the bank into its working slots: by phase 1's loader during the previous
 layer (``prefetched``, ``prefetch_s``), or before the dispatch (``swapped``, ``swap_s``: the critical
 path); ``p1_wait_s``: how long layer l+1 waited for phase 1 (planning that outlasted layer l).
@@ -42,7 +44,18 @@ from moelab.moe.serve import serve_forward
 from moelab.placement.lina import allocate, load_off, needs_replan
 from moelab.runtime.cpu_priority import as_comm_thread
 
-SCHEDULED = ("lina", "lina_no_estimation", "lina_no_finetune")
+def estimates(sv, j: int) -> bool:
+    """Whether phase 1 estimates MoE layer ``j``: ``lina`` and ``lina_no_finetune``, from layer ``path_len``, the
+    first with a full path of earlier choices (the paper's "slower start" for longer paths)."""
+    return sv.variant in ("lina", "lina_no_finetune") and j >= sv.path_len
+
+
+def schedules(sv, j: int) -> bool:
+    """Whether MoE layer ``j`` gets a plan under ``sv.variant``: where phase 1 estimates it; every layer for
+    ``lina_no_estimation`` (spec §2.3: from layer 1); with ``serve.first_layers: actual`` every layer for
+    ``lina`` (those without an estimate planned by phase 2 from the actual counts, blocking)."""
+    return (estimates(sv, j) or sv.variant == "lina_no_estimation"
+            or (sv.variant == "lina" and sv.first_layers == "actual"))
 
 
 def _plan(sv, pop, N: int, seed: int) -> list:
@@ -59,10 +72,11 @@ def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int, pl
     """This (batch, layer)'s placement by the variant: ``(devs, planned_from, replanned)``. ``pop``: the
     actual popularity (after the gate), ``pop_hat``: phase 1's estimate (None where there is none);
     ``planned``: phase 1's placement if it was already made (:func:`phase1_plan` of ``pop_hat``).
+    A scheduled layer without an estimate plans from the actual counts.
     Pure: the runtime's serve layer and the simulator (:mod:`.sim_infer`) both call it."""
     if not scheduled:
         return static, "static", False
-    if sv.variant == "lina_no_estimation":
+    if pop_hat is None:
         return _plan(sv, pop, N, seed), "actual", False
     kept = planned if planned is not None else phase1_plan(sv, pop_hat, N, seed)
     if sv.variant == "lina" and (load_off(kept, pop_hat, pop, sv.replan_tol) if sv.replan_test == "load"
@@ -101,8 +115,7 @@ class ServeContext:
         return [list(range(d * per, (d + 1) * per)) for d in range(N)]
 
     def scheduled(self, j: int) -> bool:
-        return (not self.capture and self.sv.variant in SCHEDULED and j >= self.sv.path_len
-                and self.table is not None)
+        return not self.capture and self.table is not None and schedules(self.sv, j)
 
     def plan_seed(self, j: int) -> int:
         return hash((self.seed, self.batch, j)) & 0x7FFFFFFF
@@ -185,7 +198,7 @@ class LinaServeLayer(nn.Module):
         computes: estimate its popularity from this rank's tokens' paths, all-gather the estimates, plan,
         load ``nxt``'s newly placed experts."""
         ctx = self.ctx
-        if nxt >= ctx.L or not ctx.scheduled(nxt) or ctx.sv.variant == "lina_no_estimation":
+        if nxt >= ctx.L or not ctx.scheduled(nxt) or not estimates(ctx.sv, nxt):
             return
         Lp = ctx.sv.path_len
         paths = torch.stack(ctx.paths[nxt - Lp:nxt], dim=1).numpy()

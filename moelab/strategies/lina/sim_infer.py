@@ -50,7 +50,7 @@ class InferShape:
 def plans_for_batch(traces, src, variant: str, sv, table, N: int, E: int, seed: int = 0, batch: int = 0) -> list:
     """``[(devs, planned_from, replanned, counts [N, E], phase-1 devs or None)]`` per MoE layer of one
     batch, as the runtime decides them (phase 1 from the paths, phase 2 from the counts)."""
-    from moelab.strategies.lina.infer import choose_plan, phase1_plan
+    from moelab.strategies.lina.infer import choose_plan, estimates, phase1_plan, schedules
 
     t = np.asarray(traces, dtype=np.int64)
     src = np.asarray(src, dtype=np.int64)
@@ -68,9 +68,9 @@ def plans_for_batch(traces, src, variant: str, sv, table, N: int, E: int, seed: 
         counts = np.zeros((N, E), dtype=np.int64)
         np.add.at(counts, (src, idx), 1)
         pop = counts.sum(0) / max(1, counts.sum())
-        scheduled = variant in ("lina", "lina_no_estimation", "lina_no_finetune") and j >= sv.path_len
+        scheduled = schedules(sv, j)
         pop_hat = None
-        if scheduled and variant != "lina_no_estimation":
+        if estimates(sv, j):
             pop_hat = table.estimate(t[:, j - sv.path_len:j], j, sv.k_est)
         plan_seed = hash((seed, batch, j)) & 0x7FFFFFFF
         early = phase1_plan(sv, pop_hat, N, plan_seed) if pop_hat is not None else None  # phase 1, as loaded
