@@ -352,7 +352,7 @@ def fitted_infer_tokens(scale: str, seed: int = 0) -> dict:
 
 @cached
 def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, free_scheduling: bool = False,
-              rounding: str = "floor", replan_test: str = "sets") -> pd.DataFrame:
+              rounding: str = "floor", replan_test: str = "sets", first_layers: str = "static") -> pd.DataFrame:
     """Fig. 16 at one device per expert: every variant's batch times from the REAL model's routing
     traces (its first half fits the path table, the second half is served), priced at paper scale: the
     served half cut into the REAL serving path's batches (B sequences), each tiled to the assumed paper
@@ -360,7 +360,8 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     meet a paper-size batch; ``variants``: default all; ``free_scheduling``: a what-if with the paper's
     scheduler costs (``o_plan``, ``o_check``) set to zero, to separate them from the placement's quality;
     ``rounding``: the scheduled variants' ``serve.replica_rounding`` (:func:`moelab.placement.lina.allocate`);
-    ``replan_test``: Lina's ``serve.replan_test`` (phase 2 by the top sets, or by load)."""
+    ``replan_test``: Lina's ``serve.replan_test`` (phase 2 by the top sets, or by load); ``first_layers``: its
+    ``serve.first_layers`` (the layers before path_len static, or planned from the actual counts)."""
     from moelab.comm.topology import Topology
     from moelab.placement.popularity import PathTable
     from moelab.strategies.lina.sim_infer import InferShape, simulate_serving
@@ -380,7 +381,7 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     k = max(1, round((fitted_infer_tokens(scale, seed)["tokens"] if fit else tokens_per_batch) / real))
     src = np.arange(len(test)) % E
     batches = [np.tile(np.arange(b * real, (b + 1) * real), k) for b in range(n_batches)]
-    sv = ServeConfig(path_len=Lp, replica_rounding=rounding, replan_test=replan_test)
+    sv = ServeConfig(path_len=Lp, replica_rounding=rounding, replan_test=replan_test, first_layers=first_layers)
     rows = simulate_serving(test, src, batches, variants or VARIANTS, sv, table, calibrated_profile(),
                             Topology(E, min(4, E)), InferShape(),
                             overheads={"o_plan_s": 0.0, "o_check_s": 0.0} if free_scheduling else None)

@@ -32,6 +32,11 @@ SCHEDULED = VARIANTS[2:]  # the variants that plan placements (serve.replica_rou
 BALANCED_SUFFIX = " (balanced)"  # their runs with serve.replica_rounding "balanced" (moelab.placement.lina.allocate_balanced)
 LOAD_KEY = "lina (balanced, load test)"  # lina (balanced) whose phase 2 re-plans by load (serve.replan_test "load")
 LOAD_OPTIONS = {"serve.replica_rounding": "balanced", "serve.replan_test": "load"}
+# lina whose layers before path_len are planned from the actual counts (serve.first_layers "actual"), with the
+# spec's floor and with balanced replicas: what the paper's "slower start" costs on this model
+FIRST_KEYS = {"lina (first layers from counts)": {"serve.first_layers": "actual"},
+              "lina (balanced, first layers from counts)": {"serve.first_layers": "actual",
+                                                            "serve.replica_rounding": "balanced"}}
 WORLD, NODES = 4, 2
 
 
@@ -195,7 +200,8 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     or over links of ``(intra, inter)`` GB/s per rank when a pair is given. ``rounding``: the scheduled
     variants' ``serve.replica_rounding`` (the spec's ``floor``, or ``nearest``, ``balanced``); with ``floor`` they
     are also served with ``balanced`` (keys ``"<variant> (balanced)"``), and ``lina`` with ``balanced`` and
-    phase 2 by load (:data:`LOAD_KEY`), on the same model. ``yields``: serve with
+    phase 2 by load (:data:`LOAD_KEY`), and ``lina`` planning its first layers too (:data:`FIRST_KEYS`), on the
+    same model. ``yields``: serve with
     ``emulation.compute_yields`` (the ranks' serving threads at SCHED_IDLE, phase 1's loader not). ``repeat``:
     serve every run that many times, interleaved, its records pooled (each with its ``round``)."""
     import dataclasses
@@ -218,6 +224,7 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
             runs.update({v + BALANCED_SUFFIX: {"serve.variant": v, **links, "serve.replica_rounding": "balanced"}
                          for v in SCHEDULED})
             runs[LOAD_KEY] = {"serve.variant": "lina", **links, **LOAD_OPTIONS}
+            runs.update({k: {"serve.variant": "lina", **links, **o} for k, o in FIRST_KEYS.items()})
     else:
         runs = {v: {"serve.variant": v, **links} for v in ("ideal", "lina")}
     with tempfile.TemporaryDirectory(prefix="moelab-lina-") as d:
