@@ -320,8 +320,9 @@ def main(argv=None) -> int:
 def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool = False, repeat: int = 1) -> int:
     """Inference: p50/p95/p99 request latency and p95 batch time of every variant over the baseline's, and
     Lina's re-plan rate (4 gloo ranks serving over EMULATED ``links`` = (intra, inter) GB/s, 2 nodes x 2,
-    so a hot expert's rank pays for its bytes as on the paper's network; no simulator prediction of this
-    run; ``yields``: the ranks serve under ``emulation.compute_yields``). On links much faster than that,
+    so a hot expert's rank pays for its bytes as on the paper's network), each ratio beside the simulator's
+    prediction of the same run (:func:`frames.serve_predicted`: the run's own plans and counts priced on the
+    links, this host's compute rate and held-out call costs; latencies by replaying its batches); ``yields``: the ranks serve under ``emulation.compute_yields``). On links much faster than that,
     each call's fixed cost on this host (a few ms) sets a batch's time and no placement can shorten it
     (Ideal then gains a few per cent)."""
     import numpy as np
@@ -329,14 +330,24 @@ def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool =
     from moelab.strategies.lina.experiments import frames
 
     df = frames.serve_summary(scale, emulated=links, rounding=rounding, yields=yields, repeat=repeat).set_index("variant")
-    base = df.loc["baseline"]
+    pred = frames.serve_predicted(scale, emulated=links, rounding=rounding, yields=yields, repeat=repeat).set_index("variant")
+    cols = ("p50_latency_s", "p95_latency_s", "p99_latency_s", "p95_batch_s")
     print(df.attrs["label"])
+    print(f"prediction: {pred.attrs['label'][:pred.attrs['label'].index(':')]}")
     print(f"{'variant':30s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "
-          f"{'baseline/variant p50 p95 p99 p95batch':>40s}")
+          f"{'baseline/variant p50 p95 p99 p95batch (predicted, error)':>40s}")
+    errs = []
     for v, r in df.iterrows():
-        ratios = [base[c] / r[c] for c in ("p50_latency_s", "p95_latency_s", "p99_latency_s", "p95_batch_s")]
+        ratios = [df.loc["baseline", c] / r[c] for c in cols]
+        guess = [pred.loc["baseline", c] / pred.loc[v, c] for c in cols]
+        errs += [abs(g / x - 1) for g, x in zip(guess, ratios)] if v != "baseline" else []
         print(f"{v:30s} {1e3 * r.p50_latency_s:8.1f} {1e3 * r.p95_latency_s:8.1f} {1e3 * r.p99_latency_s:8.1f} "
-              f"{1e3 * r.p95_batch_s:12.1f} " + " ".join(f"{x:9.2f}" for x in ratios))
+              f"{1e3 * r.p95_batch_s:12.1f} " + " ".join(f"{x:5.2f} ({g:.2f}, {abs(g / x - 1):3.0%})"
+                                                      for x, g in zip(ratios, guess)))
+    print("predicted p95 batch time over measured: " + ", ".join(
+        f"{v} {pred.loc[v, 'p95_batch_s'] / df.loc[v, 'p95_batch_s']:.2f}" for v in df.index))
+    print(f"prediction error on the ratios: median {np.median(errs):.0%}, max {max(errs):.0%}, "
+          f"{sum(e <= 0.25 for e in errs)} of {len(errs)} within 25 %")
     if repeat > 1:  # the spread: baseline over variant per round
         su = frames.inference_suite(scale, emulated=links, rounding=rounding, yields=yields, repeat=repeat)["serve"]
 

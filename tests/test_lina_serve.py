@@ -66,6 +66,10 @@ def test_phase_two_replans_iff_the_top_sets_differ(served):
         for r in rows:
             import json
 
+            counts = json.loads(r["counts"])  # the all-gathered [N, E] counts the simulator's prediction prices
+            assert len(counts) == 4 and sum(map(sum, counts)) == r["tokens"]
+            assert [sum(c) / r["tokens"] for c in zip(*counts)] == pytest.approx(json.loads(r["pop"]), abs=1e-12)
+            assert ("p1_devs" in r) == (r["planned_from"] == "estimate"), r  # phase 1's plan, where it made one
             if v == "lina_no_estimation" or (v == FIRST[0] and r["layer"] < 2):
                 assert r["planned_from"] == "actual" and not r["replanned"] and "pop_hat" not in r, (v, r)
                 devs = json.loads(r["devs"])
@@ -159,3 +163,25 @@ def test_a_repeated_suite_serves_every_run_in_interleaved_rounds_and_pools_their
             assert rounds == sorted(rounds) and set(rounds) == {0, 1} and once[key][part], (key, part)
         ids = [q["id"] for q in twice[key]["requests"]]
         assert sorted(ids) == sorted(2 * [q["id"] for q in once[key]["requests"]])
+
+
+def test_an_emulated_suite_is_predicted_from_its_own_records(tmp_path):
+    """An EMULATED suite also measures, held out after serving, one call's fixed costs and the baseline over
+    free links; predict_suite prices every run's recorded batches from them (benchmarks/lina.py --serve)."""
+    from moelab.strategies.lina.experiments.frames import predict_suite
+    from moelab.strategies.lina.experiments.runs import _suite_rank
+
+    cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 2, "train.iters": 2}).validate().to_dict()
+    links = {"emulation.enabled": True, "emulation.intra_bw_GBps": 0.05, "emulation.inter_bw_GBps": 0.01,
+             "parallel.topology.nodes": 2}
+    runs = {"base": {"serve.variant": "baseline", **links}, "noest": {"serve.variant": "lina_no_estimation", **links}}
+    su = run_ranks(_suite_rank, 2, cfg, runs, str(tmp_path), timeout=300)[0]
+    assert su["call_costs"]["call_s"] >= 0 and su["call_costs"]["sync_s"] >= 0
+    assert su["free_links"]["batches"] and {r["variant"] for r in su["free_links"]["layers"]} == {"baseline"}
+    pred = predict_suite(su).set_index("variant")
+    assert list(pred.index) == ["base", "noest"] and (pred.host_layer_s >= 0).all()
+    for key in runs:
+        assert 0 < pred.loc[key, "median_batch_s"] <= pred.loc[key, "p95_batch_s"] <= pred.loc[key, "p95_latency_s"]
+    assert pred.loc["noest", "o_plan_s"] > 0 and pred.loc["base", "o_plan_s"] == 0  # planning priced where it ran
+    with pytest.raises(ValueError, match="EMULATED"):
+        predict_suite({k: v for k, v in su.items() if k != "call_costs"})

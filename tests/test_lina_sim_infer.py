@@ -153,3 +153,50 @@ def test_which_layers_get_a_plan_and_from_what():
         hows = [how for _, how, *_ in plans_for_batch(t, src, v, sv, table, N, E)]
         after = "actual" if v == "lina_no_estimation" else "estimate"
         assert hows == [before] * SV.path_len + [after] * (L - SV.path_len), (v, sv.first_layers, hows)
+
+
+def _records(plans, batch, rnd=0):
+    """Layer records as the runtime writes them (lists as JSON) for one batch's plans."""
+    import json
+
+    return [{"batch": batch, "round": rnd, "layer": j, "devs": json.dumps(devs), "planned_from": how,
+             "replanned": replanned, "counts": json.dumps(counts.tolist()),
+             **({"p1_devs": json.dumps(early)} if early is not None else {})}
+            for j, (devs, how, replanned, counts, early) in enumerate(plans)]
+
+
+def test_a_served_runs_records_are_priced_as_the_simulator_prices_its_own_plans():
+    """predict_served rebuilds every batch's plans from the REAL run's records (recorded_plans) and prices
+    them as simulate_serving prices the same decisions: equal batch times, swaps carried across batches,
+    a new round starting again from the static placement."""
+    t = markov_traces(4096, L, E, order=1, seed=3, sharpness=6.0)
+    table, src, batches = setup(t, 1024)
+    topo, prof = Topology(N, 4), get_profile("lina")
+    from moelab.strategies.lina.sim_infer import predict_served, recorded_plans
+
+    for v in ("lina", "lina_no_estimation", "baseline"):
+        want = [r["batch_s"] for r in simulate_serving(t, src, batches, (v,), SV, table, prof, topo, InferShape(),
+                                                        overheads={"o_check_s": 0.0})]
+        rows = []
+        for rnd in (0, 1):
+            for b, sel in enumerate(batches):
+                rows += _records(plans_for_batch(t[sel], src[sel], v, SV, table, N, E, 0, b), b, rnd)
+        assert [p[:2] for p in recorded_plans(rows)] == [(r, b) for r in (0, 1) for b in range(len(batches))]
+        got = predict_served(rows, prof, topo, InferShape(), {"o_check_s": 0.0})
+        for rnd in (0, 1):
+            assert [got[(rnd, b)] for b in range(len(batches))] == pytest.approx(want, rel=1e-12), v
+
+
+def test_replayed_latencies_follow_the_batcher_and_the_batch_times():
+    """A partial first batch waits for its first request's max_wait, a full one for its last member;
+    each batch starts when the one before ends; a faster batch shortens every later request's wait."""
+    from moelab.strategies.lina.sim_infer import replay_latencies
+
+    reqs = [{"batch": 0, "arrival_s": 0.0}, {"batch": 0, "arrival_s": 0.001}] + \
+        [{"batch": 1, "arrival_s": 0.02 + 0.01 * i} for i in range(4)] + [{"batch": 2, "arrival_s": 0.5}]
+    lat = replay_latencies(reqs, {(0, 0): 0.1, (0, 1): 0.2, (0, 2): 0.1}, 4, 0.01)
+    assert lat[:2] == pytest.approx([0.11, 0.109])  # ready at 0.0 + 0.01, ends 0.11
+    assert lat[2:6] == pytest.approx([0.31 - a for a in (0.02, 0.03, 0.04, 0.05)])  # starts at 0.11, ends 0.31
+    assert lat[6] == pytest.approx(0.1)  # the last batch: ready on its arrival at 0.5, the server is free
+    fast = replay_latencies(reqs, {(0, 0): 0.05, (0, 1): 0.2, (0, 2): 0.1}, 4, 0.01)
+    assert all(f < s for f, s in zip(fast[:6], lat[:6])) and fast[6] == pytest.approx(lat[6])

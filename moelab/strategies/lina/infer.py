@@ -24,7 +24,9 @@ the layers before MoE layer ``path_len`` (no full path to estimate from yet); ``
 lets ``lina`` plan those from the actual counts (phase 2 without an estimate). Experts a plan puts
 on a rank are copied from the bank into its working slots: by phase 1's loader during the previous
 layer (``prefetched``, ``prefetch_s``), or before the dispatch (``swapped``, ``swap_s``: the critical
-path); ``p1_wait_s``: how long layer l+1 waited for phase 1 (planning that outlasted layer l).
+path); ``p1_wait_s``: how long layer l+1 waited for phase 1 (planning that outlasted layer l); ``counts``: the
+all-gathered ``[N, E]`` token counts, ``p1_devs``: phase 1's placement (the simulator prices a served run's
+own decisions from them, :func:`.sim_infer.recorded_plans`).
 :class:`ServeContext` is shared by one model's serve layers: the batch's paths, the pending phase-1
 work, and one record per (batch, layer).
 """
@@ -152,7 +154,7 @@ class LinaServeLayer(nn.Module):
         t_gate = time.perf_counter()
         pop = counts.sum(0).double() / max(1, int(counts.sum()))
         rec = {"batch": ctx.batch, "layer": j, "variant": ctx.sv.variant, "tokens": int(counts.sum()),
-               "pop": pop.tolist(), "replanned": False, "planned_from": "static"}
+               "pop": pop.tolist(), "counts": counts.tolist(), "replanned": False, "planned_from": "static"}
         t = time.perf_counter()
         phase1 = ctx.pending.pop(j, None)
         pop_hat, planned, prefetched, prefetch_s = phase1.result() if phase1 is not None else (None, None, 0, 0.0)
@@ -162,8 +164,8 @@ class LinaServeLayer(nn.Module):
                                            ctx.static(), ctx.plan_seed(j), planned)
         t_p2 = time.perf_counter() - t
         rec.update(planned_from=how, replanned=replanned, p1_wait_s=t_p1, prefetched=prefetched, prefetch_s=prefetch_s)
-        if replanned and planned is not None:
-            rec["p1_devs"] = planned  # what phase 1 had loaded, replaced
+        if planned is not None:
+            rec["p1_devs"] = planned  # what phase 1 loaded (replaced where phase 2 re-planned)
         if pop_hat is not None:
             rec["pop_hat"] = pop_hat.tolist()
         self._phase1_issue(j + 1)

@@ -18,7 +18,9 @@ estimate, exchange, plan and load beside layer l-1; on a CPU the load is a memor
 
 Constants (data with sources, :data:`PAPER_OVERHEADS`): ``o_check`` = 1.45 ms and ``o_plan`` = 6.2 ms
 are the paper's measured scheduler costs (§7.3, "Overheads"); ``h2d_GBps`` = 25 [assumption: PCIe 4.0
-x16 effective] for swaps. Compute is the profile's (FLOP model at its achieved rate).
+x16 effective] for swaps. Compute is the profile's (FLOP model at its achieved rate); ``host_layer_s``
+(0 for the paper) is a REAL serving path's own work per layer and rank beyond that model (the
+interpreter's gate, permutation and per-expert calls), which a prediction of a CPU run fits on a held-out run.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ PAPER_OVERHEADS = {
     "o_plan_s": (6.2e-3, "[paper] Lina §7.3: one scheduling round, 6.2 ms"),
     "h2d_GBps": (25.0, "[assumption] PCIe 4.0 x16 effective host-to-device bandwidth for expert swaps"),
     "expert_launch_s": (20e-6, "[assumption] per-expert kernel launch on the GPU"),
+    "host_layer_s": (0.0, "[paper model] none: T_batch holds the layers' compute and transfers only"),
 }
 
 
@@ -79,9 +82,11 @@ def plans_for_batch(traces, src, variant: str, sv, table, N: int, E: int, seed: 
     return out
 
 
-def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None, loaded=None):
+def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None, loaded=None, io=None):
     """The OpGraph of one batch from its per-layer plans; ``loaded[j][d]``: experts rank d held for
-    layer j after the previous batch (updated in place: swaps persist across batches)."""
+    layer j after the previous batch (updated in place: swaps persist across batches); ``io``: ``(bytes
+    in, bytes out)`` of the REAL serving path's batch, rank 0's broadcast of the requests' tokens before
+    the first layer and the all-gather of the answers after the last (None: the paper's T_batch, layers only)."""
     from moelab.moe.serve import route_table
 
     o = {k: v[0] for k, v in PAPER_OVERHEADS.items()} | dict(overheads or {})
@@ -93,6 +98,9 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
     expert_bytes = (2 * d * f + d + f) * eb
     swap_s = lambda n: n * expert_bytes / (o["h2d_GBps"] * 1e9)  # noqa: E731 - n experts from the host bank
     last = [g.compute(r, "start", 0.0) for r in ranks]
+    if io is not None:
+        last = [g.transfer("requests", ranks, [costs.broadcast_demand(ranks, 0, topo, profile, int(io[0]))],
+                           deps=last, category="serve_io")] * N
     began = last  # per rank: what layer l-1 started after (phase 1 of layer l runs from there)
     for j, (devs, how, replanned, counts, early) in enumerate(plans):
         tok = counts.sum(1)
@@ -108,8 +116,8 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
                                      deps=(plan,), category="swap", layer=j, stream="h2d", swapped=len(new))
                 have[r] = have[r] | set(new)
         began = last
-        att = [g.compute(r, f"L{j}.attn", ct(costs.attention_flops(int(tok[r]), d, s) + costs.gate_flops(int(tok[r]), d, E)),
-                         deps=(last[r],), category="attention", layer=j) for r in ranks]
+        att = [g.compute(r, f"L{j}.attn", ct(costs.attention_flops(int(tok[r]), d, s) + costs.gate_flops(int(tok[r]), d, E))
+                         + o["host_layer_s"], deps=(last[r],), category="attention", layer=j) for r in ranks]
         cnt = g.transfer(f"L{j}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile,
                                                                             count_exchange_bytes(E))],
                          deps=att, category="count_exchange", layer=j)
@@ -134,7 +142,67 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
         a2 = g.transfer(f"L{j}.combine", ranks, costs.alltoall_demands(mat.T, ranks, topo, profile), deps=ffn,
                         category="a2a", layer=j, comm={"op": "all_to_all", "group": ranks, "splits": mat.T})
         last = [a2] * N
+    if io is not None:
+        g.transfer("answers", ranks, [costs.ring_demand("all_gather", ranks, topo, profile, int(io[1]))],
+                   deps=last, category="serve_io")
     return g
+
+
+def recorded_plans(layer_rows) -> list:
+    """``[(round, batch, plans)]`` in serving order from one rank's layer records of a REAL serve run
+    (:class:`.infer.LinaServeLayer`), ``plans`` as :func:`plans_for_batch` gives them: the placement the
+    run used, how it was planned, whether phase 2 re-planned, the all-gathered counts ``[N, E]`` and phase
+    1's placement (None where there was none). The simulator then prices the run's own decisions."""
+    import json
+
+    load = lambda v: json.loads(v) if isinstance(v, str) else v  # noqa: E731 - records hold lists as JSON
+    by: dict = {}
+    for r in layer_rows:
+        if r["batch"] >= 0:  # profiling passes carry negative batch numbers
+            by.setdefault((r.get("round", 0), r["batch"]), []).append(r)
+    out = []
+    for (rnd, b), rows in sorted(by.items()):
+        plans = [(load(r["devs"]), r["planned_from"], bool(r["replanned"]), np.asarray(load(r["counts"]), dtype=np.int64),
+                  load(r["p1_devs"]) if isinstance(r.get("p1_devs"), (str, list)) else None)
+                 for r in sorted(rows, key=lambda r: r["layer"])]
+        out.append((rnd, b, plans))
+    return out
+
+
+def predict_served(layer_rows, profile, topo, shape: InferShape, overheads: dict = None, io=None) -> dict:
+    """``{(round, batch): seconds}``: every batch of a REAL serve run priced by :func:`batch_graph` from its
+    recorded plans (:func:`recorded_plans`); each round starts from the static placement, as each run
+    does, and carries its swaps from batch to batch."""
+    out, loaded, at = {}, None, None
+    for rnd, b, plans in recorded_plans(layer_rows):
+        N, E = plans[0][3].shape
+        if rnd != at:
+            loaded = [[set(range(d * (E // N), (d + 1) * (E // N))) for d in range(N)] for _ in plans]
+            at = rnd
+        out[(rnd, b)] = simulate(batch_graph(plans, profile, topo, shape, overheads, loaded, io)).makespan
+    return out
+
+
+def replay_latencies(requests, batch_s: dict, batch_size: int, max_wait_s: float) -> list:
+    """Request latencies with each batch taking ``batch_s[(round, batch)]`` seconds: the run's batches (their
+    members, ``requests[i]["batch"]``) leave in order, each when the server is free and it is ready - full,
+    or the last, once its latest member has arrived; otherwise also not before its first member's
+    ``max_wait_s`` (the REAL batcher's rule, :func:`moelab.runtime.serve.serve`). Queueing is what sets a
+    saturated server's latencies, so a faster batch shortens every later request's wait."""
+    by: dict = {}
+    for q in requests:
+        by.setdefault((q.get("round", 0), q["batch"]), []).append(q)
+    out, free, at = [], 0.0, None
+    keys = sorted(by)
+    for i, key in enumerate(keys):
+        if key[0] != at:
+            free, at = 0.0, key[0]
+        arr = [q["arrival_s"] for q in by[key]]
+        last = i + 1 == len(keys) or keys[i + 1][0] != key[0]
+        ready = max(arr) if len(arr) >= batch_size or last else max(max(arr), min(arr) + max_wait_s)
+        free = max(free, ready) + batch_s[key]
+        out += [free - a for a in arr]
+    return out
 
 
 def simulate_serving(traces, src, batches, variants, sv, table, profile, topo, shape: InferShape, seed: int = 0,

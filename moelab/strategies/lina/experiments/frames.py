@@ -120,6 +120,72 @@ def serve_summary(scale, seed=0, keys=None, emulated=False, rounding="floor", yi
     return _labelled(speedups_over_baseline(df), su["label"])
 
 
+def serve_predicted(scale, seed=0, emulated=False, rounding="floor", yields=False, repeat=1) -> pd.DataFrame:
+    """:func:`predict_suite` of the EMULATED serve runs of :func:`serve_summary` (same arguments)."""
+    return predict_suite(inference_suite(scale, seed, emulated=emulated, rounding=rounding, yields=yields, repeat=repeat))
+
+
+def predict_suite(su: dict) -> pd.DataFrame:
+    """The simulator's prediction of every EMULATED serve run of an inference suite (:func:`.runs._suite_rank`),
+    in :func:`serve_summary`'s columns: each batch priced from the run's own recorded plans and counts
+    (:func:`moelab.strategies.lina.sim_infer.predict_served`) on the emulated links, this model's compute
+    rate on this host (:func:`moelab.sim.local.machine_profile`, ``compute="model"``) and the call costs
+    measured in the suite's spawn after serving (held out); request latencies by replaying the run's
+    batches through the batcher at the predicted batch times (:func:`~moelab.strategies.lina.sim_infer.replay_latencies`).
+    Planning costs: each run's own allocation timed again here on the popularities it planned from (held
+    out from its timeline). The serving path's own work per layer beyond the FLOP model (``host_layer_s``:
+    the interpreter's gate, permutation, per-expert calls) is FITTED on a held-out run: the baseline served
+    again in the same spawn over links that cost nothing (:data:`.runs.FREE_LINKS`), its median batch time
+    less the prediction of that run without the term."""
+    import dataclasses
+    import time
+
+    from moelab.comm.topology import Topology
+    from moelab.config import RunConfig
+    from moelab.sim.local import machine_profile
+    from moelab.strategies.lina.infer import phase1_plan
+    from moelab.strategies.lina.sim_infer import InferShape, predict_served, recorded_plans, replay_latencies
+
+    if "call_costs" not in su:
+        raise ValueError("predict_suite prices EMULATED serve runs (inference_suite(..., emulated=...))")
+    base = RunConfig.from_dict(su["config"])
+    cfgs = {k: base.with_overrides(o).validate() for k, o in su["overrides"].items()}
+    cfg = next(iter(cfgs.values()))
+    cc, m, p = su["call_costs"], cfg.model, cfg.parallel
+    prof = dataclasses.replace(machine_profile(cfg, None, compute="model"), call_overhead_s=cc["call_s"],
+                               emulated_sync_s=cc["sync_s"])
+    topo = Topology.from_config(p.nproc, p.topology.nodes, p.topology.ranks_per_node)
+    shape = InferShape(d_model=m.d_model, d_ff=m.d_ff, seq_len=m.seq_len, elem_bytes=8 if cfg.train.dtype == "float64" else 4)
+    B, N = cfg.serve.batch_size, p.nproc
+    io = (B * (m.seq_len + 1) * 8, N * -(-B // N) * 3 * 8)  # int64 tokens; per rank (id, token, nll) float64 rows
+    free = dataclasses.replace(prof, intra_bw_GBps=1e6, inter_bw_GBps=1e6, intra_latency_us=0.0, inter_latency_us=0.0)
+    fr = su["free_links"]
+    guess = predict_served(fr["layers"], free, topo, shape, {"o_check_s": 0.0}, io)
+    n_layers = len(recorded_plans(fr["layers"])[0][2])  # MoE layers per batch
+    host = max(0.0, float(np.median([b["batch_s"] - guess[(0, b["batch"])] for b in fr["batches"]])) / n_layers)
+    rows = []
+    for key, run in su["serve"].items():
+        if key.startswith("lina_Lp"):
+            continue
+        pops = [np.asarray(json.loads(r["pop"]) if isinstance(r["pop"], str) else r["pop"]) for r in run["layers"]
+                if r["planned_from"] == "actual" or r["replanned"]][:64]
+        over = {"o_check_s": 0.0, "o_plan_s": 0.0, "host_layer_s": host}
+        if pops:  # this run's allocation, timed again on the popularities it planned from
+            t = time.perf_counter()
+            for pop in pops:
+                phase1_plan(cfgs[key].serve, pop, N, 0)
+            over["o_plan_s"] = (time.perf_counter() - t) / len(pops)
+        bt = predict_served(run["layers"], prof, topo, shape, over, io)
+        lat = replay_latencies(run["requests"], bt, B, cfgs[key].serve.max_wait_ms / 1e3)
+        rows.append({"variant": key, "p50_latency_s": np.percentile(lat, 50), "p95_latency_s": np.percentile(lat, 95),
+                     "p99_latency_s": np.percentile(lat, 99), "median_batch_s": float(np.median(list(bt.values()))),
+                     "p95_batch_s": float(np.percentile(list(bt.values()), 95)), "o_plan_s": over["o_plan_s"],
+                     "host_layer_s": host})
+    return _labelled(pd.DataFrame(rows), f"SIMULATED ({prof.name}, call {1e3 * cc['call_s']:.2f} + {1e3 * cc['sync_s']:.2f} ms "
+                     f"measured, host work {1e3 * host:.2f} ms per layer FITTED on a held-out run over free links): "
+                     f"the recorded plans of the runs")
+
+
 def speedups_over_baseline(df: pd.DataFrame) -> pd.DataFrame:
     """Fig. 16's headline: the baseline's median and p95 batch time over each variant's (> 1: faster)."""
     base = df.set_index("variant").loc["baseline"] if "baseline" in set(df.variant) else None

@@ -178,7 +178,7 @@ def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir, repeat=1):
     tr = Trainer.build(cfg)
     rows = tr.run()
     save(tr, ckpt_dir, cfg.train.iters)
-    out = {"losses": [r["loss"] for r in rows], "loads": tr.loads, "serve": {}}
+    out = {"losses": [r["loss"] for r in rows], "loads": tr.loads, "serve": {}, "config": cfg_dict, "overrides": runs}
     tr.close()
     for rnd in range(repeat):  # rounds of every run, interleaved: a drift of the host hits every variant alike
         for key, over in runs.items():
@@ -187,7 +187,35 @@ def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir, repeat=1):
             got = out["serve"].setdefault(key, {"requests": [], "batches": [], "layers": []})
             for part, rows in got.items():
                 rows += [{**row, "round": rnd} for row in res[part]]
+    emulated = [o for o in runs.values() if o.get("emulation.enabled")]
+    if emulated:  # held out, after the serving: this host's costs beside the links, for the simulator's prediction
+        cfg = RunConfig.from_dict(cfg_dict).with_overrides({"train.init_from": ckpt_dir, **emulated[0]})
+        out["call_costs"] = _serve_call_costs(cfg, world)
+        free = {"serve.variant": "baseline", **{f"emulation.{k}": v for k, v in FREE_LINKS.items()}}
+        res = run(cfg.with_overrides(free).validate())
+        out["free_links"] = {part: res[part] for part in ("requests", "batches", "layers")}
     return out
+
+
+# the held-out serve run on links that cost (almost) nothing: what the serving path costs on this host beyond them
+FREE_LINKS = {"intra_bw_GBps": 1e6, "inter_bw_GBps": 1e6, "intra_latency_us": 0.0, "inter_latency_us": 0.0}
+
+
+def _serve_call_costs(cfg, world) -> dict:
+    """:func:`moelab.sim.local.emulated_call_costs` of a 1-element all-to-all over every serving rank, on
+    a communicator with the serve runs' EMULATED links (the simulator's prediction of a served batch prices
+    each of its calls with them)."""
+    import torch.distributed as dist
+
+    from moelab.comm.door import Communicator, Recorder
+    from moelab.runtime.train import topology_for
+    from moelab.sim.local import emulated_call_costs
+
+    comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(dist.get_rank()))
+    try:
+        return emulated_call_costs(comm, "world", "all_to_all", reps=40)
+    finally:
+        comm.close()
 
 
 @cached
