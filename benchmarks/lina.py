@@ -334,14 +334,14 @@ def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool =
     cols = ("p50_latency_s", "p95_latency_s", "p99_latency_s", "p95_batch_s")
     print(df.attrs["label"])
     print(f"prediction: {pred.attrs['label'][:pred.attrs['label'].index(':')]}")
-    print(f"{'variant':30s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "
+    print(f"{'variant':42s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "
           f"{'baseline/variant p50 p95 p99 p95batch (predicted, error)':>40s}")
     errs = []
     for v, r in df.iterrows():
         ratios = [df.loc["baseline", c] / r[c] for c in cols]
         guess = [pred.loc["baseline", c] / pred.loc[v, c] for c in cols]
         errs += [abs(g / x - 1) for g, x in zip(guess, ratios)] if v != "baseline" else []
-        print(f"{v:30s} {1e3 * r.p50_latency_s:8.1f} {1e3 * r.p95_latency_s:8.1f} {1e3 * r.p99_latency_s:8.1f} "
+        print(f"{v:42s} {1e3 * r.p50_latency_s:8.1f} {1e3 * r.p95_latency_s:8.1f} {1e3 * r.p99_latency_s:8.1f} "
               f"{1e3 * r.p95_batch_s:12.1f} " + " ".join(f"{x:5.2f} ({g:.2f}, {abs(g / x - 1):3.0%})"
                                                       for x, g in zip(ratios, guess)))
     print("predicted p95 batch time over measured: " + ", ".join(
@@ -355,7 +355,7 @@ def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool =
             return np.percentile([q["latency_s"] for q in su[key]["requests"] if q["round"] == rnd], 95)
         print("per round, baseline over variant, p95 request latency:")
         for v in df.index:
-            print(f"  {v:30s} " + " ".join(f"{p95('baseline', r) / p95(v, r):6.2f}" for r in range(repeat)))
+            print(f"  {v:42s} " + " ".join(f"{p95('baseline', r) / p95(v, r):6.2f}" for r in range(repeat)))
     for key in [k for k in df.index if k.startswith("lina") and "no_" not in k]:  # the runs that re-plan
         acc = frames.estimation_accuracy(scale, key=key, emulated=links, rounding=rounding, yields=yields, repeat=repeat)
         w = acc.instances.sum()
