@@ -177,9 +177,11 @@ def test_an_emulated_suite_is_predicted_from_its_own_records(tmp_path):
     runs = {"base": {"serve.variant": "baseline", **links}, "noest": {"serve.variant": "lina_no_estimation", **links}}
     su = run_ranks(_suite_rank, 2, cfg, runs, str(tmp_path), timeout=300)[0]
     assert su["call_costs"]["call_s"] >= 0 and su["call_costs"]["sync_s"] >= 0
-    assert su["free_links"]["batches"] and {r["variant"] for r in su["free_links"]["layers"]} == {"baseline"}
+    free = su["free_links"]
+    assert {r["variant"] for r in free["static"]["layers"]} == {"baseline"} and free["static"]["batches"]
+    assert {r["variant"] for r in free["replicated"]["layers"]} == {"lina_no_estimation"}
     pred = predict_suite(su).set_index("variant")
-    assert list(pred.index) == ["base", "noest"] and (pred.host_layer_s >= 0).all()
+    assert list(pred.index) == ["base", "noest"] and (pred.host_layer_s >= 0).all() and (pred.host_expert_s >= 0).all()
     for key in runs:
         assert 0 < pred.loc[key, "median_batch_s"] <= pred.loc[key, "p95_batch_s"] <= pred.loc[key, "p95_latency_s"]
     assert pred.loc["noest", "o_plan_s"] > 0 and pred.loc["base", "o_plan_s"] == 0  # planning priced where it ran

@@ -200,3 +200,31 @@ def test_replayed_latencies_follow_the_batcher_and_the_batch_times():
     assert lat[6] == pytest.approx(0.1)  # the last batch: ready on its arrival at 0.5, the server is free
     fast = replay_latencies(reqs, {(0, 0): 0.05, (0, 1): 0.2, (0, 2): 0.1}, 4, 0.01)
     assert all(f < s for f, s in zip(fast[:6], lat[:6])) and fast[6] == pytest.approx(lat[6])
+
+
+def test_host_costs_separate_a_cost_per_layer_from_one_per_expert():
+    """The serving prediction's host terms, fitted on held-out runs over free links (frames._host_costs):
+    batch times made of the simulator's own price plus 2 ms per layer and 0.5 ms per expert on the busiest
+    rank give back exactly those two costs when one run holds E/N experts a rank and the other more."""
+    import dataclasses
+
+    from moelab.strategies.lina.experiments.frames import _host_costs
+    from moelab.strategies.lina.sim_infer import predict_served, recorded_plans
+
+    t = markov_traces(4096, L, E, order=1, seed=3, sharpness=6.0)
+    table, src, batches = setup(t, 1024)
+    topo, prof = Topology(N, 4), get_profile("lina")
+    free = dataclasses.replace(prof, intra_bw_GBps=1e6, inter_bw_GBps=1e6, intra_latency_us=0.0, inter_latency_us=0.0)
+    runs = {}
+    for v, rounding in (("baseline", "floor"), ("lina_no_estimation", "balanced")):
+        sv = dataclasses.replace(SV, replica_rounding=rounding)
+        rows = [r for b, sel in enumerate(batches) for r in _records(plans_for_batch(t[sel], src[sel], v, sv, table, N, E, 0, b), b)]
+        guess = predict_served(rows, free, topo, InferShape(), {"o_check_s": 0.0, "expert_launch_s": 0.0,
+                                                                 "o_plan_s": 1e-3 if v == "baseline" else 3e-3})
+        most = {b: sum(max(len(d) for d in p[0]) for p in plans) for _, b, plans in recorded_plans(rows)}
+        runs[v] = {"layers": rows, "batches": [{"batch": b, "batch_s": guess[(0, b)] + 2e-3 * L + 5e-4 * most[b]}
+                                               for b in range(len(batches))]}
+    assert len({sum(max(len(d) for d in p[0]) for p in plans) for _, _, plans in recorded_plans(runs["lina_no_estimation"]["layers"])}
+               | {L * E // N}) > 1  # the replicated run holds more experts on its busiest rank: the terms separate
+    plan_s = {"baseline": 1e-3, "lina_no_estimation": 3e-3}  # each run's blocking plan, priced as it was timed
+    assert _host_costs(runs, prof, topo, InferShape(), None, plan_s) == pytest.approx((2e-3, 5e-4), rel=1e-6)

@@ -20,7 +20,8 @@ Constants (data with sources, :data:`PAPER_OVERHEADS`): ``o_check`` = 1.45 ms an
 are the paper's measured scheduler costs (§7.3, "Overheads"); ``h2d_GBps`` = 25 [assumption: PCIe 4.0
 x16 effective] for swaps. Compute is the profile's (FLOP model at its achieved rate); ``host_layer_s``
 (0 for the paper) is a REAL serving path's own work per layer and rank beyond that model (the
-interpreter's gate, permutation and per-expert calls), which a prediction of a CPU run fits on a held-out run.
+interpreter's gate and permutation), which a prediction of a CPU run fits on held-out runs together with
+``expert_launch_s`` (there the interpreter's cost per expert a rank runs).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from moelab.sim.result import covered_fraction
 from moelab.strategies.lina.options import LinaOptions
 
 from .common import scale_spec
-from .runs import inference_suite, policy_runs
+from .runs import FREE_RUNS, inference_suite, policy_runs
 
 
 def _labelled(df, label):
@@ -133,18 +133,17 @@ def predict_suite(su: dict) -> pd.DataFrame:
     measured in the suite's spawn after serving (held out); request latencies by replaying the run's
     batches through the batcher at the predicted batch times (:func:`~moelab.strategies.lina.sim_infer.replay_latencies`).
     Planning costs: each run's own allocation timed again here on the popularities it planned from (held
-    out from its timeline). The serving path's own work per layer beyond the FLOP model (``host_layer_s``:
-    the interpreter's gate, permutation, per-expert calls) is FITTED on a held-out run: the baseline served
-    again in the same spawn over links that cost nothing (:data:`.runs.FREE_LINKS`), its median batch time
-    less the prediction of that run without the term."""
+    out from its timeline). The serving path's own work beyond the FLOP model - per layer (``host_layer_s``:
+    the interpreter's gate and permutation) and per expert a rank runs (``expert_launch_s``) - is FITTED on
+    held-out runs: the static and a replicated placement served again in the same spawn over links that cost
+    nothing (:data:`.runs.FREE_RUNS`, :data:`.runs.FREE_LINKS`), their batch times less the prediction of
+    those runs without the two terms (:func:`_host_costs`)."""
     import dataclasses
-    import time
 
     from moelab.comm.topology import Topology
     from moelab.config import RunConfig
     from moelab.sim.local import machine_profile
-    from moelab.strategies.lina.infer import phase1_plan
-    from moelab.strategies.lina.sim_infer import InferShape, predict_served, recorded_plans, replay_latencies
+    from moelab.strategies.lina.sim_infer import InferShape, predict_served, replay_latencies
 
     if "call_costs" not in su:
         raise ValueError("predict_suite prices EMULATED serve runs (inference_suite(..., emulated=...))")
@@ -158,32 +157,69 @@ def predict_suite(su: dict) -> pd.DataFrame:
     shape = InferShape(d_model=m.d_model, d_ff=m.d_ff, seq_len=m.seq_len, elem_bytes=8 if cfg.train.dtype == "float64" else 4)
     B, N = cfg.serve.batch_size, p.nproc
     io = (B * (m.seq_len + 1) * 8, N * -(-B // N) * 3 * 8)  # int64 tokens; per rank (id, token, nll) float64 rows
-    free = dataclasses.replace(prof, intra_bw_GBps=1e6, inter_bw_GBps=1e6, intra_latency_us=0.0, inter_latency_us=0.0)
-    fr = su["free_links"]
-    guess = predict_served(fr["layers"], free, topo, shape, {"o_check_s": 0.0}, io)
-    n_layers = len(recorded_plans(fr["layers"])[0][2])  # MoE layers per batch
-    host = max(0.0, float(np.median([b["batch_s"] - guess[(0, b["batch"])] for b in fr["batches"]])) / n_layers)
+    free_cfgs = {k: base.with_overrides(FREE_RUNS[k]).validate().serve for k in su["free_links"]}
+    host, per_expert = _host_costs(su["free_links"], prof, topo, shape, io,
+                                   {k: _plan_cost(r, free_cfgs[k], N) for k, r in su["free_links"].items()})
     rows = []
     for key, run in su["serve"].items():
         if key.startswith("lina_Lp"):
             continue
-        pops = [np.asarray(json.loads(r["pop"]) if isinstance(r["pop"], str) else r["pop"]) for r in run["layers"]
-                if r["planned_from"] == "actual" or r["replanned"]][:64]
-        over = {"o_check_s": 0.0, "o_plan_s": 0.0, "host_layer_s": host}
-        if pops:  # this run's allocation, timed again on the popularities it planned from
-            t = time.perf_counter()
-            for pop in pops:
-                phase1_plan(cfgs[key].serve, pop, N, 0)
-            over["o_plan_s"] = (time.perf_counter() - t) / len(pops)
+        over = {"o_check_s": 0.0, "o_plan_s": _plan_cost(run, cfgs[key].serve, N), "host_layer_s": host,
+                "expert_launch_s": per_expert}
         bt = predict_served(run["layers"], prof, topo, shape, over, io)
         lat = replay_latencies(run["requests"], bt, B, cfgs[key].serve.max_wait_ms / 1e3)
         rows.append({"variant": key, "p50_latency_s": np.percentile(lat, 50), "p95_latency_s": np.percentile(lat, 95),
                      "p99_latency_s": np.percentile(lat, 99), "median_batch_s": float(np.median(list(bt.values()))),
                      "p95_batch_s": float(np.percentile(list(bt.values()), 95)), "o_plan_s": over["o_plan_s"],
-                     "host_layer_s": host})
+                     "host_layer_s": host, "host_expert_s": per_expert})
     return _labelled(pd.DataFrame(rows), f"SIMULATED ({prof.name}, call {1e3 * cc['call_s']:.2f} + {1e3 * cc['sync_s']:.2f} ms "
-                     f"measured, host work {1e3 * host:.2f} ms per layer FITTED on a held-out run over free links): "
-                     f"the recorded plans of the runs")
+                     f"measured, host work {1e3 * host:.2f} ms per layer + {1e3 * per_expert:.2f} ms per expert FITTED "
+                     "on held-out runs over free links): the recorded plans of the runs")
+
+
+def _plan_cost(run: dict, sv, N: int) -> float:
+    """Seconds one blocking plan of ``run`` takes here: its allocation timed again on (up to 64 of) the
+    popularities it planned from (held out from the run's timeline); 0 where it planned none."""
+    import time
+
+    from moelab.strategies.lina.infer import phase1_plan
+
+    pops = [np.asarray(json.loads(r["pop"]) if isinstance(r["pop"], str) else r["pop"]) for r in run["layers"]
+            if r["planned_from"] == "actual" or r["replanned"]][:64]
+    if not pops:
+        return 0.0
+    t = time.perf_counter()
+    for pop in pops:
+        phase1_plan(sv, pop, N, 0)
+    return (time.perf_counter() - t) / len(pops)
+
+
+def _host_costs(free_runs: dict, prof, topo, shape, io, plan_s=None) -> tuple:
+    """``(host_layer_s, host_expert_s)``: least squares (both >= 0) of the held-out free-link runs' batch times
+    less their prediction without those terms, on each batch's MoE layers and its experts on the busiest rank
+    summed over layers (the static run holds E/N a rank, the replicated one more: the two costs separate);
+    ``plan_s``: each run's blocking plan cost (:func:`_plan_cost`)."""
+    import dataclasses
+
+    from moelab.strategies.lina.sim_infer import predict_served, recorded_plans
+
+    free = dataclasses.replace(prof, intra_bw_GBps=1e6, inter_bw_GBps=1e6, intra_latency_us=0.0, inter_latency_us=0.0)
+    X, y = [], []
+    for key0, run in free_runs.items():
+        guess = predict_served(run["layers"], free, topo, shape, {"o_check_s": 0.0, "expert_launch_s": 0.0,
+                                                                  "o_plan_s": (plan_s or {}).get(key0, 0.0)}, io)
+        most = {(rnd, b): sum(max(len(d) for d in p[0]) for p in plans) for rnd, b, plans in recorded_plans(run["layers"])}
+        layers = {(rnd, b): len(plans) for rnd, b, plans in recorded_plans(run["layers"])}
+        for bt in run["batches"]:
+            key = (bt.get("round", 0), bt["batch"])
+            X.append([layers[key], most[key]])
+            y.append(bt["batch_s"] - guess[key])
+    X, y = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
+    fits = [np.linalg.lstsq(X, y, rcond=None)[0]]  # both terms, then each alone (a negative fit is no cost)
+    fits += [np.where(np.arange(2) == i, max(0.0, float(X[:, i] @ y / (X[:, i] @ X[:, i]))), 0.0) for i in range(2)]
+    ok = [f for f in fits if (f >= 0).all()]
+    best = min(ok, key=lambda f: float(np.sum((X @ f - y) ** 2)))
+    return float(best[0]), float(best[1])
 
 
 def speedups_over_baseline(df: pd.DataFrame) -> pd.DataFrame:

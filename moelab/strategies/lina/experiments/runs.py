@@ -191,14 +191,18 @@ def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir, repeat=1):
     if emulated:  # held out, after the serving: this host's costs beside the links, for the simulator's prediction
         cfg = RunConfig.from_dict(cfg_dict).with_overrides({"train.init_from": ckpt_dir, **emulated[0]})
         out["call_costs"] = _serve_call_costs(cfg, world)
-        free = {"serve.variant": "baseline", **{f"emulation.{k}": v for k, v in FREE_LINKS.items()}}
-        res = run(cfg.with_overrides(free).validate())
-        out["free_links"] = {part: res[part] for part in ("requests", "batches", "layers")}
+        out["free_links"] = {}
+        for key, over in FREE_RUNS.items():
+            res = run(cfg.with_overrides({**over, **{f"emulation.{k}": v for k, v in FREE_LINKS.items()}}).validate())
+            out["free_links"][key] = {part: res[part] for part in ("requests", "batches", "layers")}
     return out
 
 
-# the held-out serve run on links that cost (almost) nothing: what the serving path costs on this host beyond them
+# the held-out serve runs on links that cost (almost) nothing: what the serving path costs on this host beyond
+# them, with the static placement and with many replicas per rank (so a cost per layer and one per expert separate)
 FREE_LINKS = {"intra_bw_GBps": 1e6, "inter_bw_GBps": 1e6, "intra_latency_us": 0.0, "inter_latency_us": 0.0}
+FREE_RUNS = {"static": {"serve.variant": "baseline"},
+             "replicated": {"serve.variant": "lina_no_estimation", "serve.replica_rounding": "balanced"}}
 
 
 def _serve_call_costs(cfg, world) -> dict:
