@@ -86,11 +86,11 @@ def test_phase_one_loads_overlap_the_previous_layer_and_phase_two_swaps_block():
     """Spec §2.4: phase 1 plans and loads layer l's experts while layer l-1 runs (its experts wait for
     the load); without a re-plan nothing is swapped on the critical path; a re-plan's extra experts are."""
     from moelab.sim.engine import simulate as run_graph
-    from moelab.strategies.lina.sim_infer import batch_graph
+    from moelab.strategies.lina.sim_infer import batch_graph, static_loaded
 
     t = markov_traces(8192, L, E, order=1, seed=5, sharpness=6.0)
     table, src, _ = setup(t)
-    static = [[set(range(d * (E // N), (d + 1) * (E // N))) for d in range(N)] for _ in range(L)]
+    static = static_loaded(N, E, L)
     for v in ("lina_no_finetune", "lina"):
         plans = plans_for_batch(t[:4096], src[:4096], v, SV, table, N, E)
         g = batch_graph(plans, get_profile("lina"), Topology(N, 4), InferShape(), {"o_check_s": 0.0},
@@ -209,12 +209,13 @@ def test_host_costs_separate_a_cost_per_layer_from_one_per_expert():
     import dataclasses
 
     from moelab.strategies.lina.experiments.frames import _host_costs
+    from moelab.strategies.lina.experiments.runs import FREE_LINKS
     from moelab.strategies.lina.sim_infer import predict_served, recorded_plans
 
     t = markov_traces(4096, L, E, order=1, seed=3, sharpness=6.0)
     table, src, batches = setup(t, 1024)
     topo, prof = Topology(N, 4), get_profile("lina")
-    free = dataclasses.replace(prof, intra_bw_GBps=1e6, inter_bw_GBps=1e6, intra_latency_us=0.0, inter_latency_us=0.0)
+    free = dataclasses.replace(prof, **FREE_LINKS)
     runs = {}
     for v, rounding in (("baseline", "floor"), ("lina_no_estimation", "balanced")):
         sv = dataclasses.replace(SV, replica_rounding=rounding)

@@ -46,6 +46,13 @@ from moelab.moe.serve import serve_forward
 from moelab.placement.lina import allocate, load_off, needs_replan
 from moelab.runtime.cpu_priority import as_comm_thread
 
+
+def static_placement(N: int, E: int) -> list:
+    """The baseline's placement: device d holds the expert block ``[d E/N, (d+1) E/N)``."""
+    per = E // N
+    return [list(range(d * per, (d + 1) * per)) for d in range(N)]
+
+
 def estimates(sv, j: int) -> bool:
     """Whether phase 1 estimates MoE layer ``j``: ``lina`` and ``lina_no_finetune``, from layer ``path_len``, the
     first with a full path of earlier choices (the paper's "slower start" for longer paths)."""
@@ -113,8 +120,7 @@ class ServeContext:
             self._loader = None
 
     def static(self) -> list:
-        N, per = self.comm.world_size, self.E // self.comm.world_size
-        return [list(range(d * per, (d + 1) * per)) for d in range(N)]
+        return static_placement(self.comm.world_size, self.E)
 
     def scheduled(self, j: int) -> bool:
         return not self.capture and self.table is not None and schedules(self.sv, j)

@@ -54,11 +54,11 @@ class InferShape:
 def plans_for_batch(traces, src, variant: str, sv, table, N: int, E: int, seed: int = 0, batch: int = 0) -> list:
     """``[(devs, planned_from, replanned, counts [N, E], phase-1 devs or None)]`` per MoE layer of one
     batch, as the runtime decides them (phase 1 from the paths, phase 2 from the counts)."""
-    from moelab.strategies.lina.infer import choose_plan, estimates, phase1_plan, schedules
+    from moelab.strategies.lina.infer import choose_plan, estimates, phase1_plan, schedules, static_placement
 
     t = np.asarray(traces, dtype=np.int64)
     src = np.asarray(src, dtype=np.int64)
-    static = [list(range(d * (E // N), (d + 1) * (E // N))) for d in range(N)]
+    static = static_placement(N, E)
     sv = dataclasses.replace(sv, variant=variant)
     out = []
     for j in range(t.shape[1]):
@@ -149,6 +149,13 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
     return g
 
 
+def static_loaded(N: int, E: int, L: int) -> list:
+    """``loaded[j][d]`` (:func:`batch_graph`) before a run's first batch: every rank holds its static block."""
+    from moelab.strategies.lina.infer import static_placement
+
+    return [[set(devs) for devs in static_placement(N, E)] for _ in range(L)]
+
+
 def recorded_plans(layer_rows) -> list:
     """``[(round, batch, plans)]`` in serving order from one rank's layer records of a REAL serve run
     (:class:`.infer.LinaServeLayer`), ``plans`` as :func:`plans_for_batch` gives them: the placement the
@@ -176,10 +183,8 @@ def predict_served(layer_rows, profile, topo, shape: InferShape, overheads: dict
     does, and carries its swaps from batch to batch."""
     out, loaded, at = {}, None, None
     for rnd, b, plans in recorded_plans(layer_rows):
-        N, E = plans[0][3].shape
         if rnd != at:
-            loaded = [[set(range(d * (E // N), (d + 1) * (E // N))) for d in range(N)] for _ in plans]
-            at = rnd
+            loaded, at = static_loaded(*plans[0][3].shape, len(plans)), rnd
         out[(rnd, b)] = simulate(batch_graph(plans, profile, topo, shape, overheads, loaded, io)).makespan
     return out
 
@@ -216,8 +221,7 @@ def simulate_serving(traces, src, batches, variants, sv, table, profile, topo, s
     E = int(np.asarray(traces).max()) + 1 if table is None else table.E
     L = np.asarray(traces).shape[1]
     for v in variants:
-        loaded = [[set(range(d * (E // topo.world_size), (d + 1) * (E // topo.world_size)))
-                   for d in range(topo.world_size)] for _ in range(L)]
+        loaded = static_loaded(topo.world_size, E, L)
         for b, sel in enumerate(batches):
             plans = plans_for_batch(traces[sel], src[sel], v, sv, table, topo.world_size, E, seed, b)
             ov = dict(overheads or {})

@@ -12,7 +12,7 @@ from moelab.sim.result import covered_fraction
 from moelab.strategies.lina.options import LinaOptions
 
 from .common import scale_spec
-from .runs import FREE_RUNS, inference_suite, policy_runs
+from .runs import FREE_LINKS, FREE_RUNS, inference_suite, policy_runs
 
 
 def _labelled(df, label):
@@ -203,16 +203,16 @@ def _host_costs(free_runs: dict, prof, topo, shape, io, plan_s=None) -> tuple:
 
     from moelab.strategies.lina.sim_infer import predict_served, recorded_plans
 
-    free = dataclasses.replace(prof, intra_bw_GBps=1e6, inter_bw_GBps=1e6, intra_latency_us=0.0, inter_latency_us=0.0)
+    free = dataclasses.replace(prof, **FREE_LINKS)  # the held-out runs' links, in the profile's own field names
     X, y = [], []
     for key0, run in free_runs.items():
         guess = predict_served(run["layers"], free, topo, shape, {"o_check_s": 0.0, "expert_launch_s": 0.0,
                                                                   "o_plan_s": (plan_s or {}).get(key0, 0.0)}, io)
-        most = {(rnd, b): sum(max(len(d) for d in p[0]) for p in plans) for rnd, b, plans in recorded_plans(run["layers"])}
-        layers = {(rnd, b): len(plans) for rnd, b, plans in recorded_plans(run["layers"])}
+        terms = {(rnd, b): [len(plans), sum(max(len(d) for d in p[0]) for p in plans)]  # layers, busiest-rank experts
+                 for rnd, b, plans in recorded_plans(run["layers"])}
         for bt in run["batches"]:
             key = (bt.get("round", 0), bt["batch"])
-            X.append([layers[key], most[key]])
+            X.append(terms[key])
             y.append(bt["batch_s"] - guess[key])
     X, y = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
     fits = [np.linalg.lstsq(X, y, rcond=None)[0]]  # both terms, then each alone (a negative fit is no cost)
