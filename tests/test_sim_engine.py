@@ -362,3 +362,21 @@ def test_a_gate_hold_keeps_low_calls_back_over_the_compute_between_its_calls():
     assert r.start[low] == pytest.approx(0.5)
     r, low, last = run(True)
     assert r.start[last] == pytest.approx(1.5) and r.start[low] == pytest.approx(r.end[last]) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("sync", [None, 0.25])
+def test_also_after_delays_every_op_that_starts_a_call_on_ops_added_later(sync):
+    """A call waits for an op added after it (a plan decided once the graph exists): its link phase and, where
+    the fixed costs run beside the links, its software both start only then; without it the call starts at 0."""
+    def run(wait: bool):
+        g, phases = _two_phase_call(call_overhead_s=0.5, emulated_sync_s=sync)
+        call = g.transfer("a", [0, 1], phases)
+        later = g.compute(0, "later", 1.0, stream="other")
+        if wait:
+            g.also_after(call, (later,))
+        res = simulate(g)
+        return min(res.start[h] for h in g.call_heads[call]), res.makespan
+
+    assert run(False)[0] == pytest.approx(0.0)
+    start, end = run(True)
+    assert start == pytest.approx(1.0) and end == pytest.approx(1.0 + run(False)[1])

@@ -116,6 +116,15 @@ class OpGraph:
         self.call_gate: Optional[tuple] = None  # (high streams, low streams, high_waits): see the module doc
         self.any_of: dict = {}  # op -> alternatives (tuples of op ids), one of which must have ended: module doc
         self.gate_holds: list = []  # [(first op, last op)]: the call gate's holds, see the module doc
+        self.call_heads: dict = {}  # a call's last op (what transfer returns) -> the ops that start it
+
+    def also_after(self, call: int, deps) -> None:
+        """Make ``call`` (an op id :meth:`transfer` returned, or any op) also wait for ``deps``, which may be
+        ops added after it: a schedule decided once the graph exists (Lina's planned windows, a call that
+        waits for the micro-ops planned before it). Every op that starts the call gets the dependency."""
+        for h in self.call_heads.get(call, (call,)):
+            o = self.ops[h]
+            o.deps = tuple(dict.fromkeys(o.deps + tuple(deps)))
 
     def interfere(self, streams, gamma) -> None:
         """Flows of different streams among ``streams`` slow each other by ``gamma`` (a number >= 1, or
@@ -196,6 +205,13 @@ class OpGraph:
 
         ``comm`` (the accounting record) goes on the first phase only, so bytes are counted once.
         """
+        first, deps = len(self.ops), tuple(deps)
+        last = self._transfer(name, ranks, demands, deps, category, stream, comm, call_overhead, phased,
+                              beside_compute, kw)
+        self.call_heads[last] = tuple(i for i in range(first, len(self.ops)) if self.ops[i].deps == deps)
+        return last
+
+    def _transfer(self, name, ranks, demands, deps, category, stream, comm, call_overhead, phased, beside_compute, kw):
         call_s, sync_s = self.call_overhead_s, self.emulated_sync_s
         on_cores = self.software_cpu_share is not None and self.cpu_pool is not None and sync_s is not None
         if beside_compute and self.busy_fixed is not None and not on_cores:
