@@ -325,3 +325,54 @@ def test_no_micro_op_starts_inside_a_pipelined_layers_backward():
     for unheld in ({"launch_agreement": "plan"}, {"block_on_combine_backward": False}):
         c = cfg.with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "a2a_chunks": 4, **unheld}})
         assert not run(c, get_profile("lina"), "lina_pipe")[0].gate_holds, unheld  # the scheduler holds nothing
+
+
+def _planned(policy="lina", **extra):
+    cfg = paper_cfg(layers=4).with_overrides({"parallel.strategy_options": {
+        "partition_bytes": 4e6, "launch_agreement": "plan", **extra}})
+    return cfg, get_profile("lina")
+
+
+@pytest.mark.parametrize("policy, extra", [("lina", {}), ("lina_pipe", {"a2a_chunks": 4})])
+def test_a_plan_launches_each_micro_op_in_its_window_and_its_call_waits_for_it(policy, extra):
+    """``launch_agreement: plan``: no call gate; a micro-op planned in window w starts once backward call w - 1
+    ended (window 0: once its gradient is ready) and ends before call w starts; the ops no window holds start
+    after the last backward call; two small all-gathers close the iteration. The steady plan is a fixed point:
+    measuring its own timeline plans it again, and it fills at least one window here."""
+    from moelab.comm.priority import plan_windows
+    from moelab.strategies.lina.sim_windows import measure, window_of
+
+    cfg, prof = _planned(policy, **extra)
+    g = lina_iteration_graph(cfg, prof, synthetic_loads(cfg), policy=policy, elem_bytes=2)
+    res, layout, windows = simulate(g), g.meta["window_layout"], g.meta["plan_windows"]
+    assert g.call_gate is None and g.meta["plan_converged"] and windows and windows[-1] > 0
+    assert plan_windows(*measure(g, res, layout)) == windows
+    calls = [c for c, _ in layout.calls]
+    assert len(windows) == len(calls) and calls == sorted(calls)
+    heads = {c: g.call_heads[c] for c in calls}
+    for n, (ops, _) in enumerate(layout.units):
+        w = window_of(windows, n)
+        began = min(res.start[h] for x in ops for h in g.call_heads[x])
+        if w is None:
+            assert began >= res.end[calls[-1]] - 1e-12
+            continue
+        if w > 0:
+            assert began >= res.end[calls[w - 1]] - 1e-12
+        assert max(res.end[x] for x in ops) <= min(res.start[h] for h in heads[calls[w]]) + 1e-12
+    tail = [o for o in g.ops if o.name.startswith("lina_plan.")]
+    assert [o.comm["op"] for o in tail] == ["all_gather", "all_gather"] and res.end[tail[-1].id] == res.makespan
+
+
+def test_an_empty_plan_leaves_every_micro_op_to_the_drain_and_costs_the_same_bytes():
+    """The runtime's first step (nothing planned): every micro-op starts after backward's last gradient; the
+    all-reduce bytes are the unplanned policy's, plus the two small all-gathers."""
+    cfg, prof = _planned()
+    loads = synthetic_loads(cfg)
+    g = lina_iteration_graph(cfg, prof, loads, policy="lina", elem_bytes=2, windows=[])
+    res = simulate(g)
+    backward_end = max(res.end[o.id] for o in g.ops if o.meta.get("phase") == "bwd")
+    grads = [o for o in g.ops if o.category == "allreduce"]
+    assert grads and min(res.start[o.id] for o in grads) >= backward_end - 1e-12
+    plain = lina_iteration_graph(paper_cfg(layers=4).with_overrides({"parallel.strategy_options": {
+        "partition_bytes": 4e6}}), prof, loads, policy="lina", elem_bytes=2)
+    assert sum(o.comm["nbytes"] for o in grads) == sum(o.comm["nbytes"] for o in plain.ops if o.category == "allreduce")

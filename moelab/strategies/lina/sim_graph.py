@@ -34,8 +34,12 @@ a call's fixed cost each; the leader's gate is priced as every rank's).
 
 A pipelined layer's backward holds the gate from its first chunk's call to its last
 (:attr:`moelab.sim.engine.OpGraph.gate_holds`), as the runtime's :meth:`~moelab.comm.priority.PriorityScheduler.hold`
-(not under ``launch_agreement: plan``, which otherwise is priced as its policy: its windows are not modelled, nor
-without the combine block).
+(not under ``launch_agreement: plan``, nor without the combine block).
+
+``launch_agreement: plan`` (:mod:`moelab.strategies.lina.sim_windows`): no call gate; each micro-op launches once
+the backward window it is planned in opens (the ones no window holds after the last backward all-to-all), each
+backward all-to-all waits for its window's ops, and two small all-gathers agree on the plan after the drain; the
+plan is the steady state of pricing, measuring the windows and planning again, as the runtime does step by step.
 
 Not modelled: the combine-backward block (the DES knows the all-to-all's time, so nothing is launched
 "just before" it by accident) and the bounded wait's releases
@@ -49,6 +53,7 @@ from moelab.sim import costs
 from moelab.sim.graphs import capacity, elem_bytes_of, moe_layer_ids, token_stages, topology_of, \
     transformer_iteration_graph
 from moelab.placement import Placement
+from moelab.strategies.lina.sim_windows import WindowLayout, steady_plan, window_of
 
 import numpy as np
 
@@ -73,10 +78,12 @@ def _units(ready, partitioned: bool, cap_bytes: float, part_bytes: float, eb: in
 def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *,
                          elem_bytes: Optional[int] = None, policy: Optional[str] = None,
                          partition_bytes: Optional[float] = None, bucket_mb: Optional[float] = None,
-                         hierarchical_a2a: bool = False, gamma=1.0):
+                         hierarchical_a2a: bool = False, gamma=1.0, windows: Optional[list] = None):
     """One training iteration under Lina's ``policy`` (default: the run's strategy options);
     ``hierarchical_a2a``: all-to-alls intra-node first, then across nodes (Tutel's 2D all-to-all);
-    ``gamma``: the all-to-all / all-reduce interference factor (a number >= 1, or op -> number)."""
+    ``gamma``: the all-to-all / all-reduce interference factor (a number >= 1, or op -> number);
+    ``windows`` (``launch_agreement: plan``): the micro-ops planned by the end of each backward window,
+    cumulative (default: the plan's steady state, :func:`moelab.strategies.lina.sim_windows.steady_plan`)."""
     from moelab.strategies import get
 
     import dataclasses
@@ -85,6 +92,11 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     opts = cls.from_dict(cfg.parallel.strategy_options) if cfg.parallel.strategy == "lina" else cls()
     opts = dataclasses.replace(opts, policy=policy or opts.policy)
     policy = opts.policy
+    planned = opts.scheduled and opts.launch_agreement == "plan"
+    if planned and windows is None:
+        return steady_plan(lambda w: lina_iteration_graph(
+            cfg, profile, loads, placement, elem_bytes=elem_bytes, policy=policy, partition_bytes=partition_bytes,
+            bucket_mb=bucket_mb, hierarchical_a2a=hierarchical_a2a, gamma=gamma, windows=w))
     S = partition_bytes or opts.partition_bytes
     cap_bytes = (bucket_mb or cfg.parallel.bucket_mb) * 2**20
     m, moe = cfg.model, cfg.model.moe
@@ -155,7 +167,13 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
             # ... decided per rank and call, as the scheduler does: no micro-op starts while an all-to-all
             # waits or runs on one of its ranks, an arriving all-to-all waits for the ones in flight
             low = set(streams) | {AR}
-            g.call_gate = ({A2A, f"{A2A}.software"}, low | {f"{x}.software" for x in low}, opts.a2a_waits_for_inflight)
+            if not planned:  # a plan decides the launches instead (below)
+                g.call_gate = ({A2A, f"{A2A}.software"}, low | {f"{x}.software" for x in low},
+                               opts.a2a_waits_for_inflight)
+        if planned:  # the backward all-to-alls close the windows: each as issued, before it waits for a plan
+            layout = g.meta["window_layout"] = WindowLayout(opens=list(ready[0][1]))
+            layout.calls = [(c, tuple(dict.fromkeys(d for h in g.call_heads[c] for d in g.ops[h].deps)))
+                            for c in g.call_heads if g.ops[c].stream == A2A and g.ops[c].meta.get("phase") == "bwd"]
         issued: list = []  # per unit, its ops
         leader = opts.scheduled and opts.launch_agreement == "leader"
         for n, (nbytes, k) in enumerate(units):
@@ -164,6 +182,12 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
                 later = [b for b in between if b > max(ready[k][1])]
                 if later:
                     deps.append(min(later))
+            if planned:  # launched once its window opens; unplanned: after the last backward call (none: the drain)
+                w = window_of(windows, n)
+                if w is None:
+                    deps += [layout.calls[-1][0]] if windows and layout.calls else list(ready[-1][1])
+                elif w > 0:
+                    deps.append(layout.calls[w - 1][0])
             if n >= len(streams):  # a rank's queue: at most max_inflight at once, unit n after unit n - max_inflight
                 deps += issued[n - len(streams)]
             groups = expert_groups if ready[k][0].endswith(".experts") else [ranks]
@@ -184,6 +208,8 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
                                       comm={"op": "all_reduce", "group": grp, "nbytes": nbytes}))
             issued.append(tuple(ops))
         last = tuple(x for ops in issued[-len(streams):] for x in ops) or tuple(ready[-1][1])
+        if planned:
+            last = planned_windows(ctx, layout, windows, issued, [ready[k][1] for _, k in units], last)
         return packed_expert_sync(ctx, last) if q > 1 and not hooked_experts else last
 
     def packed_expert_sync(ctx, deps):
@@ -210,6 +236,25 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     if callable(gamma) or gamma != 1.0:
         g.interfere((A2A, streams), gamma)
     return g
+
+
+def planned_windows(ctx, layout, windows, issued, ready_ops, last) -> tuple:
+    """``launch_agreement: plan``: each backward all-to-all waits for the micro-ops planned in its window
+    (ended, as the runtime's call waits for them), and after the drain two small all-gathers over every rank
+    agree on the next step's plan (the windows' free times and queued counts, the ops' durations); returns
+    the iteration's last ops."""
+    g = ctx.g
+    for w, (call, _) in enumerate(layout.calls):
+        mine = [x for n, ops in enumerate(issued) if window_of(windows, n) == w for x in ops]
+        if mine:
+            g.also_after(call, mine)
+    layout.units = [(tuple(ops), list(r)) for ops, r in zip(issued, ready_ops)]
+    ranks = ctx.ranks
+    for name, nbytes in (("shape", 16), ("data", 8 * (2 * len(layout.calls) + len(issued)))):
+        last = (g.transfer(f"lina_plan.{name}", ranks,
+                           [costs.ring_demand("all_gather", ranks, ctx.topo, ctx.profile, nbytes)], deps=last,
+                           category="scheduler", phase="sync", comm={"op": "all_gather", "group": ranks, "nbytes": nbytes}),)
+    return last
 
 
 def ar_streams(inflight: int) -> tuple:
