@@ -78,6 +78,9 @@ def test_every_rank_s_files_reach_the_writer_in_chunks(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary == res[1]["summary"] and res[0]["summary"] is None
     assert summary["iters"] == 2 and summary["final_loss"] == 1.25 and len(summary["hosts"]) == 3
+    import torch
+
+    assert summary["kernels"] == [f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()}"]
     assert json.loads((out / "config.json").read_text()) == RunConfig.from_dict(CFG).to_dict()
     assert not list(out.glob(".*"))  # no temp files left
 

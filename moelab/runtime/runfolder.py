@@ -76,6 +76,17 @@ def host_label(label: str, hosts: list) -> str:
     return f"{label} on {', '.join(distinct[:4])}" + (f" and {len(distinct) - 4} more" if len(distinct) > 4 else "")
 
 
+def kernels() -> str:
+    """This process's torch and the CPU kernels it dispatches to (``"2.13.0+cpu AVX2"``). A run repeats bit for
+    bit on one machine, but the kernels' instruction set changes the float rounding (measured: Lina's smoke
+    inference model, 20 steps on 4 gloo ranks, the same losses twice on AVX2; under ``ATEN_CPU_CAPABILITY=default``
+    they differ from the second step on, by up to 2.4e-7), so a model trained on another CPU drifts apart
+    over a long run; each summary records the kernels."""
+    import torch
+
+    return f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
+
+
 @dataclass
 class RunFolder:
     """This rank's side of a run folder (see the module docstring)."""
@@ -85,6 +96,7 @@ class RunFolder:
     worker: str
     rank: int
     hosts: list = field(default_factory=list)
+    kernels: list = field(default_factory=list)  # the ranks' torch CPU kernels (see kernels())
     shared_fs: bool = False
     started: float = field(default_factory=time.monotonic)
     staging: Path | None = None  # a private temp folder (ranks > 0 without a shared filesystem)
@@ -102,10 +114,11 @@ class RunFolder:
         folder = cls(Path(out), cfg, worker, rank, shared_fs=shared_fs,
                      started=time.monotonic() if started is None else started)
         mine = {"hash": cfg.short_hash(), "version": __version__, "host": socket.gethostname(),
-                "node": os.environ.get(NODE_RANK_ENV)}
+                "node": os.environ.get(NODE_RANK_ENV), "kernels": kernels()}
         facts: list = [None] * world
         dist.all_gather_object(facts, mine)
         folder.hosts = [f["host"] for f in facts]
+        folder.kernels = sorted({f["kernels"] for f in facts})
         folder.writer = writer_rank([f["node"] for f in facts])
         created = not folder.out.exists()
         errors: list = [None] * world
@@ -159,6 +172,7 @@ class RunFolder:
         if self.rank == self.writer:
             summary = summarize(self.out, self.cfg, time.monotonic() - self.started, self.worker)
             summary["hosts"] = self.hosts
+            summary["kernels"] = self.kernels
             summary["label"] = host_label(summary["label"], self.hosts)
             atomic_write_json(self.out / "summary.json", summary)
         self.close()
