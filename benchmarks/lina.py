@@ -61,6 +61,8 @@ import argparse
 import statistics
 from typing import Optional
 
+from moelab.runtime.runfolder import kernels
+
 POLICIES = ("ddp_overlap", "after_backward", "fixed", "priority", "lina", "lina_pipe", "lina_full")
 EXTRA = {"lina_inflight2": ("lina", {"max_inflight": 2}),  # the same policy, two micro-ops in flight
          "lina_inflight4": ("lina", {"max_inflight": 4}),  # four
@@ -237,6 +239,7 @@ def main(argv=None) -> int:
     bwd_x = {pol: statistics.median(x["ddp_overlap"][1] / x[pol][1] if x[pol][1] else float("nan") for x in per_round)
              for pol in names}
     runs = rounds[0]  # the simulator prices the first round's loads
+    print(f"torch CPU kernels: {kernels()}")
     print("REAL: 4 gloo ranks (2 nodes x 2), EMULATED links "
           f"{a.intra}/{a.inter} GB/s, all-to-all/all-reduce interference gamma {a.gamma:.2f} ({gamma_src}); "
           f"S={a.S:g} B, bucket {a.bucket_mb} MiB; compute threads "
@@ -333,6 +336,7 @@ def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool =
     pred = frames.serve_predicted(scale, emulated=links, rounding=rounding, yields=yields, repeat=repeat).set_index("variant")
     cols = ("p50_latency_s", "p95_latency_s", "p99_latency_s", "p95_batch_s")
     print(df.attrs["label"])
+    print(f"torch CPU kernels: {kernels()} (the trained model, and so every ratio, depends on them)")
     print(f"prediction: {pred.attrs['label'][:pred.attrs['label'].index(':')]}")
     print(f"{'variant':42s} {'p50 ms':>8s} {'p95 ms':>8s} {'p99 ms':>8s} {'p95 batch ms':>12s} "
           f"{'baseline/variant p50 p95 p99 p95batch (predicted, error)':>40s}")
