@@ -166,6 +166,27 @@ def test_path_table_distributions_sum_to_one_and_pop_hat_is_bounded():
         tab.estimate(t[:4, :3], 3, 9)
 
 
+def test_pop_hat_is_the_mean_of_each_tokens_kept_entries_seen_paths_or_not():
+    """``estimate`` (each distinct path's kept entries computed once and remembered) equals the definition
+    token by token: the mean over tokens of the ``K_est`` largest entries of their path's distribution, with
+    backoff for paths the profile never saw; asked again (remembered entries), the same numbers."""
+    t = markov_traces(400, 6, 8, order=1, seed=3)
+    tab = PathTable.fit(t, 8, path_len=3)
+    rng = np.random.default_rng(0)
+    batch = np.concatenate([t[:40, 1:4], rng.integers(0, 8, (40, 3))])  # seen paths and random (some unseen)
+    assert any(tuple(int(v) for v in row) not in tab.tables[(4, 3)] for row in batch)
+    for k in (1, 2, 8):
+        want = np.zeros(8)
+        for row in batch:
+            d = tab.dist(4, row)
+            top = np.argsort(-d, kind="stable")[:k]
+            want[top] += d[top]
+        want /= len(batch)
+        np.testing.assert_allclose(tab.estimate(batch, 4, k), want, rtol=0, atol=1e-15)
+        np.testing.assert_allclose(tab.estimate(batch, 4, k), want, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(tab.estimate(np.c_[np.zeros(80, dtype=int), batch], 4, 2), tab.estimate(batch, 4, 2))
+
+
 def _token_accuracy(tab, t, layer, Lp):
     pred = np.array([np.argmax(tab.dist(layer, row)) for row in t[:, layer - Lp:layer]])
     return float((pred == t[:, layer]).mean())

@@ -20,6 +20,7 @@ class PathTable:
         self.tables: dict = {}  # (layer, suffix length) -> {path tuple: prob vector}
         self.marginal: dict = {}  # layer -> prob vector
         self.model_id = None  # what the traces came from (a checkpoint's identity), checked at use
+        self._kept: dict = {}  # (layer, k_est, width) -> {path code: its kept entries}: estimate()'s memo
 
     @classmethod
     def fit(cls, traces, num_experts: int, path_len: int, model_id=None) -> "PathTable":
@@ -59,13 +60,20 @@ class PathTable:
         p = np.asarray(paths, dtype=np.int64)
         if len(p) == 0:
             return np.zeros(self.E)
-        keys, inv = np.unique(p[:, -self.path_len:], axis=0, return_inverse=True)
-        out = np.zeros(self.E)
-        for key, n in zip(keys, np.bincount(inv.reshape(-1), minlength=len(keys))):
-            d = self.dist(layer, key)
-            top = np.argsort(-d, kind="stable")[:k_est]
-            out[top] += n * d[top]
-        return out / len(p)
+        p = p[:, -self.path_len:]
+        codes, n = np.unique(p @ self.E ** np.arange(p.shape[1] - 1, -1, -1, dtype=np.int64), return_counts=True)
+        # each path's kept entries once per table (the serving path estimates every layer of every batch)
+        memo = self._kept.setdefault((layer, k_est, p.shape[1]), {})
+        rows = []
+        for c in codes.tolist():
+            q = memo.get(c)
+            if q is None:
+                d = self.dist(layer, [(c // self.E ** i) % self.E for i in range(p.shape[1] - 1, -1, -1)])
+                top = np.argsort(-d, kind="stable")[:k_est]
+                q = memo[c] = np.zeros(self.E)
+                q[top] = d[top]
+            rows.append(q)
+        return (n @ np.stack(rows)) / len(p)
 
 
 def pattern_share(traces, layer: int, k: int = 1) -> float:
