@@ -31,7 +31,16 @@ def _serve(rank, world, variants, extra):
         cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": world, "serve.variant": v, **extra,
                                           **own}).validate()
         assert not serve_errors(cfg)
-        out[name] = run(cfg)
+        if name != "lina":
+            out[name] = run(cfg)
+            continue
+        import csv
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:  # and its comm records
+            out[name] = run(cfg, d)
+            with open(f"{d}/comm_rank{rank}.csv") as f:
+                out[name]["comm"] = list(csv.DictReader(f))
     return out
 
 
@@ -83,6 +92,27 @@ def test_phase_two_replans_iff_the_top_sets_differ(served):
             assert r["replanned"] == (v in ("lina", FIRST[0]) and needs_replan(pop_hat, pop, 2)), r
             devs = json.loads(r["devs"])
             assert len(devs) == 4 and {e for d in devs for e in d} == {0, 1, 2, 3}
+
+
+def test_phase_one_estimates_ride_the_count_exchange_before_the_layer_they_estimate(served):
+    """No call of their own: every call is on the world group, and a batch's count exchanges (its
+    all-gathers outside the request and answer transfers) carry E counts, plus E estimate sums and a token
+    count before each layer phase 1 estimates (layers 2 and 3 at path_len 2: the exchanges of layers 1, 2)."""
+    from moelab.strategies.lina.infer import piggyback_bytes
+
+    four, _ = served
+    E, L = 4, 4
+    want = [8 * E + (piggyback_bytes(E) if 2 <= j + 1 < L else 0) for j in range(L)]
+    for rank in range(4):
+        rows = four[rank]["lina"]["comm"]
+        assert rows and {r["group"] for r in rows} == {"world"}
+        sent = lambda r: sum(float(v) for k, v in r.items() if k.startswith("bytes_"))  # noqa: E731
+        batches = sorted({int(r["iter"]) for r in rows if int(r["iter"]) >= 0})
+        assert batches
+        for b in batches:
+            got = [sent(r) for r in rows if int(r["iter"]) == b and r["op"] == "all_gather" and r["phase"] != "serve_io"]
+            assert len(got) == L and got[0] > 0, (rank, b, got)
+            assert [x / got[0] for x in got] == pytest.approx([w / want[0] for w in want]), (rank, b, got)
 
 
 def test_phase_two_by_load_replans_iff_phase_ones_plan_carries_more_than_its_estimate(served):

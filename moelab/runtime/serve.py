@@ -230,10 +230,7 @@ def run(cfg: RunConfig, out_dir=None) -> dict:
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    from moelab.strategies.lina.infer import ServeContext
-
-    comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank),
-                        groups={ServeContext.PLAN_GROUP: [list(range(world))]})
+    comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank))
     model, ctx = build(cfg, comm)
     with comm.rec.paused():
         traces = profile(cfg, model, ctx, comm)

@@ -7,10 +7,11 @@ Per call it picks this batch's placement by the variant, then runs :func:`moelab
 - ``baseline``: the static placement (expert block of rank r on rank r);
 - ``ideal``: the gate's choice replaced by a perfectly balanced one (timing only: other outputs);
 - ``lina``: phase 1 - right after layer l's gate, every rank sums ``pop_hat`` for layer l+1 over its
-  tokens' paths (:class:`moelab.placement.popularity.PathTable`) on a loader thread, which all-gathers
-  the estimates on their own group (``plan``), plans ``allocate(N * pop_hat)`` from the same numbers on
+  tokens' paths (:class:`moelab.placement.popularity.PathTable`) and sends the sums with layer l's count
+  exchange (piggybacked, as the spec piggybacks them on the dispatch: no call of their own,
+  :func:`piggyback_bytes`); a loader thread plans ``allocate(N * pop_hat)`` from the same numbers on
   every rank (no scheduler rank: the same plan everywhere without a broadcast) and loads layer l+1's
-  newly placed experts from the bank, all while layer l dispatches and computes (the paper's
+  newly placed experts from the bank, while layer l dispatches and computes (the paper's
   prefetch; on a CPU the load is a memory copy). Phase 2 - after layer l+1's gate the
   count exchange gives the actual popularity; if its top-``k_cmp`` set differs from the estimate's
   (``serve.replan_test: load``: if phase 1's plan carries more of the actual load on its busiest device
@@ -67,6 +68,14 @@ def schedules(sv, j: int) -> bool:
             or (sv.variant == "lina" and sv.first_layers == "actual"))
 
 
+def piggyback_bytes(E: int) -> int:
+    """Bytes phase 1 adds to a rank's block of the count exchange before the layer it estimates: its ``E``
+    estimate sums and its token count (float64; the counts go as float64 too, exact). The spec piggybacks the
+    estimates on the dispatch all-to-all; here every rank plans from all of them, so they ride the
+    all-gather of the counts instead: no call of their own."""
+    return 8 * (E + 1)
+
+
 def _plan(sv, pop, N: int, seed: int) -> list:
     """``allocate(N * pop)`` with the serve config's packing limit and replica rounding."""
     return allocate(N * np.asarray(pop), N, sv.max_pack, seed, rounding=sv.replica_rounding)
@@ -95,8 +104,6 @@ def choose_plan(sv, scheduled: bool, pop, pop_hat, N: int, static, seed: int, pl
 
 
 class ServeContext:
-    PLAN_GROUP = "plan"  # phase 1's estimate exchange: its own process group, waited on the loader thread
-
     def __init__(self, sv, num_experts: int, num_layers: int, comm, table=None, seed: int = 0):
         self.sv, self.E, self.L, self.comm, self.table, self.seed = sv, num_experts, num_layers, comm, table, seed
         self.capture = False  # profiling: record routing only, static placement
@@ -111,7 +118,7 @@ class ServeContext:
         """One worker: phase 1's jobs run in layer order, beside the serving thread."""
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lina-phase1",
-                                              initializer=as_comm_thread)  # it exchanges estimates, plans, loads
+                                              initializer=as_comm_thread)  # it plans and loads
         return self._loader
 
     def close(self) -> None:
@@ -156,7 +163,14 @@ class LinaServeLayer(nn.Module):
         if ctx.sv.variant == "ideal" and not ctx.capture:  # balanced: token i of rank r -> expert (i + r*T) mod E
             idx = (torch.arange(len(idx)) + comm.rank * len(idx)) % E
         ctx.paths.append(idx.clone())
-        counts = comm.all_gather(torch.bincount(idx, minlength=E).to(torch.int64), group="world")
+        mine = torch.bincount(idx, minlength=E).to(torch.int64)
+        est = self._estimate(j + 1)  # phase 1 of the next layer: its estimate rides this count exchange
+        if est is None:
+            counts = comm.all_gather(mine, group="world")
+        else:
+            every = comm.all_gather(torch.cat([mine.double(), torch.as_tensor(est, dtype=torch.float64)]), group="world")
+            counts = every[:, :E].to(torch.int64)
+            pop_next = (every[:, E:-1].sum(0) / max(float(every[:, -1].sum()), 1.0)).numpy()
         t_gate = time.perf_counter()
         pop = counts.sum(0).double() / max(1, int(counts.sum()))
         rec = {"batch": ctx.batch, "layer": j, "variant": ctx.sv.variant, "tokens": int(counts.sum()),
@@ -174,7 +188,8 @@ class LinaServeLayer(nn.Module):
             rec["p1_devs"] = planned  # what phase 1 loaded (replaced where phase 2 re-planned)
         if pop_hat is not None:
             rec["pop_hat"] = pop_hat.tolist()
-        self._phase1_issue(j + 1)
+        if est is not None:
+            self._phase1_issue(j + 1, pop_next)
         t = time.perf_counter()
         swapped = self._swap(devs[comm.rank])  # nothing when phase 1's plan stands: its experts are loaded
         t_swap = time.perf_counter() - t
@@ -201,24 +216,23 @@ class LinaServeLayer(nn.Module):
         self._loaded = set(mine)
         return len(new)
 
-    def _phase1_issue(self, nxt: int) -> None:
-        """Phase 1 for layer ``nxt``, handed to the loader thread while this layer dispatches and
-        computes: estimate its popularity from this rank's tokens' paths, all-gather the estimates, plan,
-        load ``nxt``'s newly placed experts."""
+    def _estimate(self, nxt: int):
+        """This rank's phase-1 estimate for MoE layer ``nxt`` from its tokens' paths so far: the ``E`` sums of
+        their kept entries and the token count (None where phase 1 does not estimate ``nxt``)."""
         ctx = self.ctx
         if nxt >= ctx.L or not ctx.scheduled(nxt) or not estimates(ctx.sv, nxt):
-            return
-        Lp = ctx.sv.path_len
-        paths = torch.stack(ctx.paths[nxt - Lp:nxt], dim=1).numpy()
-        comm, tags = self.comm, dict(self.comm.rec.tags)  # record tags are per thread: the loader takes ours
+            return None
+        paths = torch.stack(ctx.paths[nxt - ctx.sv.path_len:nxt], dim=1).numpy()
+        est = ctx.table.estimate(paths, nxt, ctx.sv.k_est) * len(paths) if len(paths) else np.zeros(ctx.E)
+        return list(est) + [len(paths)]
+
+    def _phase1_issue(self, nxt: int, pop_hat) -> None:
+        """Phase 1 for layer ``nxt`` from the exchanged estimate, handed to the loader thread while this layer
+        dispatches and computes: plan (the same on every rank) and load ``nxt``'s newly placed experts."""
+        ctx, comm = self.ctx, self.comm
         N, rank, seed, layer = comm.world_size, comm.rank, ctx.plan_seed(nxt), ctx.layers[nxt]
 
-        def phase1():  # on the loader thread, in layer order on every rank (the plan group's calls match)
-            est = ctx.table.estimate(paths, nxt, ctx.sv.k_est) * len(paths) if len(paths) else np.zeros(ctx.E)
-            with comm.rec.tagged(**tags):
-                got = comm.all_gather(torch.tensor(list(est) + [len(paths)], dtype=torch.float64),
-                                      group=ctx.PLAN_GROUP)
-            pop_hat = (got[:, :-1].sum(0) / max(float(got[:, -1].sum()), 1.0)).numpy()
+        def phase1():  # on the loader thread, in layer order
             devs = phase1_plan(ctx.sv, pop_hat, N, seed)
             t = time.perf_counter()
             loaded = layer._swap(devs[rank])

@@ -11,10 +11,11 @@ puts on a rank (their bytes over ``h2d_GBps``), on the critical path; the dispat
 from the split), the rank's experts one after another (``ffn_flops`` + a per-expert launch cost), the
 combine all-to-all. Phase 1 of layer l (Lina, ``lina_no_finetune``) runs while layer l-1 does (spec
 §2.4: ``T_p1 = max(0, o_plan - T_hide)``, swaps "if not prefetched"): ``o_plan`` on the rank's ``plan``
-stream from layer l-1's start, then the load of the experts phase 1 newly places on the rank's ``h2d``
-stream; layer l's experts wait for that load, so a plan or a load longer than layer l-1 shows.
-(The REAL serving path does the same on a loader thread, :meth:`.infer.LinaServeLayer._phase1_issue`:
-estimate, exchange, plan and load beside layer l-1; on a CPU the load is a memory copy.)
+stream once layer l-1's count exchange, which carries the estimates (:func:`.infer.piggyback_bytes`), is
+through, then the load of the experts phase 1 newly places on the rank's ``h2d`` stream; layer l's
+experts wait for that load, so a plan or a load longer than layer l-1 shows. (The REAL serving path
+does the same on a loader thread, :meth:`.infer.LinaServeLayer._phase1_issue`: plan and load beside
+layer l-1's dispatch; on a CPU the load is a memory copy.)
 
 Constants (data with sources, :data:`PAPER_OVERHEADS`): ``o_check`` = 1.45 ms and ``o_plan`` = 6.2 ms
 are the paper's measured scheduler costs (§7.3, "Overheads"); ``h2d_GBps`` = 25 [assumption: PCIe 4.0
@@ -89,6 +90,7 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
     in, bytes out)`` of the REAL serving path's batch, rank 0's broadcast of the requests' tokens before
     the first layer and the all-gather of the answers after the last (None: the paper's T_batch, layers only)."""
     from moelab.moe.serve import route_table
+    from moelab.strategies.lina.infer import piggyback_bytes
 
     o = {k: v[0] for k, v in PAPER_OVERHEADS.items()} | dict(overheads or {})
     N = topo.world_size
@@ -102,7 +104,7 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
     if io is not None:
         last = [g.transfer("requests", ranks, [costs.broadcast_demand(ranks, 0, topo, profile, int(io[0]))],
                            deps=last, category="serve_io")] * N
-    began = last  # per rank: what layer l-1 started after (phase 1 of layer l runs from there)
+    exchanged = None  # layer l-1's count exchange: phase 1 of layer l plans once its estimates came with it
     for j, (devs, how, replanned, counts, early) in enumerate(plans):
         tok = counts.sum(1)
         E = counts.shape[1]
@@ -111,17 +113,18 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
         if early is not None:
             for r in ranks:
                 new = [e for e in early[r] if e not in have[r]]
-                plan = g.compute(r, f"L{j}.phase1", o["o_plan_s"], deps=(began[r],), category="schedule", layer=j,
+                plan = g.compute(r, f"L{j}.phase1", o["o_plan_s"], deps=(exchanged,), category="schedule", layer=j,
                                  stream="plan")
                 loads[r] = g.compute(r, f"L{j}.prefetch", swap_s(len(new)),
                                      deps=(plan,), category="swap", layer=j, stream="h2d", swapped=len(new))
                 have[r] = have[r] | set(new)
-        began = last
         att = [g.compute(r, f"L{j}.attn", ct(costs.attention_flops(int(tok[r]), d, s) + costs.gate_flops(int(tok[r]), d, E))
                          + o["host_layer_s"], deps=(last[r],), category="attention", layer=j) for r in ranks]
-        cnt = g.transfer(f"L{j}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile,
-                                                                            count_exchange_bytes(E))],
-                         deps=att, category="count_exchange", layer=j)
+        nbytes = count_exchange_bytes(E) + (piggyback_bytes(E) if j + 1 < len(plans) and plans[j + 1][4] is not None
+                                            else 0)  # with the next layer's estimates (phase 1)
+        cnt = exchanged = g.transfer(f"L{j}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile, nbytes)],
+                                     deps=att, category="count_exchange", layer=j,
+                                     comm={"op": "all_gather", "group": ranks, "nbytes": nbytes})
         p2 = 0.0 if how == "static" else o["o_plan_s"] if (how == "actual" or replanned) else o["o_check_s"]
         pre = []
         for r in ranks:
