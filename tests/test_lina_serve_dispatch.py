@@ -79,3 +79,21 @@ def test_replica_loads_differ_by_at_most_the_number_of_sources():
             loads = t[:, e, holders].sum(0)
             assert loads.max() - loads.min() <= N
             assert t[:, e, [d for d in range(N) if d not in holders]].sum() == 0
+
+
+def test_the_route_table_is_each_sources_parts():
+    """The table (every source at once) holds exactly what :func:`parts` sends from each source: near-equal
+    contiguous parts over the expert's holders, rotated by the source."""
+    from moelab.moe.serve import holders_of, parts
+
+    rng = np.random.default_rng(2)
+    for _ in range(100):
+        N = int(rng.integers(2, 6))
+        counts = rng.integers(0, 50, size=(N, E))
+        devs = allocate(N * rng.dirichlet(np.ones(E)), N, 4, seed=3)
+        want = np.zeros((N, E, N), dtype=np.int64)
+        for s in range(N):
+            for e, h in enumerate(holders_of(devs, E)):
+                for d, n in parts(int(counts[s, e]), h, s):
+                    want[s, e, d] += n
+        assert (route_table(counts, devs).numpy() == want).all()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from moelab.placement.lina import replica_split
@@ -41,16 +42,18 @@ def parts(count: int, holders: Sequence[int], src: int) -> list:
 
 
 def route_table(counts, devs) -> torch.Tensor:
-    """``rows[src, expert, dst]``: the tokens of expert e that source src sends to device dst."""
-    C = torch.as_tensor(counts, dtype=torch.int64)
+    """``rows[src, expert, dst]``: the tokens of expert e that source src sends to device dst (the rule of
+    :func:`parts`, every source at once: replica i of e gets ``base + (j < extra)`` with j = (i - src) mod R)."""
+    C = np.asarray(torch.as_tensor(counts, dtype=torch.int64))
     N, E = C.shape
-    H = holders_of(devs, E)
-    t = torch.zeros(N, E, len(devs), dtype=torch.int64)
-    for s in range(N):
-        for e in range(E):
-            for d, n in parts(int(C[s, e]), H[e], s):
-                t[s, e, d] += n
-    return t
+    t = np.zeros((N, E, len(devs)), dtype=np.int64)
+    src = np.arange(N)
+    for e, holders in enumerate(holders_of(devs, E)):
+        R = len(holders)
+        base, extra = np.divmod(C[:, e], R)
+        for i, d in enumerate(holders):
+            t[:, e, d] += base + ((i - src) % R < extra)
+    return torch.from_numpy(t)
 
 
 def serve_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, devs, bank, comm,
@@ -67,32 +70,26 @@ def serve_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, devs
         raise ValueError(f"the placement describes {len(devs)} devices, the group has {N} ranks")
     if counts is None:
         counts = comm.all_gather(torch.bincount(idx, minlength=E).to(torch.int64), group=group)
-    table = route_table(counts, devs)  # [src, e, dst]
+    table = route_table(counts, devs).numpy()  # [src, e, dst]
     # my send order: by destination, then expert, then position (parts of one expert are contiguous)
     order_e = torch.argsort(idx, stable=True)
-    start = torch.zeros(E + 1, dtype=torch.int64)
-    start[1:] = torch.cumsum(torch.bincount(idx, minlength=E), 0)
+    start = np.concatenate([[0], np.cumsum(np.bincount(idx.numpy(), minlength=E))]).tolist()
     H = holders_of(devs, E)
+    mine = torch.as_tensor(counts)[me].tolist()
     chunks = [[] for _ in range(N)]
     for e in range(E):
-        off = int(start[e])
-        for d, n in parts(int(counts[me, e]), H[e], me):
+        off = start[e]
+        for d, n in parts(mine[e], H[e], me):
             chunks[d].append(order_e[off:off + n])
             off += n
     perm = torch.cat([c for d in range(N) for c in chunks[d]]) if len(idx) else idx.new_zeros(0)
-    send = [int(table[me, :, d].sum()) for d in range(N)]
-    recv = [int(table[s, :, me].sum()) for s in range(N)]
+    send, recv = table[me].sum(0).tolist(), table[:, :, me].sum(1).tolist()
     t0 = clock()
     got = comm.all_to_all_raw(x[perm], recv, send, group=group)
     t1 = clock()
     # received rows: by source, then expert; run each of my experts on its rows from every source
     out = torch.empty_like(got)
-    pos, owner = 0, torch.empty(len(got), dtype=torch.int64)
-    for s in range(N):
-        for e in range(E):
-            n = int(table[s, e, me])
-            owner[pos:pos + n] = e
-            pos += n
+    owner = torch.from_numpy(np.repeat(np.tile(np.arange(E), N), table[:, :, me].reshape(-1)))  # (source, expert)
     for e in devs[me]:
         rows = (owner == e).nonzero().reshape(-1)
         if len(rows):
