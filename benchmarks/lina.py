@@ -52,7 +52,7 @@ Usage: python benchmarks/lina.py [--iters 8] [--warmup 3] [--S 49152] [--bucket-
                                  [--only POLICY ...] [--repeat 1]
                                  [--compute-yields auto|on|off]
        python benchmarks/lina.py --serve default [--serve-links 0.01 0.002] [--replica-rounding nearest|balanced]
-                                 [--repeat 1]
+                                 [--repeat 1] [--serve-experts E]
                                  # the inference variants (4 ranks, EMULATED)
 """
 from __future__ import annotations
@@ -204,6 +204,8 @@ def main(argv=None) -> int:
     p.add_argument("--replica-rounding", default="floor", choices=("floor", "nearest", "balanced"),
                    help="with --serve: replicas of a hot expert, floor(n(e)) (the spec's), n(e) rounded, or as many as "
                    "bring the busiest device within BALANCE_TOL of the mean (moelab.placement.lina.allocate_balanced)")
+    p.add_argument("--serve-experts", type=int, metavar="E", help="with --serve: experts per MoE layer instead of the "
+                   "scale's (4: the paper's own geometry on 4 ranks, one expert per device, as its 4-expert models on 4 GPUs)")
     a = p.parse_args(argv)
     if a.repeat < 1:
         p.error(f"--repeat must be >= 1, got {a.repeat}")
@@ -211,7 +213,16 @@ def main(argv=None) -> int:
 
     a.compute_yields = resolve(a.compute_yields or ("off" if a.serve else "auto"))
     if a.serve:
-        return serve_rows(a.serve, tuple(a.serve_links), a.replica_rounding, a.compute_yields, a.repeat)
+        scale = a.serve
+        if a.serve_experts is not None:
+            import dataclasses
+
+            from moelab.strategies.lina.experiments.common import scale_spec
+
+            if a.serve_experts < 1:
+                p.error(f"--serve-experts must be >= 1, got {a.serve_experts}")
+            scale = dataclasses.replace(scale_spec(scale), i_experts=a.serve_experts)
+        return serve_rows(scale, tuple(a.serve_links), a.replica_rounding, a.compute_yields, a.repeat)
     gamma_src = "given"
     if a.gamma == "fitted":
         from moelab.strategies.lina.experiments.paper_scale import fitted_gamma
@@ -320,7 +331,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def serve_rows(scale: str, links: tuple, rounding: str = "floor", yields: bool = False, repeat: int = 1) -> int:
+def serve_rows(scale, links: tuple, rounding: str = "floor", yields: bool = False, repeat: int = 1) -> int:
     """Inference: p50/p95/p99 request latency and p95 batch time of every variant over the baseline's, and
     Lina's re-plan rate (4 gloo ranks serving over EMULATED ``links`` = (intra, inter) GB/s, 2 nodes x 2,
     so a hot expert's rank pays for its bytes as on the paper's network), each ratio beside the simulator's
