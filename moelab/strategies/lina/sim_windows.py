@@ -58,7 +58,7 @@ def measure(graph, result, layout: WindowLayout) -> tuple:
             opened = [start[layout.opens[r]] for r in ranks]
         else:
             opened = [end[layout.calls[w - 1][0]]] * len(at)
-        free.append(float(min(max(0.0, a - o) if a >= o else 0.0 for a, o in zip(at, opened))))
+        free.append(float(min(max(0.0, a - o) for a, o in zip(at, opened))))  # arrived before it opened: 0
         queued.append(min(sum(end[ready[r]] <= at[r] + 1e-12 for _, ready in layout.units) for r in ranks))
     durations = [float(max(end[x] - launched(x) for x in lasts)) for lasts, _ in layout.units]
     return free, queued, durations
