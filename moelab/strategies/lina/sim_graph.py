@@ -243,11 +243,13 @@ def planned_windows(ctx, layout, windows, issued, ready_ops, last) -> tuple:
     (ended, as the runtime's call waits for them), and after the drain two small all-gathers over every rank
     agree on the next step's plan (the windows' free times and queued counts, the ops' durations); returns
     the iteration's last ops."""
-    g = ctx.g
-    for w, (call, _) in enumerate(layout.calls):
-        mine = [x for n, ops in enumerate(issued) if window_of(windows, n) == w for x in ops]
-        if mine:
-            g.also_after(call, mine)
+    g, planned = ctx.g, {}
+    for n, ops in enumerate(issued):  # window -> the ops planned in it
+        w = window_of(windows, n)
+        if w is not None:
+            planned.setdefault(w, []).extend(ops)
+    for w, ops in planned.items():
+        g.also_after(layout.calls[w][0], ops)
     layout.units = [(tuple(ops), list(r)) for ops, r in zip(issued, ready_ops)]
     ranks = ctx.ranks
     for name, nbytes in (("shape", 16), ("data", 8 * (2 * len(layout.calls) + len(issued)))):

@@ -75,10 +75,10 @@ def steady_plan(build: Callable, passes: int = 4):
         g = build(windows)
         nxt = plan_windows(*measure(g, simulate(g), g.meta["window_layout"]))
         if nxt == windows or n == passes:
-            g.meta.update(plan_windows=list(windows), plan_passes=n, plan_converged=nxt == windows)
-            return g
+            break
         windows = nxt
-    raise AssertionError("unreachable")
+    g.meta.update(plan_windows=list(windows), plan_passes=n, plan_converged=nxt == windows)
+    return g
 
 
 def window_of(windows: list, n: int):
