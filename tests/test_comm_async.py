@@ -100,6 +100,33 @@ def test_async_record_completes_at_wait(world):
         assert r["dt"] >= 0.05 and r["n"] == 1 and r["same"] and r["val"] == world
 
 
+def _done_before_wait(rank, world):
+    from moelab.comm.door import Communicator
+    from moelab.config import EmulationConfig
+
+    emu = EmulationConfig(enabled=True, intra_bw_GBps=0.002, inter_bw_GBps=0.002)  # 2 MB/s per port
+    comm = Communicator(Topology(world, world), emulation=emu)
+    comm.all_reduce_(torch.ones(1))  # the ranks start together
+    x = torch.ones(world * 10_000)  # 40 KB to each peer: 20 ms per peer on the links
+    alone = comm.emulated_time({p: 40_000 for p in range(world) if p != rank},
+                               {p: 40_000 for p in range(world) if p != rank}, "all_to_all")
+    comm.all_to_all_raw(x.view(-1, 1), [10_000] * world, [10_000] * world, group="world")  # waited at once
+    h = comm.all_to_all_raw(x.view(-1, 1), [10_000] * world, [10_000] * world, group="world", async_op=True)
+    time.sleep(1.0)  # long after the links finished
+    h.wait()
+    return dict(alone=alone, calls=[(r.t_start, r.t_done, r.t_end) for r in comm.rec.comm[1:]])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_call_waited_late_is_done_at_its_finish(world):
+    """``t_done`` is when a call finished, ``t_end`` when its issuer took the result: the same for a call waited
+    at once; for an async call waited a second later, ``t_done`` stays at its emulated finish."""
+    for r in run_ranks(_done_before_wait, world, timeout=120):
+        (s0, d0, e0), (s1, d1, e1) = r["calls"]
+        assert 0.9 * r["alone"] <= d0 - s0 and e0 - d0 < 0.02  # waited at once: done at its end
+        assert e1 - s1 >= 1.0 and 0.9 * r["alone"] <= d1 - s1 < 0.5  # waited late: done at the links' finish
+
+
 def _tags_per_thread(rank, world):
     from moelab.comm.door import Communicator
     from moelab.comm.stream import CommStream

@@ -67,16 +67,22 @@ class Handle:
         if self._done:
             return self._value
         work = self.work
-        if work is not None:
-            for w in work if isinstance(work, list) else (work,):
-                w.wait()
+        works = () if work is None else work if isinstance(work, list) else (work,)
+        t_call = time.time()
+        # finished before this wait (an async call waited late): it ended by now, here or on the emulated links
+        early = all(getattr(w, "is_completed", lambda: False)() for w in works)
+        for w in works:
+            w.wait()
         comm = self.comm
         value = self.result() if self.result is not None else None
-        emulated = comm._emulate(self) if self.flows is not None else 0.0
+        t_real = time.time()
+        emulated, finish = comm._emulate(self) if self.flows is not None else (0.0, None)
         rec = comm.rec
         if rec.enabled:
-            rec.comm.append(CommRecord(self.op, self.group, self.t0, time.time(), self.tags, emulated, self.stream,
-                                       self.seq, self.peers, comm._fold))
+            t_end = time.time()
+            done = (t_call if finish is None else max(finish, self.t0)) if early else max(t_real, finish or t_real)
+            rec.comm.append(CommRecord(self.op, self.group, self.t0, t_end, self.tags, emulated, self.stream,
+                                       self.seq, self.peers, comm._fold, t_done=min(done, t_end)))
         if self.call is not None:
             comm.scheduler.done(self.call)
         self._done, self._value = True, value
@@ -315,8 +321,9 @@ class Communicator:
         """This rank's share of one call as flows on its ports (:func:`moelab.comm.pricing.port_flows`)."""
         return pricing.port_flows(self.topo, self.emulation, self.rank, op, ranks, sent, recv)
 
-    def _emulate(self, h: Handle) -> float:
-        """Sleep until the call's emulated finish; return the seconds added after the real completion.
+    def _emulate(self, h: Handle) -> tuple:
+        """Sleep until the call's emulated finish; return the seconds added after the real completion and
+        that finish (``time.time`` seconds).
 
         A collective's members agree on its finish, the maximum of their own finishes: through a
         shared-memory :class:`moelab.comm.board.Board` when they run on one host, else with a MAX
@@ -334,7 +341,7 @@ class Communicator:
         left = finish - time.time()
         if left > 0:
             time.sleep(left)
-        return time.time() - t_real
+        return time.time() - t_real, finish
 
     def emulated_time(self, sent: dict, recv: dict, op: Optional[str] = None,
                       ranks: Optional[Sequence[int]] = None, phases: Optional[Sequence] = None) -> float:

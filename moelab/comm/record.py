@@ -21,11 +21,16 @@ class CommRecord:
     ``recv``: by link class; ``sent_to`` / ``recv_from``: per global rank), so recording costs the
     call almost nothing; pickling a record works them out."""
 
-    __slots__ = ("op", "group", "t_start", "t_end", "tags", "emulated_s", "stream", "seq", "_peers", "_fold", "_bytes")
+    __slots__ = ("op", "group", "t_start", "t_end", "t_done", "tags", "emulated_s", "stream", "seq", "_peers", "_fold",
+                 "_bytes")
 
     def __init__(self, op: str, group: str, t_start: float, t_end: float, tags: Optional[dict] = None,
-                 emulated_s: float = 0.0, stream: str = "MainThread", seq: int = -1, peers=None, fold=None):
+                 emulated_s: float = 0.0, stream: str = "MainThread", seq: int = -1, peers=None, fold=None,
+                 t_done: Optional[float] = None):
         self.op, self.group, self.t_start, self.t_end = op, group, t_start, t_end  # seconds (time.time)
+        # t_end: when the issuer took the result (an async call's wait); t_done: when the call had finished as far
+        # as the door knows - the same for a call waited before it finished, earlier for one waited after
+        self.t_done = t_end if t_done is None else t_done
         self.tags = tags if tags is not None else {}
         self.emulated_s = emulated_s  # time added by link emulation after the real completion
         self.stream = stream  # name of the issuing thread
@@ -163,7 +168,8 @@ class Recorder:
             ev.append({"name": name, "cat": "comm", "ph": "X", "pid": self.rank, "tid": tid(r.stream, "comm"),
                        "ts": r.t_start * 1e6, "dur": max(r.t_end - r.t_start, 0) * 1e6,
                        "args": {"group": r.group, "seq": r.seq, **r.bytes,
-                                **{f"recv_{k}": v for k, v in r.recv.items()}, **r.tags, "emulated_s": r.emulated_s}})
+                                **{f"recv_{k}": v for k, v in r.recv.items()}, **r.tags, "emulated_s": r.emulated_s,
+                                "done_ms": round((r.t_done - r.t_start) * 1e3, 3)}})
         ev.append({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}})
         for (kind, stream), t in rows.items():
             ev.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": t,
@@ -179,7 +185,7 @@ class Recorder:
     def comm_rows(self) -> list[dict]:
         return [{"op": r.op, "group": r.group, **{f"bytes_{k}": v for k, v in r.bytes.items()},
                  **{f"recv_{k}": r.recv.get(k, 0) for k in LINK_CLASSES},
-                 "t_start": r.t_start, "t_end": r.t_end, "emulated_s": r.emulated_s,
+                 "t_start": r.t_start, "t_end": r.t_end, "t_done": r.t_done, "emulated_s": r.emulated_s,
                  "stream": r.stream, "seq": r.seq,
                  "iter": r.tags.get("iter", -1), "layer": r.tags.get("layer", -1),
                  "phase": r.tags.get("phase", "")} for r in self.comm]

@@ -27,7 +27,8 @@ class RealRun:
     layer l (after capacity drops), from the dispatcher's count exchange (a strategy without one,
     ``Strategy.shared_loads`` False: rank 0's gating pool's counts).
     ``comm``: one row per training collective call (metric traffic is not recorded): rank, iter,
-    layer, phase, op, seq (call order within (rank, iter)), t_start, t_end, emulated_s, bytes_*.
+    layer, phase, op, seq (call order within (rank, iter)), t_start, t_end (when its issuer waited), t_done (when it
+    had finished: earlier for an async call waited late, :class:`moelab.comm.record.CommRecord`), emulated_s, bytes_*.
     ``spans``: the recorder's compute spans: rank, name, cat, t_start, t_end, iter, layer.
     ``plans[it]``: rank 0's plan records of iteration ``it`` (``layer.plan_record()`` of every MoE layer,
     as in ``plans.jsonl``; the plans are pure functions of all-gathered data, the same on every rank).
@@ -113,7 +114,7 @@ def _real_worker(rank, world, cfg_dicts, probe=None):
             it = r.tags.get("iter", -1)
             seq[it] = seq.get(it, -1) + 1
             comm.append((rank, it, r.tags.get("layer", -1), r.tags.get("phase", ""), r.op, seq[it],
-                         r.t_start, r.t_end, r.emulated_s, *(int(r.bytes.get(c, 0)) for c in LINK_CLASSES)))
+                         r.t_start, r.t_end, r.t_done, r.emulated_s, *(int(r.bytes.get(c, 0)) for c in LINK_CLASSES)))
         spans = [(rank, name, cat, t0_, t1_, tags.get("iter", -1), tags.get("layer", -1))
                  for name, cat, t0_, t1_, tags in tr.comm.rec.spans]
         plans = [[] for _ in range(cfg.train.iters)]
@@ -160,7 +161,7 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
         res = [per_rank[r][i] for r in range(nproc)]
         comm = pd.DataFrame([row for x in res for row in x["comm"]],
                             columns=["rank", "iter", "layer", "phase", "op", "seq", "t_start", "t_end",
-                                     "emulated_s", *[f"bytes_{c}" for c in LINK_CLASSES]])
+                                     "t_done", "emulated_s", *[f"bytes_{c}" for c in LINK_CLASSES]])
         spans = pd.DataFrame([row for x in res for row in x["spans"]],
                              columns=["rank", "name", "cat", "t_start", "t_end", "iter", "layer"])
         cfg = RunConfig.from_dict(d)

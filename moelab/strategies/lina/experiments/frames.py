@@ -27,7 +27,7 @@ def bwd_a2a_slowdown(scale, seed=0) -> pd.DataFrame:
     pr = policy_runs(scale, seed)
     c = pr["comm"]
     a = c[(c.op == "all_to_all") & (c.phase == "bwd")].copy()
-    a["dur"] = a.t_end - a.t_start
+    a["dur"] = a.t_done - a.t_start
     a["k"] = a.sort_values("t_start").groupby(["policy", "rank", "iter"]).cumcount()
     iso = a[a.policy == "after_backward"].set_index(["rank", "iter", "k"]).dur
     rows = []
@@ -47,7 +47,7 @@ def backward_timeline(scale, policy: str, seed=0, ranks=(0, 1)) -> pd.DataFrame:
     t0 = c.t_start.min()
     c = c[c.op.isin(["all_to_all", "all_reduce"])]
     df = pd.DataFrame({"rank": c["rank"], "lane": np.where(c.op == "all_to_all", "a2a", "all-reduce"),
-                       "name": c.op + " " + c.phase.astype(str), "start": c.t_start - t0, "end": c.t_end - t0})
+                       "name": c.op + " " + c.phase.astype(str), "start": c.t_start - t0, "end": c.t_done - t0})
     return _labelled(df.reset_index(drop=True), pr["comm"].attrs["label"] + f"; policy {policy}, last iteration")
 
 
@@ -73,7 +73,7 @@ def pipelining_efficiency(scale, seed=0, policies=("lina_pipe", "lina_full")) ->
         eff = []
         for (rank, it), g in a.groupby(["rank", "iter"]):
             x = e[(e["rank"] == rank) & (e.iter == it)]
-            eff.append(covered_fraction(zip(g.t_start, g.t_end), zip(x.t_start, x.t_end)))
+            eff.append(covered_fraction(zip(g.t_start, g.t_done), zip(x.t_start, x.t_end)))
         eff = [v for v in eff if not np.isnan(v)]
         rows.append({"policy": pol, "experts_per_rank": LinaOptions(policy=pol).q,
                      "pipelining_eff": float(np.mean(eff)) if eff else np.nan, "samples": len(eff)})

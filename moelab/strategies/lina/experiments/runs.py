@@ -90,13 +90,14 @@ def _gamma() -> float:
 
 
 def a2a_times(comm, phase=None) -> float:
-    """Mean over ranks of the per-iteration all-to-all busy time (union of call intervals)."""
+    """Mean over ranks of the per-iteration all-to-all busy time: the union of the calls' intervals from issue to
+    finish (``t_done``: a pipelined chunk's call waited after its chunk's compute ends at its finish, not there)."""
     a = comm[comm.op == "all_to_all"]
     if phase is not None:
         a = a[a.phase == phase]
     if not len(a):
         return 0.0
-    per = a.groupby(["rank", "iter"]).apply(lambda g: union_seconds(g.t_start, g.t_end), include_groups=False)
+    per = a.groupby(["rank", "iter"]).apply(lambda g: union_seconds(g.t_start, g.t_done), include_groups=False)
     return float(per.groupby(level=0).mean().mean())
 
 
