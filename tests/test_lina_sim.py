@@ -349,6 +349,10 @@ def test_a_plan_launches_each_micro_op_in_its_window_and_its_call_waits_for_it(p
     assert plan_windows(*measure(g, res, layout)) == windows
     calls = [c for c, _ in layout.calls]
     assert len(windows) == len(calls) and calls == sorted(calls)
+    # pipelined: no window inside a layer's backward (the runtime opens none while a chunk's call is in flight)
+    free = measure(g, res, layout)[0]
+    assert (len(layout.inner) == len(calls) - 4 if policy == "lina_pipe" else not layout.inner)
+    assert all(free[w] == 0 and windows[w] == windows[w - 1] for w in layout.inner)
     heads = {c: g.call_heads[c] for c in calls}
     for n, (ops, _) in enumerate(layout.units):
         w = window_of(windows, n)
@@ -361,6 +365,25 @@ def test_a_plan_launches_each_micro_op_in_its_window_and_its_call_waits_for_it(p
         assert max(res.end[x] for x in ops) <= min(res.start[h] for h in heads[calls[w]]) + 1e-12
     tail = [o for o in g.ops if o.name.startswith("lina_plan.")]
     assert [o.comm["op"] for o in tail] == ["all_gather", "all_gather"] and res.end[tail[-1].id] == res.makespan
+
+
+def test_a_plan_opens_no_window_inside_a_pipelined_layers_backward():
+    """The runtime waits a pipelined layer's chunk calls after its last chunk and opens no window while a call
+    is in flight: with experts slow enough that the comm stream idles between a layer's chunks, those gaps are
+    still no windows (zero free time, no op planned there); the gaps between layers are."""
+    import dataclasses
+
+    from moelab.strategies.lina.sim_windows import measure
+
+    cfg, prof = _planned("lina_pipe", a2a_chunks=4)
+    cfg = cfg.with_overrides({"model.d_ff": 32768})
+    g = lina_iteration_graph(cfg, prof, synthetic_loads(cfg), policy="lina_pipe", elem_bytes=2)
+    res, layout, windows = simulate(g), g.meta["window_layout"], g.meta["plan_windows"]
+    free = measure(g, res, layout)[0]
+    idle = measure(g, res, dataclasses.replace(layout, inner=set()))[0]  # the gaps as the comm stream sees them
+    assert layout.inner and any(idle[w] > 0 for w in layout.inner)
+    assert all(free[w] == 0 and windows[w] == windows[w - 1] for w in layout.inner)
+    assert any(free[w] > 0 for w in range(len(free)) if w not in layout.inner)
 
 
 def test_an_empty_plan_leaves_every_micro_op_to_the_drain_and_costs_the_same_bytes():

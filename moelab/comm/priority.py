@@ -39,15 +39,16 @@ launch (see ``__init__``); followers' launches are recorded with ``forced``.
 ``plan`` (optional, a departure from the paper's local rule that keeps its intent) makes every rank
 launch the same micro-ops in the same window, so that no rank can start an op its peers reach only
 after their all-to-all. A *window* is the stretch of backward before each backward high call: from the
-backward's start or a call's end to the first of the combine marker and the call (zero for a call that
-arrives before the one before it ended; a pipelined layer's gaps between its chunks' calls are windows,
-:meth:`hold` does not apply). After each step, two small all-gathers
+backward's start or the end of the last high call in flight to the first of the combine marker and the call
+(zero for a call that arrives while another is in flight; a call ends when it is waited, so a pipelined
+layer, whose chunks' calls are waited after its last chunk, has no window inside it: an op launched there
+would share the links with a chunk's call; :meth:`hold` does not apply). After each step, two small all-gathers
 over every rank agree on each window's free time (the least over ranks) and each op's duration (the
 most over ranks). The next step launches, in window ``w``, the FIFO's next ops whose agreed durations
 fit its agreed free time, never an op the rank had not queued by that window's call (the same count on
 every rank: gradients are queued in program order); after the last planned window, every op at once
-(no high call is left to protect). A high call waits for its window's planned ops; ops are not gated
-otherwise. The first step plans nothing (all at the drain). The cost: two small calls per step, and a
+(no high call is left to protect). A high call waits for the ops planned up to its window, launched for
+it if its window closed early; ops launch only in an open window otherwise. The first step plans nothing (all at the drain). The cost: two small calls per step, and a
 window shorter than planned delays its call (recorded as ``plan_wait``).
 
 ``records``: one dict per call - high: ``wait`` (arrival), ``start``, ``end``, ``released``; low:
@@ -116,6 +117,7 @@ class PriorityScheduler(Scheduler):
         self._win_free: list = []  # plan: this step's measured free time per window
         self._win_queued: list = []  # plan: ops queued by each window's call
         self._win_opened = False  # plan: a window opened since the last backward high call's arrival
+        self._need = 0  # plan: the ops a waiting backward high call needs launched (its window's and before)
         self._draining = False
         self._step_low: list = []  # this step's launched low ops' records (their count drives the plan)
         self._flag = None
@@ -183,9 +185,10 @@ class PriorityScheduler(Scheduler):
             rec["end"] = time.perf_counter()
             self.running -= 1
             self.blocked = False
-            if self.plan and rec["phase"] == "bwd":  # the next window opens
+            if self.plan and rec["phase"] == "bwd":  # the next window; it opens once no high call is in flight
                 self._win += 1
-                self._win_open, self._win_opened = rec["end"], True
+                if not self.running:
+                    self._win_open, self._win_opened = rec["end"], True
             if self.mode == "fixed" and rec["phase"] == "bwd" and call.op == "all_to_all":
                 self.bwd_high += 1
                 if self.bwd_high % 2 == 0:  # between two MoE layers
@@ -205,8 +208,8 @@ class PriorityScheduler(Scheduler):
         """High calls follow one another with compute between them (a pipelined layer's backward): launch
         no low op until the block ends, as :meth:`imminent` does before one call - the next chunk is
         imminent in every gap between two. Not with ``plan``: there every rank launches the same ops in the
-        same window, so the stall the hold avoids cannot happen, and the gaps between the chunks' calls are
-        windows the plan may fill (each call still waits for its window's planned ops)."""
+        same window, so the stall the hold avoids cannot happen, and no window opens while a chunk's call is
+        in flight (not yet waited) anyway."""
         if self.mode != "priority" or not self.block_on_imminent or self.plan:
             yield
             return
@@ -277,9 +280,9 @@ class PriorityScheduler(Scheduler):
 
     def _plan_admit(self, rec: dict) -> None:
         """The ``w``-th backward high call closes window ``w``: record its free time and queued count, then
-        wait (lock held by the caller) for the window's planned ops - launched and completed - on this rank.
-        (Windows open at the calls' ends; a pipelined layer's chunk calls overlap, and a call issued before
-        the one before it ended closes a window of zero.)"""
+        wait (lock held by the caller) for the ops planned up to window ``w`` - launched and completed - on
+        this rank. (A window opens when no high call is in flight; a call issued while one is - a pipelined
+        layer's chunks - closes a window of zero.)"""
         w, now = len(self._win_free), time.perf_counter()
         end = now
         for t in reversed(self.marks):  # or the first marker since it opened
@@ -290,11 +293,14 @@ class PriorityScheduler(Scheduler):
         self._win_free.append(free)  # zero too for a call that arrives before the one before it ended (chunks)
         self._win_queued.append(self._submitted)
         self._win_opened = False
-        # the ops the launcher may have started by now: windows open at the calls' ends (the same program point
-        # on every rank), so a call arriving before earlier ones ended waits only for their windows' ops
-        target = min(self._planned(min(w, self._win)), self._submitted)
+        # every op planned up to this window, the same on every rank (a peer's call waits for the same ops, so
+        # none of them can be held back by a peer inside this call); the launcher starts them for this wait
+        # even while an earlier call is in flight (a window the plan counted on closed early)
+        target = self._need = min(self._planned(w), self._submitted)
+        self.cv.notify_all()
         ok = self.cv.wait_for(lambda: self._error is not None or (self._step_launched >= target and not self.inflight),
                               timeout=600.0)
+        self._need = 0
         self._raise()
         if not ok:
             raise TimeoutError(f"priority scheduler (plan): window {w}'s {target} planned ops did not finish in 600 s")
@@ -339,9 +345,10 @@ class PriorityScheduler(Scheduler):
             return True  # a follower is told when: it waits in the control broadcast
         if self.mode == "fixed":
             return self.released_at > 0
-        if self.plan:
+        if self.plan:  # in an open window (no high call in flight), for a waiting call, or after the last window
             return self.inflight < self._bound() and (
-                self._draining or self._step_launched < self._planned(self._win)
+                self._draining or self._step_launched < self._need
+                or (not self.running and self._step_launched < self._planned(self._win))
                 or (bool(self.planned) and self._win >= len(self.planned)))
         return (self.waiting == 0 and self.running == 0 and not self.blocked and not self.holds
                 and self.inflight < self._bound())

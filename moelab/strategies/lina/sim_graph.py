@@ -174,6 +174,9 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
             layout = g.meta["window_layout"] = WindowLayout(opens=list(ready[0][1]))
             layout.calls = [(c, tuple(dict.fromkeys(d for h in g.call_heads[c] for d in g.ops[h].deps)))
                             for c in g.call_heads if g.ops[c].stream == A2A and g.ops[c].meta.get("phase") == "bwd"]
+            if opts.pipelined:  # a call after another of its layer's backward: issued while that one is in flight
+                layer = [g.ops[c].meta.get("layer") for c, _ in layout.calls]
+                layout.inner = {w for w in range(1, len(layer)) if layer[w] == layer[w - 1]}
         issued: list = []  # per unit, its ops
         leader = opts.scheduled and opts.launch_agreement == "leader"
         for n, (nbytes, k) in enumerate(units):

@@ -5,7 +5,7 @@ the micro-ops planned from the last step: a window runs from the backward's star
 end to the next backward all-to-all's arrival; the ranks agree on each window's free time (the least) and each
 micro-op's duration (the most), and :func:`moelab.comm.priority.plan_windows` fills the windows in FIFO order.
 A planned op launches once its window opens, the window's call waits for it, the ops no window holds launch after
-the last backward call.
+the last backward call. A window opens only while no backward call is in flight: none inside a pipelined layer.
 
 The simulator follows the same rule on its own timeline (:func:`steady_plan`): it prices the iteration with
 nothing planned (the runtime's first step: every micro-op in the drain), measures the windows and the micro-ops
@@ -30,11 +30,14 @@ class WindowLayout:
     ``calls``: the backward all-to-alls in issue order, each ``(its last op, the ops it waits for as issued)``
     (arrival = those deps' end, before any planned op it also waits for); ``opens``: per rank, the op whose
     start is the backward's (window 0 opens there); ``units``: per micro-op in FIFO order, ``(its calls' last
-    ops, per-rank gradient-ready ops)``."""
+    ops, per-rank gradient-ready ops)``; ``inner``: the windows that never open, inside a pipelined layer's
+    backward (the runtime waits its chunks' calls after the last chunk, and opens no window while a call is in
+    flight)."""
 
     calls: list = field(default_factory=list)
     opens: list = field(default_factory=list)
     units: list = field(default_factory=list)
+    inner: set = field(default_factory=set)
 
 
 def measure(graph, result, layout: WindowLayout) -> tuple:
@@ -58,7 +61,8 @@ def measure(graph, result, layout: WindowLayout) -> tuple:
             opened = [start[layout.opens[r]] for r in ranks]
         else:
             opened = [end[layout.calls[w - 1][0]]] * len(at)
-        free.append(float(min(max(0.0, a - o) for a, o in zip(at, opened))))  # arrived before it opened: 0
+        # arrived before it opened, or never opens: 0
+        free.append(0.0 if w in layout.inner else float(min(max(0.0, a - o) for a, o in zip(at, opened))))
         queued.append(min(sum(end[ready[r]] <= at[r] + 1e-12 for _, ready in layout.units) for r in ranks))
     durations = [float(max(end[x] - launched(x) for x in lasts)) for lasts, _ in layout.units]
     return free, queued, durations
