@@ -105,13 +105,14 @@ def config(a, policy, q=0, **opts):
 
 
 def measured(run, warmup):
-    """(median step of the slowest rank, backward all-to-all busy time, all-to-all share of the step):
-    busy time = the union of the calls' intervals per rank and iteration (pipelined chunks overlap), its mean
-    over iterations and ranks; the share divides it by the mean step over the same iterations."""
+    """(median step of the slowest rank, backward all-to-all busy time, all-to-all share of the step, the share
+    of the backward all-to-all time an all-reduce of the same rank moved beside): busy time = the union of the
+    calls' intervals from issue to finish per rank and iteration (pipelined chunks overlap), its mean over
+    iterations and ranks; the share divides it by the mean step over the same iterations."""
     from moelab.strategies.lina.experiments.runs import step_summary
 
     m = step_summary(run.step_times[warmup:], run.comm[run.comm.iter >= warmup])
-    return m["step_s"], m["bwd_a2a_s"], m["a2a_share"]
+    return m["step_s"], m["bwd_a2a_s"], m["a2a_share"], m["bwd_a2a_beside_ar"]
 
 
 def predicted(cfg, run, fixed: Optional[dict] = None, busy: Optional[dict] = None, share_cores=True,
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
     fixed = {k: {c: statistics.mean(v) for c, v in p.items()} for k, p in probes.items()}  # one set for every policy
     cpb = statistics.mean(r.probe["idle"]["cpu_s_per_byte"] for r in probed)
     per_round = [{pol: measured(r, a.warmup) for pol, r in zip(names, rr)} for rr in rounds]
-    res = {pol: tuple(statistics.median(x[pol][j] for x in per_round) for j in range(3)) for pol in names}
+    res = {pol: tuple(statistics.median(x[pol][j] for x in per_round) for j in range(4)) for pol in names}
     speedup = {pol: [x["ddp_overlap"][0] / x[pol][0] for x in per_round] for pol in names}  # each round's ratio
     bwd_x = {pol: statistics.median(x["ddp_overlap"][1] / x[pol][1] if x[pol][1] else float("nan") for x in per_round)
              for pol in names}
@@ -257,14 +258,14 @@ def main(argv=None) -> int:
           f"{'yield to communication (SCHED_IDLE)' if a.compute_yields else 'at the same priority as communication'}; "
           "SIMULATED: the same links and gamma, measured compute")
     print(f"{'policy':17s} {'step ms':>8s} {'speedup':>8s} {'bwd a2a ms':>10s} {'a2a x':>6s} {'a2a share':>9s} "
-          f"{'waits released/step':>20s}")
+          f"{'waits released/step':>20s} {'bwd a2a beside all-reduce':>26s}")
     for pol, r in zip(names, runs):
-        step, bwd, share = res[pol]
+        step, bwd, share, beside = res[pol]
         lm = r.layer_metrics
         stalls = (lm.groupby("rank").sched_stalls.max().mean() / len(r.step_times)) if (
             lm is not None and len(lm) and "sched_stalls" in lm) else 0.0
         print(f"{pol:17s} {1e3 * step:8.1f} {statistics.median(speedup[pol]):8.2f} {1e3 * bwd:10.1f} "
-              f"{bwd_x[pol]:6.2f} {100 * share:8.1f}% {stalls:20.1f}")
+              f"{bwd_x[pol]:6.2f} {100 * share:8.1f}% {stalls:20.1f} {100 * beside:25.0f}%")
     if a.repeat > 1:
         print(f"{a.repeat} rounds, policies interleaved; step ms, bwd a2a ms, share: medians over rounds; speedups: the "
               "median of each round's ratio. Each round's step speedup: " + "; ".join(

@@ -17,7 +17,7 @@ import pandas as pd
 
 from moelab.config import RunConfig
 from moelab.repro.cache import cached
-from moelab.sim.result import union_seconds
+from moelab.sim.result import interval_union, overlap_seconds, union_seconds
 
 from .common import scale_spec
 
@@ -101,6 +101,23 @@ def a2a_times(comm, phase=None) -> float:
     return float(per.groupby(level=0).mean().mean())
 
 
+def a2a_beside_allreduce(comm, phase="bwd") -> float:
+    """The share of the all-to-alls' busy time (issue to finish, per rank and iteration) during which an all-reduce
+    of the same rank was moving too: the overlap a policy lets happen (the baseline's DDP buckets beside its
+    all-to-alls; none under strict priority unless a bounded wait gave up). nan: no all-to-all."""
+    a = comm[comm.op == "all_to_all"]
+    if phase is not None:
+        a = a[a.phase == phase]
+    ar = comm[comm.op == "all_reduce"]
+    busy = beside = 0.0
+    for key, g in a.groupby(["rank", "iter"]):
+        x = ar[(ar["rank"] == key[0]) & (ar.iter == key[1])]
+        W = interval_union(zip(g.t_start, g.t_done))
+        busy += sum(b - a_ for a_, b in W)
+        beside += overlap_seconds(interval_union(zip(x.t_start, x.t_done)), W)
+    return beside / busy if busy > 0 else float("nan")
+
+
 def step_summary(step_times, comm) -> dict:
     """One run's step and all-to-all times over the kept iterations (``step_times``: per iteration, every
     rank's; ``comm``: the same iterations' call records): the median and mean step of the slowest rank, the
@@ -109,7 +126,7 @@ def step_summary(step_times, comm) -> dict:
     steps = [max(row) for row in step_times]
     mean_step, a2a = float(np.mean(steps)), a2a_times(comm)
     return {"step_s": float(np.median(steps)), "mean_step_s": mean_step, "bwd_a2a_s": a2a_times(comm, "bwd"),
-            "a2a_s": a2a, "a2a_share": a2a / mean_step}
+            "a2a_s": a2a, "a2a_share": a2a / mean_step, "bwd_a2a_beside_ar": a2a_beside_allreduce(comm)}
 
 
 def links_label(s, yields: bool = False) -> str:

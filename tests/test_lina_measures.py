@@ -1,0 +1,33 @@
+"""What Lina's benchmark and figures read from a run's call records (:mod:`moelab.strategies.lina.experiments.runs`):
+busy times from issue to finish, and the all-to-all time an all-reduce moved beside."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from moelab.strategies.lina.experiments.runs import a2a_beside_allreduce, a2a_times
+
+
+def _calls(rows):
+    return pd.DataFrame(rows, columns=["rank", "iter", "op", "phase", "t_start", "t_done", "t_end"])
+
+
+def test_busy_time_runs_from_issue_to_finish_not_to_the_wait():
+    # rank 0: two chunk calls overlapping, the second waited long after it finished; rank 1: one call
+    c = _calls([(0, 0, "all_to_all", "bwd", 0.0, 2.0, 2.0), (0, 0, "all_to_all", "bwd", 1.0, 3.0, 9.0),
+                (1, 0, "all_to_all", "bwd", 0.0, 1.0, 1.0), (1, 0, "all_to_all", "fwd", 5.0, 6.0, 6.0)])
+    assert a2a_times(c, "bwd") == pytest.approx((3.0 + 1.0) / 2)
+    assert a2a_times(c) == pytest.approx((3.0 + 2.0) / 2)
+
+
+def test_the_share_of_all_to_all_time_an_all_reduce_of_the_same_rank_moved_beside():
+    c = _calls([(0, 0, "all_to_all", "bwd", 0.0, 4.0, 4.0), (0, 0, "all_reduce", "grad_sync", 3.0, 6.0, 6.0),
+                (1, 0, "all_to_all", "bwd", 0.0, 4.0, 4.0), (0, 1, "all_reduce", "grad_sync", 0.0, 4.0, 4.0),
+                (1, 1, "all_to_all", "bwd", 10.0, 12.0, 12.0), (1, 1, "all_reduce", "grad_sync", 9.0, 13.0, 13.0)])
+    # rank 0 iter 0: 1 of 4 s; rank 1 iter 0: 0 of 4 (rank 0's all-reduce of iter 1 is another iteration);
+    # rank 1 iter 1: 2 of 2
+    assert a2a_beside_allreduce(c) == pytest.approx((1.0 + 0.0 + 2.0) / (4 + 4 + 2))
+    assert a2a_beside_allreduce(c[c.op == "all_to_all"]) == 0.0
+    assert math.isnan(a2a_beside_allreduce(c[c.op == "all_reduce"]))
