@@ -106,7 +106,7 @@ def config(a, policy, q=0, **opts):
 
 def measured(run, warmup):
     """(median step of the slowest rank, backward all-to-all busy time, all-to-all share of the step, the share
-    of the backward all-to-all time an all-reduce of the same rank moved beside): busy time = the union of the
+    of the backward all-to-all time an all-reduce of the same rank was in flight beside): busy time = the union of the
     calls' intervals from issue to finish per rank and iteration (pipelined chunks overlap), its mean over
     iterations and ranks; the share divides it by the mean step over the same iterations."""
     from moelab.strategies.lina.experiments.runs import step_summary

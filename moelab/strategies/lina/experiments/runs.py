@@ -102,9 +102,10 @@ def a2a_times(comm, phase=None) -> float:
 
 
 def a2a_beside_allreduce(comm, phase="bwd") -> float:
-    """The share of the all-to-alls' busy time (issue to finish, per rank and iteration) during which an all-reduce
-    of the same rank was moving too: the overlap a policy lets happen (the baseline's DDP buckets beside its
-    all-to-alls; none under strict priority unless a bounded wait gave up). nan: no all-to-all."""
+    """The share of the all-to-alls' busy time (issue to finish, per rank and iteration) during which an
+    all-reduce of the same rank was in flight too (issued, not finished): the overlap a policy lets happen (the
+    baseline's DDP buckets beside its all-to-alls; none under strict priority unless a bounded wait gave up).
+    nan: no all-to-all."""
     a = comm[comm.op == "all_to_all"]
     if phase is not None:
         a = a[a.phase == phase]
