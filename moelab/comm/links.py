@@ -10,6 +10,11 @@ bytes_p / capacity_p``: exactly today's price of a call alone. The model runs on
 is advanced lazily (whenever a flow is added or someone waits), so a flow leaves its ports at its
 emulated finish even if nobody waits for it then.
 
+A flow starts at this rank's issue. A collective whose peers issue later (a micro-op one rank launched
+before its peers reached it) therefore shares this rank's ports from the early issue on, before any real
+byte could move; its finish is still the slowest member's (the door agrees on it), so only the calls beside
+it on the early rank pay for the early start. (Not modelled: a flow starting when its last member issues.)
+
 Interference (off unless ``gamma > 1``): a flow of one of the ``interfering`` kinds (by default an
 all-to-all and an all-reduce) that shares a port with a flow of another of those kinds gets 1/gamma
 of its fair share there, as the simulator's :meth:`moelab.sim.engine.OpGraph.interfere` (Lina's
