@@ -39,17 +39,18 @@ launch (see ``__init__``); followers' launches are recorded with ``forced``.
 ``plan`` (optional, a departure from the paper's local rule that keeps its intent) makes every rank
 launch the same micro-ops in the same window, so that no rank can start an op its peers reach only
 after their all-to-all. A *window* is the stretch of backward before each backward high call: from the
-backward's start or the end of the last high call in flight to the first of the combine marker and the call
-(zero for a call that arrives while another is in flight; a call ends when it is waited, so a pipelined
-layer, whose chunks' calls are waited after its last chunk, has no window inside it: an op launched there
-would share the links with a chunk's call; :meth:`hold` does not apply). After each step, two small all-gathers
-over every rank agree on each window's free time (the least over ranks) and each op's duration (the
-most over ranks). The next step launches, in window ``w``, the FIFO's next ops whose agreed durations
+backward's start or the end of the last high call in flight to the first of the combine marker and the
+call (zero for a call that arrives while another is in flight; a call ends when it is waited, so a
+pipelined layer, whose chunks' calls are waited after its last chunk, has no window inside it: an op
+launched there would share the links with a chunk's call; :meth:`hold` does not apply). After each step,
+two small all-gathers over every rank agree on each window's free time (the least over ranks) and each
+op's duration (the most over ranks). The next step launches, in window ``w``, the FIFO's next ops whose agreed durations
 fit its agreed free time, never an op the rank had not queued by that window's call (the same count on
 every rank: gradients are queued in program order); after the last planned window, every op at once
 (no high call is left to protect). A high call waits for the ops planned up to its window, launched for
-it if its window closed early; ops launch only in an open window otherwise. The first step plans nothing (all at the drain). The cost: two small calls per step, and a
-window shorter than planned delays its call (recorded as ``plan_wait``).
+it if its window closed early; ops launch only in an open window otherwise. The first step plans nothing
+(all at the drain). The cost: two small calls per step, and a window shorter than planned delays its call
+(recorded as ``plan_wait``).
 
 ``records``: one dict per call - high: ``wait`` (arrival), ``start``, ``end``, ``released``; low:
 ``enqueue``, ``start``, ``end``, ``nbytes``, ``group``, ``name`` (``forced``) - ``marks``: the times
