@@ -296,36 +296,50 @@ def test_plan_launches_each_windows_ops_before_its_call_and_the_rest_after_the_l
     assert len(s.plans) == 1 and len(s.planned) == 3  # the next step's plan: one count per window
     with pytest.raises(ValueError, match="plan applies"):
         PriorityScheduler(FakeComm(), mode="fixed", plan=True)
-    # pipelined chunks: a call that arrives before the one before it ended waits only for the windows that
-    # opened (a planned count past them would wait for ops the launcher may not start yet: a deadlock)
+    # pipelined chunks: a call that arrives while the one before is in flight closes a window that never
+    # opened, yet it waits for every op planned up to it (the same target on every rank): the launcher starts
+    # them for it - they would otherwise wait for a window that never opens, and the call for them
     s.planned = [1, 3]
     s.new_step()
     for i in range(3):
         s.submit(LowOp(Done, 8, "dp", f"op{i}"))
     first, second = (Call("all_to_all", "ep", (0, 1), {}, {}, {"phase": "bwd"}) for _ in range(2))
     s.admit(first)
+    assert s._step_launched == 1
     t = threading.Thread(target=s.admit, args=(second,), daemon=True)
     t.start()
     t.join(timeout=10.0)
-    assert not t.is_alive(), "the second chunk's call waited for ops of a window that never opened"
-    assert s._win_free[1] == 0.0 and s._step_launched == 1  # no window between the two arrivals
+    assert not t.is_alive(), "the second chunk's call waited for ops nobody launched"
+    assert s._win_free[1] == 0.0 and s._step_launched == 3 and not s.inflight  # launched for it, done before it
+    arrived = second.priority_record["wait"]
+    assert all(lo["start"] >= arrived for lo in s._step_low[1:])  # not before: no window opened
     s.done(first)
     s.done(second)
     s.drain()
     s.close()
 
 
-def test_under_a_plan_the_gaps_between_a_pipelined_layers_calls_are_windows():
+def test_under_a_plan_a_window_opens_only_while_no_high_call_is_in_flight():
     """With ``plan`` a hold holds nothing (every rank launches the same ops in the same window, so there is
-    no stall to avoid): the compute between two chunks' backward calls is measured as the second call's
-    window, which the next step's plan may fill. Without the plan the hold spans it."""
+    no stall to avoid). The compute after a call ended is the next call's window; the compute while another
+    call is in flight (a pipelined layer's chunks, waited after its last chunk) is none: an op launched there
+    would share the links with that call. Without the plan the hold spans both."""
     s = PriorityScheduler(FakeComm(), plan=True)
     s.new_step()
     with s.hold():
         high(s, 0.01, "bwd")
-        time.sleep(0.1)  # the experts' backward of a chunk
+        time.sleep(0.1)  # the experts' backward of a chunk, after the call ended
         high(s, 0.01, "bwd")
-    assert not s.held and s._win_free[1] >= 0.09
+        waited, moving = (Call("all_to_all", "ep", (0, 1), {}, {}, {"phase": "bwd"}) for _ in range(2))
+        s.admit(waited)
+        s.admit(moving)  # issued async before the one before is waited
+        s.done(waited)  # that one ends; this one is still in flight ...
+        time.sleep(0.1)  # ... while the next chunk computes
+        high(s, 0.01, "bwd")
+        s.done(moving)
+        time.sleep(0.05)  # nothing in flight: a window again
+        high(s, 0.01, "bwd")
+    assert not s.held and s._win_free[1] >= 0.09 and s._win_free[4] == 0.0 and s._win_free[5] >= 0.04
     s.drain()
     s.close()
     s = PriorityScheduler(FakeComm())
