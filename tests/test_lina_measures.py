@@ -31,3 +31,18 @@ def test_the_share_of_all_to_all_time_an_all_reduce_of_the_same_rank_moved_besid
     assert a2a_beside_allreduce(c) == pytest.approx((1.0 + 0.0 + 2.0) / (4 + 4 + 2))
     assert a2a_beside_allreduce(c[c.op == "all_to_all"]) == 0.0
     assert math.isnan(a2a_beside_allreduce(c[c.op == "all_reduce"]))
+
+
+def test_the_packing_controller_times_a_dispatch_micro_op_from_issue_to_finish():
+    from types import SimpleNamespace
+
+    from moelab.comm.record import CommRecord
+    from moelab.strategies.lina.packing import micro_op_times
+
+    tags = {"iter": 3, "chunk": 0, "a2a": "dispatch"}
+    rec = SimpleNamespace(
+        spans=[("experts chunk 0", "expert", 1.0, 1.5, {"iter": 3}), ("experts chunk 0", "expert", 0.0, 9.0, {"iter": 1})],
+        comm=[CommRecord("all_to_all", "ep", 0.0, 2.0, dict(tags), t_done=0.25),  # waited late: done at 0.25
+              CommRecord("all_to_all", "ep", 0.0, 1.0, {**tags, "chunk": 1}),
+              CommRecord("all_to_all", "ep", 0.0, 0.75, {**tags, "iter": 4})])
+    assert micro_op_times(rec, [3]) == (0.5, 0.25)

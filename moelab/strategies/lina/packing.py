@@ -56,7 +56,7 @@ def micro_op_times(rec, iters) -> tuple:
     iters = set(iters)
     ffn = [t1 - t0 for name, cat, t0, t1, tags in rec.spans
            if cat == "expert" and name.startswith("experts chunk") and tags.get("iter") in iters]
-    a2a = [r.t_end - r.t_start for r in rec.comm
+    a2a = [r.t_done - r.t_start for r in rec.comm  # issue to finish (the chunk's call is waited a little later)
            if r.tags.get("iter") in iters and r.tags.get("chunk") == 0 and r.tags.get("a2a") == "dispatch"]
     mean = lambda v: sum(v) / len(v) if v else 0.0  # noqa: E731
     return mean(ffn), mean(a2a)
