@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     fixed = {k: {c: statistics.mean(v) for c, v in p.items()} for k, p in probes.items()}  # one set for every policy
     cpb = statistics.mean(r.probe["idle"]["cpu_s_per_byte"] for r in probed)
     per_round = [{pol: measured(r, a.warmup) for pol, r in zip(names, rr)} for rr in rounds]
-    res = {pol: tuple(statistics.median(x[pol][j] for x in per_round) for j in range(4)) for pol in names}
+    res = {pol: tuple(statistics.median(v) for v in zip(*(x[pol] for x in per_round))) for pol in names}
     speedup = {pol: [x["ddp_overlap"][0] / x[pol][0] for x in per_round] for pol in names}  # each round's ratio
     bwd_x = {pol: statistics.median(x["ddp_overlap"][1] / x[pol][1] if x[pol][1] else float("nan") for x in per_round)
              for pol in names}

@@ -68,19 +68,22 @@ class Handle:
             return self._value
         work = self.work
         works = () if work is None else work if isinstance(work, list) else (work,)
+        comm = self.comm
+        rec = comm.rec
         t_call = time.time()
-        # finished before this wait (an async call waited late): it ended by now, here or on the emulated links
-        early = all(getattr(w, "is_completed", lambda: False)() for w in works)
+        # finished before this wait (an async call waited late)? Asked only where the record keeps the answer
+        early = rec.enabled and all(getattr(w, "is_completed", lambda: False)() for w in works)
         for w in works:
             w.wait()
-        comm = self.comm
         value = self.result() if self.result is not None else None
         t_real = time.time()
         emulated, finish = comm._emulate(self) if self.flows is not None else (0.0, None)
-        rec = comm.rec
         if rec.enabled:
             t_end = time.time()
-            done = (t_call if finish is None else max(finish, self.t0)) if early else max(t_real, finish or t_real)
+            if early:  # done at its emulated finish, or (the door cannot know when) by the wait's start
+                done = t_call if finish is None else max(finish, self.t0)
+            else:  # done during this wait: its real completion, or its emulated finish after it
+                done = t_real if finish is None else max(t_real, finish)
             rec.comm.append(CommRecord(self.op, self.group, self.t0, t_end, self.tags, emulated, self.stream,
                                        self.seq, self.peers, comm._fold, t_done=min(done, t_end)))
         if self.call is not None:

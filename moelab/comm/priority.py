@@ -291,7 +291,7 @@ class PriorityScheduler(Scheduler):
                 break
             end = min(end, t)
         free = end - self._win_open if self._win_opened else 0.0
-        self._win_free.append(free)  # zero too for a call that arrives before the one before it ended (chunks)
+        self._win_free.append(free)  # zero too for a call that arrives while another is in flight (chunks)
         self._win_queued.append(self._submitted)
         self._win_opened = False
         # every op planned up to this window, the same on every rank (a peer's call waits for the same ops, so

@@ -109,13 +109,12 @@ def a2a_beside_allreduce(comm, phase="bwd") -> float:
     a = comm[comm.op == "all_to_all"]
     if phase is not None:
         a = a[a.phase == phase]
-    ar = comm[comm.op == "all_reduce"]
+    ar = {key: list(zip(x.t_start, x.t_done)) for key, x in comm[comm.op == "all_reduce"].groupby(["rank", "iter"])}
     busy = beside = 0.0
     for key, g in a.groupby(["rank", "iter"]):
-        x = ar[(ar["rank"] == key[0]) & (ar.iter == key[1])]
         W = interval_union(zip(g.t_start, g.t_done))
         busy += sum(b - a_ for a_, b in W)
-        beside += overlap_seconds(interval_union(zip(x.t_start, x.t_done)), W)
+        beside += overlap_seconds(interval_union(ar.get(key, ())), W)
     return beside / busy if busy > 0 else float("nan")
 
 
