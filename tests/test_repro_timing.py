@@ -65,3 +65,14 @@ def test_measure_keeps_the_steps_records_and_clears_the_recorder():
         assert r["before"] == 0 and r["n"] == 1 and r["spans"] == ["work"] and r["left"] == 0
         assert r["a2a_bytes"] == 4 * 8 * 4  # 2 rows of 8 fp32 to each of 2 members (self included)
         assert 0 <= r["a2a_s"] <= r["t"] + 1e-3
+
+
+def test_op_seconds_counts_an_async_call_to_its_finish_not_to_its_late_wait():
+    from moelab.comm.record import CommRecord
+    from moelab.repro.timing import Measured, StepTime
+
+    late = CommRecord("all_to_all", "world", 10.0, 10.9, t_done=10.2)  # waited 0.7 s after it finished
+    sync = CommRecord("all_to_all", "world", 11.0, 11.1)
+    other = CommRecord("all_reduce", "world", 11.0, 12.0)
+    m = Measured(StepTime(1.0, 1.0, (1.0,)), 10.0, (late, sync, other), ())
+    assert m.op_seconds("all_to_all") == pytest.approx(0.3)

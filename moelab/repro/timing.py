@@ -56,7 +56,7 @@ class Measured:
     spans: tuple  # (name, category, t0, t1, tags) spans of this step
 
     def op_seconds(self, op: str) -> float:
-        return sum(r.t_end - r.t_start for r in self.comm if r.op == op)
+        return sum(r.t_done - r.t_start for r in self.comm if r.op == op)  # issue to finish, not to its wait
 
     def op_bytes(self, op: str) -> int:
         """Bytes this rank sent in ``op`` calls, every link class (local included)."""

@@ -97,7 +97,7 @@ def _layer_rank(rank, world, a):
 
 def _timeline_rows(m, name: str, rank: int) -> list:
     """One step's door records and compute spans as timeline rows (seconds from the step's start)."""
-    rows = [dict(variant=name, rank=rank, kind="comm", name=r.op, t0=r.t_start - m.wall0, t1=r.t_end - m.wall0,
+    rows = [dict(variant=name, rank=rank, kind="comm", name=r.op, t0=r.t_start - m.wall0, t1=r.t_done - m.wall0,
                  emulated_s=r.emulated_s, phase=r.tags.get("phase", ""),
                  **{f"bytes_{c}": int(r.bytes.get(c, 0)) for c in ("local", "intra", "inter")}) for r in m.comm]
     rows += [dict(variant=name, rank=rank, kind="span", name=nm, t0=s0 - m.wall0, t1=s1 - m.wall0, emulated_s=0.0,

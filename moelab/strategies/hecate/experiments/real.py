@@ -199,7 +199,7 @@ def event_order(scale="smoke", iteration: int = None, system: str = "Hecate") ->
     it = iteration if iteration is not None else hec.iters - 1
     c = hec.comm[hec.comm.iter == it]
     s = hec.spans[(hec.spans.iter == it) & hec.spans.name.isin(["attention", "attention.bwd.start", "experts", "gate"])]
-    rows = [dict(rank=r.rank, what=f"{r.phase} {r.op}".strip(), layer=r.layer, start=r.t_start, end=r.t_end, kind="comm")
+    rows = [dict(rank=r.rank, what=f"{r.phase} {r.op}".strip(), layer=r.layer, start=r.t_start, end=r.t_done, kind="comm")
             for r in c.itertuples()]
     rows += [dict(rank=r.rank, what=r.name, layer=r.layer, start=r.t_start, end=max(r.t_end, r.t_start + 1e-5),
                   kind="compute") for r in s.itertuples()]

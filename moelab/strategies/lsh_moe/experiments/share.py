@@ -158,7 +158,7 @@ def measured(scale) -> pd.DataFrame:
         for emulate, run in zip((False, True), run_real_many(cfgs, nproc, timeout=600)):
             c = run.comm
             c = c[c.iter >= 1]  # iteration 0 pays the warm-up
-            a2a = c[c.op == "all_to_all"].assign(d=lambda f: f.t_end - f.t_start).groupby(["iter", "rank"]).d.sum()
+            a2a = c[c.op == "all_to_all"].assign(d=lambda f: f.t_done - f.t_start).groupby(["iter", "rank"]).d.sum()
             step = pd.Series(run.step_times[1:].max(axis=1), index=range(1, len(run.step_times)))
             per_iter = a2a.groupby("iter").max() / step
             rows.append(dict(ranks=nproc, links="EMULATED" if emulate else "REAL loopback", share=float(per_iter.median()),

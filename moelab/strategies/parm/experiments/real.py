@@ -26,7 +26,7 @@ CELLS = {4: ((2, 2), (1, 2), (2, 1)), 8: ((2, 2), (2, 4), (4, 2), (4, 4))}
 
 
 def _records(comm, n0, s0):
-    recs = [dict(op=r.op, group=r.group, phase=r.tags.get("phase", "fwd"), t0=r.t_start, t1=r.t_end,
+    recs = [dict(op=r.op, group=r.group, phase=r.tags.get("phase", "fwd"), t0=r.t_start, t1=r.t_done,
                  sent=dict(r.sent_to), seq=r.seq) for r in comm.rec.comm[n0:]]
     spans = [dict(name=sp[0], cat=sp[1], t0=sp[2], t1=sp[3]) for sp in comm.rec.spans[s0:]]
     return recs, spans
