@@ -46,3 +46,28 @@ def test_the_packing_controller_times_a_dispatch_micro_op_from_issue_to_finish()
               CommRecord("all_to_all", "ep", 0.0, 1.0, {**tags, "chunk": 1}),
               CommRecord("all_to_all", "ep", 0.0, 0.75, {**tags, "iter": 4})])
     assert micro_op_times(rec, [3]) == (0.5, 0.25)
+
+
+def test_fig1_names_each_layers_all_to_alls_by_their_place_and_counts_a_layer_that_makes_more():
+    from moelab.strategies.lina.experiments.frames import dp_ep_step, layer_routing
+
+    rows = [(0, 0, 0, "fwd", "all_gather", 0.0, 0.1), (0, 0, 0, "fwd", "all_to_all", 0.3, 0.4),
+            (0, 0, 0, "fwd", "all_to_all", 0.1, 0.2),  # recorded out of order: named by start time
+            (0, 0, 0, "bwd", "all_to_all", 1.0, 1.1), (0, 0, 0, "bwd", "all_to_all", 1.2, 1.3),
+            (0, 0, 0, "bwd", "all_to_all", 1.4, 1.5),  # a third backward all-to-all in layer 0
+            (0, 0, -1, "grad_sync", "all_reduce", 1.6, 1.9)]
+    comm = pd.DataFrame(rows, columns=["rank", "iter", "layer", "phase", "op", "t_start", "t_done"])
+    spans = pd.DataFrame([(0, "forward", "forward", -0.5, 0.5, 0, -1), (0, "experts", "expert", 0.25, 0.3, 0, 0),
+                          (0, "attention", "attention", 0.0, 0.1, 0, 0)],
+                         columns=["rank", "name", "cat", "t_start", "t_end", "iter", "layer"])
+    tl, counts = dp_ep_step(comm, spans)
+    a2a = tl[tl.name.str.contains("a2a|all-to-all")].sort_values("start")
+    assert list(a2a.name) == ["a2a dispatch", "a2a combine", "a2a combine (grad)", "a2a dispatch (grad)",
+                              "all-to-all #2"]
+    assert set(tl.name) >= {"count exchange", "all-reduce", "forward", "experts"} and "attention" not in set(tl.name)
+    assert tl.start.min() == 0.0 and tl.loc[tl.name == "a2a dispatch", "start"].item() == pytest.approx(0.6)
+    assert counts[["fwd", "bwd"]].values.tolist() == [[2, 3]]
+
+    loads = pd.DataFrame({"src": [0, 0, 1, 1], "expert": [0, 3, 1, 2], "tokens": [5, 7, 2, 0]})
+    r = layer_routing(loads, experts_per_rank=2)
+    assert r.holder.tolist() == [0, 1, 0, 1] and r.moves.tolist() == [False, True, True, False]

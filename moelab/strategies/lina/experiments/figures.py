@@ -9,8 +9,11 @@ from plotly.colors import qualitative
 from moelab.viz.figures import finish, labelled
 
 
+PALETTE = qualitative.Plotly + qualitative.Pastel  # 21 distinct colours before any repeats
+
+
 def _c(i: int) -> str:
-    return qualitative.Plotly[i % len(qualitative.Plotly)]
+    return PALETTE[i % len(PALETTE)]
 
 
 @labelled
@@ -61,3 +64,27 @@ def lines(frame, x: str, y: str, *, label: str, title: str, color: str = None, y
                         line={"color": _c(i)})
     fig.update_layout(xaxis_title=x, yaxis_title=ytitle or y)
     return finish(fig, title, label, height=420)
+
+
+@labelled
+def routing_sankey(frame, *, label: str, title: str):
+    """One MoE layer as a flow: each source rank's tokens through the gate to the experts (on their holders)
+    and back to the rank in the combine; flows that leave a rank (the all-to-alls' bytes) coloured."""
+    ranks = sorted(set(frame.src) | set(frame.holder))
+    experts = sorted(set(frame.expert))
+    holder = dict(zip(frame.expert, frame.holder))
+    nodes = ([f"rank {r}: tokens" for r in ranks] + [f"expert {e} (rank {holder[e]})" for e in experts]
+             + [f"rank {r}: output" for r in ranks])
+    src_i = {r: i for i, r in enumerate(ranks)}
+    exp_i = {e: len(ranks) + i for i, e in enumerate(experts)}
+    out_i = {r: len(ranks) + len(experts) + i for i, r in enumerate(ranks)}
+    f = frame[frame.tokens > 0]
+    color = ["rgba(99,110,250,0.55)" if m else "rgba(160,160,160,0.35)" for m in f.moves]
+    link = {"source": [src_i[r] for r in f.src] + [exp_i[e] for e in f.expert],
+            "target": [exp_i[e] for e in f.expert] + [out_i[r] for r in f.src],
+            "value": list(f.tokens) * 2, "color": color * 2}
+    fig = go.Figure(go.Sankey(node={"label": nodes, "pad": 12}, link=link))
+    fig.add_annotation(x=0.5, y=-0.1, xref="paper", yref="paper", showarrow=False,
+                       text="left to middle: gate and dispatch all-to-all; middle to right: combine all-to-all; "
+                            "blue: tokens that cross ranks")
+    return finish(fig, title, label, height=460)

@@ -1,4 +1,4 @@
-"""Lina's training products (Figs. 2, 4, 5, 7, 8, 10-15, Tables 1, 3, 4): one registered function per
+"""Lina's training products (Figs. 1, 2, 4, 5, 7, 8, 10-15, Tables 1, 3, 4): one registered function per
 figure or table, ids as in ``experiments/lina/manifest.yaml``."""
 from __future__ import annotations
 
@@ -15,6 +15,25 @@ STEP = Quantity("training step speedup over DeepSpeed-MoE-style DDP overlap (ddp
 BWD = Quantity("backward all-to-all time speedup over ddp_overlap", "x")
 SHARE = Quantity("all-to-all share of the training step (baseline)", "fraction")
 A2A_MS = Quantity("baseline training all-to-all time per step", "ms")
+
+
+@product(P, "fig1r", needs_real=True)
+def fig1r(ctx):
+    routing, tl, counts = frames.dp_ep_frames(ctx.scale.name, ctx.seed)
+    per = {ph: " or ".join(str(n) for n in sorted(set(counts[ph]))) for ph in ("fwd", "bwd")}
+    moved = routing[routing.moves].tokens.sum() / max(1, routing.tokens.sum())
+    notes = [f"all-to-all calls per MoE layer, every rank (counted from the records): forward {per['fwd']}, "
+             f"backward {per['bwd']} (the paper's Fig. 1(b): two per layer each way)",
+             f"{moved:.0%} of the layer's routed tokens leave their rank in the dispatch and come back in the combine"]
+    return Made(counts, figures={"fig01r_layer": F.routing_sankey(routing, label=routing.attrs["label"],
+                                                                  title="Fig. 1(a) redrawn: one MoE layer's routing, "
+                                                                        "rank to expert to rank"),
+                                 "fig01r_dp_ep": F.timeline(tl, label=tl.attrs["label"],
+                                                            title="Fig. 1(b) redrawn: DP + EP, one training step, "
+                                                                  "every rank")},
+                tables={"table_fig01r_routing": (routing, "Fig. 1(a): tokens per (source rank, expert)"),
+                        "table_fig01r_calls": (counts, "Fig. 1(b): all-to-all calls per (rank, MoE layer, pass)"),
+                        "table_fig01r_timeline": (tl, "Fig. 1(b): every op of the step")}, notes=notes)
 
 
 @product(P, "fig4e", needs_real=True, quantities={"slowdown": Quantity("backward all-to-all slowdown under overlap", "x")})

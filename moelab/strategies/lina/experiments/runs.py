@@ -139,15 +139,20 @@ def links_label(s, yields: bool = False) -> str:
 @cached
 def policy_runs(scale: str, seed: int = 0, yields=None) -> dict:
     """``{"summary": frame per policy, "comm": every rank's call records, "spans": every rank's compute
-    spans, "metrics": rank 0's per-iteration metrics rows}``, each with a policy column, warm-up dropped;
+    spans, "metrics": rank 0's per-iteration metrics rows, "loads": tokens per (iteration, MoE layer, source
+    rank, expert)}``, each with a policy column, warm-up dropped;
     :data:`POLICIES`, then :data:`DEPARTURES`; ``yields``: :func:`train_yields`."""
     from moelab.sim.realruns import run_real_many
 
     s, yields = scale_spec(scale), train_yields(yields)
     names = POLICIES + tuple(DEPARTURES)
     runs = run_real_many([train_config(s, p, seed, yields) for p in names], timeout=1800)
-    rows, comms, spans, metrics = [], [], [], []
+    rows, comms, spans, metrics, loads = [], [], [], [], []
     for pol, r in zip(names, runs):
+        it, layer, src, expert = np.indices(r.loads.shape)
+        keep_it = it.ravel() >= s.t_warmup
+        loads.append(pd.DataFrame({"policy": pol, "iter": it.ravel(), "layer": layer.ravel(), "src": src.ravel(),
+                                   "expert": expert.ravel(), "tokens": r.loads.ravel()})[keep_it])
         keep = r.comm[r.comm.iter >= s.t_warmup].copy()
         keep["policy"] = pol
         comms.append(keep)
@@ -160,7 +165,7 @@ def policy_runs(scale: str, seed: int = 0, yields=None) -> dict:
     df["step_speedup"] = base.step_s / df.step_s
     df["bwd_a2a_speedup"] = base.bwd_a2a_s / df.bwd_a2a_s
     out = {"summary": df, "comm": pd.concat(comms, ignore_index=True), "spans": pd.concat(spans, ignore_index=True),
-           "metrics": pd.concat(metrics, ignore_index=True)}
+           "metrics": pd.concat(metrics, ignore_index=True), "loads": pd.concat(loads, ignore_index=True)}
     label = links_label(s, yields)
     for v in out.values():
         v.attrs["label"] = label
