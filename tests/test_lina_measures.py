@@ -49,7 +49,7 @@ def test_the_packing_controller_times_a_dispatch_micro_op_from_issue_to_finish()
 
 
 def test_fig1_names_each_layers_all_to_alls_by_their_place_and_counts_a_layer_that_makes_more():
-    from moelab.strategies.lina.experiments.frames import dp_ep_step, layer_routing
+    from moelab.strategies.lina.experiments.layer_views import dp_ep_step, layer_routing
 
     rows = [(0, 0, 0, "fwd", "all_gather", 0.0, 0.1), (0, 0, 0, "fwd", "all_to_all", 0.3, 0.4),
             (0, 0, 0, "fwd", "all_to_all", 0.1, 0.2),  # recorded out of order: named by start time
@@ -71,3 +71,28 @@ def test_fig1_names_each_layers_all_to_alls_by_their_place_and_counts_a_layer_th
     loads = pd.DataFrame({"src": [0, 0, 1, 1], "expert": [0, 3, 1, 2], "tokens": [5, 7, 2, 0]})
     r = layer_routing(loads, experts_per_rank=2)
     assert r.holder.tolist() == [0, 1, 0, 1] and r.moves.tolist() == [False, True, True, False]
+
+
+def test_a_layers_pass_is_read_from_its_gate_and_all_to_alls_and_the_busiest_layer_is_the_one_beside_an_all_reduce():
+    from moelab.strategies.lina.experiments.layer_views import layer_pass, layer_windows
+
+    rows = []
+    for layer, (g, f1, f2, b1, b2) in enumerate([(0.0, 1.0, 3.0, 10.0, 12.0), (4.0, 5.0, 6.0, 7.0, 9.0)]):
+        rows += [(0, 0, layer, "fwd", "all_to_all", f1, f1 + 0.5), (0, 0, layer, "fwd", "all_to_all", f2, f2 + 0.5),
+                 (0, 0, layer, "bwd", "all_to_all", b1, b1 + 0.5), (0, 0, layer, "bwd", "all_to_all", b2, b2 + 0.5)]
+    rows += [(0, 0, -1, "grad_sync", "all_reduce", 10.5, 11.5)]  # beside layer 0's backward only
+    comm = pd.DataFrame(rows, columns=["rank", "iter", "layer", "phase", "op", "t_start", "t_done"])
+    spans = pd.DataFrame([(0, "gate", "gate", 0.2, 0.4, 0, 0), (0, "gate", "gate", 4.2, 4.4, 0, 1),
+                          (0, "experts", "expert", 1.6, 2.6, 0, 0)],
+                         columns=["rank", "name", "cat", "t_start", "t_end", "iter", "layer"])
+    f = layer_windows(comm, spans, "fwd").set_index("layer")
+    b = layer_windows(comm, spans, "bwd").set_index("layer")
+    assert f.start.tolist() == [0.2, 4.2] and f.end.tolist() == [3.5, 6.5] and b.start.tolist() == [10.0, 7.0]
+    assert b.end.tolist() == [12.5, 9.5] and b.a2a_calls.tolist() == [2, 2]
+    fwd = layer_pass(comm, spans, "fwd")  # the middle of two layers: layer 1
+    assert fwd.attrs["layer"] == 1 and fwd.attrs["span_s"] == pytest.approx(2.3)
+    assert fwd.attrs["a2a_share"] == pytest.approx(1.0 / 2.3)
+    busy = layer_pass(comm, spans, "bwd", busiest=True)
+    assert busy.attrs["layer"] == 0 and busy.attrs["allreduce_s"] == pytest.approx(1.0)
+    assert busy.start.min() == 0.0 and busy.end.max() == pytest.approx(2.5) and (busy.name == "allreduce").sum() == 1
+    assert layer_pass(comm, spans, "bwd").attrs["layer"] == 1

@@ -229,3 +229,18 @@ def test_host_costs_separate_a_cost_per_layer_from_one_per_expert():
                | {L * E // N}) > 1  # the replicated run holds more experts on its busiest rank: the terms separate
     plan_s = {"baseline": 1e-3, "lina_no_estimation": 3e-3}  # each run's blocking plan, priced as it was timed
     assert _host_costs(runs, prof, topo, InferShape(), None, plan_s) == pytest.approx((2e-3, 5e-4), rel=1e-6)
+
+
+def test_per_layer_times_tile_the_batch_and_keep_every_all_to_all():
+    """Figs. 17, 18 read a batch per MoE layer: the layers' times add up to the batch (phase 1 prefetched beside a
+    layer is not counted again in the next) and their all-to-alls to the batch's; on skewed traces Lina's
+    scheduled layers carry less all-to-all than the baseline's and its static first layers the same."""
+    t = markov_traces(2 * 8192, L, E, order=1, seed=5, sharpness=6.0)
+    rows = run(t, ("baseline", "lina"), batch=8192)
+    for r in rows:
+        assert len(r["layer_s"]) == len(r["layer_a2a_s"]) == L and min(r["layer_s"]) > 0
+        assert sum(r["layer_s"]) == pytest.approx(r["batch_s"], rel=1e-9)
+        assert sum(r["layer_a2a_s"]) == pytest.approx(r["a2a_s"], rel=1e-9)
+    base, lina = (np.array([r["layer_a2a_s"] for r in rows if r["variant"] == v]) for v in ("baseline", "lina"))
+    assert lina[:, :SV.path_len] == pytest.approx(base[:, :SV.path_len])
+    assert (lina[:, SV.path_len:].sum(axis=1) < base[:, SV.path_len:].sum(axis=1)).all()

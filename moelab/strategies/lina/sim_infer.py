@@ -216,10 +216,12 @@ def replay_latencies(requests, batch_s: dict, batch_size: int, max_wait_s: float
 
 def simulate_serving(traces, src, batches, variants, sv, table, profile, topo, shape: InferShape, seed: int = 0,
                      overheads: dict = None) -> list:
-    """Rows ``{variant, batch, batch_s, a2a_s, ffn_max_s, replans, swaps, load_max_over_mean}`` for every
-    batch (index arrays into the traces) and variant, swaps carried across the batches of a variant;
-    ``load_max_over_mean``: the busiest device's received tokens over the mean, median over the MoE layers
-    (1 = balanced; what a placement leaves of the routing's skew)."""
+    """Rows ``{variant, batch, batch_s, a2a_s, ffn_max_s, replans, swaps, load_max_over_mean, layer_s,
+    layer_a2a_s}`` for every batch (index arrays into the traces) and variant, swaps carried across the batches
+    of a variant; ``load_max_over_mean``: the busiest device's received tokens over the mean, median over the MoE
+    layers (1 = balanced; what a placement leaves of the routing's skew); ``layer_s`` / ``layer_a2a_s``: per MoE
+    layer in order, its time (from the previous layer's last op to its own; the first from the batch's start)
+    and its all-to-alls' time (Figs. 17, 18)."""
     rows = []
     E = int(np.asarray(traces).max()) + 1 if table is None else table.E
     L = np.asarray(traces).shape[1]
@@ -233,10 +235,14 @@ def simulate_serving(traces, src, batches, variants, sv, table, profile, topo, s
             g = batch_graph(plans, profile, topo, shape, ov, loaded)
             res = simulate(g)
             df = res.ops_frame()
+            done = df[df.layer.notna()].groupby("layer").end.max().sort_index()
+            span = done.diff().fillna(done)  # from the layer before's last op (phase 1 ahead of it is hidden there)
+            a2a = df[df.category == "a2a"].groupby("layer").duration.sum().reindex(span.index, fill_value=0.0)
             rows.append({"variant": v, "batch": b, "batch_s": res.makespan,
                          "a2a_s": float(df[df.category == "a2a"].duration.sum()),
                          "ffn_max_s": float(df[df.category == "expert"].groupby("layer").duration.max().sum()),
                          "replans": sum(p[2] for p in plans),
                          "swaps": int(sum(op.meta.get("swapped", 0) for op in g.ops)),
-                         "load_max_over_mean": float(np.median(g.meta["load_max_over_mean"]))})
+                         "load_max_over_mean": float(np.median(g.meta["load_max_over_mean"])),
+                         "layer_s": span.tolist(), "layer_a2a_s": a2a.tolist()})
     return rows

@@ -38,60 +38,6 @@ def bwd_a2a_slowdown(scale, seed=0) -> pd.DataFrame:
     return _labelled(pd.DataFrame(rows), pr["comm"].attrs["label"])
 
 
-A2A_ROLES = {"fwd": ("a2a dispatch", "a2a combine"), "bwd": ("a2a combine (grad)", "a2a dispatch (grad)")}
-
-
-def dp_ep_step(comm: pd.DataFrame, spans: pd.DataFrame) -> tuple:
-    """Fig. 1(b) from one iteration's records of every rank: ``(timeline, counts)``. ``timeline``: rank, lane
-    (pass / compute / comm), name, layer, start, end (s from the iteration's first event); a MoE layer's
-    all-to-alls are named by their order in the layer's pass (forward: dispatch then combine; backward: their
-    gradients in reverse), or ``all-to-all #k`` beyond two. ``counts``: all-to-all calls per (rank, layer, pass),
-    counted, so a layer that does not make two says so."""
-    t0 = min(comm.t_start.min(), spans.t_start.min())
-    a2a = comm[comm.op == "all_to_all"].sort_values("t_start")
-    k = a2a.groupby(["rank", "layer", "phase"]).cumcount()
-    names = [A2A_ROLES.get(ph, ())[i] if i < len(A2A_ROLES.get(ph, ())) else f"all-to-all #{i}"
-             for ph, i in zip(a2a.phase, k)]
-    other = comm[comm.op != "all_to_all"]
-    lanes = [pd.DataFrame({"rank": a2a["rank"], "lane": "comm", "name": names, "layer": a2a.layer,
-                           "start": a2a.t_start, "end": a2a.t_done}),
-             pd.DataFrame({"rank": other["rank"], "lane": "comm",
-                           "name": other.op.map({"all_gather": "count exchange", "all_reduce": "all-reduce"}).fillna(other.op),
-                           "layer": other.layer, "start": other.t_start, "end": other.t_done})]
-    for lane, cats in (("pass", ("forward", "backward", "comm", "optimizer")), ("compute", ("gate", "expert"))):
-        sp = spans[spans.cat.isin(cats)]
-        lanes.append(pd.DataFrame({"rank": sp["rank"], "lane": lane, "name": sp.name.replace({"grad_sync": "gradient drain"}),
-                                   "layer": sp.layer, "start": sp.t_start, "end": sp.t_end}))
-    tl = pd.concat(lanes, ignore_index=True)
-    tl["start"], tl["end"] = tl.start - t0, tl.end - t0
-    counts = (a2a.groupby(["rank", "layer", "phase"]).size().unstack("phase", fill_value=0)
-              .reindex(columns=["fwd", "bwd"], fill_value=0).reset_index())
-    counts.columns.name = None
-    return tl.sort_values(["rank", "start"]).reset_index(drop=True), counts
-
-
-def layer_routing(loads: pd.DataFrame, experts_per_rank: int) -> pd.DataFrame:
-    """Fig. 1(a) from one MoE layer's routing: tokens per (source rank, expert) with the rank that holds the
-    expert (static EP) and whether the tokens leave their rank in the dispatch (and come back in the combine)."""
-    df = loads[["src", "expert", "tokens"]].copy()
-    df["holder"] = df.expert // experts_per_rank
-    df["moves"] = df.src != df.holder
-    return df.reset_index(drop=True)
-
-
-def dp_ep_frames(scale, seed=0, policy="ddp_overlap", layer=0) -> tuple:
-    """Fig. 1 redrawn from the baseline's last timed iteration: (routing of MoE ``layer``, timeline, counts)."""
-    pr = policy_runs(scale, seed)
-    c, sp, ld = (pr[k][pr[k].policy == policy] for k in ("comm", "spans", "loads"))
-    it = int(c.iter.max())
-    tl, counts = dp_ep_step(c[c.iter == it], sp[sp.iter == it])
-    ld = ld[(ld.iter == it) & (ld.layer == layer)]
-    routing = layer_routing(ld, (ld.expert.max() + 1) // (ld.src.max() + 1))
-    label = pr["comm"].attrs["label"] + f"; policy {policy}, iteration {it}"
-    return (_labelled(routing, label + f", MoE layer {layer}; token counts after capacity drops"),
-            _labelled(tl, label), _labelled(counts, label))
-
-
 def backward_timeline(scale, policy: str, seed=0, ranks=(0, 1)) -> pd.DataFrame:
     """Fig. 5: the last iteration's backward on ``ranks``: all-to-alls and all-reduces as two lanes."""
     pr = policy_runs(scale, seed)

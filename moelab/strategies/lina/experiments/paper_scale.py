@@ -393,3 +393,21 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
            "/ its 12 layers)" if fit else "(given)")
         + "; a tiled batch keeps its expert mix, where a real batch that size would be smoother"))
     return out
+
+
+def inference_layers(scale: str, seed: int = 0) -> pd.DataFrame:
+    """Figs. 17, 18 (SIMULATED, as Fig. 16): per variant and MoE layer, the p95 over batches of the layer's time
+    and of its all-to-alls' time, and the baseline's p95 over each variant's."""
+    raw = inference(scale, seed)
+    rows = []
+    for v, g in raw.groupby("variant", sort=False):
+        span, a2a = np.array(g.layer_s.tolist()), np.array(g.layer_a2a_s.tolist())
+        for layer in range(span.shape[1]):
+            rows.append({"variant": v, "layer": layer, "p95_layer_s": float(np.percentile(span[:, layer], 95)),
+                         "p95_a2a_s": float(np.percentile(a2a[:, layer], 95))})
+    df = pd.DataFrame(rows)
+    base = df[df.variant == "baseline"].set_index("layer")
+    df["p95_layer_speedup"] = df.layer.map(base.p95_layer_s) / df.p95_layer_s
+    df["a2a_reduction"] = df.layer.map(base.p95_a2a_s) / df.p95_a2a_s
+    df.attrs["label"] = raw.attrs["label"]
+    return df

@@ -22,6 +22,10 @@ REPLAN = Quantity("share of scheduled (batch, layer) instances that re-planned i
 PATTERN = Quantity("share of tokens following their group's most frequent next expert(s)", "fraction")
 
 
+LAYER_P95 = Quantity("p95 MoE-layer time, baseline over Lina", "x")
+TAIL_A2A = Quantity("tail (p95) all-to-all time, baseline over Lina", "x")
+
+
 @product(P, "fig6r", needs_real=True)
 def fig6r(ctx):
     df = frames.popularity_skew(ctx.scale.name, ctx.seed)
@@ -167,17 +171,43 @@ def fig17r(ctx):
                 tables={"table_fig17r": (df, "Fig. 17 analog: p95 MoE-layer time per variant and layer")})
 
 
-@product(P, "fig18r", needs_real=True, quantities={"a2a_reduction": Quantity("tail (p95) all-to-all time, baseline over Lina", "x")})
+def _tail_a2a(out: pd.DataFrame, stem: str, name: str) -> Made:
+    """Fig. 18: the baseline's p95 all-to-all time over Lina's, per MoE layer (``out``: layer, a2a_reduction)."""
+    notes = [f"tail all-to-all reduction baseline/lina: mean {out.a2a_reduction.mean():.2f}x, max "
+             f"{out.a2a_reduction.max():.2f}x over layers (paper: average 1.96x, max 2.50x)"]
+    return Made(out, figures={stem: F.bars(out, "layer", "a2a_reduction", line=1.0, label=out.attrs["label"],
+                                           title=f"{name}: p95 all-to-all time, baseline over Lina")},
+                tables={f"table_{stem.split('_')[0]}": (out, f"{name}: tail all-to-all reduction per layer")}, notes=notes)
+
+
+@product(P, "fig18r", needs_real=True, quantities={"a2a_reduction": TAIL_A2A})
 def fig18r(ctx):
     df = frames.layer_p95(ctx.scale.name, ctx.seed)
     piv = df.pivot(index="layer", columns="variant", values="p95_a2a_s")
     out = pd.DataFrame({"layer": piv.index, "a2a_reduction": (piv["baseline"] / piv["lina"]).values})
     out.attrs["label"] = df.attrs["label"]
-    notes = [f"tail all-to-all reduction baseline/lina: mean {out.a2a_reduction.mean():.2f}x, max "
-             f"{out.a2a_reduction.max():.2f}x over layers (paper: average 1.96x, max 2.50x)"]
-    return Made(out, figures={"fig18r_tail_a2a": F.bars(out, "layer", "a2a_reduction", line=1.0, label=out.attrs["label"],
-                                                        title="Fig. 18 analog: p95 all-to-all time, baseline over Lina")},
-                tables={"table_fig18r": (out, "Fig. 18 analog: tail all-to-all reduction per layer")}, notes=notes)
+    return _tail_a2a(out, "fig18r_tail_a2a", "Fig. 18 analog")
+
+
+@product(P, "fig17s", needs_real=True, quantities={"p95_layer_speedup": LAYER_P95})
+def fig17s(ctx):
+    df = paper_scale.inference_layers(ctx.scale.name, ctx.seed)
+    lina = df[df.variant == "lina"]
+    notes = [f"p95 MoE-layer time, baseline over lina: mean {lina.p95_layer_speedup.mean():.2f}x over the "
+             f"{len(lina)} MoE layers (the first serve.path_len layers stay static) (paper: 1.87x / 1.77x, TXL 8 / 16)"]
+    return Made(df, figures={"fig17s_layer_p95": F.lines(df, "layer", "p95_layer_s", color="variant",
+                                                         label=df.attrs["label"],
+                                                         title="Fig. 17: p95 MoE-layer time per layer")},
+                tables={"table_fig17s": (df, "Fig. 17 (simulated): p95 MoE-layer and all-to-all time per variant "
+                                             "and layer")}, notes=notes)
+
+
+@product(P, "fig18s", needs_real=True, quantities={"a2a_reduction": TAIL_A2A})
+def fig18s(ctx):
+    df = paper_scale.inference_layers(ctx.scale.name, ctx.seed)
+    out = df[df.variant == "lina"][["layer", "p95_a2a_s", "a2a_reduction"]].reset_index(drop=True)
+    out.attrs["label"] = df.attrs["label"]
+    return _tail_a2a(out, "fig18s_tail_a2a", "Fig. 18 (simulated)")
 
 
 @product(P, "fig19r", needs_real=True, quantities={"accuracy": ACC, "replan_rate": REPLAN})

@@ -8,6 +8,7 @@ from moelab.repro.registry import Made, Quantity, product
 
 from . import figures as F
 from . import frames, paper_scale
+from . import layer_views as LV
 from .common import P, fired
 from .runs import DEPARTURE_NOTE, policy_runs
 
@@ -19,7 +20,7 @@ A2A_MS = Quantity("baseline training all-to-all time per step", "ms")
 
 @product(P, "fig1r", needs_real=True)
 def fig1r(ctx):
-    routing, tl, counts = frames.dp_ep_frames(ctx.scale.name, ctx.seed)
+    routing, tl, counts = LV.dp_ep_frames(ctx.scale.name, ctx.seed)
     per = {ph: " or ".join(str(n) for n in sorted(set(counts[ph]))) for ph in ("fwd", "bwd")}
     moved = routing[routing.moves].tokens.sum() / max(1, routing.tokens.sum())
     notes = [f"all-to-all calls per MoE layer, every rank (counted from the records): forward {per['fwd']}, "
@@ -172,6 +173,20 @@ def fig11_12s(ctx):
                                                                   "compute-busy fraction")}, notes=notes)
 
 
+@product(P, "fig11_12e", needs_real=True, quantities={"moe_fwd_speedup": MOE_FWD, "moe_bwd_speedup": MOE_BWD})
+def fig11_12e(ctx):
+    df = LV.layer_times(ctx.scale.name, ctx.seed)
+    full = df.set_index("policy").loc["lina_full"]
+    notes = [f"lina_full MoE layers over ddp_overlap: forward {full.moe_fwd_speedup:.2f}x, backward "
+             f"{full.moe_bwd_speedup:.2f}x (paper: forward 1.84x / 1.89x, backward 2.41x / 2.32x at 2 / 8 experts); "
+             "a layer's forward runs from its gate to its combine's finish, its backward over its backward all-to-alls"]
+    figs = {f"fig{n}e_moe_{ph}": F.bars(df, "policy", f"moe_{ph}_speedup", label=df.attrs["label"], line=1.0,
+                                        title=f"Fig. {n} analog: MoE-layer {name} time speedup over ddp_overlap")
+            for n, ph, name in ((11, "fwd", "forward"), (12, "bwd", "backward"))}
+    return Made(df, figures=figs, tables={"table_fig11_12e": (df, "Figs. 11/12 analog: MoE-layer time per pass")},
+                notes=notes)
+
+
 @product(P, "table3s", quantities={"pipelining_eff": PIPE, "pipe_gain": PIPE_GAIN})
 def table3s(ctx):
     df = paper_scale.packing(ctx.scale.name)
@@ -251,6 +266,34 @@ def fig2s(ctx):
                 notes=[f"all-to-all share of the MoE layer's forward: {a['a2a_share']:.1%} (paper: 74.9 %)"])
 
 
+@product(P, "fig2e", needs_real=True)
+def fig2e(ctx):
+    df = LV.policy_layer_pass(ctx.scale.name, "ddp_overlap", "fwd", ctx.seed)
+    a = df.attrs
+    value = pd.DataFrame([{"layer": a["layer"], "layer_fwd_s": a["span_s"], "a2a_share": a["a2a_share"]}])
+    value.attrs["label"] = a["label"]
+    return Made(value, figures={"fig02e_layer_fwd": F.timeline(df, label=a["label"],
+                                                               title="Fig. 2 analog: one MoE layer's forward on rank 0")},
+                tables={"table_fig02e": (df, "Fig. 2 analog: rank 0's ops in the layer's forward")},
+                notes=[f"all-to-all share of the MoE layer's forward (gate to combine): {a['a2a_share']:.1%} "
+                       "(paper: 74.9 %)"])
+
+
+def _real_layer_backwards(ctx, fig: int, policies, busiest: bool = False) -> tuple:
+    """The EMULATED analog of :func:`_layer_backwards`: one MoE layer's backward on rank 0 of the policy runs."""
+    figs, rows = {}, []
+    for pol in policies:
+        df = LV.policy_layer_pass(ctx.scale.name, pol, "bwd", ctx.seed, busiest)
+        figs[f"fig{fig:02d}e_{pol}"] = F.timeline(df, label=df.attrs["label"],
+                                                  title=f"Fig. {fig} analog: one MoE layer's backward on rank 0, {pol}")
+        rows.append({"policy": pol, "layer": df.attrs["layer"], "layer_bwd_s": df.attrs["span_s"],
+                     "a2a_share": df.attrs["a2a_share"], "allreduce_beside_s": df.attrs["allreduce_s"],
+                     "allreduce_ops": int((df.name == "allreduce").sum()), "a2a_calls": int((df.name == "a2a").sum())})
+    value = pd.DataFrame(rows)
+    value.attrs["label"] = df.attrs["runs_label"]
+    return value, figs
+
+
 def _layer_backwards(ctx, fig: int, policies, busiest: bool = False) -> tuple:
     """One MoE layer's backward on rank 0 under each policy: a timeline each, and a row each of what ran."""
     figs, rows = {}, []
@@ -267,21 +310,41 @@ def _layer_backwards(ctx, fig: int, policies, busiest: bool = False) -> tuple:
     return value, figs
 
 
+SCHEDULES = {7: (("ddp_overlap", "priority", "fixed"), True, "one MoE layer's backward per schedule",
+                  ["(a) baseline = ddp_overlap, (b) naive priority = priority, (c) deferred all-reduce = fixed; (d) the "
+                   "oracle's gap placement is not a moelab policy and is not drawn; each policy's layer is the one whose "
+                   "backward overlaps the most all-reduce on rank 0"], "an all-reduce during a MoE layer's backward"),
+             8: (("lina", "lina_pipe"), False, "what runs in one MoE layer's backward", [],
+                 "overlap of all-reduce micro-ops with the layer's backward")}
+
+
+def _schedules(ctx, fig: int, real: bool) -> Made:
+    """Figs. 7 and 8: one MoE layer's backward per policy, SIMULATED at paper scale or EMULATED (``real``)."""
+    policies, busiest, what, notes, fire = SCHEDULES[fig]
+    value, figs = (_real_layer_backwards if real else _layer_backwards)(ctx, fig, policies, busiest)
+    name = f"Fig. {fig}" + (" analog" if real else "")
+    return Made(value, figures=figs, tables={f"table_fig{fig:02d}{'e' if real else 's'}": (value, f"{name}: {what}")},
+                notes=notes + fired(value, "allreduce_ops", fire))
+
+
 @product(P, "fig7s")
 def fig7s(ctx):
-    value, figs = _layer_backwards(ctx, 7, ("ddp_overlap", "priority", "fixed"), busiest=True)
-    return Made(value, figures=figs, tables={"table_fig07s": (value, "Fig. 7: one MoE layer's backward per schedule")},
-                notes=["(a) baseline = ddp_overlap, (b) naive priority = priority, (c) deferred all-reduce = fixed; "
-                       "(d) the oracle's gap placement is not a moelab policy and is not drawn; each policy's layer is "
-                       "the one whose backward overlaps the most all-reduce"]
-                + fired(value, "allreduce_ops", "an all-reduce during a MoE layer's backward"))
+    return _schedules(ctx, 7, real=False)
 
 
 @product(P, "fig8s")
 def fig8s(ctx):
-    value, figs = _layer_backwards(ctx, 8, ("lina", "lina_pipe"))
-    return Made(value, figures=figs, tables={"table_fig08s": (value, "Fig. 8: what runs in one MoE layer's backward")},
-                notes=fired(value, "allreduce_ops", "overlap of all-reduce micro-ops with the layer's backward"))
+    return _schedules(ctx, 8, real=False)
+
+
+@product(P, "fig7e", needs_real=True)
+def fig7e(ctx):
+    return _schedules(ctx, 7, real=True)
+
+
+@product(P, "fig8e", needs_real=True)
+def fig8e(ctx):
+    return _schedules(ctx, 8, real=True)
 
 
 @product(P, "table1s", quantities={"a2a_share_baseline": SHARE, "a2a_ms": A2A_MS})
