@@ -352,7 +352,8 @@ def fitted_infer_tokens(scale: str, seed: int = 0) -> dict:
 
 @cached
 def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, free_scheduling: bool = False,
-              rounding: str = "floor", replan_test: str = "sets", first_layers: str = "static") -> pd.DataFrame:
+              rounding: str = "floor", replan_test: str = "sets", first_layers: str = "static",
+              path_len=None) -> pd.DataFrame:
     """Fig. 16 at one device per expert: every variant's batch times from the REAL model's routing
     traces (its first half fits the path table, the second half is served), priced at paper scale: the
     served half cut into the REAL serving path's batches (B sequences), each tiled to the assumed paper
@@ -361,7 +362,8 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     scheduler costs (``o_plan``, ``o_check``) set to zero, to separate them from the placement's quality;
     ``rounding``: the scheduled variants' ``serve.replica_rounding`` (:func:`moelab.placement.lina.allocate`);
     ``replan_test``: Lina's ``serve.replan_test`` (phase 2 by the top sets, or by load); ``first_layers``: its
-    ``serve.first_layers`` (the layers before path_len static, or planned from the actual counts)."""
+    ``serve.first_layers`` (the layers before path_len static, or planned from the actual counts); ``path_len``:
+    the estimator's path (default: the scale's middle one, Table 5's 3 at the default scale)."""
     from moelab.comm.topology import Topology
     from moelab.placement.popularity import PathTable
     from moelab.strategies.lina.sim_infer import InferShape, simulate_serving
@@ -371,7 +373,7 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     s = scale_spec(scale)
     t = np.asarray(inference_suite(scale, seed)["traces"], dtype=np.int64)
     E = s.i_experts
-    Lp = s.path_lens[min(1, len(s.path_lens) - 1)]
+    Lp = s.path_lens[min(1, len(s.path_lens) - 1)] if path_len is None else path_len
     half = len(t) // 2
     table = PathTable.fit(t[:half], E, Lp)
     test = t[half:]
@@ -411,3 +413,18 @@ def inference_layers(scale: str, seed: int = 0) -> pd.DataFrame:
     df["a2a_reduction"] = df.layer.map(base.p95_a2a_s) / df.p95_a2a_s
     df.attrs["label"] = raw.attrs["label"]
     return df
+
+
+def path_length_times(scale: str, seed: int = 0) -> pd.DataFrame:
+    """Table 5's times (SIMULATED, as Fig. 16): per path length of the scale, Lina's median and p95 batch time
+    over Ideal's on the same batches."""
+    rows = []
+    for n in scale_spec(scale).path_lens:
+        df = inference(scale, seed, variants=("ideal", "lina"), path_len=int(n))
+        g = df.groupby("variant").batch_s
+        med, p95 = g.median(), g.quantile(0.95)
+        rows.append({"path_len": int(n), "median_over_ideal": med["lina"] / med["ideal"],
+                     "p95_over_ideal": p95["lina"] / p95["ideal"], "replans": int(df[df.variant == "lina"].replans.sum())})
+    out = pd.DataFrame(rows)
+    out.attrs["label"] = df.attrs["label"]
+    return out

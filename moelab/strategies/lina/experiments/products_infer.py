@@ -228,6 +228,17 @@ def table5r(ctx):
     return Made(df, tables={"table5r_path_length": (df, "Table 5 analog: path length vs accuracy, re-plans, batch time")})
 
 
+@product(P, "table5s", needs_real=True, quantities={"median_over_ideal": INFER, "p95_over_ideal": INFER})
+def table5s(ctx):
+    df = paper_scale.path_length_times(ctx.scale.name, ctx.seed)
+    notes = ["the times of Table 5 at one device per expert, from the REAL routing traces (its accuracy and re-plan "
+             "share: table5r); a longer path starts Lina later (layer path_len + 1): " + ", ".join(
+                 f"Lp {r.path_len}: median {r.median_over_ideal:.2f}x, p95 {r.p95_over_ideal:.2f}x of Ideal"
+                 for r in df.itertuples()) + " (paper, TXL: 1.41/1.32, 1.16/1.04, 1.19/1.11 at Lp 1/3/6)"]
+    return Made(df, tables={"table5s_path_length": (df, "Table 5 (simulated): path length vs batch time over Ideal")},
+                notes=notes)
+
+
 @product(P, "table6d", needs_real=True, quantities={"p95_over_ideal": INFER, "accuracy": ACC})
 def table6d(ctx):
     df = frames.generalization(ctx.scale.name, ctx.seed)
