@@ -377,3 +377,23 @@ def fig15s(ctx):
                                                          label=df.attrs["label"],
                                                          title="Fig. 15: step time vs micro-op size (16 experts)")},
                 tables={"table_fig15s": (df, "Fig. 15: step time vs partition size")})
+
+
+
+@product(P, "fig15e", needs_real=True)
+def fig15e(ctx):
+    from .runs import partition_runs
+
+    df = partition_runs(ctx.scale.name, ctx.seed)
+    best = df.loc[df.step_s.idxmin()]
+    notes = [f"lina's step vs the micro-op size S on 4 ranks (S scaled with the model): fastest at "
+             f"{int(best.partition_bytes)} B ({best.S_factor:g} x the scale's S, {int(best.micro_ops)} micro-ops a step); "
+             + ", ".join(f"{r.S_factor:g} x S: {1e3 * r.step_s:.0f} ms, {r.micro_ops} micro-ops" for r in df.itertuples())
+             + " (paper: > 50 MB slower than 30 MB, < 10 MB costly, several optima)"]
+    whole = df[df.micro_ops == df.micro_ops.min()]
+    if len(whole) > 1:
+        notes.append(f"from {int(whole.partition_bytes.min())} B on every gradient is one micro-op ({int(whole.micro_ops.min())} "
+                     "a step): the larger sizes run the same schedule, their steps differ by the host's noise only")
+    return Made(df, figures={"fig15e_partition": F.lines(df, "partition_bytes", "step_s", label=df.attrs["label"],
+                                                         title="Fig. 15 analog: lina's step time vs micro-op size")},
+                tables={"table_fig15e": (df, "Fig. 15 analog: step time and micro-ops per partition size")}, notes=notes)

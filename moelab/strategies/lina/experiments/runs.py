@@ -50,13 +50,15 @@ def train_yields(yields=None) -> bool:
     return resolve("auto") if yields is None else bool(yields)
 
 
-def train_config(s, policy: str, seed: int = 0, yields=None) -> RunConfig:
-    """One training run of :func:`policy_runs`: a policy of :data:`POLICIES`, or a name of :data:`DEPARTURES`."""
+def train_config(s, policy: str, seed: int = 0, yields=None, S=None) -> RunConfig:
+    """One training run of :func:`policy_runs`: a policy of :data:`POLICIES`, or a name of :data:`DEPARTURES`;
+    ``S``: the micro-op size (default: the scale's)."""
     base, extra = DEPARTURES.get(policy, (policy, None))
     opts = {extra: s.t_S} if extra else {}
+    S = s.t_S if S is None else S
     return RunConfig().with_overrides({
-        "paper": "lina", "name": f"policy-{policy}", "train.seed": seed,
-        **train_overrides(s.t_d, s.t_layers, s.t_seq, s.t_batch, s.t_iters, base, s.t_S, s.t_bucket_mb, **opts),
+        "paper": "lina", "name": f"policy-{policy}" + ("" if S == s.t_S else f"-S{S:g}"), "train.seed": seed,
+        **train_overrides(s.t_d, s.t_layers, s.t_seq, s.t_batch, s.t_iters, base, S, s.t_bucket_mb, **opts),
         **emulated_links(s), "emulation.compute_yields": train_yields(yields)}).validate()
 
 
@@ -169,6 +171,28 @@ def policy_runs(scale: str, seed: int = 0, yields=None) -> dict:
     label = links_label(s, yields)
     for v in out.values():
         v.attrs["label"] = label
+    return out
+
+
+PARTITION_FACTORS = (0.25, 1.0, 4.0, 16.0)  # Fig. 15's sweep: micro-op sizes as multiples of the scale's S
+
+
+@cached
+def partition_runs(scale: str, seed: int = 0, factors=PARTITION_FACTORS) -> pd.DataFrame:
+    """Fig. 15 (EMULATED): ``lina``'s step at micro-op sizes ``factors`` x the scale's S (S is scaled with the
+    model, as the bucket is), one row each: S, micro-ops per step (all-reduce calls of a rank), the step."""
+    from moelab.sim.realruns import run_real_many
+
+    s = scale_spec(scale)
+    cfgs = [train_config(s, "lina", seed, S=f * s.t_S) for f in factors]
+    rows = []
+    for f, r in zip(factors, run_real_many(cfgs, timeout=1800)):
+        keep = r.comm[r.comm.iter >= s.t_warmup]
+        rows.append({"S_factor": f, "partition_bytes": int(f * s.t_S),
+                     "micro_ops": int((keep.op == "all_reduce").sum() / WORLD / max(1, keep.iter.nunique())),
+                     **step_summary(r.step_times[s.t_warmup:], keep)})
+    out = pd.DataFrame(rows)
+    out.attrs["label"] = links_label(s, train_yields(None)) + "; policy lina"
     return out
 
 
