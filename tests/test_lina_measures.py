@@ -96,3 +96,15 @@ def test_a_layers_pass_is_read_from_its_gate_and_all_to_alls_and_the_busiest_lay
     assert busy.attrs["layer"] == 0 and busy.attrs["allreduce_s"] == pytest.approx(1.0)
     assert busy.start.min() == 0.0 and busy.end.max() == pytest.approx(2.5) and (busy.name == "allreduce").sum() == 1
     assert layer_pass(comm, spans, "bwd").attrs["layer"] == 1
+
+
+def test_the_gpu_item_times_every_row_it_names_on_any_device():
+    """§4(c)'s measurement code runs on the CPU too (tiny shapes), so a lent GPU meets tested code; the stream and
+    host-to-device rows are CUDA-only."""
+    from moelab.strategies.lina.experiments.gpu import gpu_timings
+
+    df = gpu_timings("cpu", d=16, f=32, heads=2, seq=8, experts=4, tokens=(4, 16), partition_MB=0.25, reps=2)
+    assert set(df.what) == {"expert FFN fwd+bwd", "gate fwd (softmax, top-2)", "attention fwd",
+                            *(f"cut 0.25 MB into {n} micro-ops and join" for n in (4, 16, 64))}
+    assert (df.ms > 0).all() and df[df.what == "attention fwd"].tokens.tolist() == [16]
+    assert df.attrs["label"].startswith("REAL: one CPU")

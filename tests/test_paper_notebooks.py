@@ -57,7 +57,8 @@ def test_notebook_smoke_exports_every_product_with_its_class(paper, tmp_path_fac
     table = pd.read_csv(figs / "table_manifest.csv", dtype=str).fillna("")
     made = table[table["product"] != ""].set_index("product")
     assert sorted(made.index) == sorted(promised)
-    assert (made.status == "made").all(), made[made.status != "made"]
+    gpu_skip = (made.status == "skipped") & made.reason.str.startswith("no CUDA device")  # a GPU item on a CPU machine
+    assert ((made.status == "made") | gpu_skip).all(), made[made.status != "made"]
     manifest = json.loads((figs / "manifest.json").read_text())
     for p in (p for it in manifest["items"] for p in it["products"]):
         for f in p["files"]:

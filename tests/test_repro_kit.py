@@ -119,6 +119,12 @@ def _emu(ctx):
     return Made(_frame("EMULATED: 2 ranks", speedup=[0.8]))
 
 
+@product(TOY, "gpu", needs_gpu=True)
+def _gpu(ctx):
+    f = _frame("REAL: 1 GPU", ms=[1.0])
+    return Made(f, tables={"table_gpu": (f, "toy GPU timings")})
+
+
 @product(TOY, "liar")
 def _liar(ctx):
     import plotly.graph_objects as go
@@ -129,7 +135,7 @@ def _liar(ctx):
 
 def _toy_manifest(with_liar=False):
     items = [{"id": "fig1", "not_reproduced": "schematic"},
-             {"id": "fig2", "products": {"sim": "SIMULATED", "emu": "EMULATED"}}]
+             {"id": "fig2", "products": {"sim": "SIMULATED", "emu": "EMULATED", "gpu": "REAL"}}]
     if with_liar:
         items.append({"id": "fig3", "products": {"liar": "SIMULATED"}})
     return parse_manifest({"paper": TOY, "title": "Toy", "products": __name__, "items": items})
@@ -140,7 +146,7 @@ def test_registry_check_names_both_directions():
     assert errs == [f"{TOY}: 'liar' is registered but in no manifest item"]
     m = parse_manifest({"paper": TOY, "title": "Toy", "products": __name__,
                         "items": [{"id": "x", "products": {"sim": "SIMULATED", "emu": "EMULATED", "liar": "SIMULATED",
-                                                           "ghost": "REAL"}}]})
+                                                           "gpu": "REAL", "ghost": "REAL"}}]})
     assert check_against_manifest(m) == [f"{TOY}: manifest promises 'ghost', no function registers it"]
 
 
@@ -165,6 +171,17 @@ def test_session_records_skips_and_rejects_a_mislabelled_product(tmp_path):
 
     html = _manifest_html(tmp_path, "figures/toy/")
     assert 'href="figures/toy/table_sim.csv"' in html and "schematic" in html and "run_real=False" in html
+
+
+def test_a_gpu_product_is_skipped_and_reported_without_cuda_and_made_with_it(tmp_path, monkeypatch):
+    import moelab.repro.session as session
+
+    monkeypatch.setattr(session, "_has_cuda", lambda: False)
+    S = Session(TOY, "smoke", tmp_path, show=False, manifest=_toy_manifest(with_liar=True))
+    assert S.show("gpu") is None and S.status["gpu"]["status"] == "skipped"
+    assert "no CUDA device" in S.status["gpu"]["reason"] and not (tmp_path / "table_gpu.csv").exists()
+    monkeypatch.setattr(session, "_has_cuda", lambda: True)
+    assert S.show("gpu").ms.tolist() == [1.0] and S.status["gpu"]["status"] == "made"
 
 
 def _numbers(**moelab):

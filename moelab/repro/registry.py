@@ -59,18 +59,21 @@ class Product:
     id: str
     make: Callable[[Context], Made]
     needs_real: bool = False  # spawns ranks: skipped (and reported) when run_real is False
+    needs_gpu: bool = False  # times a CUDA device: skipped (and reported) where none is present
     # column of value -> Quantity, or (column c, {value of c: Quantity}) when rows differ in meaning
     quantities: dict = field(default_factory=dict)
     doc: str = ""
 
 
-def product(paper: str, pid: str, *, needs_real: bool = False, quantities: Optional[dict] = None):
+def product(paper: str, pid: str, *, needs_real: bool = False, needs_gpu: bool = False,
+            quantities: Optional[dict] = None):
     """Register ``fn(ctx) -> Made`` as product ``pid`` of ``paper`` (ids as in the paper's manifest)."""
     def deco(fn):
         key = (paper, pid)
         if key in _REGISTRY and _REGISTRY[key].make.__qualname__ != fn.__qualname__:
             raise ValueError(f"product {pid!r} of {paper!r} registered twice")
-        _REGISTRY[key] = Product(paper, pid, fn, needs_real, dict(quantities or {}), (fn.__doc__ or "").strip())
+        _REGISTRY[key] = Product(paper, pid, fn, needs_real, needs_gpu, dict(quantities or {}),
+                                 (fn.__doc__ or "").strip())
         return fn
     return deco
 

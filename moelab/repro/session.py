@@ -59,17 +59,19 @@ class Session:
 
     def show(self, pid: str):
         """Make product ``pid``, export its figures and tables with their labels, display them; return
-        its value. A product needing real ranks is skipped (and reported) when ``run_real`` is False."""
+        its value. A product needing real ranks is skipped (and reported) when ``run_real`` is False, one needing
+        a GPU where CUDA has no device."""
         from moelab.report import label_kind, record_figure, record_table
 
         cls = self.manifest.product_classes().get(pid)
         if cls is None:
             raise KeyError(f"{self.manifest.paper}: {pid!r} is not in the manifest")
         prod = self.products[pid]
-        if prod.needs_real and not self.ctx.run_real:
-            self.status[pid] = dict(status="skipped", reason="run_real=False (needs spawned ranks)", files=[],
-                                    seconds=0.0, notes=[])
-            print(f"{pid}: skipped (run_real=False)")
+        skip = ("run_real=False (needs spawned ranks)" if prod.needs_real and not self.ctx.run_real else
+                "no CUDA device (a GPU item: REAL where a GPU is present)" if prod.needs_gpu and not _has_cuda() else None)
+        if skip:
+            self.status[pid] = dict(status="skipped", reason=skip, files=[], seconds=0.0, notes=[])
+            print(f"{pid}: skipped ({skip})")
             return None
         t0 = time.time()
         made = prod.make(self.ctx)
@@ -155,3 +157,9 @@ class Session:
                 if pvm is not None:
                     _display(pvm)
         return pvm
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -397,3 +397,14 @@ def fig15e(ctx):
     return Made(df, figures={"fig15e_partition": F.lines(df, "partition_bytes", "step_s", label=df.attrs["label"],
                                                          title="Fig. 15 analog: lina's step time vs micro-op size")},
                 tables={"table_fig15e": (df, "Fig. 15 analog: step time and micro-ops per partition size")}, notes=notes)
+
+
+@product(P, "gpu_c", needs_gpu=True)
+def gpu_c(ctx):
+    from .gpu import gpu_timings
+
+    df = gpu_timings("cuda", d=paper_scale.ASSUMED["d_model"], f=paper_scale.ASSUMED["d_ff"],
+                     seq=paper_scale.ASSUMED["seq_len"], partition_MB=paper_scale.ASSUMED["partition_MB"])
+    return Made(df, tables={"table_gpu_c": (df, "§4(c): one GPU's times for Lina's cost model")},
+                notes=["reported beside the model, not fed into the lina profile (calibrated to Table 1); one GPU cannot "
+                       "show the all-to-all / all-reduce contention, which stays EMULATED and SIMULATED"])
