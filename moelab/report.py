@@ -34,6 +34,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote
 
+from moelab.repro.manifest import NO_CUDA
+
 KINDS = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE", "PAPER")
 FIGURE_EXTS = (".html", ".png", ".svg", ".pdf")
 MAX_TABLE_ROWS = 200
@@ -194,16 +196,20 @@ def _paper_manifest(folder: Path) -> dict | None:
 def coverage(folder: str | Path) -> dict | None:
     """What a paper notebook made of its manifest (``folder/manifest.json``): items ``made`` (at least one
     product made), ``not_reproduced`` (the manifest says why not), ``missing`` (products promised but
-    none made: skipped or not run), and products made of all promised. None without a manifest."""
+    none made: skipped or not run), ``needs_gpu`` (of those, items whose every product was skipped for want
+    of a CUDA device: not a failure on a CPU machine), and products made of all promised. None without a
+    manifest."""
     m = _paper_manifest(Path(folder))
     if m is None:
         return None
     items = m.get("items", [])
     made = [it for it in items if any(p.get("status") == "made" for p in it.get("products", []))]
     products = [p for it in items for p in it.get("products", [])]
+    unmade = [it for it in items if it.get("products") and it not in made]
+    gpu = [it for it in unmade if all(str(p.get("reason", "")).startswith(NO_CUDA) for p in it["products"])]
     return {"title": m.get("title"), "items": len(items), "made": len(made),
             "not_reproduced": sum(1 for it in items if not it.get("products")),
-            "missing": sum(1 for it in items if it.get("products") and it not in made),
+            "missing": len(unmade) - len(gpu), "needs_gpu": len(gpu),
             "products": len(products), "products_made": sum(1 for p in products if p.get("status") == "made")}
 
 
@@ -292,6 +298,7 @@ def _coverage_cell(c: dict | None) -> str:
     if c is None:
         return "<span class=muted>no manifest</span>"
     missing = f", <span class=warn>{c['missing']} not made</span>" if c["missing"] else ""
+    missing += f", <span class=muted>{c['needs_gpu']} skipped: needs a GPU</span>" if c.get("needs_gpu") else ""
     return (f"{c['made']} of {c['items']} reproduced, {c['not_reproduced']} not reproducible here{missing}"
             f"<br><span class=muted>{c['products_made']}/{c['products']} products made</span>")
 

@@ -42,7 +42,7 @@ def test_parameters_cell_and_scale_files_match(paper):
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("paper", PAPERS)
 def test_notebook_smoke_exports_every_product_with_its_class(paper, tmp_path_factory):
-    from moelab.repro.manifest import load_manifest
+    from moelab.repro.manifest import NO_CUDA, load_manifest
     from moelab.reproduce import reproduce
 
     out = _reports(tmp_path_factory)  # one report for every paper: the browser test below reads it
@@ -57,7 +57,7 @@ def test_notebook_smoke_exports_every_product_with_its_class(paper, tmp_path_fac
     table = pd.read_csv(figs / "table_manifest.csv", dtype=str).fillna("")
     made = table[table["product"] != ""].set_index("product")
     assert sorted(made.index) == sorted(promised)
-    gpu_skip = (made.status == "skipped") & made.reason.str.startswith("no CUDA device")  # a GPU item on a CPU machine
+    gpu_skip = (made.status == "skipped") & made.reason.str.startswith(NO_CUDA)  # a GPU item on a CPU machine
     assert ((made.status == "made") | gpu_skip).all(), made[made.status != "made"]
     manifest = json.loads((figs / "manifest.json").read_text())
     for p in (p for it in manifest["items"] for p in it["products"]):

@@ -167,10 +167,12 @@ def test_report_summarises_each_paper_and_orders_figures_as_its_manifest(tmp_pat
                  {"stem": "fig_late", "kind": "figure", "file": "fig_late.html"}]},
                  {"id": "p3", "cls": "REAL", "status": "skipped", "reason": "run_real=False", "files": []}]},
              {"id": "tab1", "title": "never", "products": [
-                 {"id": "p4", "cls": "REAL", "status": "not run", "reason": "", "files": []}]}]
+                 {"id": "p4", "cls": "REAL", "status": "not run", "reason": "", "files": []}]},
+             {"id": "gpu", "title": "on a GPU", "products": [
+                 {"id": "p5", "cls": "REAL", "status": "skipped", "reason": "no CUDA device (a GPU item)", "files": []}]}]
     (figs / "manifest.json").write_text(json.dumps({"kind": "manifest", "title": "Toy", "spec": "s", "items": items}))
-    assert coverage(figs) == {"title": "Toy", "items": 4, "made": 2, "not_reproduced": 1, "missing": 1,
-                              "products": 4, "products_made": 2}
+    assert coverage(figs) == {"title": "Toy", "items": 5, "made": 2, "not_reproduced": 1, "missing": 1,
+                              "needs_gpu": 1, "products": 5, "products_made": 2}
     assert figure_order(figs) == ["fig_early", "fig_late"]
     assert paper_vs_moelab_counts(figs) == {"ratio": 2, "trend check": 1}
     assert coverage(tmp_path) is None and paper_vs_moelab_counts(tmp_path) is None
@@ -179,7 +181,8 @@ def test_report_summarises_each_paper_and_orders_figures_as_its_manifest(tmp_pat
         {"name": "toy", "status": "ok", "scale": "smoke", "wall_s": 2, "figures_dir": "figures/toy"}))
     page = build_index(out).read_text()
     summary = page[page.index("<h2>Notebooks</h2>"):page.index('<section id="nb-toy">')]
-    assert "2 of 4 reproduced, 1 not reproducible here" in summary and "1 not made" in summary
+    assert "2 of 5 reproduced, 1 not reproducible here" in summary and "1 not made" in summary
+    assert "1 skipped: needs a GPU" in summary
     assert "2 ratio, 1 trend check" in summary
     section = page[page.index('<section id="nb-toy">'):]
     cards = [section.index(f"figures/toy/{s}.html") for s in ("fig_early", "fig_late", "extra")]

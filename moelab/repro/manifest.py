@@ -26,6 +26,7 @@ from pathlib import Path
 
 CLASSES = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE")
 NOT_REPRODUCED = "NOT REPRODUCED"
+NO_CUDA = "no CUDA device"  # how a GPU product skipped on a machine without one begins its reason
 
 
 class ManifestError(ValueError):

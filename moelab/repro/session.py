@@ -14,7 +14,7 @@ product (a table may also be PAPER), so a figure cannot silently change what it 
 from __future__ import annotations
 
 import time
-from moelab.repro.manifest import NOT_REPRODUCED, load_manifest
+from moelab.repro.manifest import NO_CUDA, NOT_REPRODUCED, load_manifest
 from moelab.repro.registry import Context, check_against_manifest, products
 
 
@@ -68,7 +68,7 @@ class Session:
             raise KeyError(f"{self.manifest.paper}: {pid!r} is not in the manifest")
         prod = self.products[pid]
         skip = ("run_real=False (needs spawned ranks)" if prod.needs_real and not self.ctx.run_real else
-                "no CUDA device (a GPU item: REAL where a GPU is present)" if prod.needs_gpu and not _has_cuda() else None)
+                f"{NO_CUDA} (a GPU item: REAL where a GPU is present)" if prod.needs_gpu and not _has_cuda() else None)
         if skip:
             self.status[pid] = dict(status="skipped", reason=skip, files=[], seconds=0.0, notes=[])
             print(f"{pid}: skipped ({skip})")
