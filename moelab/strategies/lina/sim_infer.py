@@ -237,12 +237,12 @@ def simulate_serving(traces, src, batches, variants, sv, table, profile, topo, s
             df = res.ops_frame()
             done = df[df.layer.notna()].groupby("layer").end.max().sort_index()
             span = done.diff().fillna(done)  # from the layer before's last op (phase 1 ahead of it is hidden there)
-            a2a = df[df.category == "a2a"].groupby("layer").duration.sum().reindex(span.index, fill_value=0.0)
-            rows.append({"variant": v, "batch": b, "batch_s": res.makespan,
-                         "a2a_s": float(df[df.category == "a2a"].duration.sum()),
+            a2a = df[df.category == "a2a"]
+            rows.append({"variant": v, "batch": b, "batch_s": res.makespan, "a2a_s": float(a2a.duration.sum()),
                          "ffn_max_s": float(df[df.category == "expert"].groupby("layer").duration.max().sum()),
                          "replans": sum(p[2] for p in plans),
                          "swaps": int(sum(op.meta.get("swapped", 0) for op in g.ops)),
                          "load_max_over_mean": float(np.median(g.meta["load_max_over_mean"])),
-                         "layer_s": span.tolist(), "layer_a2a_s": a2a.tolist()})
+                         "layer_s": span.tolist(),
+                         "layer_a2a_s": a2a.groupby("layer").duration.sum().reindex(span.index, fill_value=0.0).tolist()})
     return rows

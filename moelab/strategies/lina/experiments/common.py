@@ -50,3 +50,9 @@ P = "lina"  # the paper id products register under
 def fired(df, col: str, what: str) -> list:
     """A note when ``what`` did not fire in this run (``col`` zero on every row), else nothing."""
     return [] if (df[col] != 0).any() else [f"{what} did not fire in this run"]
+
+
+def labelled(df, label: str):
+    """``df`` with its label (REAL / EMULATED / SIMULATED / SUBSTITUTE first) in ``attrs``, for a product to read."""
+    df.attrs["label"] = label
+    return df

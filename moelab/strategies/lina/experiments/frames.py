@@ -11,13 +11,9 @@ from moelab.placement.popularity import pattern_share
 from moelab.sim.result import covered_fraction
 from moelab.strategies.lina.options import LinaOptions
 
+from .common import labelled as _labelled
 from .common import scale_spec
 from .runs import FREE_LINKS, FREE_RUNS, inference_suite, policy_runs
-
-
-def _labelled(df, label):
-    df.attrs["label"] = label
-    return df
 
 
 # ---- training (EMULATED) ------------------------------------------------------------------------------

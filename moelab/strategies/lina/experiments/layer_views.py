@@ -8,12 +8,8 @@ import pandas as pd
 
 from moelab.sim.result import interval_union, overlap_seconds, union_seconds
 
+from .common import labelled as _labelled
 from .runs import policy_runs
-
-
-def _labelled(df, label):
-    df.attrs["label"] = label
-    return df
 
 
 A2A_ROLES = {"fwd": ("a2a dispatch", "a2a combine"), "bwd": ("a2a combine (grad)", "a2a dispatch (grad)")}

@@ -279,34 +279,23 @@ def fig2e(ctx):
                        "(paper: 74.9 %)"])
 
 
-def _real_layer_backwards(ctx, fig: int, policies, busiest: bool = False) -> tuple:
-    """The EMULATED analog of :func:`_layer_backwards`: one MoE layer's backward on rank 0 of the policy runs."""
+def _layer_backwards(ctx, fig: int, policies, busiest: bool, real: bool) -> tuple:
+    """One MoE layer's backward on rank 0 under each policy, SIMULATED at paper scale or (``real``) EMULATED from
+    the policy runs: a timeline each, and a row each of what ran."""
     figs, rows = {}, []
     for pol in policies:
-        df = LV.policy_layer_pass(ctx.scale.name, pol, "bwd", ctx.seed, busiest)
-        figs[f"fig{fig:02d}e_{pol}"] = F.timeline(df, label=df.attrs["label"],
-                                                  title=f"Fig. {fig} analog: one MoE layer's backward on rank 0, {pol}")
-        rows.append({"policy": pol, "layer": df.attrs["layer"], "layer_bwd_s": df.attrs["span_s"],
-                     "a2a_share": df.attrs["a2a_share"], "allreduce_beside_s": df.attrs["allreduce_s"],
-                     "allreduce_ops": int((df.name == "allreduce").sum()), "a2a_calls": int((df.name == "a2a").sum())})
-    value = pd.DataFrame(rows)
-    value.attrs["label"] = df.attrs["runs_label"]
-    return value, figs
-
-
-def _layer_backwards(ctx, fig: int, policies, busiest: bool = False) -> tuple:
-    """One MoE layer's backward on rank 0 under each policy: a timeline each, and a row each of what ran."""
-    figs, rows = {}, []
-    for pol in policies:
-        df = paper_scale.layer_timeline(ctx.scale.name, pol, "bwd", busiest)
-        figs[f"fig{fig:02d}s_{pol}"] = F.timeline(df, label=df.attrs["label"],
-                                                  title=f"Fig. {fig}: one MoE layer's backward on rank 0, {pol}")
+        df = (LV.policy_layer_pass(ctx.scale.name, pol, "bwd", ctx.seed, busiest) if real
+              else paper_scale.layer_timeline(ctx.scale.name, pol, "bwd", busiest))
+        figs[f"fig{fig:02d}{'e' if real else 's'}_{pol}"] = F.timeline(
+            df, label=df.attrs["label"], title=f"Fig. {fig}{' analog' if real else ''}: one MoE layer's backward on "
+                                               f"rank 0, {pol}")
         rows.append({"policy": pol, "layer": df.attrs["layer"], "layer_bwd_s": df.attrs["span_s"],
                      "a2a_share": df.attrs["a2a_share"],
+                     **({"allreduce_beside_s": df.attrs["allreduce_s"]} if real else {}),
                      "allreduce_ops": int((df.name == "allreduce").sum()), "a2a_calls": int((df.name == "a2a").sum()),
-                     "expert_chunks": int((df.name == "expert").sum())})
+                     **({} if real else {"expert_chunks": int((df.name == "expert").sum())})})
     value = pd.DataFrame(rows)
-    value.attrs["label"] = paper_scale.sim_label()
+    value.attrs["label"] = df.attrs["runs_label"] if real else paper_scale.sim_label()
     return value, figs
 
 
@@ -321,7 +310,7 @@ SCHEDULES = {7: (("ddp_overlap", "priority", "fixed"), True, "one MoE layer's ba
 def _schedules(ctx, fig: int, real: bool) -> Made:
     """Figs. 7 and 8: one MoE layer's backward per policy, SIMULATED at paper scale or EMULATED (``real``)."""
     policies, busiest, what, notes, fire = SCHEDULES[fig]
-    value, figs = (_real_layer_backwards if real else _layer_backwards)(ctx, fig, policies, busiest)
+    value, figs = _layer_backwards(ctx, fig, policies, busiest, real)
     name = f"Fig. {fig}" + (" analog" if real else "")
     return Made(value, figures=figs, tables={f"table_fig{fig:02d}{'e' if real else 's'}": (value, f"{name}: {what}")},
                 notes=notes + fired(value, "allreduce_ops", fire))
@@ -377,7 +366,6 @@ def fig15s(ctx):
                                                          label=df.attrs["label"],
                                                          title="Fig. 15: step time vs micro-op size (16 experts)")},
                 tables={"table_fig15s": (df, "Fig. 15: step time vs partition size")})
-
 
 
 @product(P, "fig15e", needs_real=True)

@@ -120,6 +120,11 @@ def a2a_beside_allreduce(comm, phase="bwd") -> float:
     return beside / busy if busy > 0 else float("nan")
 
 
+def allreduce_calls(comm) -> int:
+    """All-reduce calls (micro-ops or buckets) per rank and step in the records of all ranks."""
+    return int((comm.op == "all_reduce").sum() / WORLD / max(1, comm.iter.nunique()))
+
+
 def step_summary(step_times, comm) -> dict:
     """One run's step and all-to-all times over the kept iterations (``step_times``: per iteration, every
     rank's; ``comm``: the same iterations' call records): the median and mean step of the slowest rank, the
@@ -151,17 +156,15 @@ def policy_runs(scale: str, seed: int = 0, yields=None) -> dict:
     runs = run_real_many([train_config(s, p, seed, yields) for p in names], timeout=1800)
     rows, comms, spans, metrics, loads = [], [], [], [], []
     for pol, r in zip(names, runs):
-        it, layer, src, expert = np.indices(r.loads.shape)
-        keep_it = it.ravel() >= s.t_warmup
-        loads.append(pd.DataFrame({"policy": pol, "iter": it.ravel(), "layer": layer.ravel(), "src": src.ravel(),
-                                   "expert": expert.ravel(), "tokens": r.loads.ravel()})[keep_it])
+        index = dict(zip(("iter", "layer", "src", "expert"), (i.ravel() for i in np.indices(r.loads.shape))))
+        loads.append(pd.DataFrame({"policy": pol, **index, "tokens": r.loads.ravel()}).query(f"iter >= {s.t_warmup}"))
         keep = r.comm[r.comm.iter >= s.t_warmup].copy()
         keep["policy"] = pol
         comms.append(keep)
         spans.append(r.spans[r.spans.iter >= s.t_warmup].assign(policy=pol))
         metrics.append(pd.DataFrame(r.metrics).query(f"iter >= {s.t_warmup}").assign(policy=pol))
         rows.append({"policy": pol, **step_summary(r.step_times[s.t_warmup:], keep),
-                     "allreduce_calls": int((keep.op == "all_reduce").sum() / WORLD / max(1, keep.iter.nunique()))})
+                     "allreduce_calls": allreduce_calls(keep)})
     df = pd.DataFrame(rows)
     base = df.set_index("policy").loc["ddp_overlap"]
     df["step_speedup"] = base.step_s / df.step_s
@@ -189,7 +192,7 @@ def partition_runs(scale: str, seed: int = 0, factors=PARTITION_FACTORS) -> pd.D
     for f, r in zip(factors, run_real_many(cfgs, timeout=1800)):
         keep = r.comm[r.comm.iter >= s.t_warmup]
         rows.append({"S_factor": f, "partition_bytes": int(f * s.t_S),
-                     "micro_ops": int((keep.op == "all_reduce").sum() / WORLD / max(1, keep.iter.nunique())),
+                     "micro_ops": allreduce_calls(keep),
                      **step_summary(r.step_times[s.t_warmup:], keep)})
     out = pd.DataFrame(rows)
     out.attrs["label"] = links_label(s, train_yields(None)) + "; policy lina"
