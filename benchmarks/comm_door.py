@@ -1,6 +1,6 @@
 """The comm door's overhead per call (recording on) vs a raw ``dist.all_to_all_single``.
 
-Two gloo ranks (``moelab.testing.run_ranks``, one thread each) exchange a 64 KB tensor (32 KB to each
+Two gloo ranks (``moelab.runtime.ranks.run_ranks``, one thread each) exchange a 64 KB tensor (32 KB to each
 rank) in blocks of ``--calls`` back-to-back calls; the methods alternate block by block, ``--blocks``
 times, so machine noise hits them alike. Per method: the median over blocks of the slowest rank's
 time per call. Methods:
@@ -111,7 +111,7 @@ def main():
     a = ap.parse_args()
     if a.kb <= 0 or a.calls <= 0 or a.blocks <= 0:
         ap.error("--kb, --calls and --blocks must be > 0")
-    from moelab.testing import run_ranks
+    from moelab.runtime.ranks import run_ranks
 
     torch.set_num_threads(1)
     res = run_ranks(_rank, 2, a, timeout=a.timeout)

@@ -36,7 +36,7 @@ from moelab.comm.door import Communicator
 from moelab.comm.topology import Topology
 from moelab.config import MoEConfig
 from moelab.moe.layer import MoELayer
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 def _setup_deepspeed():

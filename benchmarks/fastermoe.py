@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from moelab.models.traces import routing_trace
-    from moelab.strategies.fastermoe import experiments as E
+    from moelab.papers import fastermoe as E
     from moelab.strategies.fastermoe import perf_model as pm
 
     n_it = a.warmup + a.iters

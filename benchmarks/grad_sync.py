@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 def _rank(rank, world, args):

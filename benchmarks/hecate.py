@@ -340,7 +340,7 @@ def spag_exposed(run, warmup: int) -> tuple:
 def max_device_tokens(plans, N: int, G: int) -> float:
     """Median over iterations of the mean over layers of the busiest device's tokens: each layer call's recorded
     counts routed through its recorded holders by Hecate's dispatcher rule (``call_device_load``, exact)."""
-    from moelab.strategies.hecate.experiments.real import call_device_load
+    from moelab.papers.hecate.real import call_device_load
 
     return float(np.median([np.mean([int(call_device_load(rec, N, G).max()) for rec in it]) for it in plans]))
 
@@ -362,10 +362,10 @@ def real_moe_s(run, warmup: int) -> float:
 
 
 def sim_moe_s(sim, cfg, warmup: int) -> float:
-    """The simulator's MoE-layer time (critical path, :func:`moelab.strategies.hecate.experiments.end_to_end.layer_times`),
+    """The simulator's MoE-layer time (critical path, :func:`moelab.papers.hecate.end_to_end.layer_times`),
     summed over layers, median over the iterations after ``warmup``."""
     from moelab.sim.graphs import moe_layer_ids
-    from moelab.strategies.hecate.experiments.end_to_end import layer_times
+    from moelab.papers.hecate.end_to_end import layer_times
 
     ids = moe_layer_ids(cfg.model)
     return float(np.median([layer_times(r, ids).sum() for r in sim.results[warmup:]]))

@@ -23,9 +23,9 @@ VARIANTS = (("Hecate", "all_slots"), ("Hecate", "best"), ("Hecate (t formula)", 
 
 
 def main(argv=None) -> int:
-    from moelab.strategies.hecate.experiments.common import PAPER_MODELS, assumptions, scale_spec
-    from moelab.strategies.hecate.experiments.end_to_end import simulate_system, system_plans
-    from moelab.strategies.hecate.experiments.paper_scale import paper_config, paper_loads, paper_profile
+    from moelab.papers.hecate.common import PAPER_MODELS, assumptions, scale_spec
+    from moelab.papers.hecate.end_to_end import simulate_system, system_plans
+    from moelab.papers.hecate.paper_scale import paper_config, paper_loads, paper_profile
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scale", default="default", choices=("smoke", "default", "full"))

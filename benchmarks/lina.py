@@ -92,7 +92,7 @@ def variant(name: str) -> tuple:
 
 def config(a, policy, q=0, **opts):
     from moelab.config import RunConfig
-    from moelab.strategies.lina.experiments.runs import NODES, train_overrides
+    from moelab.papers.lina.runs import NODES, train_overrides
 
     opts = {k: a.S if v == "S" else v for k, v in opts.items()}  # "S": the run's partition_bytes
     return RunConfig().with_overrides({
@@ -109,7 +109,7 @@ def measured(run, warmup):
     of the backward all-to-all time an all-reduce of the same rank was in flight beside): busy time = the union of the
     calls' intervals from issue to finish per rank and iteration (pipelined chunks overlap), its mean over
     iterations and ranks; the share divides it by the mean step over the same iterations."""
-    from moelab.strategies.lina.experiments.runs import step_summary
+    from moelab.papers.lina.runs import step_summary
 
     m = step_summary(run.step_times[warmup:], run.comm[run.comm.iter >= warmup])
     return m["step_s"], m["bwd_a2a_s"], m["a2a_share"], m["bwd_a2a_beside_ar"]
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         if a.serve_experts is not None:
             import dataclasses
 
-            from moelab.strategies.lina.experiments.common import scale_spec
+            from moelab.papers.lina.common import scale_spec
 
             if a.serve_experts < 1:
                 p.error(f"--serve-experts must be >= 1, got {a.serve_experts}")
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         return serve_rows(scale, tuple(a.serve_links), a.replica_rounding, a.compute_yields, a.repeat)
     gamma_src = "given"
     if a.gamma == "fitted":
-        from moelab.strategies.lina.experiments.paper_scale import fitted_gamma
+        from moelab.papers.lina.paper_scale import fitted_gamma
 
         a.gamma, gamma_src = fitted_gamma()["gamma"], "FITTED to the paper's Fig. 4 median in the simulator"
     a.gamma = float(a.gamma)
@@ -342,7 +342,7 @@ def serve_rows(scale, links: tuple, rounding: str = "floor", yields: bool = Fals
     (Ideal then gains a few per cent)."""
     import numpy as np
 
-    from moelab.strategies.lina.experiments import frames
+    from moelab.papers.lina import frames
 
     df = frames.serve_summary(scale, emulated=links, rounding=rounding, yields=yields, repeat=repeat).set_index("variant")
     pred = frames.serve_predicted(scale, emulated=links, rounding=rounding, yields=yields, repeat=repeat).set_index("variant")

@@ -156,8 +156,8 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from moelab.strategies.lsh_moe.experiments import tokens as T
-    from moelab.testing import run_ranks
+    from moelab.papers.lsh_moe import tokens as T
+    from moelab.runtime.ranks import run_ranks
 
     cap = T.capture(a.scale)
     a.nproc = len(cap["x"][a.layer])

@@ -39,7 +39,7 @@ def _rank(rank, world, a):
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
     from moelab.config import EmulationConfig
-    from moelab.strategies.parm.experiments.real import time_round_robin
+    from moelab.papers.parm.real import time_round_robin
     from moelab.strategies.parm.layer import ParmMoE
     from moelab.strategies.parm.layout import ParmLayout
     from moelab.strategies.parm.select import choose
@@ -73,7 +73,7 @@ def _overheads(comm, world, a) -> dict:
     import torch
 
     from moelab.comm.saa import saa
-    from moelab.repro.timing import timed
+    from moelab.runtime.timing import timed
     from moelab.sim.local import emulated_call_costs
     from moelab.strategies.parm import gating
     from moelab.strategies.parm.layout import EPESP, MP, SAA
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0)
     a = p.parse_args(argv)
 
-    from moelab.testing import run_ranks
+    from moelab.runtime.ranks import run_ranks
 
     res = run_ranks(_rank, a.nproc, a, timeout=a.timeout)[0]
     rate = _expert_flops_rate(a, a.nproc)

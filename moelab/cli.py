@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = sub.add_parser("runs", help="list completed runs")
     runs.add_argument("--root", default="runs", help="results root (default: runs)")
 
-    from moelab import reproduce  # light: papermill is imported only when notebooks run
+    from moelab.papers.kit import reproduce  # light: papermill is imported only when notebooks run
 
     rep = sub.add_parser("reproduce", help="execute notebooks at a scale with papermill and write an HTML report")
     reproduce.add_arguments(rep)

@@ -7,7 +7,8 @@ from moelab.config_checks import cpu_has_bf16
 
 @pytest.mark.timeout(300)
 def test_bf16_autocast_on_two_gloo_ranks_tracks_the_fp32_run():
-    from moelab.testing import run_ranks, train_snapshot
+    from moelab.runtime.ranks import run_ranks
+    from moelab.testing import train_snapshot
 
     if not cpu_has_bf16():
         pytest.skip("this CPU has no native bf16")

@@ -11,7 +11,8 @@ import torch
 from moelab.config import ConfigError, MoEConfig, RunConfig
 from moelab.moe.base_gate import auction_assignment, balanced_capacities, default_eps
 from moelab.moe.gates import Gate
-from moelab.testing import reference_grads, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import reference_grads
 
 
 def total(a, assign):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moelab.config import ConfigError, RunConfig
-from moelab.testing import TINY_TRAIN, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN
 
 
 def _state(tr) -> dict:

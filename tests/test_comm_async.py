@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moelab.comm.topology import Topology
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 def _all_ops(comm, rank, world, async_op):

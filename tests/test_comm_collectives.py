@@ -10,7 +10,7 @@ from moelab.comm.bytes import peer_bytes, recv_bytes
 from moelab.comm.collectives import Collective, collective, known_collectives, register_collective
 from moelab.comm.topology import Topology
 from moelab.sim import costs
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 def _profile():

@@ -11,7 +11,7 @@ import torch
 
 from moelab.comm.links import Ports
 from moelab.comm.topology import Topology
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 pytestmark = pytest.mark.timing  # wall-clock assertions: run alone (scripts/test.sh)
 

@@ -9,7 +9,7 @@ import torch
 
 from moelab.comm.groups import default_groups, instance_of, validate_groups
 from moelab.comm.topology import Topology
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 # ---- the validator (pure) ---------------------------------------------------------------------------

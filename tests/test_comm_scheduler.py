@@ -11,7 +11,7 @@ import torch
 from moelab.comm.scheduler import Scheduler
 from moelab.comm.stream import CommStream
 from moelab.comm.topology import Topology
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 class HoldUntilDone(Scheduler):

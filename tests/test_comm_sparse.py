@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moelab.comm.sparse import BACKENDS, sparse_plan
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 NUMEL = 6
 

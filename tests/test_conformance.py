@@ -20,7 +20,8 @@ import torch
 
 from moelab.config import MoEConfig, RunConfig
 from moelab.strategies import all_strategies
-from moelab.testing import TINY_TRAIN, expert_grads, rank_inputs, reference_grads, run_ranks, train_snapshot
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN, expert_grads, rank_inputs, reference_grads, train_snapshot
 
 D, F = 8, 16
 TOL = dict(rtol=1e-9, atol=1e-10)

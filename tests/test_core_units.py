@@ -11,7 +11,7 @@ from moelab.comm.bytes import by_link_class, peer_bytes
 from moelab.comm.topology import Topology
 from moelab.config import ConfigError, RunConfig
 from moelab.placement import Placement
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 @pytest.mark.parametrize("overrides, message", [

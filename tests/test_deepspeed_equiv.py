@@ -27,7 +27,7 @@ from moelab.comm.topology import Topology  # noqa: E402
 from moelab.config import MoEConfig  # noqa: E402
 from moelab.moe.gates import capacity_for  # noqa: E402
 from moelab.moe.layer import MoELayer  # noqa: E402
-from moelab.testing import run_ranks  # noqa: E402
+from moelab.runtime.ranks import run_ranks  # noqa: E402
 
 WORLD = 2
 D, F = 16, 32

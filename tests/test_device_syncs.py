@@ -36,7 +36,8 @@ def _one_step_reads():
 
     from moelab.config import RunConfig
     from moelab.runtime.train import Trainer
-    from moelab.testing import TINY_TRAIN, hosted_store, join_hosted
+    from moelab.runtime.ranks import hosted_store, join_hosted
+    from moelab.testing import TINY_TRAIN
 
     store = hosted_store(60)
     join_hosted(0, 1, store.port, 60)

@@ -13,7 +13,7 @@ from moelab.config import MoEConfig
 from moelab.moe.dispatch import block_permutation, local_counts, plan_from_counts
 from moelab.moe.reference import ReferenceMoE
 from moelab.placement import Placement
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 # ---- the plans as computed before item 4 (oracles; do not "improve") ---------------------------------

@@ -9,7 +9,8 @@ import torch
 
 from moelab.config import RunConfig
 from moelab.models.data import ByteCorpus, make_batch, make_eval_batch
-from moelab.testing import TINY_TRAIN, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""FasterMoE reproduction experiments (moelab.strategies.fastermoe.experiments) at smoke scale: pure helpers
+"""FasterMoE reproduction experiments (moelab.papers.fastermoe) at smoke scale: pure helpers
 against their definitions, the SIMULATED paper-scale results against the spec's invariants, and the REAL /
 EMULATED suites returning sane, labelled frames."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from moelab.strategies.fastermoe import experiments as E
+from moelab.papers import fastermoe as E
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.viz.figures import check_label
 

@@ -14,7 +14,8 @@ from moelab.comm.topology import Topology
 from moelab.config import MoEConfig
 from moelab.moe.reference import ReferenceMoE
 from moelab.moe.sync import sync_dense_grads
-from moelab.testing import assert_matches_reference, expert_grads, rank_inputs, reference_grads, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import assert_matches_reference, expert_grads, rank_inputs, reference_grads
 
 D, F = 8, 16
 TOL = dict(rtol=1e-9, atol=1e-10)

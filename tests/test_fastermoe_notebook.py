@@ -41,8 +41,8 @@ def test_parameters_cell_is_typed_and_commented_and_scale_files_match():
 def test_notebook_smoke_exports_every_figure_with_a_label(tmp_path):
     """One papermill execution at smoke scale through ``moelab reproduce`` (parameters from
     experiments/fastermoe/smoke.yaml, out_dir set by reproduce), then every export and the report."""
-    from moelab.report import collect
-    from moelab.reproduce import reproduce
+    from moelab.papers.kit.report import collect
+    from moelab.papers.kit.reproduce import reproduce
 
     out = tmp_path / "rep"
     batch = reproduce(["fastermoe"], "smoke", out, log=lambda s: None)

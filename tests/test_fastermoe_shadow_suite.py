@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from moelab.strategies.fastermoe import experiments as E
-from moelab.strategies.fastermoe.experiments import suite as SU
+from moelab.papers import fastermoe as E
+from moelab.papers.fastermoe import suite as SU
 from moelab.strategies.fastermoe.shadow import shadow_decision
 
 

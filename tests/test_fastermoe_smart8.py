@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from test_fastermoe_smart import check, moe, reference, _run_cases  # noqa: F401 (spawned ranks import it)
 
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 def test_smart_schedule_on_8_ranks_every_group_size():

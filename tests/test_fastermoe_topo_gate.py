@@ -11,7 +11,7 @@ from moelab.config import MoEConfig
 from moelab.moe.gates import Gate
 from moelab.placement import Placement
 from moelab.strategies.fastermoe.topo_gate import TopoGate, remote_mask, topo_fraction, topo_route
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 CFG = MoEConfig(num_experts=8, top_k=2, gate="topk", balance_loss_coef=0.01, z_loss_coef=0.001)
 D = 12

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from moelab.config import ConfigError, RunConfig
-from moelab.testing import TINY_TRAIN, run_ranks, train_snapshot
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN, train_snapshot
 
 
 def assert_same_training(a, b, tol=1e-10):

@@ -12,7 +12,8 @@ from moelab.placement.flexmoe import (balance_ratio, canonical, device_loads, lo
                                       slots_used, time_gain, undo_steps)
 from moelab.moe.experts import expert_param_shapes
 from moelab.runtime.memory import storage_bytes
-from moelab.testing import TINY_TRAIN, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN
 
 EP2 = ((0,), (0,), (1,), (1,))  # 4 experts on 2 devices
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moelab.config import ConfigError, MoEConfig, RunConfig
-from moelab.testing import TINY_TRAIN, rank_inputs, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN, rank_inputs
 
 D, F = 5, 7  # expert numel 2*5*7 + 7 + 5 = 82; E = 3: 246 elements, padded to 248 on 4 ranks
 MOE = dict(num_experts=3, top_k=2, balance_loss_coef=0.01, z_loss_coef=0.001)

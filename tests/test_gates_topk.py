@@ -9,7 +9,7 @@ import torch
 
 from moelab.config import ConfigError, MoEConfig, RunConfig
 from moelab.moe.gates import Gate, capacity_for, capacity_locations
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 from test_fastermoe_smart import check as fastermoe_check, reference as fastermoe_reference
 from test_moe_layer import _run_cases, check, moe

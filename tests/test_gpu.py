@@ -68,7 +68,8 @@ def _train(device: str, overrides: dict) -> list:
 
     from moelab.config import RunConfig
     from moelab.runtime.train import Trainer
-    from moelab.testing import TINY_TRAIN, hosted_store
+    from moelab.runtime.ranks import hosted_store
+    from moelab.testing import TINY_TRAIN
 
     store = hosted_store(60)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=0, world_size=1)
@@ -95,7 +96,8 @@ def test_device_syncs_of_one_step_on_gpu():
 
     from moelab.config import RunConfig
     from moelab.runtime.train import Trainer
-    from moelab.testing import TINY_TRAIN, hosted_store
+    from moelab.runtime.ranks import hosted_store
+    from moelab.testing import TINY_TRAIN
 
     store = hosted_store(60)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from moelab.testing import rank_inputs, reference_grads, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import rank_inputs, reference_grads
 
 D, F, E = 8, 16, 8
 TOKENS = [5, 0, 9, 3]  # a rank without tokens

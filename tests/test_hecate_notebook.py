@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def test_table1_counts_the_papers_params():
-    from moelab.strategies.hecate.experiments.common import table1
+    from moelab.papers.hecate.common import table1
 
     t = table1()
     assert t.matches_paper.all(), t[["model", "params_B", "paper_params_B"]]

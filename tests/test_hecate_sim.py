@@ -59,7 +59,7 @@ def test_replay_times_the_calibration_only_when_asked():
     import numpy as np
 
     from moelab.placement.fssdp_cost import FSSDPCost
-    from moelab.strategies.hecate.experiments.replay import hecate_plans
+    from moelab.papers.hecate.replay import hecate_plans
 
     trace = np.random.default_rng(1).integers(0, 50, size=(4, 2, 4, 8)) * np.array([8, 1, 1, 1, 1, 1, 1, 1])
     cost = FSSDPCost.from_profile(get_profile("hecate_A"), d_model=64, d_ff=128, ranks_per_node=2)

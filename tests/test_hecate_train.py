@@ -10,7 +10,8 @@ import torch
 
 from moelab.config import ConfigError, RunConfig
 from moelab.runtime.memory import storage_bytes
-from moelab.testing import TINY_TRAIN, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN
 
 BASE = {**TINY_TRAIN, "train.iters": 5, "model.moe.num_experts": 8, "model.n_layers": 2}
 VARIANTS = {

@@ -206,7 +206,8 @@ def test_moe_layer_with_triton_kernels_equals_torch(capacity_factor):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_training_on_two_gloo_ranks_with_triton_kernels_equals_torch():
-    from moelab.testing import run_ranks, train_snapshot
+    from moelab.runtime.ranks import run_ranks
+    from moelab.testing import train_snapshot
 
     triton_run = run_ranks(train_snapshot, 2, {"model.moe.kernels": "triton"}, timeout=240)
     torch_run = run_ranks(train_snapshot, 2, {}, timeout=240)

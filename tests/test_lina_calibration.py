@@ -3,9 +3,9 @@ target): the three fitted constants reach their targets, each target moves its o
 simulations of the reproduction run on the calibrated profile."""
 import pytest
 
-from moelab.repro import compare
+from moelab.papers.kit import compare
 from moelab.sim.profiles import get_profile
-from moelab.strategies.lina.experiments import paper_scale as ps
+from moelab.papers.lina import paper_scale as ps
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""What Lina's benchmark and figures read from a run's call records (:mod:`moelab.strategies.lina.experiments.runs`):
+"""What Lina's benchmark and figures read from a run's call records (:mod:`moelab.papers.lina.runs`):
 busy times from issue to finish, and the all-to-all time an all-reduce moved beside."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from moelab.strategies.lina.experiments.runs import a2a_beside_allreduce, a2a_times
+from moelab.papers.lina.runs import a2a_beside_allreduce, a2a_times
 
 
 def _calls(rows):
@@ -49,7 +49,7 @@ def test_the_packing_controller_times_a_dispatch_micro_op_from_issue_to_finish()
 
 
 def test_fig1_names_each_layers_all_to_alls_by_their_place_and_counts_a_layer_that_makes_more():
-    from moelab.strategies.lina.experiments.layer_views import dp_ep_step, layer_routing
+    from moelab.papers.lina.layer_views import dp_ep_step, layer_routing
 
     rows = [(0, 0, 0, "fwd", "all_gather", 0.0, 0.1), (0, 0, 0, "fwd", "all_to_all", 0.3, 0.4),
             (0, 0, 0, "fwd", "all_to_all", 0.1, 0.2),  # recorded out of order: named by start time
@@ -74,7 +74,7 @@ def test_fig1_names_each_layers_all_to_alls_by_their_place_and_counts_a_layer_th
 
 
 def test_a_layers_pass_is_read_from_its_gate_and_all_to_alls_and_the_busiest_layer_is_the_one_beside_an_all_reduce():
-    from moelab.strategies.lina.experiments.layer_views import layer_pass, layer_windows
+    from moelab.papers.lina.layer_views import layer_pass, layer_windows
 
     rows = []
     for layer, (g, f1, f2, b1, b2) in enumerate([(0.0, 1.0, 3.0, 10.0, 12.0), (4.0, 5.0, 6.0, 7.0, 9.0)]):
@@ -101,7 +101,7 @@ def test_a_layers_pass_is_read_from_its_gate_and_all_to_alls_and_the_busiest_lay
 def test_the_gpu_item_times_every_row_it_names_on_any_device():
     """§4(c)'s measurement code runs on the CPU too (tiny shapes), so a lent GPU meets tested code; the stream and
     host-to-device rows are CUDA-only."""
-    from moelab.strategies.lina.experiments.gpu import gpu_timings
+    from moelab.papers.lina.gpu import gpu_timings
 
     df = gpu_timings("cpu", d=16, f=32, heads=2, seq=8, experts=4, tokens=(4, 16), partition_MB=0.25, reps=2)
     assert set(df.what) == {"expert FFN fwd+bwd", "gate fwd (softmax, top-2)", "attention fwd",

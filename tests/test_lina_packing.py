@@ -8,7 +8,8 @@ import torch
 
 from moelab.strategies.lina.options import LinaOptionError, LinaOptions
 from moelab.strategies.lina.packing import decide, repack_moves
-from moelab.testing import TINY_TRAIN, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN
 
 BASE = {"model.moe.dispatcher": "dense", "model.moe.capacity_factor": 2.0, "train.iters": 5,
         "parallel.strategy": "lina", "parallel.bucket_mb": 0.004}

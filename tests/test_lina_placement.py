@@ -219,8 +219,8 @@ def test_estimation_accuracy_scores_top_sets():
 
 
 def test_the_reproductions_serving_max_pack_leaves_room_to_replicate_a_hot_expert():
-    from moelab.strategies.lina.experiments.common import scale_spec
-    from moelab.strategies.lina.experiments.runs import WORLD, max_pack
+    from moelab.papers.lina.common import scale_spec
+    from moelab.papers.lina.runs import WORLD, max_pack
 
     s = scale_spec("default")
     E = s.i_experts

@@ -8,7 +8,7 @@ import pytest
 from moelab.config import RunConfig
 from moelab.config_checks import serve_errors
 from moelab.placement.lina import load_off, needs_replan
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 SERVE = {
     "model.d_model": 16, "model.d_ff": 32, "model.n_layers": 4, "model.n_heads": 2, "model.seq_len": 16,
@@ -180,7 +180,7 @@ def test_moelab_serve_stores_a_run_with_requests_and_batches(tmp_path):
 def test_a_repeated_suite_serves_every_run_in_interleaved_rounds_and_pools_their_records(tmp_path):
     """``inference_suite(repeat=R)`` (the benchmark's ``--serve ... --repeat R``): each run served R times,
     every record tagged with its round, the rounds' records pooled under the run's key."""
-    from moelab.strategies.lina.experiments.runs import _suite_rank
+    from moelab.papers.lina.runs import _suite_rank
 
     cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 2, "train.iters": 2}).validate().to_dict()
     runs = {"base": {"serve.variant": "baseline"}, "lina": {"serve.variant": "lina"}}
@@ -198,8 +198,8 @@ def test_a_repeated_suite_serves_every_run_in_interleaved_rounds_and_pools_their
 def test_an_emulated_suite_is_predicted_from_its_own_records(tmp_path):
     """An EMULATED suite also measures, held out after serving, one call's fixed costs and the baseline over
     free links; predict_suite prices every run's recorded batches from them (benchmarks/lina.py --serve)."""
-    from moelab.strategies.lina.experiments.frames import predict_suite
-    from moelab.strategies.lina.experiments.runs import _suite_rank
+    from moelab.papers.lina.frames import predict_suite
+    from moelab.papers.lina.runs import _suite_rank
 
     cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 2, "train.iters": 2}).validate().to_dict()
     links = {"emulation.enabled": True, "emulation.intra_bw_GBps": 0.05, "emulation.inter_bw_GBps": 0.01,

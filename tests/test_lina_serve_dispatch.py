@@ -10,7 +10,7 @@ import torch
 
 from moelab.moe.serve import route_table
 from moelab.placement.lina import allocate
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 E, D, F = 4, 8, 16
 TOKENS = [5, 0, 9, 3]  # a rank without tokens

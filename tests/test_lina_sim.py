@@ -186,7 +186,7 @@ def test_interference_slows_the_overlapped_backward_all_to_alls_only():
 def test_gamma_fit_reaches_its_target_median_on_a_small_grid():
     """The fit (regula falsi) lands on the target median of the overlapped ops within its tolerance, and a
     larger gamma gives a larger median (the monotonicity the bracketing relies on)."""
-    from moelab.strategies.lina.experiments import paper_scale as ps
+    from moelab.papers.lina import paper_scale as ps
 
     grid = ((24,), (8,))
     fit = ps.fitted_gamma(grid)

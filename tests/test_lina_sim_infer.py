@@ -120,9 +120,9 @@ def test_batch_size_fit_reaches_table_one_all_to_all_per_layer(monkeypatch):
     """fig16s's batch fit: the tokens it picks give the baseline the paper's all-to-all time per MoE layer
     (Table 1, 16 GPUs: 102 ms / 12 layers) within 2 %, in whole served batches (synthetic traces stand in for
     the REAL suite here)."""
-    from moelab.repro.compare import paper_value
-    from moelab.strategies.lina.experiments import paper_scale as ps
-    from moelab.strategies.lina.experiments import runs
+    from moelab.papers.kit.compare import paper_value
+    from moelab.papers.lina import paper_scale as ps
+    from moelab.papers.lina import runs
 
     traces = markov_traces(4096, 4, 8, order=1, seed=3)
     monkeypatch.setattr(runs, "inference_suite", lambda scale, seed=0: {"traces": traces})
@@ -208,8 +208,8 @@ def test_host_costs_separate_a_cost_per_layer_from_one_per_expert():
     rank give back exactly those two costs when one run holds E/N experts a rank and the other more."""
     import dataclasses
 
-    from moelab.strategies.lina.experiments.frames import _host_costs
-    from moelab.strategies.lina.experiments.runs import FREE_LINKS
+    from moelab.papers.lina.frames import _host_costs
+    from moelab.papers.lina.runs import FREE_LINKS
     from moelab.strategies.lina.sim_infer import predict_served, recorded_plans
 
     t = markov_traces(4096, L, E, order=1, seed=3, sharpness=6.0)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.testing import TINY_TRAIN, peak_overlap, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN, peak_overlap
 
 BASE = {"model.moe.dispatcher": "dense", "model.moe.capacity_factor": 2.0, "train.iters": 5,
         "parallel.strategy": "lina", "parallel.bucket_mb": 0.004}

@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 
 
 def test_capture_trains_at_the_global_batch_and_reports_held_out_perplexity():
-    from moelab.strategies.lsh_moe.experiments import tokens
-    from moelab.strategies.lsh_moe.experiments.common import scale_spec
+    from moelab.papers.lsh_moe import tokens
+    from moelab.papers.lsh_moe.common import scale_spec
 
     s = scale_spec("smoke")
     torch.set_num_threads(1)
@@ -30,7 +30,7 @@ def test_time_to_equal_perplexity_is_read_where_both_curves_reach_it():
     so the target is LSH's own final level; the times come from linear interpolation between evaluations."""
     import pandas as pd
 
-    from moelab.strategies.lsh_moe.experiments import quality
+    from moelab.papers.lsh_moe import quality
 
     assert quality.first_reach([0, 10, 20], [9.0, 5.0, 1.0], 3.0) == pytest.approx(15.0)
     assert quality.first_reach([0, 10], [9.0, 5.0], 4.0) is None
@@ -54,7 +54,7 @@ def test_fine_tuning_runs_a_config_once_however_many_tables_ask(monkeypatch):
     """Table 2's topic runs are Fig. 7's Origin and L = 6: ``finetune._run`` spawns each distinct run once
     (options spelled out: ``{}`` is ``{"num_hashes": 6}``), and every asking row gets that run's values."""
     from moelab.sim import realruns
-    from moelab.strategies.lsh_moe.experiments import finetune as ft
+    from moelab.papers.lsh_moe import finetune as ft
 
     spawned = []
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.testing import expert_grads, rank_inputs, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import expert_grads, rank_inputs
 
 D, F = 8, 16
 TOKENS = {2: [11, 0], 4: [5, 0, 9, 13]}  # a rank with no tokens

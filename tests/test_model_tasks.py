@@ -13,7 +13,8 @@ from moelab.models.tasks import (TaskTransformer, build_model, shuffle_words, sp
                                  topic_windows)
 from moelab.models.transformer import MoETransformer
 from moelab.models.vision import digits, image_indices, patchify, train_heldout
-from moelab.testing import TINY_TRAIN, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN
 
 torch.set_num_threads(1)
 

@@ -11,7 +11,8 @@ from moelab.moe.layer import MoELayer
 from moelab.moe.reference import ReferenceMoE
 from moelab.moe.sync import sync_dense_grads, sync_replica_grads
 from moelab.placement import Placement
-from moelab.testing import assert_matches_reference, expert_grads, rank_inputs, reference_grads, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import assert_matches_reference, expert_grads, rank_inputs, reference_grads
 
 D, F = 8, 16
 TOL = dict(rtol=1e-9, atol=1e-10)

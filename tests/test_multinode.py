@@ -10,7 +10,7 @@ import pytest
 
 import moelab
 from moelab.runtime.results import list_runs, load_run
-from moelab.testing import free_port
+from moelab.runtime.ranks import free_port
 
 from fake_worker import leftover_processes, use_fake_worker
 

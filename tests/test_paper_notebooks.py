@@ -42,8 +42,8 @@ def test_parameters_cell_and_scale_files_match(paper):
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("paper", PAPERS)
 def test_notebook_smoke_exports_every_product_with_its_class(paper, tmp_path_factory):
-    from moelab.repro.manifest import NO_CUDA, load_manifest
-    from moelab.reproduce import reproduce
+    from moelab.papers.kit.manifest import NO_CUDA, load_manifest
+    from moelab.papers.kit.reproduce import reproduce
 
     out = _reports(tmp_path_factory)  # one report for every paper: the browser test below reads it
     batch = reproduce([paper], "smoke", out, log=lambda s: None)
@@ -73,7 +73,7 @@ def test_notebook_smoke_exports_every_product_with_its_class(paper, tmp_path_fac
 def test_report_reads_right_in_a_browser(tmp_path_factory):
     """The report of the smoke runs above, opened in Chromium: the per-paper summary (manifest coverage,
     paper-vs-moelab rows, run time), every figure drawing, no broken image or link; a screenshot."""
-    from moelab.reproduce import reproduce
+    from moelab.papers.kit.reproduce import reproduce
 
     browser_kit = pytest.importorskip("browser_kit")
     pytest.importorskip("playwright")

@@ -9,7 +9,7 @@ import torch
 
 from moelab.comm.bytes import peer_bytes
 from moelab.strategies.parm.layout import EP, EPESP, ESP, MP, SAA, ParmLayout
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 S, M, K, F_CAP = 8, 8, 1, 1.2
 

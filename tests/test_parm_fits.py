@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 def _fits_rank(rank, world, emulate):

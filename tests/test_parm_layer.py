@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moelab.strategies.parm.layout import ESP, MP, ParmLayout
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 S, M, D_FF = 8, 8, 16
 SCHEDULES = ("baseline", "s1", "s2", "s2_aas", "ds081")

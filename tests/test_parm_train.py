@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 BASE = {
     "model.arch": "bert", "model.d_model": 16, "model.d_ff": 32, "model.n_layers": 2, "model.n_heads": 4,

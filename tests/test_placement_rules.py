@@ -14,7 +14,8 @@ import torch
 from moelab.comm.topology import Topology
 from moelab.placement import HolderOrder, LocalityFirst, Placement, rule_from_dict
 from moelab.sim.graphs import route_matrix
-from moelab.testing import expert_grads, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import expert_grads
 
 
 def legacy_blocks(pl: Placement, src: int, e: int, count: int) -> list:

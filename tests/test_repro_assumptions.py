@@ -1,4 +1,4 @@
-"""Assumptions as data (moelab.repro.assumptions) and their use by the FasterMoE reproduction: the loader
+"""Assumptions as data (moelab.papers.kit.assumptions) and their use by the FasterMoE reproduction: the loader
 refuses malformed entries, every FasterMoE constant has a kind and a source, the experiments read the
 file's values, Table 2 never calls a guess the paper's, and the Fig. 10 sensitivity table moves exactly
 when an assumption moves."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from moelab.reproduce import project_root
-from moelab.repro.assumptions import KINDS, AssumptionError, load_assumptions, parse_assumptions
-from moelab.strategies.fastermoe import experiments as E
+from moelab.papers.kit.reproduce import project_root
+from moelab.papers.kit.assumptions import KINDS, AssumptionError, load_assumptions, parse_assumptions
+from moelab.papers import fastermoe as E
 from moelab.strategies.fastermoe import perf_model as pm
 
 SMOKE = "smoke"

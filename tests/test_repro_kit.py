@@ -1,4 +1,4 @@
-"""The reproduction kit (moelab.repro): manifests, the product registry, the session a notebook drives,
+"""The reproduction kit (moelab.papers.kit): manifests, the product registry, the session a notebook drives,
 the paper-vs-moelab comparison; and, for every paper, that manifest, registry, paper.yaml and notebook
 agree (a notebook that forgets a promised product fails here, before any run)."""
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Optional
 import pandas as pd
 import pytest
 
-from moelab.repro import Made, Quantity, Session, product
-from moelab.repro.compare import compare, load_numbers
-from moelab.repro.manifest import ManifestError, load_manifest, parse_manifest
-from moelab.repro.registry import check_against_manifest, products
-from moelab.repro.session import ProductError
+from moelab.papers.kit import Made, Quantity, Session, product
+from moelab.papers.kit.compare import compare, load_numbers
+from moelab.papers.kit.manifest import ManifestError, load_manifest, parse_manifest
+from moelab.papers.kit.registry import check_against_manifest, products
+from moelab.papers.kit.session import ProductError
 
 REPO = Path(__file__).resolve().parent.parent
 PAPERS = ("fastermoe", "hecate", "lsh_moe", "parm", "lina")
@@ -167,14 +167,14 @@ def test_session_records_skips_and_rejects_a_mislabelled_product(tmp_path):
     mf = pd.read_csv(tmp_path / "table_manifest.csv")
     assert mf.set_index("item").loc["fig1", "status"] == "not reproduced"
     # the report shows the manifest with a link to each product's file and the reason for the rest
-    from moelab.report import _manifest_html
+    from moelab.papers.kit.report import _manifest_html
 
     html = _manifest_html(tmp_path, "figures/toy/")
     assert 'href="figures/toy/table_sim.csv"' in html and "schematic" in html and "run_real=False" in html
 
 
 def test_a_gpu_product_is_skipped_and_reported_without_cuda_and_made_with_it(tmp_path, monkeypatch):
-    import moelab.repro.session as session
+    import moelab.papers.kit.session as session
 
     monkeypatch.setattr(session, "_has_cuda", lambda: False)
     S = Session(TOY, "smoke", tmp_path, show=False, manifest=_toy_manifest(with_liar=True))
@@ -217,7 +217,7 @@ def test_compare_refuses_a_different_quantity():
 def test_fastermoe_paper_numbers_against_simulated_fig13():
     """The real table: a SIMULATED product's rows get ratios computed from its own frame; products not
     made are 'not run'; every paper number appears."""
-    from moelab.strategies.fastermoe import experiments as E
+    from moelab.papers import fastermoe as E
 
     m = load_manifest("fastermoe")
     reg = products("fastermoe", m.products_module)
@@ -241,7 +241,7 @@ class Spec:
 
 
 def test_scale_specs_from_yaml_are_checked():
-    from moelab.repro.scales import _build
+    from moelab.papers.kit.scales import _build
 
     s = _build(Spec, "smoke", {"nproc": 4, "sizes": [1, 2], "layers": None, "rate": 2}, "f.yaml")
     assert s == Spec("smoke", 4, (1, 2), None, 2)
@@ -254,7 +254,7 @@ def test_scale_specs_from_yaml_are_checked():
 
 
 def test_cache_runs_once_per_bound_arguments_and_returns_copies():
-    from moelab.repro.cache import cached
+    from moelab.papers.kit.cache import cached
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""The timing harness of real-rank experiments (moelab.repro.timing): a step's time is the slowest rank's,
+"""The timing harness of real-rank experiments (moelab.runtime.timing): a step's time is the slowest rank's,
 every rank gets the same number, and the harness's own traffic is neither recorded nor emulated."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 def _rank(rank, world):
@@ -15,7 +15,7 @@ def _rank(rank, world):
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
     from moelab.config import EmulationConfig
-    from moelab.repro.timing import timed
+    from moelab.runtime.timing import timed
 
     torch.set_num_threads(1)
     emu = EmulationConfig(enabled=True, intra_bw_GBps=1e-6, inter_bw_GBps=1e-6)  # 1 kB/s: any recorded byte shows
@@ -42,7 +42,7 @@ def _measure_rank(rank, world):
 
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
-    from moelab.repro.timing import measure
+    from moelab.runtime.timing import measure
 
     torch.set_num_threads(1)
     comm = Communicator(Topology(world, world))
@@ -69,7 +69,7 @@ def test_measure_keeps_the_steps_records_and_clears_the_recorder():
 
 def test_op_seconds_counts_an_async_call_to_its_finish_not_to_its_late_wait():
     from moelab.comm.record import CommRecord
-    from moelab.repro.timing import Measured, StepTime
+    from moelab.runtime.timing import Measured, StepTime
 
     late = CommRecord("all_to_all", "world", 10.0, 10.9, t_done=10.2)  # waited 0.7 s after it finished
     sync = CommRecord("all_to_all", "world", 11.0, 11.1)

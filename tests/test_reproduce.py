@@ -15,8 +15,8 @@ import plotly.graph_objects as go
 import pytest
 
 from moelab import __version__ as VERSION
-from moelab import reproduce as rp
-from moelab.report import build_index, collect, label_kind, record_figure, record_table
+from moelab.papers.kit import reproduce as rp
+from moelab.papers.kit.report import build_index, collect, label_kind, record_figure, record_table
 
 REPO = Path(__file__).resolve().parent.parent
 LABEL = "REAL: 4 ranks, 2 nodes x 2, gloo"
@@ -38,7 +38,7 @@ def notebook(path: Path, *cells: str, params: str = 'out_dir: str = "figures/x" 
 
 
 FINE = '''import plotly.graph_objects as go
-from moelab.report import record_figure
+from moelab.papers.kit.report import record_figure
 fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]), layout={"meta": {"label": "SUBSTITUTE: " + message}, "title": "tiny"})
 record_figure(fig, f"{out_dir}/tiny", formats=("html",))'''
 
@@ -149,7 +149,7 @@ def test_report_reads_labels_and_tables(tmp_path):
 
 
 def test_report_summarises_each_paper_and_orders_figures_as_its_manifest(tmp_path):
-    from moelab.report import coverage, figure_order, paper_vs_moelab_counts
+    from moelab.papers.kit.report import coverage, figure_order, paper_vs_moelab_counts
 
     out = tmp_path / "out"
     figs = out / "figures" / "toy"

@@ -7,7 +7,7 @@ import pytest
 
 from moelab.config import RunConfig
 from moelab.runtime.runfolder import RunMismatch, agreement_errors, host_label, writer_rank
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 CFG = {"parallel": {"nproc": 3}, "train": {"iters": 2}}
 

@@ -10,7 +10,8 @@ import torch
 
 from moelab.config import ConfigError, RunConfig
 from moelab.placement.rebalance import decide, device_loads, lpt_owners, moves, smartmoe_round
-from moelab.testing import TINY_TRAIN, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN
 
 
 def test_lpt_fills_every_device_and_follows_the_greedy_rule():

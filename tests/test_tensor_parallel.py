@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 
 def _model(cfg):

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from moelab.testing import run_ranks, train_snapshot
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import train_snapshot
 
 
 

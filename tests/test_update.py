@@ -6,7 +6,8 @@ import collections
 import pytest
 import torch
 
-from moelab.testing import run_ranks, train_snapshot
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import train_snapshot
 
 from test_train import gather_experts
 

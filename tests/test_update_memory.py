@@ -8,7 +8,8 @@ import torch
 
 from moelab.config import RunConfig
 from moelab.runtime.memory import available_memory, free_memory_bytes, storage_bytes
-from moelab.testing import TINY_TRAIN, run_ranks
+from moelab.runtime.ranks import run_ranks
+from moelab.testing import TINY_TRAIN
 
 
 def _train(overrides: dict, world: int = 1):

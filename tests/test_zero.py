@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moelab.config import ConfigError, RunConfig
-from moelab.testing import run_ranks
+from moelab.runtime.ranks import run_ranks
 
 BASE = {
     "model.d_model": 16, "model.d_ff": 32, "model.n_layers": 2, "model.n_heads": 2, "model.seq_len": 16,

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from moelab.comm.topology import Topology
-from moelab.testing import hosted_store, join_hosted
+from moelab.runtime.ranks import hosted_store, join_hosted
 
 COLLECTIVES = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # the torch.distributed call each op name is measured with

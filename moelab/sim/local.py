@@ -237,7 +237,7 @@ def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps
 
     import torch
 
-    from moelab.repro.timing import gather_floats, timed
+    from moelab.runtime.timing import gather_floats, timed
 
     n = len(comm.group_ranks(group))
     if op == "all_to_all":
@@ -274,7 +274,7 @@ def transport_cpu_per_byte(comm, group: str = "world", peer_bytes: int = 1 << 19
 
     import torch
 
-    from moelab.repro.timing import gather_floats
+    from moelab.runtime.timing import gather_floats
 
     n = len(comm.group_ranks(group))
     sizes = (max(1, peer_bytes // 32), max(2, peer_bytes // 4))  # rows of 4 bytes: 1/8 and all of peer_bytes
@@ -335,7 +335,7 @@ def measure_emulated_call_costs(cfg: RunConfig, timeout: float = 120.0, busy: bo
     emulated links (one spawn of ``cfg.parallel.nproc`` ranks), with :func:`transport_cpu_per_byte` under
     ``"cpu_s_per_byte"``; ``busy``: also with the ranks computing,
     under the key ``"busy"``, in the same spawn (at SCHED_IDLE under ``emulation.compute_yields``)."""
-    from moelab.testing import run_ranks
+    from moelab.runtime.ranks import run_ranks
 
     if not cfg.emulation.enabled:
         raise ValueError("measure_emulated_call_costs needs cfg.emulation.enabled")

@@ -228,7 +228,7 @@ LINA = ClusterProfile(
         "nodes": "lina.md §4: 'Testbed: 4 nodes x 4 A100-40GB, 100 Gb/s InfiniBand per node'",
         "peak_flops": "A100 dense fp16 vendor peak 312 TFLOP/s",
         "achieved_flops": ("[assumption] 50% of peak, uncalibrated; Lina's reproduction fits it to Table 1 "
-                           "(strategies/lina/experiments/paper_scale.calibration)"),
+                           "(papers/lina/paper_scale.calibration)"),
         "intra_bw_GBps": ("[assumption] lina.md §2.4: intra-node link not stated; NVLink3 300 GB/s per "
                           "direction, uncalibrated; Lina's reproduction fits it to Table 1 (paper_scale.calibration)"),
         "inter_bw_GBps": "lina.md §2.4: BW_nic = 12.5 GB/s (100 Gb/s)",

@@ -144,7 +144,7 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
     import pandas as pd
 
     from moelab.strategies import get
-    from moelab.testing import run_ranks
+    from moelab.runtime.ranks import run_ranks
 
     cfgs = list(cfgs)
     if not cfgs:
@@ -274,7 +274,7 @@ def measure_compute_line(cfg: RunConfig, scales: Sequence[int] = (1, 2, 4), iter
 def _compute_worker(i, cfg_dicts, iters, warmup, barrier, q, state):
     import torch
 
-    from moelab.testing import take_caller_state
+    from moelab.runtime.ranks import take_caller_state
 
     torch.set_num_threads(1)
     try:
@@ -299,7 +299,7 @@ def measure_compute_concurrent(cfgs: Sequence[RunConfig], nproc: int, *, iters: 
     import queue as queue_mod
     import time
 
-    from moelab.testing import caller_state, rank_context
+    from moelab.runtime.ranks import caller_state, rank_context
 
     ctx = rank_context()
     q, barrier = ctx.Queue(), ctx.Barrier(nproc)

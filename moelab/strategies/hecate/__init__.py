@@ -6,7 +6,7 @@ Pure (no processes): Alg. 1/2, calibration and the load window in :mod:`moelab.p
 :mod:`moelab.comm.sparse`; the migration routine in :mod:`moelab.moe.migrate`. Runtime:
 :class:`.layer.HecateMoELayer` (a ``MoELayer`` subclass) driven by :class:`.update.HecateUpdate`;
 options in :mod:`.options`. Simulator: :mod:`.sim_graph` (the same plans priced by ``moelab.sim``).
-Reproduction: :mod:`.experiments` (``notebooks/hecate.ipynb``).
+Reproduction: :mod:`moelab.papers.hecate` (``notebooks/hecate.ipynb``).
 
 Registered as strategy ``hecate``: ``parallel.strategy: hecate`` with ``parallel.strategy_options``
 such as ``{t: 2, m: 1}``, ``{rm: true}``, ``{reshard_interval: 50}``, ``{spag_backend: hier}``. The

@@ -19,7 +19,7 @@ import time
 import torch
 
 from moelab.comm.saa import saa
-from moelab.repro.timing import barrier
+from moelab.runtime.timing import barrier
 from moelab.sim.calibrate import fit_alpha_beta
 from moelab.strategies.parm.layout import EP, EPESP, ESP, MP, SAA, ParmLayout
 

@@ -1,0 +1,158 @@
+"""Hecate reproduction, Figs. 9-12 and 15: SIMULATED iterations of every system at paper scale.
+
+For a (cluster, GPUs, model) the REAL trace upsampled to the cluster (:func:`.paper_scale.paper_loads`) is
+priced per iteration by each system's simulator graph, the plans coming from each system's own policy:
+EP (none), FasterMoE (its shadow policy runs inside its graph, on the iteration's exact loads, with the
+smart schedule), Hecate (:func:`.replay.hecate_plans`), SmartMoE and FlexMoE (their replays, when those
+strategies exist in this checkout). The overlap degree t is the paper's ⌊T_nonMoE · bw / s_e⌋ with
+T_nonMoE = the profile's attention forward time and bw = the node's NIC (hierarchical spAG, spec §2.3);
+m = E: memory does not bind at batch 1. Spec §2.3's m = free / (L · (param + grad bytes of an expert)) is in the
+tens for every Table 1 model on a 32 GB V100 (a rough estimate: GPT-MoE-L, the largest, ~50 with EP's model states
+and Megatron's activation estimate subtracted), so, as in a REAL run where m is profiled from free memory,
+calibration (§2.4) may add any replica whose blocking gather its cost model prices below the layer time it saves;
+each system's note says how many it accepted. That formula gives t = 0 or 1 on the paper's clusters (spec §6.3), so the
+headline "Hecate" runs take t = ``t_paper`` from ``experiments/hecate/assumptions.yaml`` (inferred from the
+paper's Fig. 13, an assumption), and "Hecate (t formula)" shows what the formula's t does."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from moelab.papers.kit.cache import cached
+
+from .common import PAPER_MODELS, assumptions, scale_spec  # noqa: F401
+from .paper_scale import frame_label, paper_config, paper_loads, paper_profile
+from .replay import graph_kwargs, hecate_plans
+
+SYSTEMS = ("EP", "FasterMoE", "SmartMoE", "FlexMoE", "Hecate", "Hecate (t formula)")
+
+
+def hecate_cost(cfg, profile):
+    from moelab.placement.fssdp_cost import cost_for_run
+
+    return cost_for_run(cfg, profile, profile.gpus_per_node)
+
+
+def overlap_degree(cfg, profile) -> int:
+    """t of the paper's formula on the profile (spec §2.3, §6.3)."""
+    from moelab.sim import costs
+
+    m = cfg.model
+    T = cfg.train.batch_size * m.seq_len
+    t_attn = costs.compute_time(costs.attention_flops(T, m.d_model, m.seq_len), profile)
+    return hecate_cost(cfg, profile).overlap_degree(t_attn, m.moe.num_experts)
+
+
+def system_plans(system: str, cfg, profile, loads, **hecate_kw):
+    """``(cfg of the system, per-iteration graph kwargs, note)``; None if the system is not in this checkout."""
+    G = profile.gpus_per_node
+    if system == "EP":
+        return cfg, [{}] * len(loads), ""
+    if system == "FasterMoE":
+        opts = {"shadow": True, "smart": True, "group_size": G, "shadow_gpu_flops": profile.achieved_flops,
+                "shadow_net_bw": profile.inter_bw_GBps * 1e9 / G, "shadow_elem_bytes": profile.elem_bytes,
+                "shadow_d_model": cfg.model.d_model, "shadow_d_ff": cfg.model.d_ff}
+        return cfg.with_overrides({"parallel.strategy": "fastermoe", "parallel.strategy_options": opts}), \
+            [{}] * len(loads), "shadow policy + smart schedule (group = one node)"
+    if system.startswith("Hecate"):
+        t = hecate_kw.pop("t", None)
+        if t is None:
+            t = overlap_degree(cfg, profile) if "formula" in system else int(assumptions().value("t_paper"))
+        m = hecate_kw.pop("m", None)
+        m = cfg.model.moe.num_experts if m is None else m  # memory does not bind at batch 1 (module docstring)
+        hecate_kw.setdefault("backend", "hier")  # spec §2.2/§6.17: the paper's NCCL broadcasts cross a NIC once
+        hecate_kw.setdefault("rm", "RM" in system)
+        if "sharding only" in system:
+            hecate_kw.setdefault("materialize", False)
+        if "materialization only" in system:
+            hecate_kw.setdefault("shard", False)
+        plans = hecate_plans(loads, t=t, m=m, ranks_per_node=G, cost=hecate_cost(cfg, profile), **hecate_kw)
+        fired = sum(1 for p in plans for h, o in zip(p["holders"], p["owners"]) if any(len(x) > 1 for x in h))
+        moved = sum(len(p["moved"]) for p in plans)
+        cal = [s for p in plans for s in p["calibration"]]
+        note = (f"t={t}, m={m}; layer-iterations with replicas: {fired}; calibrations accepted: "
+                f"{cal.count('accepted')} of {len(cal)}; experts migrated: {moved}")
+        return cfg.with_overrides({"parallel.strategy": "hecate"}), [graph_kwargs(p) for p in plans], note
+    if system == "FlexMoE":
+        from .baselines import FLEXMOE, flexmoe_plans
+
+        plans, note = flexmoe_plans(loads, hecate_cost(cfg, profile), **FLEXMOE)
+        return cfg.with_overrides({"parallel.strategy": "flexmoe"}), plans, note
+    if system == "SmartMoE":
+        from .baselines import smartmoe_plans
+
+        got = smartmoe_plans(loads, hecate_cost(cfg, profile), G)
+        if got is None:
+            return None
+        plans, note = got if isinstance(got, tuple) else (got, "")
+        return cfg.with_overrides({"parallel.strategy": "smartmoe"}), plans, note
+    raise ValueError(f"unknown system {system!r}; known: {SYSTEMS}")
+
+
+SPARSE = ("spag", "sprs")
+
+
+def layer_times(res, layer_ids) -> np.ndarray:
+    """Seconds of each MoE layer on the critical path (Fig. 11's per-layer time, spec §6.10: A2A + experts +
+    exposed communication): forward from the end of the layer's attention to its combine, backward over its
+    MoE ops. A gather hidden behind attention costs nothing; its exposed part delays the gate and counts.
+    The asynchronous spRS (waited at the iteration's end) is not part of any layer."""
+    ops = res.ops_frame()
+    out = []
+    for i in layer_ids:
+        o = ops[ops.layer == i]
+        moe = o[~o.category.isin(["attention", "ffn", "head", "other", *SPARSE])]
+        f, b = moe[moe.phase == "fwd"], moe[moe.phase == "bwd"]
+        attn_end = float(o[(o.category == "attention") & (o.phase == "fwd")].end.max())
+        t = (float(f.end.max()) - attn_end) if len(f) else 0.0
+        t += (float(b.end.max() - b.start.min())) if len(b) else 0.0
+        out.append(t)
+    return np.asarray(out)
+
+
+def simulate_system(cfg, profile, loads, plans, first: int = 1) -> pd.DataFrame:
+    """One row per iteration ``>= first``: iteration time, MoE-layer times, critical-path breakdown."""
+    from moelab.sim.engine import simulate
+    from moelab.sim.graphs import iteration_graph, moe_layer_ids
+
+    rows = []
+    ids = moe_layer_ids(cfg.model)
+    for it in range(first, len(loads)):
+        res = simulate(iteration_graph(cfg, profile, loads[it], None, elem_bytes=profile.elem_bytes, **plans[it]))
+        bd = res.breakdown()
+        lt = layer_times(res, ids)
+        rows.append(dict(iter=it, iter_s=res.makespan, moe_s=float(lt.sum()), layer_s=list(lt),
+                         **{f"cp_{k}": v for k, v in bd.items()}))
+    return pd.DataFrame(rows)
+
+
+@cached
+def end_to_end(scale="smoke", cluster: str = "hecate_A", gpus: int = 16, models: tuple = PAPER_MODELS,
+               systems: tuple = SYSTEMS, seed: int = 0, hecate: tuple = ()) -> pd.DataFrame:
+    """SIMULATED: per (model, system) the mean iteration time over the scale's trace iterations (iteration 0,
+    without history, excluded), the mean MoE time, the speedup over EP, and what each policy did."""
+    sp = scale_spec(scale)
+    prof = paper_profile(cluster, gpus)
+    rows = []
+    for model in models:
+        loads = paper_loads(sp.name, model, cluster, gpus, seed)
+        cfg = paper_config(model, prof, layers=loads.shape[1], batch=int(assumptions().value("batch_per_gpu")))
+        for system in systems:
+            got = system_plans(system, cfg, prof, loads, **dict(hecate if system.startswith("Hecate") else ()))
+            if got is None:
+                rows.append(dict(cluster=cluster, gpus=gpus, model=model, system=system, iter_ms=np.nan,
+                                 moe_ms=np.nan, note="not in this checkout yet"))
+                continue
+            scfg, plans, note = got
+            df = simulate_system(scfg, prof, loads, plans)
+            rows.append(dict(cluster=cluster, gpus=gpus, model=model, system=system, iter_ms=1e3 * df.iter_s.mean(),
+                             moe_ms=1e3 * df.moe_s.mean(), note=note,
+                             layer_ms=list(1e3 * np.mean(np.stack(df.layer_s.to_list()), axis=0)),
+                             **{c: 1e3 * df[c].mean() for c in df.columns if c.startswith("cp_")}))
+    out = pd.DataFrame(rows)
+    ep = out[out.system == "EP"].set_index("model")
+    out["speedup_vs_ep"] = ep.iter_ms.reindex(out.model).to_numpy() / out.iter_ms
+    out["moe_speedup_vs_ep"] = ep.moe_ms.reindex(out.model).to_numpy() / out.moe_ms
+    out.attrs["label"] = frame_label(cluster, f"{gpus} GPUs, {2 * gpus} experts, batch 1 sequence per GPU, "
+                                              f"{sp.paper_iters} iterations per point (SUBSTITUTE loads: tiny-model trace)")
+    return out

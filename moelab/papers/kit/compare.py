@@ -1,0 +1,192 @@
+"""Paper vs moelab, driven by ``experiments/<paper>/paper.yaml``: the paper's numbers as data, each
+naming the moelab product, rows, column and reducer that give moelab's counterpart::
+
+    numbers:
+      zero3_speedup_trevor:
+        value: 17.87
+        quantity: MoE-layer time speedup of FasterMoE over ZeRO-3
+        unit: x
+        at: trevor, 64 V100-SXM2 (paper scale)
+        figure: Fig. 10
+        source: spec §1; §4 Fig. 10
+        neutral: 1.0                     # optional: the value meaning "no effect" (trend checks)
+        moelab:
+          - {product: fig10, where: {system: FasterMoE, cluster: trevor}, column: speedup_vs_zero3, reduce: max}
+
+Rules, so that a row never sets two different things side by side:
+
+- the product must declare the column's :class:`~moelab.papers.kit.registry.Quantity`; a column of another
+  quantity or unit is **refused** (the row says why, no ratio);
+- a SIMULATED moelab value (the paper's cluster, priced) gets the ratio moelab / paper;
+- a REAL, EMULATED or SUBSTITUTE value (a CPU box, not the paper's scale) is a **trend check**: no
+  ratio, only whether it lies on the same side of ``neutral`` as the paper's;
+- a product that was not made gives a "not run" row; one that was made without a number there (no row
+  matches, or only NaN: e.g. a system that never reached the target) a "no value" row.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from pathlib import Path
+
+REDUCERS = {"max": lambda s: s.max(), "min": lambda s: s.min(), "mean": lambda s: s.mean(),
+            "median": lambda s: s.median(), "only": None}
+STATUSES = ("ratio", "trend check", "refused", "no value", "not run")
+
+
+class PaperNumbersError(ValueError):
+    """paper.yaml cannot be read as the comparison needs it."""
+
+
+def paper_numbers_path(paper: str) -> Path:
+    from moelab.papers.kit.reproduce import project_root
+
+    return project_root() / "experiments" / paper / "paper.yaml"
+
+
+def load_numbers(paper_or_path) -> dict:
+    """key -> the paper number's entry, checked (value, quantity, unit, figure, source, moelab list)."""
+    return copy.deepcopy(_numbers(_numbers_file(paper_or_path)))
+
+
+def _numbers_file(paper_or_path) -> tuple:
+    p = Path(paper_or_path)
+    path = p if p.suffix in (".yaml", ".yml") else paper_numbers_path(str(paper_or_path))
+    st = path.stat()
+    return path.resolve(), st.st_mtime_ns, st.st_size  # an edited file is read again
+
+
+@functools.lru_cache(maxsize=32)
+def _numbers(file: tuple) -> dict:
+    """The checked numbers of one version of a paper.yaml: figures ask for paper values hundreds of times per
+    notebook, and parsing the YAML each time cost seconds."""
+    import yaml
+
+    path = file[0]
+    data = yaml.safe_load(path.read_text()) or {}
+    out = {}
+    for key, e in (data.get("numbers") or {}).items():
+        missing = [k for k in ("value", "quantity", "unit", "figure", "source") if k not in e]
+        if missing:
+            raise PaperNumbersError(f"{path}: {key} lacks {missing}")
+        for src in e.get("moelab") or []:
+            if not {"product", "column"} <= set(src):
+                raise PaperNumbersError(f"{path}: {key}: each moelab source names a product and a column")
+            if src.get("reduce", "only") not in REDUCERS:
+                raise PaperNumbersError(f"{path}: {key}: reduce must be one of {sorted(REDUCERS)}")
+        out[key] = e
+    return out
+
+
+def paper_value(paper: str, key: str) -> float:
+    """The paper's own number ``key`` from paper.yaml: where moelab calibrates to a paper number (and says
+    so), it reads it from here rather than retyping it."""
+    return float(_numbers(_numbers_file(paper))[key]["value"])
+
+
+def _select(frame, where: dict):
+    for col, want in (where or {}).items():
+        if col not in frame:
+            return frame.iloc[0:0]
+        frame = frame[frame[col].isin(want if isinstance(want, list) else [want])]
+    return frame
+
+
+def _reduce(frame, column: str, how: str):
+    s = frame[column].dropna()
+    if not len(s):
+        return None
+    if how == "only":
+        if len(s) != 1:
+            raise PaperNumbersError(f"reduce 'only' needs one row, got {len(s)} for column {column}")
+        return float(s.iloc[0])
+    return float(REDUCERS[how](s))
+
+
+def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict) -> dict:
+    """One row: the paper number ``entry`` against moelab source ``src``."""
+    from moelab.papers.kit.report import label_kind
+
+    pid, col = src["product"], src["column"]
+    row = dict(key=key, figure=entry["figure"], quantity=entry["quantity"], unit=entry["unit"],
+               paper=float(entry["value"]), paper_at=entry.get("at", ""), moelab=math.nan, moelab_label="",
+               product=pid, status="not run", ratio=math.nan, trend="", note=src.get("note", ""),
+               paper_source=entry["source"])
+    prod = products.get(pid)
+    q = prod.quantities.get(col) if prod is not None else None
+    if isinstance(q, tuple):  # the column's quantity depends on another column: (that column, {value: Quantity})
+        q = q[1].get((src.get("where") or {}).get(q[0]))
+    if prod is not None and (q is None or q.name != entry["quantity"] or q.unit != entry["unit"]):
+        got = f"{q.name!r} [{q.unit}]" if q else "an undeclared quantity"
+        row.update(status="refused", note=f"moelab column {pid}.{col} measures {got}, the paper "
+                                          f"{entry['quantity']!r} [{entry['unit']}]")
+        return row
+    frame = values.get(pid)
+    if frame is None:
+        return row
+    sel = _select(frame, src.get("where"))
+    try:
+        v = _reduce(sel, col, src.get("reduce", "only")) if col in sel else None
+    except PaperNumbersError as e:
+        row.update(status="refused", note=str(e))
+        return row
+    if v is None:  # the product ran, but has no such number (e.g. a system never reached the target)
+        row.update(status="no value", note=(row["note"] + "; " if row["note"] else "") + "no rows match")
+        return row
+    label = frame.attrs.get("label", "")
+    kind = label_kind(label)
+    row.update(moelab=v, moelab_label=label)
+    if kind == "SIMULATED":
+        row.update(status="ratio", ratio=v / row["paper"] if row["paper"] else math.nan)
+    else:
+        neutral = entry.get("neutral")
+        row["status"] = "trend check"
+        if neutral is not None:
+            same = (v - neutral) * (row["paper"] - neutral) > 0
+            row["trend"] = f"{'same' if same else 'other'} side of {neutral:g} as the paper"
+        else:
+            row["trend"] = "no ratio: not measured at the paper's scale"
+    return row
+
+
+def compare(paper: str, values: dict, products: dict, numbers: dict | None = None):
+    """The paper-vs-moelab frame: one row per (paper number, moelab source), see the module doc."""
+    import pandas as pd
+
+    numbers = load_numbers(paper) if numbers is None else numbers
+    rows = []
+    for key, e in numbers.items():
+        for src in e.get("moelab") or [{}]:
+            if not src:  # the paper has it, moelab has nothing to set against it
+                rows.append(dict(key=key, figure=e["figure"], quantity=e["quantity"], unit=e["unit"],
+                                 paper=float(e["value"]), paper_at=e.get("at", ""), moelab=math.nan,
+                                 moelab_label="", product="", status="not run", ratio=math.nan, trend="",
+                                 note=e.get("no_counterpart", "no moelab counterpart"), paper_source=e["source"]))
+                continue
+            rows.append(compare_one(key, e, src, values, products))
+    df = pd.DataFrame(rows)
+    df.attrs["label"] = (f"PAPER vs moelab: the paper's numbers from experiments/{paper}/paper.yaml; ratios only "
+                         "for SIMULATED values at the paper's scale, trend checks for runs on this machine")
+    return df
+
+
+def compare_figure(table, *, title: str = "Paper vs moelab: moelab / paper, SIMULATED values at the paper's scale"):
+    """One marker per ratio row (log scale, 1 = equal); trend-check and refused rows are listed in the
+    table only, since a CPU-box number over a paper-scale one is not a ratio worth drawing."""
+    import plotly.graph_objects as go
+
+    from moelab.viz.figures import finish
+
+    t = table[(table.status == "ratio") & (table.ratio > 0)]
+    fig = go.Figure()
+    fig.add_scatter(x=t.ratio, y=t.key, mode="markers", name="SIMULATED", marker={"size": 11, "color": "#1c7ed6"},
+                    text=t.moelab_label, customdata=t[["paper", "moelab"]].to_numpy(),
+                    hovertemplate="%{y}<br>paper %{customdata[0]:.3g}, moelab %{customdata[1]:.3g}"
+                                  "<br>%{text}<extra></extra>")
+    fig.add_vline(x=1.0, line_dash="dash", line_color="grey")
+    n_trend = int((table.status == "trend check").sum())
+    label = (f"SIMULATED over PAPER: {len(t)} ratios of SIMULATED values; {n_trend} trend checks of runs on this "
+             "machine are in the table, not drawn")
+    return finish(fig, title, label, xaxis={"type": "log", "title": "moelab / paper"},
+                  height=max(400, 28 * t.key.nunique() + 150))

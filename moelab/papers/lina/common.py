@@ -1,0 +1,58 @@
+"""Lina reproduction, shared pieces: the scale spec (sizes in ``experiments/lina/scales.yaml``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScaleSpec:
+    """Sizes of every Lina experiment at one scale (smoke: CI on 2 cores; default: a laptop; full: the
+    largest this machine class does). Paper-scale parts are SIMULATED (profile ``lina``) at every scale."""
+
+    name: str
+    # training policies on 4 gloo ranks (2 nodes x 2), EMULATED links
+    t_d: int
+    t_layers: int
+    t_seq: int
+    t_batch: int
+    t_iters: int
+    t_warmup: int
+    t_S: float  # partition bytes (the paper's 30 MB, scaled to the model)
+    t_bucket_mb: float  # DDP bucket (the paper's 25 MiB, scaled with S)
+    intra_GBps: float
+    inter_GBps: float
+    # the inference model: trained on 4 ranks, then served through them (REAL)
+    i_d: int
+    i_layers: int
+    i_experts: int
+    i_seq: int
+    i_batch: int
+    i_iters: int
+    requests: int
+    serve_batch: int
+    rate_per_s: float
+    path_lens: tuple  # Table 5's sweep (the paper: 1, 3, 6)
+    profile_batches: int
+    # paper scale (SIMULATED): layers of the three models and the experts swept
+    sim_layers: tuple
+    sim_experts: tuple
+
+
+def scale_spec(scale) -> ScaleSpec:
+    from moelab.papers.kit.scales import load_scale
+
+    return load_scale("lina", ScaleSpec, scale)
+
+
+P = "lina"  # the paper id products register under
+
+
+def fired(df, col: str, what: str) -> list:
+    """A note when ``what`` did not fire in this run (``col`` zero on every row), else nothing."""
+    return [] if (df[col] != 0).any() else [f"{what} did not fire in this run"]
+
+
+def labelled(df, label: str):
+    """``df`` with its label (REAL / EMULATED / SIMULATED / SUBSTITUTE first) in ``attrs``, for a product to read."""
+    df.attrs["label"] = label
+    return df

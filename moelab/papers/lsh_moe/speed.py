@@ -1,0 +1,79 @@
+"""Paper-scale speed of LSH-MoE (SIMULATED): Table 2's "Speed" column (GPT-MoE 15B/52B fine-tuning on the
+V100 cluster) and Table 3's samples/s (Swin-MoE-L on the A100 cluster).
+
+One uncompressed EP step and one LSH-MoE step of the same model on balanced loads, the LSH step's
+all-to-alls priced on ``centroid_counts(loads, rho)`` (each group's bounds kept) with its hashing op, at
+two rates: the one measured on the substitute (CP L=6, r=2 on the trained tiny model's rows: Fig. 7
+middle) and the paper's (20% for Table 2, 11.7% for Table 3). Both accountings: experts on centroids
+(what the runtime does) and experts on every token (the paper's analysis, §6.8). Constants: MFU assumed,
+NIC efficiency as fitted in Fig. 3 (on the A100 cluster; reused for the V100 one: an assumption).
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from moelab.papers.kit.cache import cached
+
+from . import rates, share
+
+
+def step_times(model: str, profile: str, servers: int, tokens_per_gpu: int, rho: float, mfu: float, eta: float) -> dict:
+    """Seconds of one EP step and of LSH-MoE steps at ``rho`` (experts on centroids / on tokens)."""
+    from moelab.sim import simulate
+    from moelab.sim.graphs import ep_iteration_graph
+    from moelab.strategies.lsh_moe.hashing import max_buckets
+    from moelab.strategies.lsh_moe.sim_graph import centroid_counts, lsh_moe_iteration_graph
+
+    cfg, prof, loads = share.paper_step(model, servers, mfu, eta, tokens_per_gpu=tokens_per_gpu, profile=profile)
+    gpus = cfg.parallel.nproc
+    cen = centroid_counts(loads, rho, max_buckets("cross_polytope", 2, 6))
+    ep = simulate(ep_iteration_graph(cfg, prof, loads)).makespan
+    on_c = simulate(lsh_moe_iteration_graph(cfg, prof, loads, centroids=cen)).makespan
+    on_t = simulate(lsh_moe_iteration_graph(cfg, prof, loads, centroids=cen, experts_on_centroids=False)).makespan
+    return dict(ep_s=ep, lsh_s=on_c, lsh_tokens_s=on_t, seqs_per_gpu=cfg.train.batch_size, gpus=gpus,
+                rho_effective=float(cen.sum() / loads.sum()))
+
+
+def measured_rho(scale) -> float:
+    """The substitute's rate at the paper's setting (CP, L=6, r=2, trained rows)."""
+    df = rates.rate_sweep(scale)
+    row = df[(df.source == "trained") & (df.family == "cross_polytope") & (df.r == 2) & (df.L == 6)]
+    return float(row.rho.iloc[0])
+
+
+@cached
+def table2_speed(scale) -> pd.DataFrame:
+    """Speedup of LSH-MoE over EP per GPT-MoE model on lsh_v100 (16 GPUs) at the measured and the paper's rate."""
+    f = share.fit(scale)
+    A = share.assumptions()
+    rows = []
+    for model in ("GPT-MoE-15B", "GPT-MoE-52B"):
+        for which, rho in (("measured on the substitute", measured_rho(scale)), ("paper (~20%)", 0.2)):
+            t = step_times(model, "lsh_v100", 2, int(A.value("tokens_per_gpu_glue")), rho, f["mfu"], f["eta"])
+            rows.append(dict(model=model, rho_source=which, rho=rho, rho_effective=t["rho_effective"],
+                             speedup=t["ep_s"] / t["lsh_s"], speedup_experts_on_tokens=t["ep_s"] / t["lsh_tokens_s"],
+                             ep_step_ms=t["ep_s"] * 1e3, lsh_step_ms=t["lsh_s"] * 1e3))
+    df = pd.DataFrame(rows)
+    df.attrs["label"] = (f"SIMULATED lsh_v100 (16 V100, 100 Gb/s), GPT-MoE 15B/52B fine-tuning steps on balanced loads, "
+                         f"{int(A.value('tokens_per_gpu_glue'))} tokens per GPU (assumed), MFU {f['mfu']:.2f} assumed, "
+                         f"eta_n {f['eta']:.2f} as fitted on lsh_a100 in Fig. 3 (reused: an assumption)")
+    return df
+
+
+@cached
+def table3_speed(scale) -> pd.DataFrame:
+    """Samples/s of the Swin-MoE-L stand-in on lsh_a100 (32 GPUs) uncompressed and with LSH-MoE."""
+    f = share.fit(scale)
+    A = share.assumptions()
+    tokens = int(A.value("tokens_per_gpu_swin"))
+    rows = []
+    for which, rho in (("measured on the substitute", measured_rho(scale)), ("paper (11.7%)", 0.117)):
+        t = step_times("Swin-MoE-L", "lsh_a100", 4, tokens, rho, f["mfu"], f["eta"])
+        images = t["gpus"] * tokens / 196  # 196 stage-3 tokens per image
+        rows.append(dict(rho_source=which, rho=rho, rho_effective=t["rho_effective"],
+                         samples_per_s_origin=images / t["ep_s"], samples_per_s_lsh=images / t["lsh_s"],
+                         speedup=t["ep_s"] / t["lsh_s"], speedup_experts_on_tokens=t["ep_s"] / t["lsh_tokens_s"]))
+    df = pd.DataFrame(rows)
+    df.attrs["label"] = (f"SIMULATED lsh_a100 (32 A100, 200 Gb/s): the uniform Swin-MoE-L stand-in, {tokens} tokens per GPU "
+                         f"(assumed), MFU {f['mfu']:.2f} assumed, eta_n {f['eta']:.2f} fitted in Fig. 3")
+    return df

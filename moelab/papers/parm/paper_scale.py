@@ -1,0 +1,274 @@
+"""Parm at paper scale (SIMULATED on ``parm_A`` / ``parm_B``) and the tables built from data.
+
+- Table I (notation) and Table II (testbeds as profiles);
+- the Table III grid through the §2.10d memory filter; per kept configuration the simulated MoE-layer
+  time (fwd + bwd) of the baseline, S1, S2 and S2-AAS (:mod:`moelab.strategies.parm.sim_graph`, the
+  runtime's own plans), Parm = Alg. 1's pick from alpha-beta fits *of the simulator's own collective
+  curves* on that setting (no measured constant), Oracle = the faster of S1/S2;
+- Table IV (cell means), Sec. VI-C (ranges, Parm over the worse of S1/S2, SAA vs AAS), Fig. 1 (the
+  baseline's communication share, B-32), Fig. 7 (B-32, (4,4));
+- Fig. 6 (REAL fits beside the paper's AG_MP lines and the simulator's curves), Table V (full-size
+  models SIMULATED; the tiny EMULATED analog from :mod:`.real`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from moelab.papers.kit.cache import cached
+from moelab.sim.calibrate import fit_alpha_beta
+from moelab.strategies.parm.grid import SETTINGS as GRID, filtered
+from moelab.strategies.parm.sim_graph import model_fits, sim_curve
+
+from . import real
+from .common import scale_spec
+
+NOTATION = [  # (paper symbol, meaning, where moelab keeps it)
+    ("P", "world size (GPUs / processes)", "parallel.nproc"),
+    ("N_MP", "tensor-parallel degree of the dense parts", "strategy_options.mp"),
+    ("N_ESP", "shards per expert", "strategy_options.esp"),
+    ("N_EP", "expert-parallel degree, P / N_ESP", "ParmLayout.n_ep"),
+    ("N_DP", "distinct micro-batches, P / N_MP", "ParmLayout.n_dp; Strategy.data_shard"),
+    ("B, L", "samples per MP group, tokens per sample", "train.batch_size, model.seq_len"),
+    ("M, H, h", "model width, expert hidden size, H / N_ESP", "model.d_model, model.d_ff, ParmMoE.w1.shape[-1]"),
+    ("E, E_l", "experts, experts per EP rank", "model.moe.num_experts, ParmLayout.e_local"),
+    ("k, f", "top-k, capacity factor", "model.moe.top_k (gate switch / gshard), model.moe.capacity_factor"),
+    ("T", "capacity ceil(k f S / E) (S2: padded to a multiple of N_MP)", "parm.gating.capacity; plan.sizes"),
+    ("AG/AR/RS/A2A_g", "collective time on group g", "parm.fits.COLLECTIVES (door ops on the declared groups)"),
+    ("SAA", "all-to-all overlapped with the MP all-gather", "moelab.comm.saa.saa"),
+    ("alpha, beta", "latency [s], time per element [s/elem]", "parm.fits.fit (OLS, SE, R^2)"),
+    ("t_B, t_D1, t_D2", "modelled comm time of baseline, S1, S2", "parm.perf_model"),
+]
+
+
+def notation() -> pd.DataFrame:
+    df = pd.DataFrame(NOTATION, columns=["symbol", "meaning", "moelab"])
+    df.attrs["label"] = "REAL: moelab's names for the paper's symbols"
+    return df
+
+
+def testbeds() -> pd.DataFrame:
+    from moelab.sim.profiles import get_profile
+
+    rows = []
+    for name in ("parm_A", "parm_B"):
+        p = get_profile(name)
+        for f in ("nodes", "gpus_per_node", "gpu", "peak_flops", "achieved_flops", "intra_bw_GBps", "intra_latency_us",
+                  "inter_bw_GBps", "inter_latency_us", "mem_GB", "elem_bytes"):
+            rows.append(dict(profile=name, field=f, value=str(getattr(p, f)), source=p.sources.get(f, "")))
+    df = pd.DataFrame(rows)
+    df.attrs["label"] = "SIMULATED: the testbed profiles moelab.sim prices (B is used with 2, 4, 8 nodes)"
+    return df
+
+
+def _profile(name: str, nodes: int):
+    from moelab.sim.profiles import get_profile
+
+    return get_profile(name).with_nodes(nodes)
+
+
+# ---- the Table III grid, simulated ------------------------------------------------------------------
+INDEX_STRIDE = 4  # the index dispatcher's grid is sampled 4x more sparsely (a check of P18, not the headline)
+
+
+@cached
+def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
+    """Every kept configuration (every ``grid_stride``-th at small scales; the ``index`` dispatcher 4x
+    sparser) with its simulated layer times."""
+    from moelab.papers.kit.assumptions import load_assumptions
+    from moelab.strategies.parm.perf_model import ParmShape, select
+    from moelab.strategies.parm.sim_graph import layer_time
+
+    stride = scale_spec(scale).grid_stride * (INDEX_STRIDE if dispatcher == "index" else 1)
+    reserve = load_assumptions("parm").value("memory_reserve_GiB")
+    rows, fits = [], {}
+    for setting, (prof_name, nodes, _) in GRID.items():
+        prof = _profile(prof_name, nodes)
+        keep, _ = filtered(setting, reserve_GiB=reserve)
+        for c in keep[::stride]:
+            lay = c.layout()
+            key = (setting, c.n_mp, c.n_esp)
+            if key not in fits:
+                fits[key] = model_fits(prof, lay)
+            t = {m: layer_time(prof, lay, c.shape(dispatcher), m) for m in ("baseline", "s1", "s2", "s2_aas")}
+            pick = select(ParmShape(c.B, c.L, c.M, c.E, c.k, c.f, c.n_mp, c.n_esp), fits[key])[0]
+            rows.append(dict(dispatcher=dispatcher, setting=setting, testbed=setting[0], P=c.P, n_mp=c.n_mp, n_esp=c.n_esp, B=c.B, L=c.L,
+                             M=c.M, h=c.h, f=c.f, E=c.E, **{f"{m}_s": v["time_s"] for m, v in t.items()},
+                             comm_share=t["baseline"]["comm_share"], pick=pick))
+    df = pd.DataFrame(rows)
+    df["parm_s"] = np.where(df.pick == "s1", df.s1_s, df.s2_s)
+    df["oracle_s"] = np.minimum(df.s1_s, df.s2_s)
+    for m in ("s1", "s2", "s2_aas", "parm", "oracle"):
+        df[f"{m}_speedup"] = df.baseline_s / df[f"{m}_s"]
+    df.attrs["label"] = (f"SIMULATED: parm_A / parm_B (2, 4, 8 nodes), one MoE layer fwd+bwd per kept Table III "
+                         f"configuration{'' if stride == 1 else f' (every {stride}th)'}, k=1, E=P/N_ESP, {dispatcher} "
+                         f"dispatcher, fp32, compute at 0.5 of peak (assumed); Parm = Alg. 1 on alpha-beta lines "
+                         f"fitted to the simulator's own collective curves")
+    return df
+
+
+def grid_counts(scale) -> pd.DataFrame:
+    from moelab.papers.kit.assumptions import load_assumptions
+
+    reserve = load_assumptions("parm").value("memory_reserve_GiB")
+    g = sim_grid(scale)
+    rows = []
+    for setting in GRID:
+        keep, drop = filtered(setting, reserve_GiB=reserve)
+        rows.append(dict(setting=setting, configs=len(keep) + len(drop), kept=len(keep), dropped=len(drop),
+                         simulated=int((g.setting == setting).sum())))
+    df = pd.DataFrame(rows)
+    df.attrs["label"] = (f"SIMULATED: the §2.10d memory model (baseline peak within the GPU memory minus {reserve:g} GiB); "
+                         "paper: 1296 valid over the four settings")
+    return df
+
+
+def table4(scale) -> pd.DataFrame:
+    """Cell means per setting; both dispatchers (``einsum`` the paper's, ``index`` sparser: P18)."""
+    g = pd.concat([sim_grid(scale), sim_grid(scale, "index")], ignore_index=True)
+    g = g[(g.n_mp > 1) & (g.n_esp > 1)]
+    g = g.assign(right=(g.pick == np.where(g.s1_s <= g.s2_s, "s1", "s2")))
+    df = g.groupby(["dispatcher", "setting", "n_mp", "n_esp"], sort=False).agg(
+        configs=("right", "size"), s1_speedup=("s1_speedup", "mean"), s2_speedup=("s2_speedup", "mean"),
+        aas_speedup=("s2_aas_speedup", "mean"), parm_speedup=("parm_speedup", "mean"),
+        oracle_speedup=("oracle_speedup", "mean"), selection_accuracy=("right", "mean")).reset_index()
+    df.attrs["label"] = sim_grid(scale).attrs["label"].replace("einsum dispatcher", "einsum and index dispatchers")
+    return df
+
+
+def vic(scale) -> pd.DataFrame:
+    g = sim_grid(scale)
+    t4 = table4(scale)
+    t4 = t4[t4.dispatcher == "einsum"]
+    multi = g[(g.n_mp > 1) | (g.n_esp > 1)]
+    rows = []
+    for tb in ("A", "B"):
+        sub = t4[t4.setting.str.startswith(tb)]
+        for m in ("s1", "s2", "parm"):
+            rows.append(dict(metric=f"{m}_cell_mean_min", testbed=tb, value=sub[f"{m}_speedup"].min()))
+            rows.append(dict(metric=f"{m}_cell_mean_max", testbed=tb, value=sub[f"{m}_speedup"].max()))
+        gg = g[(g.testbed == tb) & (g.n_mp > 1)]
+        rows.append(dict(metric="parm_over_worse", testbed=tb, value=float((np.maximum(gg.s1_s, gg.s2_s) / gg.parm_s).mean())))
+        rows.append(dict(metric="saa_over_aas", testbed=tb, value=float((gg.s2_aas_s / gg.s2_s).mean())))
+        rows.append(dict(metric="all_beat_baseline", testbed=tb,
+                         value=float(((gg.s1_speedup > 1) & (gg.s2_speedup > 1)).mean())))
+    rows.append(dict(metric="parm_speedup_min_config", testbed="A+B", value=float(multi.parm_speedup.min())))
+    rows.append(dict(metric="parm_cell_mean_max", testbed="A+B", value=float(t4.parm_speedup.max())))
+    df = pd.DataFrame(rows)
+    df.attrs["label"] = sim_grid(scale).attrs["label"]
+    df.attrs["note"] = ("saa_over_aas > 1 means SAA (raw forwarding, the paper's kernel) beats all-to-all-then-"
+                        "all-gather; all_beat_baseline is the fraction of N_MP > 1 configurations where both S1 and "
+                        "S2 beat the baseline (paper: every case)")
+    return df
+
+
+def fig1_share(scale) -> pd.DataFrame:
+    g = sim_grid(scale)
+    df = g[g.setting == "B-32"][["n_mp", "n_esp", "B", "L", "M", "h", "f", "comm_share"]]
+    df = df.sort_values("comm_share").reset_index(drop=True)
+    df.attrs["label"] = ("SIMULATED: parm_B, 32 GPUs, the baseline's communication share of the layer's critical "
+                         "path per kept configuration" + sim_grid(scale).attrs["label"].split("configuration", 1)[1])
+    return df
+
+
+def fig7(scale) -> pd.DataFrame:
+    g = sim_grid(scale)
+    df = g[(g.setting == "B-32") & (g.n_mp == 4) & (g.n_esp == 4)].copy()
+    df["above_4x"] = (df.parm_speedup > 4).astype(float)
+    df = df.reset_index(drop=True)
+    df.attrs["label"] = "SIMULATED: parm_B 32 GPUs, N_MP=N_ESP=4" + sim_grid(scale).attrs["label"].split("fwd+bwd", 1)[1]
+    return df
+
+
+# ---- Fig. 6 --------------------------------------------------------------------------------------
+@cached
+def fig6_frame(scale, seed: int = 0) -> tuple:
+    """(points and curves, fits): REAL and EMULATED measurements at P=4 (2,2), the paper's AG_MP lines (A, B),
+    the simulator's curves on parm_A / parm_B (4 ranks of one node, (2,2))."""
+    from moelab.strategies.parm.layout import ParmLayout
+    from moelab.strategies.parm.perf_model import paper_fits
+
+    suite = real.layer_suite(4, scale, seed)
+    rows, fits = [], []
+    for src, fs in suite["fits"].items():
+        for name, f in fs.items():
+            fits.append(dict(source=src, name=name, **{k: f[k] for k in ("alpha", "beta", "r2", "n")},
+                             alpha_se=f.get("alpha_se", np.nan), beta_se=f.get("beta_se", np.nan)))
+    xs = [2 ** e for e in scale_spec(scale).fit_exps]
+    for f in fits:
+        for x in xs:
+            rows.append(dict(source=f["source"], name=f["name"], x=x, time_s=np.nan, fit_s=f["alpha"] + f["beta"] * x))
+    for tb in ("A", "B"):
+        pf = paper_fits(tb)["AG_MP"]
+        a, b = (pf.alpha, pf.beta) if hasattr(pf, "alpha") else (pf["alpha"], pf["beta"])
+        for x in [2 ** e for e in range(8, 25, 2)]:
+            rows.append(dict(source=f"PAPER testbed {tb}", name="AG_MP", x=x, time_s=np.nan, fit_s=a + b * x))
+        fits.append(dict(source=f"PAPER testbed {tb}", name="AG_MP", alpha=a, beta=b, r2=np.nan, n=np.nan))
+    for prof_name, nodes in (("parm_A", 1), ("parm_B", 1)):
+        prof = _profile(prof_name, nodes)
+        lay = ParmLayout(prof.world_size, 2, 2, prof.world_size // 2, prof.gpus_per_node)
+        big = [2 ** e for e in range(8, 25, 2)]
+        for name in ("AG_MP", "A2A_EPESP", "SAA"):
+            ts = sim_curve(prof, lay, name, big)
+            ab = fit_alpha_beta(big, ts)
+            fits.append(dict(source=f"SIMULATED {prof_name}", name=name, alpha=ab.alpha, beta=ab.beta, r2=ab.r2, n=ab.n))
+            rows += [dict(source=f"SIMULATED {prof_name}", name=name, x=x, time_s=np.nan, fit_s=t) for x, t in zip(big, ts)]
+    df, ft = pd.DataFrame(rows), pd.DataFrame(fits)
+    df.attrs["label"] = ("REAL: 4 gloo ranks (loopback) and EMULATED links, x in elements as the paper counts; PAPER: "
+                         "Fig. 6's AG_MP fits; SIMULATED: parm_A / parm_B one node, (2,2)")
+    ft.attrs["label"] = df.attrs["label"]
+    return df, ft
+
+
+# ---- Table V ---------------------------------------------------------------------------------------
+TV_MODELS = {"MoE-BERT-Base": dict(seq=512, vocab=30522), "MoE-GPT-2": dict(seq=1024, vocab=50257)}
+
+
+@cached
+def table5_sim(scale) -> pd.DataFrame:
+    """Full-size models (12 layers, M=768, H=3072, MoE every other layer, k=1, f=1.2, B=8) on testbed A
+    (P=8, E=2) and B (P=32, E=8), N_MP=N_ESP=4: baseline vs Parm (Alg. 1 per layer shape, model fits)."""
+    from moelab.papers.kit.assumptions import load_assumptions
+    from moelab.sim import simulate
+    from moelab.strategies.parm.layout import ParmLayout
+    from moelab.strategies.parm.perf_model import ParmShape, select
+    from moelab.strategies.parm.plan import Shape
+    from moelab.strategies.parm.sim_graph import parm_model_graph
+
+    A = load_assumptions("parm")
+    B = int(A.value("table5_batch"))
+    rows = []
+    for tb, prof_name, nodes, E in (("A", "parm_A", 1, 2), ("B", "parm_B", 8, 8)):
+        prof = _profile(prof_name, nodes)
+        lay = ParmLayout(prof.world_size, 4, 4, E, prof.gpus_per_node)
+        fits = model_fits(prof, lay)
+        for model, m in TV_MODELS.items():
+            shape = Shape(S=B * m["seq"], M=768, H=3072, k=1, f=1.2)
+            pick, _, _ = select(ParmShape(B=B, L=m["seq"], M=768, E=E, k=1, f=1.2, n_mp=4, n_esp=4), fits)
+            kw = dict(n_layers=12, seq_len=m["seq"], vocab=m["vocab"], d_ff=3072)
+            t = {s: simulate(parm_model_graph(prof, lay, shape, schedule=s, **kw)).makespan for s in ("baseline", pick)}
+            rows.append(dict(model=model, testbed=tb, P=prof.world_size, E=E, pick=pick, baseline_ms=t["baseline"] * 1e3,
+                             parm_ms=t[pick] * 1e3, speedup=t["baseline"] / t[pick]))
+    df = pd.DataFrame(rows)
+    df.attrs["label"] = ("SIMULATED: parm_A (8 GPUs) and parm_B (32 GPUs), Megatron TP over MP, fp32, B=8 (assumed), "
+                         "compute at 0.5 of peak (assumed); dense-DP gradient all-reduce included")
+    return df
+
+
+def table5_real_frame(scale, seed: int = 0) -> pd.DataFrame:
+    rows = real.table5_real(scale, seed)
+    df = pd.DataFrame(rows)
+    out = []
+    for model, g in df.groupby("model", sort=False):
+        base = g[g.system.str.startswith("DeepSpeed")].iter_ms.iloc[0]
+        parm = g[g.system.str.startswith("Parm")]
+        out.append(dict(model=model, setup="8 gloo ranks", system="speedup", iter_ms=np.nan, std_ms=np.nan,
+                        schedule=parm.schedule.iloc[0], speedup=base / parm.iter_ms.iloc[0]))
+    df["setup"] = "8 gloo ranks"
+    df = pd.concat([df, pd.DataFrame(out)], ignore_index=True)
+    s = scale_spec(scale)
+    df.attrs["label"] = (f"EMULATED: 8 gloo ranks, 2 nodes x 4, N_MP=N_ESP=4, E=2, tiny models (d={s.tv_d}, "
+                         f"{s.tv_layers} layers, seq {s.tv_seq}, batch {s.tv_batch}), intra {s.intra_GBps:g} / inter "
+                         f"{s.inter_GBps:g} GB/s; mean of {s.tv_iters} iterations after the first, slowest rank")
+    return df
+
