@@ -220,9 +220,8 @@ def _profile(layer, x, gy, a, rank):
     import cProfile
     import pstats
 
-    from torch.profiler import ProfilerActivity, profile
-
     import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
 
     stages = []
     for _ in range(a.iters):

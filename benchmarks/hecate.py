@@ -6,14 +6,14 @@ they route the same tokens: one skewed, drifting load trace for all — the real
 corpus), fp32, attention + MoE blocks, systems run one after another (not interleaved: say so when
 comparing small differences). An iteration's time is the slowest rank's; the table shows medians after
 ``--warmup``. Predictions: ``moelab.sim`` on the emulated network with each run's own recorded plans
-(:meth:`moelab.sim.realruns.RealRun.graph_plans`) and this machine's measured compute rate, with and
-without the door's held-out fixed costs per call (``moelab.sim.local.emulated_call_costs``: a call's
+(:meth:`moelab.measure.realruns.RealRun.graph_plans`) and this machine's measured compute rate, with and
+without the door's held-out fixed costs per call (``moelab.measure.local.emulated_call_costs``: a call's
 software beside its link time, then the emulator's sync), with the ranks' compute scaled by a static core share or
 with the host's cores pooled (``machine_profile(share_cores="pool")``: k ranks computing at once share them, a rank
 waiting for a collective leaves its core to the others), pooled with the sparse collectives issued beside
 compute priced at the fixed costs measured on busy ranks, and pooled with every call's fixed costs and moved bytes
 as its ranks' CPU work on the shared cores (``ClusterProfile.software_on_cores``, ``cpu_s_per_byte`` from
-:func:`moelab.sim.local.transport_cpu_per_byte`, held out).
+:func:`moelab.measure.local.transport_cpu_per_byte`, held out).
 
 Printed: iteration time and speedup over EP (measured / simulated) of Hecate (full, sharding only,
 materialization only, RM, no calibration) and every baseline present (FasterMoE, FlexMoE, FSDP, SmartMoE);
@@ -38,7 +38,7 @@ each run measuring its own moved t by one or two between variants on this shared
 trails EP.
 
 ``--compute-yields`` (default ``off``; ``auto``: on where the host allows): ``emulation.compute_yields`` for
-every system, the ranks' compute threads at SCHED_IDLE during the iterations (:mod:`moelab.runtime.cpu_priority`),
+every system, the ranks' compute threads at SCHED_IDLE during the iterations (:mod:`moelab.comm.cpu_priority`),
 so a call that a side stream issues beside attention does not wait for a core; the busy-cost probe then computes
 at SCHED_IDLE too. Off by default: on 8 ranks sharing 2 cores it made every system slower (one pair of runs,
 2026-11-28, same t: EP 1962 against 1930 ms, FSDP 970 against 806 ms, Hecate 1.50x over EP against 1.66x).
@@ -54,7 +54,6 @@ import dataclasses
 import sys
 
 import numpy as np
-
 
 # FlexMoE prices a step's gain with the hecate_A profile; at that profile's migration cost (params + Adam state
 # over a 100 Gb/s NIC) a step never pays back within K iterations on these tiny experts, its policy makes no
@@ -94,13 +93,13 @@ def main(argv=None) -> int:
                    help="emulation.compute_yields: the ranks' compute threads at SCHED_IDLE during the iterations, "
                    "so a communication thread's call does not wait for a core (auto: on where the host allows)")
     a = p.parse_args(argv)
-    from moelab.runtime.cpu_priority import resolve
+    from moelab.comm.cpu_priority import resolve
 
     a.compute_yields = resolve(a.compute_yields)
 
     from moelab.config import RunConfig
-    from moelab.strategies import known_strategies
-    from moelab.sim.validate import compare, machine_profile, measure_emulated_call_costs, simulate_real, validate
+    from moelab.measure.validate import compare, machine_profile, measure_emulated_call_costs, simulate_real, validate
+    from moelab.registry import known_strategies
 
     base = {"model.d_model": a.d, "model.d_ff": a.ff * a.d, "model.n_layers": a.layers, "model.n_heads": 4,
             "model.seq_len": a.seq, "model.moe.num_experts": a.experts, "model.moe.top_k": 2,
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
             "emulation.compute_yields": a.compute_yields}
     hec = {"reshard_interval": max(2, a.warmup), "spag_backend": a.spag_backend}
     if a.t_nonmoe is None:  # one T_nonMoE for every Hecate variant, measured by Hecate itself in a short run
-        from moelab.sim.realruns import run_real
+        from moelab.measure.realruns import run_real
 
         pre = RunConfig().with_overrides({**base, "train.iters": 4, "parallel.strategy": "hecate",
                                           "parallel.strategy_options": hec}).validate()
@@ -279,7 +278,7 @@ def rm_line(label: str, peak: dict, t) -> None:
 def rm_at_depth(named, a) -> None:
     """RM frees every layer's replicas but the last one's (spec §6.5), so at most (L - 1) / L of them can go: at
     the default 2 layers half. EP, Hecate and Hecate-RM again at ``--rm-layers``, same options otherwise."""
-    from moelab.sim.validate import validate
+    from moelab.measure.validate import validate
 
     deep = [(n, c.with_overrides({"model.n_layers": a.rm_layers}).validate()) for n, c in named
             if n in ("EP", "Hecate", "Hecate-RM")]
@@ -364,8 +363,8 @@ def real_moe_s(run, warmup: int) -> float:
 def sim_moe_s(sim, cfg, warmup: int) -> float:
     """The simulator's MoE-layer time (critical path, :func:`moelab.papers.hecate.end_to_end.layer_times`),
     summed over layers, median over the iterations after ``warmup``."""
-    from moelab.sim.graphs import moe_layer_ids
     from moelab.papers.hecate.end_to_end import layer_times
+    from moelab.sim.graphs import moe_layer_ids
 
     ids = moe_layer_ids(cfg.model)
     return float(np.median([layer_times(r, ids).sum() for r in sim.results[warmup:]]))

@@ -9,7 +9,7 @@ blocks of 2 ranks, one per node). S (``--S`` bytes) and the bucket
 into several micro-ops. Printed per policy: median step time of the slowest rank and its speedup over
 ``ddp_overlap``; backward all-to-all time per step (mean over ranks) and its speedup; the all-to-all
 share of the step; the scheduler's bounded-wait releases; the simulator's step speedup on the same
-emulated links with this model's measured compute rate (``moelab.sim.local.machine_profile``, no
+emulated links with this model's measured compute rate (``moelab.measure.local.machine_profile``, no
 fitted constant), without and with the held-out fixed costs of a call (software beside the link time,
 then the emulator's sync, as the door emulates), measured after every run in the runs' own processes on
 idle ranks and on busy ones (a thread computing beside the calls: 4 ranks share 2 cores, so a call issued
@@ -35,7 +35,7 @@ backward all-to-all); the paper's gain rests on the contention gamma stands for.
 
 ``--compute-yields`` (default ``auto``, on where the host allows; ``off`` with ``--serve``, where one pair of
 runs on 2026-11-28 gave lina 1.06x p95 with it and 1.10x without): ``emulation.compute_yields``, the
-ranks' compute threads at SCHED_IDLE during the iterations (:mod:`moelab.runtime.cpu_priority`), for every
+ranks' compute threads at SCHED_IDLE during the iterations (:mod:`moelab.comm.cpu_priority`), for every
 policy alike: a call that a communication thread issues during backward then does not wait for a core
 behind 4 ranks' compute on 2 cores (as a NIC does not wait for the GPU). The busy costs are then measured
 with the probe's compute thread at SCHED_IDLE too.
@@ -121,15 +121,15 @@ def predicted(cfg, run, fixed: Optional[dict] = None, busy: Optional[dict] = Non
     (:func:`_probe_call_costs`): each call's held-out software cost beside its link time, then the
     emulator's sync, as the door emulates (``ClusterProfile.emulated_sync_s``); ``busy``: the same
     measured with the ranks computing, for the calls a policy issues beside backward; ``share_cores``: as
-    :func:`moelab.sim.local.machine_profile` (``"pool"``: the engine's pool of this host's cores);
+    :func:`moelab.measure.local.machine_profile` (``"pool"``: the engine's pool of this host's cores);
     ``cpu_s_per_byte`` (with the pool): every call's fixed costs and moved bytes as its ranks' CPU work on
     the pooled cores instead of the busy costs (``ClusterProfile.software_on_cores``); ``compute``: as
-    :func:`moelab.sim.local.machine_profile` (``"model_line"``: a rate and a cost per op fitted over batch
+    :func:`moelab.measure.local.machine_profile` (``"model_line"``: a rate and a cost per op fitted over batch
     multiples, so the experts are priced at the rate they run)."""
     import dataclasses
 
-    from moelab.sim.local import machine_profile
-    from moelab.sim.validate import simulate_real
+    from moelab.measure.local import machine_profile
+    from moelab.measure.validate import simulate_real
 
     ep = cfg.with_overrides({"parallel.strategy": "ep", "parallel.strategy_options": {}})  # compute rate: the same model
     prof = machine_profile(ep, None, compute=compute, share_cores=share_cores)
@@ -162,11 +162,11 @@ def timed_block(cfg, run, warmup):
 def _probe_call_costs(tr) -> dict:
     """Held-out fixed costs of one collective call, in a run's own processes right after its iterations,
     all ranks calling at once: 1-element all-reduces over every rank through the run's emulated door
-    (``moelab.sim.local.emulated_call_costs``: the software cost, which the links overlap, and the
+    (``moelab.measure.local.emulated_call_costs``: the software cost, which the links overlap, and the
     emulator's end-of-call sync), on idle ranks (``idle``) and with a thread computing beside the calls on
     every rank (``busy``). In the runs' own spawn: the busy cost varies between spawns far more than
     within one."""
-    from moelab.sim.local import emulated_call_costs, transport_cpu_per_byte
+    from moelab.measure.local import emulated_call_costs, transport_cpu_per_byte
 
     y = tr.cfg.emulation.compute_yields  # the busy thread computes as the run's compute threads did
     out = {k: emulated_call_costs(tr.comm, "dp", "all_reduce", reps=80, busy=k == "busy", yields=y)
@@ -204,13 +204,13 @@ def main(argv=None) -> int:
                    "not each call's fixed cost, set its time; the scale's own: 0.2 0.05 at default)")
     p.add_argument("--replica-rounding", default="floor", choices=("floor", "nearest", "balanced"),
                    help="with --serve: replicas of a hot expert, floor(n(e)) (the spec's), n(e) rounded, or as many as "
-                   "bring the busiest device within BALANCE_TOL of the mean (moelab.placement.lina.allocate_balanced)")
+                   "bring the busiest device within BALANCE_TOL of the mean (moelab.strategies.lina.placement.allocate_balanced)")
     p.add_argument("--serve-experts", type=int, metavar="E", help="with --serve: experts per MoE layer instead of the "
                    "scale's (4: the paper's own geometry on 4 ranks, one expert per device, as its 4-expert models on 4 GPUs)")
     a = p.parse_args(argv)
     if a.repeat < 1:
         p.error(f"--repeat must be >= 1, got {a.repeat}")
-    from moelab.runtime.cpu_priority import resolve
+    from moelab.comm.cpu_priority import resolve
 
     a.compute_yields = resolve(a.compute_yields or ("off" if a.serve else "auto"))
     if a.serve:
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
         a.gamma, gamma_src = fitted_gamma()["gamma"], "FITTED to the paper's Fig. 4 median in the simulator"
     a.gamma = float(a.gamma)
 
-    from moelab.sim.realruns import run_real_many
+    from moelab.measure.realruns import run_real_many
 
     names = tuple(n for n in POLICIES + tuple(EXTRA) if not a.only or n == "ddp_overlap" or n in a.only)
     in_control = ("lina_coalesce", "lina_inflight2", "lina_inflight4", "lina_drain4", "lina_plan_drain4")

@@ -121,9 +121,9 @@ def simulate_layer(a, cap, counts, centroids, variant_opts, lsh_row_s, tokens_pe
     import numpy as np
 
     from moelab.config import RunConfig
+    from moelab.measure.local import machine_profile
     from moelab.sim.engine import simulate
     from moelab.sim.graphs import ep_iteration_graph
-    from moelab.sim.local import machine_profile
     from moelab.strategies.lsh_moe.sim_graph import lsh_moe_iteration_graph
 
     E, d = cap["gates"][a.layer].shape

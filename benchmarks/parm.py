@@ -66,15 +66,15 @@ def _overheads(comm, world, a) -> dict:
     included), slowest rank, median of 25 calls of one element each (no link time to speak of):
 
     - ``call_s``, ``sync_s``: a call's software cost and the emulator's end-of-call sync, from
-      1-element all-to-alls over the EP x ESP group (``moelab.sim.local.emulated_call_costs``);
+      1-element all-to-alls over the EP x ESP group (``moelab.measure.local.emulated_call_costs``);
     - ``phase_s``: a 1-element SAA (P phases of batched point-to-point), less ``sync_s``, per phase;
     - ``op_s``: the local pipeline (gate, dispatch, experts, combine) forward + backward on 8
       tokens, per each of the plan's 8 compute steps."""
     import torch
 
     from moelab.comm.saa import saa
+    from moelab.measure.local import emulated_call_costs
     from moelab.runtime.timing import timed
-    from moelab.sim.local import emulated_call_costs
     from moelab.strategies.parm import gating
     from moelab.strategies.parm.layout import EPESP, MP, SAA
 

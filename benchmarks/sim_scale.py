@@ -63,7 +63,7 @@ def slope(points: list) -> float | None:
 
 
 def main(argv=None):
-    from moelab.strategies import all_strategies
+    from moelab.registry import all_strategies
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min-ranks", type=int, default=64)

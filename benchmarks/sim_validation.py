@@ -2,15 +2,15 @@
 
 One run: calibrate this machine (collective alpha-beta lines on 4 loopback ranks; the compute line
 ``time = op_overhead * ops + flops / rate`` fitted on single-process steps, and again, with a per-call
-cost, on 4-rank training steps: ``moelab.sim.calibrate``; every fitted shape differs from the
-validation shapes), run the 4-rank validation set (``moelab.sim.validate.GRID_4``) for real twice
+cost, on 4-rank training steps: ``moelab.measure.calibrate``; every fitted shape differs from the
+validation shapes), run the 4-rank validation set (``moelab.measure.validate.GRID_4``) for real twice
 (plain loopback, then EMULATED slow links), simulate every iteration with two calibrated local
 profiles, ``cpu_pool`` (the default, ``compute="calibrated"``: one-process compute line, the ranks
 sharing the cores as an engine CPU pool) and ``in_context`` (compute line and per-call cost fitted on
 multi-rank training steps), and print for each: R^2 of the per-iteration step time around y = x, the
 noise ceiling (R^2 of each config's median measured time as the prediction: what no per-config model
 can beat on a machine shared with other jobs) and the median relative error, then the same for the
-compute part and the communication part alone (``moelab.sim.validate.Comparison.parts``: per
+compute part and the communication part alone (``moelab.measure.validate.Comparison.parts``: per
 iteration and per MoE layer, EMULATED and loopback never pooled), whether the EMULATED runs meet spec
 §5.9 (R^2 >= 0.9, median |rel. error| <= 25 %; loopback is reported, not gated), and the bytes check.
 
@@ -29,8 +29,8 @@ import numpy as np
 
 
 def one_round(iters: int, warmup: int, cal_reps: int, intra: float, inter: float) -> dict:
-    from moelab.sim import validate as V
-    from moelab.sim.calibrate import COMPUTE_MODELS, TRAIN_MODELS
+    from moelab.measure import validate as V
+    from moelab.measure.calibrate import COMPUTE_MODELS, TRAIN_MODELS
 
     t0 = time.time()
     cal = V.quick_calibration(4, sizes=(1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20), reps=cal_reps,
@@ -79,7 +79,7 @@ def one_round(iters: int, warmup: int, cal_reps: int, intra: float, inter: float
 
 
 def meets_spec(m: dict) -> bool:
-    from moelab.sim import validate as V
+    from moelab.measure import validate as V
 
     return m["r2"] >= V.R2_TARGET and m["median_rel_err"] <= V.REL_ERR_TARGET
 

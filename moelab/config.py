@@ -78,7 +78,7 @@ class EmulationConfig:
     interference_gamma: float = 1.0
     # the ranks' compute threads run their iterations (or serving) at SCHED_IDLE, so a communication
     # thread's call does not wait for a core behind compute, as a NIC does not wait for the GPU
-    # (moelab.runtime.cpu_priority)
+    # (moelab.comm.cpu_priority)
     compute_yields: bool = False
 
 
@@ -222,9 +222,9 @@ class RunConfig:
 
     # ---- validation ----------------------------------------------------------------------------
     def validate(self) -> "RunConfig":
-        """Raise ConfigError for a config that cannot work (:mod:`moelab.config_checks`, every complaint at
+        """Raise ConfigError for a config that cannot work (:mod:`moelab.runtime.preflight`, every complaint at
         once). Cheap; runs before any process starts."""
-        from moelab.config_checks import config_errors
+        from moelab.runtime.preflight import config_errors
 
         errs = config_errors(self)
         if errs:

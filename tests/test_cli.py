@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_worker import leftover_processes, use_fake_worker
+from tests.fake_worker import leftover_processes, use_fake_worker
 
 pytest.importorskip("psutil")
 

@@ -4,7 +4,7 @@
   handles, records, link emulation, the scheduler hook) and ``Communicator.run`` for any declared
   collective.
 - :mod:`.groups`: groups as data (``{name: [[ranks], ...]}``, each a partition of the ranks) and their
-  validator; a strategy declares its groups in its ``moelab.strategies.Strategy`` (``groups``).
+  validator; a strategy declares its groups in its ``moelab.registry.Strategy`` (``groups``).
 - :mod:`.collectives`: each collective declared once (byte rule, emulator pricing, simulator demand);
   :mod:`.bytes` is the byte rule's public face (``peer_bytes``, ``recv_bytes``, ``by_link_class``).
 - :mod:`.record`: per-call records and spans, thread-local tags, the Chrome/Perfetto trace.

@@ -10,7 +10,7 @@ price or account it:
   (:meth:`moelab.comm.door.Communicator.port_flows`): ``"ring"`` (the simulator's rings),
   ``"chain"`` (the simulator's pipelined chain from the root: broadcast, reduce) or ``"direct"``
   (per link class, own port, sent out / received in).
-- ``demands``: the simulator's link demands (:mod:`moelab.sim.costs`), one per phase.
+- ``demands``: the simulator's link demands (:mod:`moelab.comm.costs`), one per phase.
 - ``phases`` (optional): a collective that runs as phases one after the other (Parm's SAA) says what
   each phase moves; the link emulator then prices the phases in order, not one direct transfer.
 
@@ -33,7 +33,7 @@ class Collective:
     sent: Callable  # (group, me, **args) -> {global rank: bytes me sends it}
     received: Callable  # (group, me, **args) -> {global rank: bytes me receives from it}
     pricing: str  # "ring" | "chain" | "direct": the link emulator's model
-    demands: Callable  # (group, topo, profile, **args) -> [moelab.sim.costs.Demand, ...]
+    demands: Callable  # (group, topo, profile, **args) -> [moelab.comm.costs.Demand, ...]
     phases: Optional[Callable] = None  # (group, me, **args) -> [(sent, received) per peer] per phase, run in order
 
     def __post_init__(self):
@@ -71,7 +71,7 @@ def _per_member(group, splits):
 
 
 def _costs():
-    from moelab.sim import costs  # lazy: the simulator's cost model imports the byte rule
+    from moelab.comm import costs  # lazy: the simulator's cost model imports the byte rule
 
     return costs
 

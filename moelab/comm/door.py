@@ -31,17 +31,16 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from moelab.comm import pricing
 from moelab.comm.board import Board, Boards
 from moelab.comm.bytes import peer_bytes, recv_bytes
 from moelab.comm.collectives import collective
 from moelab.comm.groups import BUILTIN, default_groups, validate_groups
-from moelab.comm import pricing
 from moelab.comm.links import Ports
 from moelab.comm.pricing import chain_edges  # noqa: F401 - re-exported (the chain the door emulates)
 from moelab.comm.record import CommRecord, Recorder, Span  # noqa: F401 - re-exported
 from moelab.comm.scheduler import Call
 from moelab.comm.topology import Topology
-
 
 # torch >= 2.12 renamed the flat collectives; keep older torch working
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

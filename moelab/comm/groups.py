@@ -65,7 +65,7 @@ def instance_of(instances: list, rank: int) -> list:
 def declared_group_errors(cfg) -> list:
     """Config validation's view: the messages (naming the strategy and group) for the process groups
     ``cfg``'s strategy declares, ``[]`` when they partition ``parallel.nproc`` ranks."""
-    from moelab.strategies import get_groups
+    from moelab.registry import get_groups
 
     option = f"process groups of parallel.strategy {cfg.parallel.strategy!r}"
     try:

@@ -1,5 +1,5 @@
 """What one call costs on the emulated links (EMULATED), priced as the simulator prices the same
-declared hardware (:mod:`moelab.sim.costs` with one NIC per rank): rings for the ring collectives, the
+declared hardware (:mod:`moelab.comm.costs` with one NIC per rank): rings for the ring collectives, the
 pipelined chain for broadcast / reduce, a port per link class for everything else.
 
 Pure functions of the topology, the ``EmulationConfig`` and the call's bytes; the door
@@ -36,10 +36,10 @@ def _direct_latency(topo: Topology, op, ranks, lat: tuple, i: int) -> float:
 @functools.lru_cache(maxsize=256)
 def _ring_shape(topo: Topology, op: str, ranks: tuple, bw: tuple, lat: tuple):
     """Latency and per-(rank, class, direction) byte shares of a ring collective over ``ranks``: the
-    simulator's rings (:func:`moelab.sim.costs.ring_channels` with one NIC per rank, as the emulator
+    simulator's rings (:func:`moelab.comm.costs.ring_channels` with one NIC per rank, as the emulator
     declares; node-major, across nodes one channel per member of the fullest node, each carrying 1/C
     of the bytes). ``bw``/``lat``: (intra, inter). Returns (latency, shares, slowest share / bw)."""
-    from moelab.sim.costs import ring_channels
+    from moelab.comm.costs import ring_channels
 
     rings = ring_channels(list(ranks), topo, topo.ranks_per_node)
     share: dict = {}  # (rank, class, direction) -> fraction of the per-rank ring bytes
@@ -55,7 +55,7 @@ def _ring_shape(topo: Topology, op: str, ranks: tuple, bw: tuple, lat: tuple):
 
 
 def chain_edges(op: str, ranks, me: int, sent: dict, recv: dict) -> tuple:
-    """A broadcast / reduce as the simulator's pipelined chain (:func:`moelab.sim.costs.broadcast_demand`:
+    """A broadcast / reduce as the simulator's pipelined chain (:func:`moelab.comm.costs.broadcast_demand`:
     ranks in order from the root, every edge carrying S once): ``me``'s own edges, ``(sent, received)``
     per peer - S to its successor and from its predecessor (reduce: the other way). Root and S come from
     the call's flat-tree byte rule (``sent`` / ``recv`` per peer, what the record keeps)."""
@@ -104,8 +104,8 @@ def emulated_time(topo: Topology, emulation, sent: dict, recv: dict, op: Optiona
     """Seconds the declared links need for one call *alone* (EMULATED).
 
     Declared hardware (``EmulationConfig``), the same the simulator prices
-    (:mod:`moelab.sim.costs` with ``nics_per_node = ranks_per_node``, as
-    :func:`moelab.sim.validate.emulation_profile` sets): every rank has its own intra-node port
+    (:mod:`moelab.comm.costs` with ``nics_per_node = ranks_per_node``, as
+    :func:`moelab.measure.validate.emulation_profile` sets): every rank has its own intra-node port
     of ``intra_bw_GBps`` and its own inter-node NIC of ``inter_bw_GBps``, each per direction.
 
     - ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` over ``ranks``: rings

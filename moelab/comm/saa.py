@@ -82,7 +82,7 @@ def _demands(group, topo, profile, nbytes=0, sub=(), combine=1, **_):
     """The simulator's demands: one all-to-all step per phase (``sub``: every sub-group), in order."""
     import numpy as np
 
-    from moelab.sim.costs import alltoall_demands
+    from moelab.comm.costs import alltoall_demands
 
     group = list(group)
     idx = {r: i for i, r in enumerate(group)}

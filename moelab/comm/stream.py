@@ -13,7 +13,7 @@ import threading
 import weakref
 from typing import Callable, Optional
 
-from moelab.runtime.cpu_priority import as_comm_thread
+from moelab.comm.cpu_priority import as_comm_thread
 
 
 class Task:

@@ -3,7 +3,7 @@ slot's position within its expert (DeepSpeed's order: every first choice in toke
 second choice, ...), which a capacity then cuts.
 
 :func:`route_torch` is the reference (the same ops as ``moelab.moe.gates.topk_rule`` +
-``moelab.moe.routing.capacity_locations``). :func:`route_triton` does it in two kernel launches and no
+``capacity_locations`` below). :func:`route_triton` does it in two kernel launches and no
 host sync: one pass per block of tokens (softmax, k rounds of arg-max, weights, per-block counts per
 (choice, expert)), an exclusive scan of those small counts, and one pass placing each slot. Ties between
 equal logits go to the lower expert id in the kernel; torch.topk does not promise an order there.
@@ -15,7 +15,20 @@ import functools
 import torch
 
 from moelab.kernels import MAX_TOP_K, acc_dtype, tl_acc
-from moelab.moe.routing import capacity_locations
+
+
+def capacity_locations(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Position of each slot within its expert: first choices in token order, then second choices,
+    ... (choice j's slots come after those of every choice < j: DeepSpeed's order, any k)."""
+    T, k = idx.shape
+    loc = torch.zeros_like(idx)
+    base = torch.zeros(num_experts, dtype=torch.int64, device=idx.device)
+    for j in range(k):
+        onehot = torch.nn.functional.one_hot(idx[:, j].clamp(min=0), num_experts) * (idx[:, j] >= 0).unsqueeze(1)
+        pos = torch.cumsum(onehot, dim=0) - 1 + base
+        loc[:, j] = (pos * onehot).sum(1)
+        base = base + onehot.sum(0)
+    return loc
 
 
 def check_top_k(k: int, num_experts: int) -> None:

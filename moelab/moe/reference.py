@@ -18,7 +18,7 @@ sides. What it shares with production on purpose:
 - the BASE gate's assignment (:func:`moelab.moe.base_gate.auction_assignment`). The auction
   stops at an eps-optimal assignment, and which one it stops at decides the layer's exact output,
   so no independent solver can reproduce it bit for bit. The reference takes the assignment from
-  the auction and re-derives everything after it (weights, losses); ``tests/test_reference.py``
+  the auction and re-derives everything after it (weights, losses); ``tests/moe/test_reference.py``
   checks the assignment itself independently with scipy's ``linear_sum_assignment`` (exact balance,
   within ``T*eps`` of the optimum, and equal to it once eps is small).
 """

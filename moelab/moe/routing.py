@@ -13,9 +13,9 @@ from fractions import Fraction
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from moelab.config import MoEConfig
+from moelab.kernels.router import capacity_locations
 
 
 @dataclass
@@ -34,20 +34,6 @@ def capacity_for(num_tokens: int, num_experts: int, k: int, cf: Optional[float],
         return None
     exact = Fraction(k * num_tokens, num_experts) * Fraction(str(cf))  # exact decimal cf: no float round-up
     return max(math.ceil(exact), int(min_capacity))
-
-
-def capacity_locations(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Position of each slot within its expert: first choices in token order, then second choices,
-    ... (choice j's slots come after those of every choice < j: DeepSpeed's order, any k)."""
-    T, k = idx.shape
-    loc = torch.zeros_like(idx)
-    base = torch.zeros(num_experts, dtype=torch.int64, device=idx.device)
-    for j in range(k):
-        onehot = F.one_hot(idx[:, j].clamp(min=0), num_experts) * (idx[:, j] >= 0).unsqueeze(1)
-        pos = torch.cumsum(onehot, dim=0) - 1 + base
-        loc[:, j] = (pos * onehot).sum(1)
-        base = base + onehot.sum(0)
-    return loc
 
 
 def finish_routing(logits: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, cfg: MoEConfig, *,

@@ -16,5 +16,5 @@
 How a strategy plugs in an update: subclass :class:`~.update.Update` (or
 :class:`~.update.DataParallelUpdate`), override the hooks it needs and ``param_tensors`` /
 ``grad_tensors`` for buffers it owns (so memory is measured), and register it with
-its ``moelab.strategies.Strategy`` (``update=cls``); the Trainer calls the hooks, nothing else changes.
+its ``moelab.registry.Strategy`` (``update=cls``); the Trainer calls the hooks, nothing else changes.
 """

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from moelab.models.tasks import HEAD_MODULES
+
 FORMAT = 1
 PARAM_NAMES = ("w1", "b1", "w2", "b2")
 
@@ -107,7 +109,7 @@ def resume_errors(cfg) -> list:
         errs.append(f"the global batch parallel.nproc x train.batch_size = {cfg.parallel.nproc} x {t.batch_size} "
                     f"= {batch} must equal the checkpoint's {meta['global_batch']} (the data of each iteration "
                     "depends on it)")
-    from moelab.strategies import get_update
+    from moelab.registry import get_update
 
     if getattr(get_update(cfg.parallel.strategy), "saves_params", False):
         p, was = cfg.parallel, saved["parallel"]
@@ -276,3 +278,94 @@ def load(trainer, path) -> int:
     if meta["world"] == trainer.comm.world_size and rng is not None:
         torch.set_rng_state(rng)
     return int(meta["step"])
+
+
+# ---- starting a model from a checkpoint (fine-tuning) -----------------------------------------
+def init_from_checkpoint(model: torch.nn.Module, path) -> dict:
+    """Copy a checkpoint's parameters into ``model`` (non-strict only for HEAD_MODULES).
+
+    A checkpoint holds the full model (dense parameters by name, every expert whole). An MoE layer
+    that keeps only a shard of its gate and experts in its own layout (Parm: ESP slices of the
+    hidden dimension) defines ``load_full(own, experts) -> count``: ``own`` its dense entries by
+    name relative to the layer, ``experts`` ``{e: {w1, b1, w2, b2}}`` of its layer; it copies its
+    shard and raises CheckpointError for what it cannot hold.
+
+    Returns ``{"loaded": n, "fresh": [names kept at their seeded init]}``. Raises CheckpointError
+    when a backbone parameter or an expert is missing or shaped differently.
+    """
+
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise CheckpointError(f"no checkpoint at {path}")
+    dense = torch.load(ckpt / "dense.pt", weights_only=False)["params"]
+    names = {id(m): n for n, m in model.named_modules()}
+    own = {id(p) for m in model.moe_layers() if hasattr(m, "load_full") for p in m.parameters()}
+    skip = {id(p) for p in model.expert_parameters()} | own
+    loaded, fresh = 0, []
+    for n, p in model.named_parameters():
+        if id(p) in skip:
+            continue
+        src = dense.get(n)
+        if src is None or src.shape != p.shape:
+            if n.split(".")[0] in HEAD_MODULES:
+                fresh.append(n)
+                continue
+            what = "lacks" if src is None else f"has shape {tuple(src.shape)} for"
+            raise CheckpointError(f"{ckpt} {what} parameter {n} {tuple(p.shape)}")
+        p.copy_(src)
+        loaded += 1
+    experts = {}
+    for f in sorted(ckpt.glob("rank*.pt")):
+        experts.update(torch.load(f, weights_only=False)["experts"])
+
+    def expert(li, e):
+        if (li, e) not in experts:
+            raise CheckpointError(f"{ckpt} lacks expert {e} of MoE layer {li}")
+        return experts[(li, e)]["params"]
+
+    for li, layer in enumerate(model.moe_layers()):
+        if hasattr(layer, "load_full"):
+            prefix = names[id(layer)] + "."
+            mine = {k[len(prefix):]: v for k, v in dense.items() if k.startswith(prefix)}
+            E = sum(1 for (lj, _) in experts if lj == li)
+            loaded += layer.load_full(mine, {e: expert(li, e) for e in range(E)})
+            continue
+        ex = layer.experts
+        for s, e in enumerate(ex.experts):
+            for name in PARAM_NAMES:
+                p = getattr(ex, name)
+                if p is not None:
+                    p[s].copy_(expert(li, e)[name])
+                    loaded += 1
+    return {"loaded": loaded, "fresh": fresh}
+
+
+# ---- validation (no process started) -----------------------------------------------------------
+
+
+def checkpoint_errors(cfg) -> list:
+    """Why ``train.init_from`` / ``train.resume_from`` cannot work for ``cfg`` (empty: they can)."""
+    t, errs = cfg.train, []
+    if t.init_from is not None:
+        if t.resume_from is not None:
+            errs.append("train.init_from (fine-tune: parameters only) and train.resume_from (continue a run) "
+                        "exclude each other")
+        ckpt = latest_checkpoint(t.init_from)
+        if ckpt is None:
+            errs.append(f"train.init_from: no checkpoint at {t.init_from}")
+        elif not (ckpt / "dense.pt").is_file():
+            errs.append(f"train.init_from: {ckpt} holds each rank's own shards (a parm run's checkpoint), not the full "
+                        "model: start from another strategy's run, or continue this one with train.resume_from")
+        else:
+            saved = read_meta(ckpt)["config"]["model"]
+            if saved != cfg.to_dict()["model"]:
+                diff = sorted(k for k in saved if saved[k] != cfg.to_dict()["model"].get(k))
+                errs.append(f"train.init_from: the checkpoint {ckpt} is of another model (model.{', model.'.join(diff)} "
+                            "differ): fine-tuning keeps the model section")
+    if t.resume_from is not None:
+        ckpt = latest_checkpoint(t.resume_from)
+        was = read_meta(ckpt)["config"]["train"].get("task", "lm") if ckpt is not None else t.task
+        if was != t.task:
+            errs.append(f"train.resume_from: the checkpoint trained task {was!r}, not train.task={t.task!r} "
+                        "(to fine-tune from it use train.init_from)")
+    return errs

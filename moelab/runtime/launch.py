@@ -49,8 +49,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moelab.config import RunConfig
-from moelab.runtime.failures import RunTimeout  # noqa: F401 - raised here, importable from here as before
-from moelab.runtime.failures import RunFailed, RunInterrupted, failure, read_text, tail, timed_out
+from moelab.runtime.failures import (
+    RunFailed,
+    RunInterrupted,
+    RunTimeout,  # noqa: F401 - raised here, importable from here as before
+    failure,
+    read_text,
+    tail,
+    timed_out,
+)
 from moelab.runtime.processes import dump_stacks, kill, rank_pids
 from moelab.runtime.progress import Progress, parse_progress
 from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text, backend_of, stale_version
@@ -132,7 +139,7 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
         fits_memory(cfg, cfg.parallel.nproc // (nodes.nnodes if nodes is not None else 1))
     if worker == SERVE_WORKER:
         from moelab.config import ConfigError
-        from moelab.config_checks import serve_errors
+        from moelab.runtime.preflight import serve_errors
 
         errs = serve_errors(cfg)
         if errs:

@@ -12,7 +12,9 @@ tests and notebooks start hundreds). Each rank takes the caller's environment, w
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -20,8 +22,6 @@ import traceback
 from datetime import timedelta
 
 import torch
-import multiprocessing as mp
-import pickle
 
 
 class RankError(RuntimeError):

@@ -173,7 +173,7 @@ def _rank_of(path: Path) -> int:
 # ---- the summary, written last by the ranks (moelab.runtime.runfolder) --------------------
 def backend_of(cfg: RunConfig) -> str:
     """The backend a run uses: the configured one, or what ``auto`` picks on this machine."""
-    from moelab.config_checks import resolve_backend
+    from moelab.runtime.preflight import resolve_backend
 
     return resolve_backend(cfg.parallel.backend)
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from moelab.config import RunConfig
-from moelab.config_checks import serve_errors
+from moelab.runtime.preflight import serve_errors
 
 STOP = -1
 
@@ -76,7 +76,8 @@ def read_requests(path: str, cfg: RunConfig) -> tuple:
 def build(cfg: RunConfig, comm):
     """The serving model (serve layers sharing one context) and its context, from ``train.init_from``
     when given (parameters only), else the seeded init."""
-    from moelab.models.tasks import build_model, init_from_checkpoint
+    from moelab.models.tasks import build_model
+    from moelab.runtime.checkpoint import init_from_checkpoint
     from moelab.runtime.train import DTYPES
     from moelab.strategies.lina.infer import LinaServeLayer, ServeContext
 
@@ -94,7 +95,7 @@ def build(cfg: RunConfig, comm):
 def profile(cfg: RunConfig, model, ctx, comm):
     """Fit the path table on routing traces of ``serve.profile_batches`` training batches per rank."""
     from moelab.models.data import make_batch
-    from moelab.placement.popularity import PathTable
+    from moelab.strategies.lina.popularity import PathTable
 
     ctx.capture = True
     traces = []
@@ -223,10 +224,10 @@ def write_outputs(out_dir: str, comm, res: dict, rejected=(), traces=None) -> No
 
 def run(cfg: RunConfig, out_dir=None) -> dict:
     """On a rank of an initialised process group: build, profile, serve, write; return the records."""
+    import torch.distributed as dist
+
     from moelab.comm.door import Communicator, Recorder
     from moelab.runtime.train import topology_for
-
-    import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -238,7 +239,7 @@ def run(cfg: RunConfig, out_dir=None) -> dict:
     if rank == 0:
         requests, rejected = read_requests(cfg.serve.requests_file, cfg) if cfg.serve.requests_file else \
             (draw_requests(cfg), [])
-    from moelab.runtime.cpu_priority import compute_yields
+    from moelab.comm.cpu_priority import compute_yields
 
     try:
         with compute_yields(cfg.emulation.compute_yields):

@@ -94,14 +94,15 @@ class Trainer:
     def build(cls, cfg: RunConfig, device: Optional[torch.device] = None) -> "Trainer":
         import torch.distributed as dist
 
-        from moelab.models.tasks import build_model, init_from_checkpoint
+        from moelab.models.tasks import build_model
+        from moelab.runtime.checkpoint import init_from_checkpoint
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        from moelab.strategies import get_groups
+        from moelab.registry import get_groups
         comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank), groups=get_groups(cfg))
         dtype = DTYPES[cfg.train.dtype]
-        from moelab.strategies import get, get_strategy
+        from moelab.registry import get, get_strategy
 
         factory = get_strategy(cfg.parallel.strategy)
         strategy = get(cfg.parallel.strategy)
@@ -112,8 +113,8 @@ class Trainer:
         model.to(device)
         if cfg.train.init_from is not None:  # fine-tune: parameters only, before any update shards them
             init_from_checkpoint(model, cfg.train.init_from)
+        from moelab.registry import get_update
         from moelab.runtime.update import GRAD_SYNCS
-        from moelab.strategies import get_update
 
         if strategy.prepare_model is not None:  # e.g. Parm's tensor-parallel dense parts
             strategy.prepare_model(cfg, model, comm)
@@ -231,7 +232,7 @@ class Trainer:
         return loss, math.exp(loss) if loss == loss else float("nan")
 
     def run(self, on_iter: Optional[Callable[[dict], None]] = None) -> list:
-        from moelab.runtime.cpu_priority import compute_yields
+        from moelab.comm.cpu_priority import compute_yields
 
         with compute_yields(self.cfg.emulation.compute_yields):
             for it in range(self.start_iter, self.cfg.train.iters):

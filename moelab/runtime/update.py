@@ -25,7 +25,7 @@ Updates here:
   every rank.
 
 Strategies that change *how parameters and their optimizer state live* (ZeRO-1/2/3, FSSDP, Lina)
-provide another ``Update`` in their :class:`~moelab.strategies.Strategy` (``update=``).
+provide another ``Update`` in their :class:`~moelab.registry.Strategy` (``update=``).
 
 Memory (:mod:`moelab.runtime.memory`): an update reports what it holds by category from real
 storages (``param_tensors``, ``grad_tensors``, ``optimizer_tensors``); ``self.memory`` samples them
@@ -39,6 +39,7 @@ import torch
 
 from moelab.moe.sync import sync_dense_grads, sync_packed_grads, sync_replica_grads
 from moelab.runtime.memory import MemoryMeter, storage_bytes
+
 
 class Update:
     """Interface: the lifecycle hooks above, ``step()``, ``zero_grad()``, and memory by category.

@@ -1,7 +1,7 @@
 """How well a prediction matches measurements: R^2 around y = x, the median relative error, and both
 per part (end-to-end, compute, communication) with the spec's bar (FasterMoE §5.9: R^2 >= 0.9 and
 median |rel. error| <= 25 % on emulated runs) and a flag where too few points make R^2 meaningless.
-Shared by the simulator's validation (:mod:`moelab.sim.validate`) and every paper's predictor figure."""
+Shared by the simulator's validation (:mod:`moelab.measure.validate`) and every paper's predictor figure."""
 from __future__ import annotations
 
 import numpy as np

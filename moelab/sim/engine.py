@@ -10,7 +10,7 @@ Model (what a GPU job looks like to the scheduler):
   stream; so a collective starts when its last member is ready, and ranks that issue collectives
   in different orders deadlock (reported, not hung).
 - An op takes ``duration`` seconds (compute; the latency of a transfer), then, if it has
-  ``links`` (bytes per shared link, from :mod:`moelab.sim.costs`), it flows: while k transfers
+  ``links`` (bytes per shared link, from :mod:`moelab.comm.costs`), it flows: while k transfers
   use a link each gets 1/k of it (equal fair share), and a transfer advances at the pace of its
   slowest link share. Alone, a transfer takes ``duration + max bytes/capacity``.
 
@@ -25,7 +25,7 @@ Refinements of the sharing rule, each off unless a graph asks for it:
   it that has started moving is never preempted: it keeps an equal share beside the higher
   priority (a whole bucket or one micro-op in flight when an all-to-all arrives).
 - **Call gate** (``OpGraph.call_gate = (high streams, low streams, high_waits)``): a per-rank
-  scheduler's rule at the level of calls, not links (Lina's, :mod:`moelab.comm.priority`). A low op
+  scheduler's rule at the level of calls, not links (Lina's, :mod:`moelab.strategies.lina.priority`). A low op
   does not start while, on one of its ranks, a high op waits or runs; with ``high_waits`` a high op
   that becomes ready while low ops run on its ranks waits until they end (non-preemptive: the call in
   flight finishes first), else it starts beside them. Stream priority above still shares the links

@@ -6,22 +6,21 @@ per-peer bytes = tokens x d_model x element bytes. Every collective op carries t
 runtime's communicator would write (``comm``), so :func:`graph_bytes` replays the shared byte rule
 and must equal the measured bytes exactly.
 
-Each strategy names its generator in its :class:`~moelab.strategies.Strategy` (``sim_graph``);
+Each strategy names its generator in its :class:`~moelab.registry.Strategy` (``sim_graph``);
 :func:`iteration_graph` picks the one named by ``cfg.parallel.strategy``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from moelab.comm import costs
 from moelab.comm.bytes import by_link_class, exchange_by_class, peer_bytes
 from moelab.comm.topology import LINK_CLASSES, Topology
 from moelab.placement import Placement
-from moelab.sim import costs
 from moelab.sim.engine import OpGraph
 
 DTYPE_BYTES = {name: getattr(torch, name).itemsize for name in ("float16", "bfloat16", "float32", "float64")}  # torch's
@@ -29,7 +28,7 @@ DTYPE_BYTES = {name: getattr(torch, name).itemsize for name in ("float16", "bflo
 
 def get_graph(strategy: str) -> Callable:
     """The iteration-graph generator of a registered strategy (its ``Strategy.sim_graph``)."""
-    from moelab.strategies import get
+    from moelab.registry import get
 
     fn = get(strategy).graph()
     if fn is None:

@@ -3,7 +3,7 @@
 A profile gives the simulator what it prices plans with: GPUs per node and nodes, the GEMM
 throughput compute is charged at, and two link classes (``intra``: per GPU, per direction, inside
 a node; ``inter``: the node's NIC(s) together, per direction). ``nics_per_node`` says how that
-bandwidth is cut: :func:`moelab.sim.costs.link_capacities` makes ``nics_per_node`` NICs of
+bandwidth is cut: :func:`moelab.comm.costs.link_capacities` makes ``nics_per_node`` NICs of
 ``inter_bw_GBps / nics_per_node`` each, with the node's GPUs attached in contiguous blocks (1: one
 NIC shared by all GPUs; ``gpus_per_node``: one NIC per GPU, as the link emulator declares; 0, for
 single-node profiles, counts as 1), so a GPU alone on the network gets its own NIC's share, not the
@@ -291,7 +291,7 @@ def get_profile(name: str) -> ClusterProfile:
 
 
 def local_profile_from_calibration(fit: dict, name: str = "local") -> ClusterProfile:
-    """A profile of this machine from :func:`moelab.sim.calibrate.calibrate_local`'s result.
+    """A profile of this machine from :func:`moelab.measure.calibrate.calibrate_local`'s result.
 
     One node of ``nproc`` ranks; the class bandwidth and latency come from the all-to-all fit, and
     every fitted collective keeps its own (alpha, beta) in ``fits`` so the cost model prices it with

@@ -20,14 +20,13 @@ from typing import Iterable
 from moelab.comm.topology import LINK_CLASSES
 from moelab.config import ConfigError, RunConfig
 
-
 # what a strategy needs to run at all, applied to its points only (and recorded per row)
 STRATEGY_NEEDS = {"parm": {"model.moe.capacity_factor": 1.25, "model.moe.dispatcher": "dense",
                            "model.moe.gate": "gshard"}}  # Parm's schedules are DeepSpeed's capacity buffers
 
 
 def strategies_with_graphs() -> list:
-    from moelab.strategies import all_strategies
+    from moelab.registry import all_strategies
 
     return [s.name for s in all_strategies() if s.sim_graph]
 

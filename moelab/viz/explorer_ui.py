@@ -6,8 +6,23 @@ import dataclasses
 import html
 from typing import Optional
 
-from moelab.viz.explorer import SYNTHETIC_KINDS, ExplorerState, bytes_figure, edit_placement, evaluate, load_figure, \
-    placement_of, reset_ep, set_owner, set_replicas, shadow_hottest, summary_text, toggle_replica, trace_shape, world_of
+from moelab.viz.explorer import (
+    SYNTHETIC_KINDS,
+    ExplorerState,
+    bytes_figure,
+    edit_placement,
+    evaluate,
+    load_figure,
+    placement_of,
+    reset_ep,
+    set_owner,
+    set_replicas,
+    shadow_hottest,
+    summary_text,
+    toggle_replica,
+    trace_shape,
+    world_of,
+)
 
 
 class ExplorerUI:

@@ -39,7 +39,7 @@ def alpha_beta_fits(calibration, *, label: str, log: bool = True, title: str = "
                     ops=None) -> go.Figure:
     """Measured collective times and their fitted lines ``t = alpha + beta * x`` (as Parm Fig. 6).
 
-    ``calibration``: a :func:`moelab.sim.calibrate.calibrate_local` result (``raw.collectives``
+    ``calibration``: a :func:`moelab.measure.calibrate.calibrate_local` result (``raw.collectives``
     rows with ``op``, ``sent_bytes``, ``time_s``; ``collectives[op]`` with ``alpha``, ``beta``,
     ``r2``), or a pair ``(frame, {op: AlphaBeta | dict})``. x is the most non-local bytes a rank
     sends in the call (the shared byte rule), so beta is seconds per byte on the link.
@@ -80,13 +80,13 @@ def predicted_vs_measured(frame, *, label: str, measured: str = "real_s", predic
                           unit: float = 1e3, unit_name: str = "ms") -> go.Figure:
     """Scatter of predicted against measured, the y = x line, and R^2 of the prediction in the title.
 
-    ``frame``: e.g. :attr:`moelab.sim.validate.Comparison.iters` (rows with ``warmup`` True are
-    dropped) or ``.layers``. R^2 is around y = x (:func:`moelab.sim.validate.r2_score`). When the
+    ``frame``: e.g. :attr:`moelab.measure.validate.Comparison.iters` (rows with ``warmup`` True are
+    dropped) or ``.layers``. R^2 is around y = x (:func:`moelab.measure.validate.r2_score`). When the
     frame splits each side into compute and communication (``real_compute_s``/``sim_compute_s``,
     ``real_comm_s``/``sim_comm_s``, as ``Comparison`` frames do), the title gives R^2 of each part
     alone too: a good total can hide two compensating errors.
     """
-    from moelab.sim.validate import median_rel_err, r2_score
+    from moelab.measure.validate import median_rel_err, r2_score
 
     label = check_label(label)
     df = frame[~frame["warmup"]] if "warmup" in frame else frame
@@ -163,7 +163,7 @@ def critical_path_breakdown(results, *, label: str, by: str = "category", title:
 
 
 def bytes_check_table(comparison, *, label: str, title: str = "Bytes: simulated vs measured") -> go.Figure:
-    """A table figure of :meth:`moelab.sim.validate.Comparison.bytes_table` (per config, rank, link class)."""
+    """A table figure of :meth:`moelab.measure.validate.Comparison.bytes_table` (per config, rank, link class)."""
     label = check_label(label)
     t = comparison.bytes_table()
     fig = go.Figure(go.Table(

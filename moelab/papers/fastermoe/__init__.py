@@ -58,104 +58,105 @@ owner (since 2026-11-27; before, the emulator priced a flat tree and the runtime
 
 from __future__ import annotations
 
+from moelab.papers.kit.traces import TraceGate, popularity_summary, rescale_counts, top2_counts, top2_shares  # noqa: F401,E402
+from moelab.strategies.fastermoe.shadow import select_shadows  # noqa: F401,E402
+
 from .common import (  # noqa: F401
+    MODEL_CLUSTERS,
+    MODEL_FIELDS,
+    PAPER_LAYER_MODELS,
     SCALES,
     TRACE_ITERS,
     TRACE_WEIGHTS,
-    ScaleSpec,
-    scale_spec,
-    assumptions,
-    assumes,
-    mark_assumptions,
     ZERO_OVERLAP,
     PaperLayerModel,
-    MODEL_FIELDS,
-    MODEL_CLUSTERS,
-    paper_layer_models,
-    PAPER_LAYER_MODELS,
-    table2_models,
+    ScaleSpec,
+    assumes,
+    assumptions,
     cluster_preset,
-    sim_profile,
-    policy_constants,
+    mark_assumptions,
     moe_layer_times,
-)
-from .traces import (  # noqa: F401
-    t2_constants,
-    t2_popularity,
-    t2_counts,
-)
-from .suite import (  # noqa: F401
-    run_layer_suite,
-    EmulatedCluster,
-    predict_layer_variants,
-    suite_variants,
-    TRACE_KINDS,
-    suite_trace,
-    layer_suite,
-    shadow_decisions,
-    shadowing_note,
-    suite_medians,
-    suite_cluster,
-    simulate_layer_variants,
+    paper_layer_models,
+    policy_constants,
+    scale_spec,
+    sim_profile,
+    table2_models,
 )
 from .convergence import (  # noqa: F401
-    GSHARD,
     FASTERMOE_OPTS,
+    GSHARD,
+    TABLE3_TARGET_FRACTION,
     TOPO_FRACTION,
     base_gate_available,
-    convergence_systems,
     convergence_suite,
-    paper_iteration_time,
+    convergence_systems,
     fig14_convergence,
-    TABLE3_TARGET_FRACTION,
+    paper_iteration_time,
     table3_time_to_loss,
 )
-from .predictor import (  # noqa: F401
-    RUN_KIND,
-    parts_metrics,
-    predictor_sweep,
-    fig9_predictor,
-)
 from .end_to_end import (  # noqa: F401
-    paper_variant_options,
-    paper_trace,
     CLUSTERS,
-    paper_layer_sims,
-    weighted_model_times,
-    zero_layer_time,
     PRICING_ONLY,
     fig10_end_to_end,
     fig10_full_iteration,
-    zero_available,
     fig10_real,
     fig13_breakdown,
     fig13_breakdown_real,
-)
-from .sensitivity import (  # noqa: F401
-    clusters_of,
-    fig10_speedups,
-    fig10_sensitivity,
-)
-from .shadowing import (  # noqa: F401
-    fig11_shadowing,
-    fig11_shadowing_real,
-    fig6_shadow_bytes,
-)
-from .schedule import (  # noqa: F401
-    pipeline_gantt,
-    fig12_smart,
-    fig12_smart_real,
-    fig7_schedule,
-    fig8_schedules,
-)
-from .roofline import (  # noqa: F401
-    fig5_roofline,
-    fig5_roofline_measured,
+    paper_layer_sims,
+    paper_trace,
+    paper_variant_options,
+    weighted_model_times,
+    zero_available,
+    zero_layer_time,
 )
 from .popularity import (  # noqa: F401
     FIG3_COUNTS,
     fig3_ep_example,
     fig4_popularity,
 )
-from moelab.papers.kit.traces import TraceGate, popularity_summary, rescale_counts, top2_counts, top2_shares  # noqa: F401,E402
-from moelab.strategies.fastermoe.shadow import select_shadows  # noqa: F401,E402
+from .predictor import (  # noqa: F401
+    RUN_KIND,
+    fig9_predictor,
+    parts_metrics,
+    predictor_sweep,
+)
+from .roofline import (  # noqa: F401
+    fig5_roofline,
+    fig5_roofline_measured,
+)
+from .schedule import (  # noqa: F401
+    fig7_schedule,
+    fig8_schedules,
+    fig12_smart,
+    fig12_smart_real,
+    pipeline_gantt,
+)
+from .sensitivity import (  # noqa: F401
+    clusters_of,
+    fig10_sensitivity,
+    fig10_speedups,
+)
+from .shadowing import (  # noqa: F401
+    fig6_shadow_bytes,
+    fig11_shadowing,
+    fig11_shadowing_real,
+)
+from .suite import (  # noqa: F401
+    TRACE_KINDS,
+    EmulatedCluster,
+    layer_suite,
+    predict_layer_variants,
+    run_layer_suite,
+    shadow_decisions,
+    shadowing_note,
+    simulate_layer_variants,
+    suite_cluster,
+    suite_medians,
+    suite_trace,
+    suite_variants,
+)
+from .traces import (  # noqa: F401
+    t2_constants,
+    t2_counts,
+    t2_popularity,
+)

@@ -15,7 +15,6 @@ import pandas as pd
 from moelab.papers.kit.assumptions import Assumptions, load_assumptions
 from moelab.strategies.fastermoe import perf_model as pm
 
-
 SCALES = ("smoke", "default", "full")
 TRACE_ITERS = (500, 5500, 80500)  # AE trace iterations (Figs. 10, 12, 13)
 TRACE_WEIGHTS = (500, 5000, 75000)  # AE time weights of those iterations

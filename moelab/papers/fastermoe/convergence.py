@@ -8,10 +8,11 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 import torch
+
 from moelab.papers.kit.cache import cached
-from .common import ScaleSpec, assumptions, scale_spec, sim_profile
 from moelab.papers.kit.traces import rescale_counts
 
+from .common import ScaleSpec, assumptions, scale_spec, sim_profile
 
 # ==== REAL tiny MoE-GPT: convergence (Fig. 14, Table 3) and trace T1 ===========================================
 GSHARD = {"model.moe.gate": "gshard", "model.moe.capacity_factor": 1.2, "model.moe.random_routing": True,

@@ -7,9 +7,22 @@ from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
+
 from moelab.papers.kit.cache import cached
-from .common import (moe_layer_times, PAPER_LAYER_MODELS, PaperLayerModel, TRACE_ITERS, TRACE_WEIGHTS,
-                     assumptions, mark_assumptions, paper_layer_models, policy_constants, scale_spec, sim_profile)
+
+from .common import (
+    PAPER_LAYER_MODELS,
+    TRACE_ITERS,
+    TRACE_WEIGHTS,
+    PaperLayerModel,
+    assumptions,
+    mark_assumptions,
+    moe_layer_times,
+    paper_layer_models,
+    policy_constants,
+    scale_spec,
+    sim_profile,
+)
 from .convergence import FASTERMOE_OPTS, _conv_config, _conv_rank
 from .suite import layer_suite, shadow_decisions, shadowing_note, suite_medians
 from .traces import t2_counts
@@ -117,9 +130,9 @@ def zero_layer_time(stage: int, m: PaperLayerModel, overlap: Optional[float] = N
     hides that fraction of ``min(compute, comm)`` (DeepSpeed's overlap_comm / prefetch; default: the
     assumption ``zero_overlap``, the least trustworthy number here, spec §6.16). Stages 1 and 2 move the
     same bytes in this model."""
-    from moelab.sim import costs
-
     import dataclasses
+
+    from moelab.comm import costs
 
     overlap = assumptions(overrides).value("zero_overlap") if overlap is None else overlap
     prof = dataclasses.replace(sim_profile(m.cluster, overrides), allreduce="ring")  # the spec's volume model: rings
@@ -215,7 +228,7 @@ def fig10_full_iteration(scale, seed: int = 0) -> pd.DataFrame:
 
 def zero_available() -> bool:
     """True when moelab has the ZeRO baseline strategy (``parallel.strategy: zero``)."""
-    from moelab.strategies import known_strategies
+    from moelab.registry import known_strategies
 
     return "zero" in known_strategies()
 

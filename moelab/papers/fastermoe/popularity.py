@@ -2,15 +2,15 @@
 popularity over iterations (T1 REAL tiny MoE-GPT, T2 synthetic)."""
 from __future__ import annotations
 
-
 import numpy as np
 import pandas as pd
+
+from moelab.papers.kit.traces import popularity_summary, top2_shares
+
 from .common import scale_spec
 from .convergence import convergence_suite
 from .suite import run_layer_suite
-from moelab.papers.kit.traces import popularity_summary, top2_shares
 from .traces import t2_popularity
-
 
 # ==== Fig. 3, 4, 6, 7, 8 ===========================================================================================
 FIG3_COUNTS = np.array([[2, 1, 1], [3, 1, 0], [1, 2, 1]])  # expert 0: 6 = 3x expert 2 (2); spec §4 Fig. 3

@@ -2,18 +2,19 @@
 (N in {2, 4, 8}, EMULATED links and REAL loopback), calibrated on one half, R² and median error in parts."""
 from __future__ import annotations
 
-
 import numpy as np
 import pandas as pd
 import torch
 
-from moelab.strategies.fastermoe import perf_model as pm
 from moelab.papers.kit.cache import cached
+from moelab.papers.kit.traces import TraceGate, rescale_counts
+from moelab.strategies.fastermoe import perf_model as pm
+
 from .common import ScaleSpec, scale_spec
 from .convergence import _conv_tokens, convergence_suite
 from .suite import EmulatedCluster, _emulation
-from moelab.papers.kit.traces import TraceGate, rescale_counts
 from .traces import t2_counts
+
 
 # ==== Fig. 9: the performance model against measurements (CPU, N in {2, 4, 8}) ================================
 def _sweep_rank(rank, world, a):
@@ -83,7 +84,7 @@ _PREDICTED = {("emulated", "e2e"): "3 Tc + 4 T_a2a (emulator's link formula) + c
 
 def parts_metrics(df: pd.DataFrame, sp: ScaleSpec) -> list:
     """R^2 and median |rel. error| per (mode, split, part) of the points frame, each part measured on
-    the real runs (:func:`moelab.sim.validate.parts_table`: a part not measured gets a note, not a
+    the real runs (:func:`moelab.measure.validate.parts_table`: a part not measured gets a note, not a
     number; under ``MIN_R2_POINTS`` points ``r2_meaningful`` is False)."""
     from moelab.sim.accuracy import parts_table
 

@@ -4,8 +4,8 @@ and the plot builder of :mod:`moelab.papers.fastermoe.figures`; the notebook cal
 ``Session.show(id)`` once per product."""
 from __future__ import annotations
 
-from moelab.papers.kit.registry import Made, Quantity, product
 from moelab.papers.fastermoe import figures as F
+from moelab.papers.kit.registry import Made, Quantity, product
 
 from . import convergence, end_to_end, popularity, predictor, roofline, schedule, sensitivity, shadowing, suite
 from .common import scale_spec, table2_models  # noqa: F401 - scale_spec: the Session's scale lookup

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-
 import numpy as np
 import pandas as pd
 
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe import roofline as rl
 from moelab.strategies.fastermoe.shadow import select_shadows
+
 from .common import cluster_preset, policy_constants
 from .suite import _shadow_comm, _suite_warmup, layer_suite, suite_cluster, suite_medians
 from .traces import t2_counts
+
 
 # ==== Fig. 5: DDL-Roofline =========================================================================================
 def fig5_roofline(scale, seed: int = 0, h: int = 1024, h_ff: int = 2048, tokens: int = 1024, iteration: int = 500):

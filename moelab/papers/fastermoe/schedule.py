@@ -7,13 +7,14 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from moelab.papers.kit.cache import cached
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe.schedule import check_group_size, recv_peers, send_peers
-from moelab.papers.kit.cache import cached
 
 from .common import PAPER_LAYER_MODELS, cluster_preset, mark_assumptions, policy_constants, scale_spec
 from .end_to_end import paper_layer_sims, paper_trace
 from .suite import _suite_warmup, layer_suite, predict_layer_variants, suite_cluster, suite_medians
+
 
 def pipeline_gantt(dur_S, dur_C, dur_R, order: Optional[Sequence[int]] = None, sequential: bool = False,
                    mid_comm: float = 0.0) -> pd.DataFrame:

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 from typing import Optional
 
-
 import numpy as np
 import pandas as pd
 
+from moelab.papers.kit.traces import top2_counts
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe import roofline as rl
-from .common import mark_assumptions, moe_layer_times, PAPER_LAYER_MODELS, policy_constants, scale_spec, sim_profile
+
+from .common import PAPER_LAYER_MODELS, mark_assumptions, moe_layer_times, policy_constants, scale_spec, sim_profile
 from .end_to_end import _paper_layer_config, paper_variant_options
 from .suite import _suite_warmup, layer_suite, shadow_decisions, shadowing_note
-from moelab.papers.kit.traces import top2_counts
 from .traces import t2_popularity
+
 
 # ==== Fig. 11: shadowing over consecutive iterations ==========================================================
 def fig11_shadowing(scale, seed: int = 0):

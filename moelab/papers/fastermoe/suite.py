@@ -10,13 +10,15 @@ import numpy as np
 import pandas as pd
 import torch
 
+from moelab.papers.kit.cache import cached
+from moelab.papers.kit.traces import TraceGate, rescale_counts
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe import roofline as rl
-from moelab.papers.kit.cache import cached
+
 from .common import moe_layer_times, scale_spec
 from .convergence import _conv_tokens, convergence_suite
-from moelab.papers.kit.traces import TraceGate, rescale_counts
 from .traces import t2_counts
+
 
 def _emulation(intra, inter, lat):
     from moelab.config import EmulationConfig
@@ -355,9 +357,9 @@ def simulate_layer_variants(suite: dict, it: int, group_size: int = 2) -> dict:
     of a layer suite: ``moelab.sim`` on the suite's own network (``emulation_profile``: the emulated
     links), compute at the suite's measured per-rank FLOP/s, the shadow sets the real run used."""
     from moelab.config import RunConfig
+    from moelab.measure.validate import emulation_profile
     from moelab.sim import simulate
     from moelab.sim.profiles import ClusterProfile
-    from moelab.sim.validate import emulation_profile
     from moelab.strategies.fastermoe.sim_graph import fastermoe_iteration_graph
 
     N, E, d, f, nodes = suite["N"], suite["E"], suite["d"], suite["f"], suite["nodes"]

@@ -1,5 +1,5 @@
 """The rearranging baselines replayed over a load trace at paper scale, with their runtime's own pure
-policies (no processes): FlexMoE's rounds (:func:`moelab.placement.flexmoe.plan_round`, the function its
+policies (no processes): FlexMoE's rounds (:func:`moelab.strategies.flexmoe.policy.plan_round`, the function its
 Update calls) and SmartMoE's LPT re-placement (its strategy's replay, when present in this checkout).
 Each returns the per-iteration keyword arguments of the strategy's simulator graph and a note of what the
 policy did (a policy that never fired says so)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moelab.placement.flexmoe import canonical, plan_round
+from moelab.strategies.flexmoe.policy import canonical, plan_round
 
 FLEXMOE = dict(r=1, interval=10, threshold=1.2, max_steps=4, window=5)  # the strategy's defaults (spec §3 [choice])
 

@@ -28,14 +28,14 @@ SYSTEMS = ("EP", "FasterMoE", "SmartMoE", "FlexMoE", "Hecate", "Hecate (t formul
 
 
 def hecate_cost(cfg, profile):
-    from moelab.placement.fssdp_cost import cost_for_run
+    from moelab.sim.placement_cost import cost_for_run
 
     return cost_for_run(cfg, profile, profile.gpus_per_node)
 
 
 def overlap_degree(cfg, profile) -> int:
     """t of the paper's formula on the profile (spec §2.3, §6.3)."""
-    from moelab.sim import costs
+    from moelab.comm import costs
 
     m = cfg.model
     T = cfg.train.batch_size * m.seq_len

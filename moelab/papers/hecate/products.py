@@ -8,10 +8,12 @@ from moelab.papers.kit.registry import Made, Quantity, product
 
 from . import end_to_end as EE
 from . import figures as F
-from . import products_real  # noqa: F401 - registers the other half
-from . import trace
-from .common import P, X, scale_spec, table1 as _table1  # noqa: F401 - scale_spec: the Session's scale lookup
-
+from . import (
+    products_real,  # noqa: F401 - registers the other half
+    trace,
+)
+from .common import P, X, scale_spec  # noqa: F401 - scale_spec: the Session's scale lookup
+from .common import table1 as _table1
 
 TABLE1_PARAMS = ("model", {m: Quantity(f"parameters of {m} (experts + attention, L*(4E+4)*d^2)", "params")
                            for m in ("GPT-MoE-S", "GPT-MoE-L", "BERT-MoE", "BERT-MoE-Deep")})

@@ -32,7 +32,7 @@ def real_config(sp: ScaleSpec, strategy: str = "hecate", options=None):
 def real_runs(scale="smoke") -> dict:
     """REAL runs of EP, Hecate and FSDP of the experts (same data, same model) on ``nodes x ranks_per_node``
     gloo ranks."""
-    from moelab.sim.realruns import run_real_many
+    from moelab.measure.realruns import run_real_many
 
     sp = scale_spec(scale)
     systems = {"EP": ("ep", {}), "Hecate": ("hecate", None), "Hecate-RM": ("hecate", {**HECATE_REAL, "rm": True}),
@@ -40,7 +40,7 @@ def real_runs(scale="smoke") -> dict:
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": sp.ranks_per_node}),
                "FlexMoE": ("flexmoe", {"interval": 2}), "SmartMoE": ("smartmoe", {"interval": 2}),
                **{n: ("hecate", o) for n, o in ABLATION_REAL.items()}}
-    from moelab.strategies import known_strategies
+    from moelab.registry import known_strategies
 
     have = known_strategies()
     names = [n for n, (s, _) in systems.items() if s in have]
@@ -51,8 +51,8 @@ def real_runs(scale="smoke") -> dict:
 def fig9_real(scale="smoke", cluster: str = "hecate_A") -> pd.DataFrame:
     """The REAL runs' own plans and loads (every system on the same gloo ranks), each iteration priced by the
     simulator with ``cluster``'s links and compute: what these plans would cost there at this model size."""
+    from moelab.measure.validate import simulate_real
     from moelab.sim.profiles import get_profile
-    from moelab.sim.validate import simulate_real
 
     sp = scale_spec(scale)
     prof = get_profile(cluster)
@@ -82,8 +82,8 @@ def call_device_load(rec: dict, N: int, ranks_per_node: int) -> np.ndarray:
     """Tokens each rank computes in one recorded MoE layer call: its per-source counts routed through its holders
     (Hecate: the plan's P'; otherwise EP's owners) by the locality-first dispatcher, exact integers."""
     from moelab.placement import Placement
-    from moelab.placement.fssdp import holders_of, homogeneous_owners
     from moelab.placement.rules import LocalityFirst
+    from moelab.strategies.hecate.policy import holders_of, homogeneous_owners
 
     C = np.asarray(rec["counts"], dtype=np.int64).reshape(N, -1)
     E = C.shape[1]
@@ -256,7 +256,7 @@ def fig6_buffers() -> pd.DataFrame:
 def fig8_sharding(scale="smoke", t: int = 1, window: int = 5) -> pd.DataFrame:
     """Homogeneous (EP) vs heterogeneous (Alg. 2) sharding of the REAL trace's last window, 4 devices in 2
     nodes: per layer and device the experts owned and their load (the pure function the runtime calls)."""
-    from moelab.placement.fssdp import homogeneous_owners, reshard_owners
+    from moelab.strategies.hecate.policy import homogeneous_owners, reshard_owners
 
     sp = scale_spec(scale)
     tr = real_trace(sp.name)

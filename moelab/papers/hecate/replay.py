@@ -11,8 +11,14 @@ from typing import Optional
 
 import numpy as np
 
-from moelab.placement.fssdp import (LoadWindow, calibrate_plan, holders_of, homogeneous_owners, materialize_plan,
-                                    reshard_owners)
+from moelab.strategies.hecate.policy import (
+    LoadWindow,
+    calibrate_plan,
+    holders_of,
+    homogeneous_owners,
+    materialize_plan,
+    reshard_owners,
+)
 
 
 def hecate_plans(trace, *, t: int, m: int, ranks_per_node: int, cost=None, reshard_interval: int = 100,
@@ -22,7 +28,7 @@ def hecate_plans(trace, *, t: int, m: int, ranks_per_node: int, cost=None, resha
                  time_policy: bool = False) -> list:
     """Per iteration of ``trace`` (``[iters, layers, N, E]`` tokens per source and expert) the graph kwargs
     ``owners / prefetch / holders / moved / rm / backend`` plus ``calibration`` (per layer: off, nothing,
-    rejected, accepted). ``cost``: a :class:`~moelab.placement.fssdp_cost.FSSDPCost` (needed for calibration).
+    rejected, accepted). ``cost``: a :class:`~moelab.sim.placement_cost.PlacementCost` (needed for calibration).
     ``time_policy``: also ``policy_s``, this host's CPU seconds of each layer's calibration (``thread_time``),
     which the graph puts on every rank's path before dispatch as a REAL run's record does; off by default, so
     that figures do not depend on the host."""

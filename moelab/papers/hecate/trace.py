@@ -34,7 +34,7 @@ def trace_config(sp: ScaleSpec, experts=None):
 @cached
 def real_trace(scale="smoke", experts=None) -> np.ndarray:
     """``[iters, layers, N, E]`` tokens per (iteration, MoE layer, source rank, expert), REAL (EP, gloo)."""
-    from moelab.sim.realruns import run_real
+    from moelab.measure.realruns import run_real
 
     sp = scale_spec(scale)
     run = run_real(trace_config(sp, experts), timeout=max(300.0, 2.0 * sp.trace_iters))

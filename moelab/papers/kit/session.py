@@ -14,6 +14,7 @@ product (a table may also be PAPER), so a figure cannot silently change what it 
 from __future__ import annotations
 
 import time
+
 from moelab.papers.kit.manifest import NO_CUDA, NOT_REPRODUCED, load_manifest
 from moelab.papers.kit.registry import Context, check_against_manifest, products
 

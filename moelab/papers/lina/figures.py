@@ -8,7 +8,6 @@ from plotly.colors import qualitative
 
 from moelab.viz.figures import finish, labelled
 
-
 PALETTE = qualitative.Plotly + qualitative.Pastel  # 21 distinct colours before any repeats
 
 

@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pandas as pd
 
-from moelab.placement.lina import top_set
-from moelab.placement.popularity import pattern_share
 from moelab.sim.result import covered_fraction
 from moelab.strategies.lina.options import LinaOptions
+from moelab.strategies.lina.placement import top_set
+from moelab.strategies.lina.popularity import pattern_share
 
 from .common import labelled as _labelled
 from .common import scale_spec
@@ -125,7 +125,7 @@ def predict_suite(su: dict) -> pd.DataFrame:
     """The simulator's prediction of every EMULATED serve run of an inference suite (:func:`.runs._suite_rank`),
     in :func:`serve_summary`'s columns: each batch priced from the run's own recorded plans and counts
     (:func:`moelab.strategies.lina.sim_infer.predict_served`) on the emulated links, this model's compute
-    rate on this host (:func:`moelab.sim.local.machine_profile`, ``compute="model"``) and the call costs
+    rate on this host (:func:`moelab.measure.local.machine_profile`, ``compute="model"``) and the call costs
     measured in the suite's spawn after serving (held out); request latencies by replaying the run's
     batches through the batcher at the predicted batch times (:func:`~moelab.strategies.lina.sim_infer.replay_latencies`).
     Planning costs: each run's own allocation timed again here on the popularities it planned from (held
@@ -138,7 +138,7 @@ def predict_suite(su: dict) -> pd.DataFrame:
 
     from moelab.comm.topology import Topology
     from moelab.config import RunConfig
-    from moelab.sim.local import machine_profile
+    from moelab.measure.local import machine_profile
     from moelab.strategies.lina.sim_infer import InferShape, predict_served, replay_latencies
 
     if "call_costs" not in su:

@@ -11,7 +11,6 @@ from moelab.sim.result import interval_union, overlap_seconds, union_seconds
 from .common import labelled as _labelled
 from .runs import policy_runs
 
-
 A2A_ROLES = {"fwd": ("a2a dispatch", "a2a combine"), "bwd": ("a2a combine (grad)", "a2a dispatch (grad)")}
 
 

@@ -360,12 +360,12 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     batch (``tokens_per_batch``; default: :func:`fitted_infer_tokens`'s) so Lina's fixed scheduling costs
     meet a paper-size batch; ``variants``: default all; ``free_scheduling``: a what-if with the paper's
     scheduler costs (``o_plan``, ``o_check``) set to zero, to separate them from the placement's quality;
-    ``rounding``: the scheduled variants' ``serve.replica_rounding`` (:func:`moelab.placement.lina.allocate`);
+    ``rounding``: the scheduled variants' ``serve.replica_rounding`` (:func:`moelab.strategies.lina.placement.allocate`);
     ``replan_test``: Lina's ``serve.replan_test`` (phase 2 by the top sets, or by load); ``first_layers``: its
     ``serve.first_layers`` (the layers before path_len static, or planned from the actual counts); ``path_len``:
     the estimator's path (default: the scale's middle one, Table 5's 3 at the default scale)."""
     from moelab.comm.topology import Topology
-    from moelab.placement.popularity import PathTable
+    from moelab.strategies.lina.popularity import PathTable
     from moelab.strategies.lina.sim_infer import InferShape, simulate_serving
 
     from .runs import VARIANTS, inference_suite

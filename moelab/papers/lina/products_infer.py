@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 
 from moelab.config import ServeConfig
-from moelab.placement.lina import BALANCE_TOL
 from moelab.papers.kit.registry import Made, Quantity, product
+from moelab.strategies.lina.placement import BALANCE_TOL
 
 from . import figures as F
 from . import frames, paper_scale

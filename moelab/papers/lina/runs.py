@@ -1,7 +1,7 @@
 """Lina's real runs for the reproduction, cached per (scale, seed).
 
 - :func:`policy_runs` (EMULATED): the training policies on 4 gloo ranks (2 nodes x 2) with
-  contention-aware emulated links, one spawn (:func:`moelab.sim.realruns.run_real_many`).
+  contention-aware emulated links, one spawn (:func:`moelab.measure.realruns.run_real_many`).
 - :func:`inference_suite` (REAL): one spawn of 4 ranks trains the inference model (top-1, aux loss,
   E = ``i_experts``), checkpoints it, then serves it under every variant and every path length of
   Table 5 through :mod:`moelab.runtime.serve`; returns the training loads, the routing traces of the
@@ -29,7 +29,7 @@ DEPARTURE_NOTE = ("lina_coalesce: lina with runs of consecutive small gradients 
                   "(coalesce_bytes = S), a departure from the spec's one gradient per micro-op")
 VARIANTS = ("baseline", "ideal", "lina", "lina_no_estimation", "lina_no_finetune")
 SCHEDULED = VARIANTS[2:]  # the variants that plan placements (serve.replica_rounding applies to them)
-BALANCED_SUFFIX = " (balanced)"  # their runs with serve.replica_rounding "balanced" (moelab.placement.lina.allocate_balanced)
+BALANCED_SUFFIX = " (balanced)"  # their runs with serve.replica_rounding "balanced" (moelab.strategies.lina.placement.allocate_balanced)
 LOAD_KEY = "lina (balanced, load test)"  # lina (balanced) whose phase 2 re-plans by load (serve.replan_test "load")
 LOAD_OPTIONS = {"serve.replica_rounding": "balanced", "serve.replan_test": "load"}
 # lina whose layers before path_len are planned from the actual counts (serve.first_layers "actual"), with the
@@ -42,10 +42,10 @@ WORLD, NODES = 4, 2
 
 def train_yields(yields=None) -> bool:
     """Whether the training runs' compute threads yield to communication (``emulation.compute_yields``, ranks'
-    compute at SCHED_IDLE during the iterations, :mod:`moelab.runtime.cpu_priority`): ``None`` = on where the
+    compute at SCHED_IDLE during the iterations, :mod:`moelab.comm.cpu_priority`): ``None`` = on where the
     host allows, as ``benchmarks/lina.py`` does. With 4 ranks on 2 cores a call a communication thread issues
     during backward otherwise waits for a core behind the compute (a NIC does not wait for the GPU)."""
-    from moelab.runtime.cpu_priority import resolve
+    from moelab.comm.cpu_priority import resolve
 
     return resolve("auto") if yields is None else bool(yields)
 
@@ -149,7 +149,7 @@ def policy_runs(scale: str, seed: int = 0, yields=None) -> dict:
     spans, "metrics": rank 0's per-iteration metrics rows, "loads": tokens per (iteration, MoE layer, source
     rank, expert)}``, each with a policy column, warm-up dropped;
     :data:`POLICIES`, then :data:`DEPARTURES`; ``yields``: :func:`train_yields`."""
-    from moelab.sim.realruns import run_real_many
+    from moelab.measure.realruns import run_real_many
 
     s, yields = scale_spec(scale), train_yields(yields)
     names = POLICIES + tuple(DEPARTURES)
@@ -184,7 +184,7 @@ PARTITION_FACTORS = (0.25, 1.0, 4.0, 16.0)  # Fig. 15's sweep: micro-op sizes as
 def partition_runs(scale: str, seed: int = 0, factors=PARTITION_FACTORS) -> pd.DataFrame:
     """Fig. 15 (EMULATED): ``lina``'s step at micro-op sizes ``factors`` x the scale's S (S is scaled with the
     model, as the bucket is), one row each: S, micro-ops per step (all-reduce calls of a rank), the step."""
-    from moelab.sim.realruns import run_real_many
+    from moelab.measure.realruns import run_real_many
 
     s = scale_spec(scale)
     cfgs = [train_config(s, "lina", seed, S=f * s.t_S) for f in factors]
@@ -256,14 +256,14 @@ FREE_RUNS = {"static": {"serve.variant": "baseline"},
 
 
 def _serve_call_costs(cfg, world) -> dict:
-    """:func:`moelab.sim.local.emulated_call_costs` of a 1-element all-to-all over every serving rank, on
+    """:func:`moelab.measure.local.emulated_call_costs` of a 1-element all-to-all over every serving rank, on
     a communicator with the serve runs' EMULATED links (the simulator's prediction of a served batch prices
     each of its calls with them)."""
     import torch.distributed as dist
 
     from moelab.comm.door import Communicator, Recorder
+    from moelab.measure.local import emulated_call_costs
     from moelab.runtime.train import topology_for
-    from moelab.sim.local import emulated_call_costs
 
     comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(dist.get_rank()))
     try:

@@ -79,7 +79,7 @@ def _run(scale, specs) -> pd.DataFrame:
     """``specs``: (key dict, task, options, seed, iters, init_from) -> one row each, the runs not done yet in
     this process (Table 2's topic runs are Fig. 7's Origin and L = 6) in one spawn. Runs are deterministic
     in their config, so a shared row is the run's own; only its timing was measured once."""
-    from moelab.sim.realruns import run_real_many
+    from moelab.measure.realruns import run_real_many
 
     s = scale_spec(scale)
     cfgs = [run_config(scale, task, opts, seed, iters, init) for _, task, opts, seed, iters, init in specs]

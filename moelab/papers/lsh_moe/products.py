@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from moelab.papers.kit.registry import Made, Quantity, product
+from moelab.strategies.lsh_moe import analysis
 
 from . import figures as F
 from . import finetune, quality, rates, share, speed
-from moelab.strategies.lsh_moe import analysis
 from .common import scale_spec  # noqa: F401 - the Session's scale lookup
 
 P = "lsh_moe"

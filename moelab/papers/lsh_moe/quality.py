@@ -50,7 +50,7 @@ def convergence(scale, task: str = "lm") -> pd.DataFrame:
     """One row per (variant, seed, iteration): loss, eval_ppl (NaN between evaluations), step_s (slowest
     rank), time_s (cumulative), rho (measured; 1 for Origin). ``task``: ``lm`` (masked LM, Fig. 6 left) or
     ``span`` (T5-like span corruption on the same encoder, Fig. 6 right)."""
-    from moelab.sim.realruns import run_real_many
+    from moelab.measure.realruns import run_real_many
 
     s = scale_spec(scale)
     vs = variants(scale)

@@ -25,9 +25,9 @@ import pandas as pd
 
 from moelab.papers.kit.assumptions import Assumptions, load_assumptions
 from moelab.papers.kit.cache import cached
+from moelab.strategies.lsh_moe.analysis import a2a_compute_ratio
 
 from . import common
-from moelab.strategies.lsh_moe.analysis import a2a_compute_ratio
 
 PAPER_A = {"RoBERTa-MoE": 0.40, "GPT-MoE-15B": 0.30, "Swin-MoE-L": 0.70}  # Fig. 3(a), read off the bars (spec §4)
 SETUPS = {"a": (2, 1), "b": (4, 1), "c": (2, 2)}  # setup -> (servers of 8 GPUs, expert multiplier)
@@ -143,7 +143,7 @@ def fig3(scale) -> pd.DataFrame:
 def measured(scale) -> pd.DataFrame:
     """REAL and EMULATED share of the all-to-all in tiny masked-LM MoE steps on 2 and 4 gloo ranks."""
     from moelab.config import RunConfig
-    from moelab.sim.realruns import run_real_many
+    from moelab.measure.realruns import run_real_many
 
     s = common.scale_spec(scale)
     rows = []

@@ -15,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.comm.costs import fit_alpha_beta
 from moelab.papers.kit.cache import cached
-from moelab.sim.calibrate import fit_alpha_beta
-from moelab.strategies.parm.grid import SETTINGS as GRID, filtered
+from moelab.strategies.parm.grid import SETTINGS as GRID
+from moelab.strategies.parm.grid import filtered
 from moelab.strategies.parm.sim_graph import model_fits, sim_curve
 
 from . import real

@@ -56,7 +56,7 @@ def _rank(rank, world, scale, seed=0):
     from moelab.strategies.parm.layout import ParmLayout
     from moelab.strategies.parm.perf_model import ParmShape, from_dicts, select
     from moelab.strategies.parm.select import live_fits
-    
+
     s = scale_spec(scale)
     rpn = 4 if world == 8 else 2
     topo = Topology(world, rpn)

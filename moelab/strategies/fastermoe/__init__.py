@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from moelab.strategies import Strategy, register_strategy
+from moelab.registry import Strategy, register_strategy
 from moelab.strategies.fastermoe.options import FasterMoEOptionError, FasterMoEOptions
 
 

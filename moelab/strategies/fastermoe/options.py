@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from moelab.config import ConfigError
-from moelab.strategies.options import StrategyOptions
+from moelab.registry import StrategyOptions
 from moelab.strategies.fastermoe.perf_model import ELEM_BYTES, P_V100_PCIE, W_NET_DEFAULT
 from moelab.strategies.fastermoe.topo_gate import DEFAULT_FRACTION
 

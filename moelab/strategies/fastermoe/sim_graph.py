@@ -1,5 +1,5 @@
 """The simulator's op graph of one FasterMoE training iteration (``moelab.sim`` executor of the same
-plan the runtime runs): the ``sim_graph`` of the ``fastermoe`` :class:`~moelab.strategies.Strategy`.
+plan the runtime runs): the ``sim_graph`` of the ``fastermoe`` :class:`~moelab.registry.Strategy`.
 
 The model skeleton is :func:`moelab.sim.graphs.transformer_iteration_graph` (attention, gate,
 count exchange, MoE, head, backward, one dense all-reduce), shared with the EP graph; the MoE
@@ -25,11 +25,10 @@ from typing import Optional
 
 import numpy as np
 
+from moelab.comm import costs
 from moelab.placement import Placement
-from moelab.sim import costs
 from moelab.sim.engine import OpGraph
-from moelab.sim.graphs import (expert_param_count, route_matrix, topology_of,
-                               transformer_iteration_graph)
+from moelab.sim.graphs import expert_param_count, route_matrix, topology_of, transformer_iteration_graph
 from moelab.strategies.fastermoe.options import FasterMoEOptions
 from moelab.strategies.fastermoe.schedule import check_group_size, send_peers
 from moelab.strategies.fastermoe.shadow import select_shadows

@@ -38,8 +38,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from moelab.moe.experts import ffn
 from moelab.comm.stream import CommStream, Task, comm_stream  # noqa: F401 - moved to moelab.comm
+from moelab.moe.experts import ffn
 from moelab.moe.materialize import Materializer
 from moelab.strategies.fastermoe.schedule import check_group_size, recv_peers, send_peers
 

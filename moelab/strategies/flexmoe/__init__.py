@@ -1,6 +1,6 @@
 """FlexMoE (dynamic device placement; Hecate's baseline, spec ``shared/papers/hecate.md`` §3) in moelab.
 
-Pure: the scheduler (:mod:`moelab.placement.flexmoe`: slot budget E/N + r, balance ratio, Expand /
+Pure: the scheduler (:mod:`moelab.strategies.flexmoe.policy`: slot budget E/N + r, balance ratio, Expand /
 Shrink / Migrate kept while gain × K > migration cost). Runtime: the core layer on a placement with
 replicas (:class:`.layer.FlexMoELayer` only adds its plan record), driven by :class:`.update.FlexMoEUpdate`
 (scheduling before the forward, :func:`moelab.moe.migrate.migrate_holders` for params + Adam state, one
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from moelab.strategies import Strategy, register_strategy
+from moelab.registry import Strategy, register_strategy
 from moelab.strategies.flexmoe.options import FlexMoEOptionError, FlexMoEOptions
 from moelab.strategies.flexmoe.update import FlexMoEUpdate
 

@@ -8,7 +8,7 @@ replica-group gradient all-reduce); the layer only describes it in its plan reco
 from __future__ import annotations
 
 from moelab.moe.layer import MoELayer
-from moelab.placement.flexmoe import balance_ratio
+from moelab.strategies.flexmoe.policy import balance_ratio
 
 
 class FlexMoELayer(MoELayer):

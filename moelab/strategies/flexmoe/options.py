@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from moelab.config import ConfigError
-from moelab.strategies.options import StrategyOptions
+from moelab.registry import StrategyOptions
 
 
 class FlexMoEOptionError(ConfigError):

@@ -1,5 +1,5 @@
 """The simulator's op graph of one FlexMoE training iteration: the ``sim_graph`` of the ``flexmoe``
-:class:`~moelab.strategies.Strategy`, pricing the plan :class:`.update.FlexMoEUpdate` executed.
+:class:`~moelab.registry.Strategy`, pricing the plan :class:`.update.FlexMoEUpdate` executed.
 
 - The EP skeleton (:func:`moelab.sim.graphs.transformer_iteration_graph`: attention, gate, count
   exchange, dispatch / experts / combine and the mirror backward, dense all-reduce) with each MoE
@@ -10,7 +10,7 @@
   the expert's flat gradient (``expert_param_count × elem_bytes``) within its replica set;
 - on a scheduling iteration, the round's copies (:func:`moelab.moe.migrate.copies_between` of the
   holders before the round, recovered from the recorded steps by
-  :func:`moelab.placement.flexmoe.undo_steps`, and after) as ONE ``all_to_all`` over all ranks of rows of
+  :func:`moelab.strategies.flexmoe.policy.undo_steps`, and after) as ONE ``all_to_all`` over all ranks of rows of
   params + two Adam moments (``3 × expert_param_count × elem_bytes``), issued beside layer 0's attention
   and waited by its gate (the runtime runs it just before the forward).
 
@@ -23,13 +23,20 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from moelab.comm import costs
 from moelab.moe.migrate import copies_between
 from moelab.placement import Placement
-from moelab.placement.flexmoe import canonical, undo_steps
-from moelab.sim import costs
 from moelab.sim.engine import OpGraph
-from moelab.sim.graphs import (elem_bytes_of, expert_param_count, moe_layer_ids, route_matrix, topology_of,
-                               token_stages, transformer_iteration_graph)
+from moelab.sim.graphs import (
+    elem_bytes_of,
+    expert_param_count,
+    moe_layer_ids,
+    route_matrix,
+    token_stages,
+    topology_of,
+    transformer_iteration_graph,
+)
+from moelab.strategies.flexmoe.policy import canonical, undo_steps
 
 
 def migration_matrix(holders, steps, N: int, row_bytes: int) -> np.ndarray:

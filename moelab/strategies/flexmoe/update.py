@@ -4,7 +4,7 @@ Per iteration, every rank, from all-gathered integers only (so every rank comput
 
 - ``before_forward``: from iteration 1, per layer, the balance ratio of the window's loads under the
   current holders; every ``interval`` iterations, or when a layer's ratio exceeds ``threshold``, the
-  pure scheduler (:func:`moelab.placement.flexmoe.schedule`) plans that layer's round, priced by the
+  pure scheduler (:func:`moelab.strategies.flexmoe.policy.schedule`) plans that layer's round, priced by the
   §2.9 cost model (``t_moe`` gain × K against the migration cost of each copied expert). The rounds of
   all layers are executed together by :func:`moelab.moe.migrate.migrate_holders` (one all-to-all of
   params + Adam moments); then every replica set gets its cached group
@@ -29,8 +29,8 @@ import torch
 from moelab.moe.experts import expert_numel
 from moelab.moe.migrate import migrate_holders
 from moelab.moe.sync import sync_dense_grads
-from moelab.placement.flexmoe import plan_round
 from moelab.runtime.update import DataParallelUpdate, fill_missing_grads
+from moelab.strategies.flexmoe.policy import plan_round
 
 from .options import FlexMoEOptions
 
@@ -54,7 +54,7 @@ class FlexMoEUpdate(DataParallelUpdate):
     def cost(self):
         """The §2.9 model on ``cost_profile`` with this run's experts (built once)."""
         if self._cost is None:
-            from moelab.placement.fssdp_cost import cost_for_run
+            from moelab.sim.placement_cost import cost_for_run
 
             self._cost = cost_for_run(self.cfg, self.options.cost_profile, self.comm.topo.ranks_per_node)
         return self._cost
@@ -75,7 +75,7 @@ class FlexMoEUpdate(DataParallelUpdate):
 
     # ---- the Update interface -------------------------------------------------------------------------
     def plan_round(self) -> list:
-        """This iteration's new holders and steps per layer (:func:`moelab.placement.flexmoe.plan_round`)."""
+        """This iteration's new holders and steps per layer (:func:`moelab.strategies.flexmoe.policy.plan_round`)."""
         o = self.options
         return plan_round([layer.placement.holders for layer in self.layers], self.window_loads(), len(self._window),
                           self.iteration, self.N, r=o.r, interval=o.interval, threshold=o.threshold,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from moelab.strategies import Strategy, register_strategy
+from moelab.registry import Strategy, register_strategy
 from moelab.strategies.fsdp_expert.options import FsdpExpertOptionError, FsdpExpertOptions
 from moelab.strategies.fsdp_expert.update import FsdpExpertUpdate
 

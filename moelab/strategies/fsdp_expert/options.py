@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moelab.config import ConfigError
-from moelab.strategies.options import StrategyOptions
+from moelab.registry import StrategyOptions
 
 
 class FsdpExpertOptionError(ConfigError):

@@ -23,11 +23,10 @@ from typing import Optional
 
 import numpy as np
 
+from moelab.comm import costs
 from moelab.placement import Placement
-from moelab.sim import costs
 from moelab.sim.engine import OpGraph
-from moelab.sim.graphs import (elem_bytes_of, expert_param_count, moe_layer_ids, topology_of,
-                               transformer_iteration_graph)
+from moelab.sim.graphs import elem_bytes_of, expert_param_count, moe_layer_ids, topology_of, transformer_iteration_graph
 from moelab.strategies.fsdp_expert.options import FsdpExpertOptions
 
 

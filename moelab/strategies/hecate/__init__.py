@@ -1,8 +1,8 @@
 """Hecate / FSSDP (arXiv 2502.02581) in moelab: fully sharded sparse data parallelism. Spec:
 ``shared/papers/hecate.md``.
 
-Pure (no processes): Alg. 1/2, calibration and the load window in :mod:`moelab.placement.fssdp`, the
-§2.9 cost model in :mod:`moelab.placement.fssdp_cost`; the sparse collectives in
+Pure (no processes): Alg. 1/2, calibration and the load window in :mod:`moelab.strategies.hecate.policy`, the
+§2.9 cost model in :mod:`moelab.sim.placement_cost`; the sparse collectives in
 :mod:`moelab.comm.sparse`; the migration routine in :mod:`moelab.moe.migrate`. Runtime:
 :class:`.layer.HecateMoELayer` (a ``MoELayer`` subclass) driven by :class:`.update.HecateUpdate`;
 options in :mod:`.options`. Simulator: :mod:`.sim_graph` (the same plans priced by ``moelab.sim``).
@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 
 from moelab.comm.sparse import NODE_BACKENDS
-from moelab.strategies import Strategy, register_strategy
+from moelab.registry import Strategy, register_strategy
 from moelab.strategies.hecate.options import LATER_GROUP, HecateOptionError, HecateOptions
 from moelab.strategies.hecate.update import HecateUpdate
 

@@ -29,8 +29,8 @@ from typing import Optional, Tuple
 
 from moelab.comm.sparse import BACKENDS, NODE_BACKENDS
 from moelab.config import ConfigError
-from moelab.placement.fssdp import ASSIGN, CALIBRATION_RULES
-from moelab.strategies.options import StrategyOptions
+from moelab.registry import StrategyOptions
+from moelab.strategies.hecate.policy import ASSIGN, CALIBRATION_RULES
 
 LATER_GROUP = "sparse_later"  # the staged backends' later stages, posted by a comm stream
 

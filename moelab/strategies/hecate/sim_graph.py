@@ -17,13 +17,19 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from moelab.comm import costs
 from moelab.comm.sparse import part_numel, sparse_plan
 from moelab.placement import Placement
-from moelab.placement.fssdp import homogeneous_owners
 from moelab.placement.rules import LocalityFirst
-from moelab.sim import costs
-from moelab.sim.graphs import (elem_bytes_of, expert_param_count, moe_layer_ids, token_stages, topology_of,
-                               transformer_iteration_graph)
+from moelab.sim.graphs import (
+    elem_bytes_of,
+    expert_param_count,
+    moe_layer_ids,
+    token_stages,
+    topology_of,
+    transformer_iteration_graph,
+)
+from moelab.strategies.hecate.policy import homogeneous_owners
 
 
 def _stage_matrices(P, Q, N: int, G: int, backend: str, numel: int, elem_bytes: int) -> list:

@@ -32,10 +32,17 @@ import torch
 from moelab.comm.record import Span
 from moelab.comm.sparse import NODE_BACKENDS
 from moelab.moe.migrate import migrate_owners
-from moelab.placement.fssdp import (LoadWindow, holders_of, materialize_plan, memory_slots, overlap_degree,
-                                    plan_hash, reshard_owners)
 from moelab.runtime.memory import free_memory_bytes
 from moelab.runtime.update import DataParallelUpdate
+from moelab.sim.placement_cost import overlap_degree
+from moelab.strategies.hecate.policy import (
+    LoadWindow,
+    holders_of,
+    materialize_plan,
+    memory_slots,
+    plan_hash,
+    reshard_owners,
+)
 
 from .options import HecateOptions
 

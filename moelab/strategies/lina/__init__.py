@@ -1,6 +1,6 @@
 """Lina (ATC'23) in moelab: all-to-all before all-reduce in training. Spec: ``shared/papers/lina.md``.
 
-Training (§2.2): :mod:`moelab.comm.priority` (the per-rank priority scheduler, a core seam every
+Training (§2.2): :mod:`moelab.strategies.lina.priority` (the per-rank priority scheduler, a core seam every
 collective passes), :mod:`.update` (DDP buckets or partitioned micro-ops as low-priority ops),
 :mod:`.layer` (the combine marker). Policies: ``after_backward``, ``ddp_overlap`` (the baseline),
 ``fixed``, ``priority``, ``lina`` (:mod:`.options`).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from moelab.strategies import Strategy, register_strategy
+from moelab.registry import Strategy, register_strategy
 from moelab.strategies.lina.options import POLICIES, LinaOptionError, LinaOptions
 
 

@@ -2,12 +2,12 @@
 
 :class:`LinaServeLayer` replaces a model's MoE layer when serving. It holds the gate (seeded as in
 training, top-1, no capacity) and the full expert bank (every expert on every rank: the host copy).
-Per call it picks this batch's placement by the variant, then runs :func:`moelab.moe.serve.serve_forward`:
+Per call it picks this batch's placement by the variant, then runs :func:`moelab.strategies.lina.dispatch.serve_forward`:
 
 - ``baseline``: the static placement (expert block of rank r on rank r);
 - ``ideal``: the gate's choice replaced by a perfectly balanced one (timing only: other outputs);
 - ``lina``: phase 1 - right after layer l's gate, every rank sums ``pop_hat`` for layer l+1 over its
-  tokens' paths (:class:`moelab.placement.popularity.PathTable`) and sends the sums with layer l's count
+  tokens' paths (:class:`moelab.strategies.lina.popularity.PathTable`) and sends the sums with layer l's count
   exchange (piggybacked, as the spec piggybacks them on the dispatch: no call of their own,
   :func:`piggyback_bytes`); a loader thread plans ``allocate(N * pop_hat)`` from the same numbers on
   every rank (no scheduler rank: the same plan everywhere without a broadcast) and loads layer l+1's
@@ -40,12 +40,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from moelab.comm.cpu_priority import as_comm_thread
 from moelab.moe.experts import Experts
 from moelab.moe.gates import Gate
 from moelab.moe.layer import init_gate_
-from moelab.moe.serve import serve_forward
-from moelab.placement.lina import allocate, load_off, needs_replan
-from moelab.runtime.cpu_priority import as_comm_thread
+from moelab.strategies.lina.dispatch import serve_forward
+from moelab.strategies.lina.placement import allocate, load_off, needs_replan
 
 
 def static_placement(N: int, E: int) -> list:

@@ -8,10 +8,10 @@
 | ``a2a_chunks`` | 4 | m, all-to-all micro-ops per all-to-all (``lina_pipe``, ``lina_full``) |
 | ``max_inflight`` | 1 | low-priority micro-ops in flight at once |
 | ``drain_inflight`` | 0 | micro-ops in flight at once during the drain after backward, where no all-to-all can arrive (0: ``max_inflight``, the spec's one bound throughout; else at least ``max_inflight``; more overlaps each call's fixed cost with the ops before it) |
-| ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.comm.priority`) |
+| ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.strategies.lina.priority`) |
 | ``block_on_combine_backward`` | true | stop launching micro-ops once a MoE layer's combine backward starts |
 | ``stall_ms`` | 0 | the bound of that wait in ms (0: three times the median of the last 16 micro-op times, at least 5 ms) |
-| ``launch_agreement`` | none | ``none``: each rank's scheduler decides alone (the paper's design; its non-preemptive wait is bounded against the cross-rank stall); ``leader``: the first rank of a group decides every micro-op's launch and tells the others by a 1-element broadcast on a control group (no stall, one more small call per micro-op); ``plan``: every rank launches the same micro-ops in the same backward window, planned from the previous step's windows and op durations agreed by two small all-gathers a step (no stall; the first step reduces everything after backward; :mod:`moelab.comm.priority`) |
+| ``launch_agreement`` | none | ``none``: each rank's scheduler decides alone (the paper's design; its non-preemptive wait is bounded against the cross-rank stall); ``leader``: the first rank of a group decides every micro-op's launch and tells the others by a 1-element broadcast on a control group (no stall, one more small call per micro-op); ``plan``: every rank launches the same micro-ops in the same backward window, planned from the previous step's windows and op durations agreed by two small all-gathers a step (no stall; the first step reduces everything after backward; :mod:`moelab.strategies.lina.priority`) |
 | ``experts_per_device`` | 0 | q, experts packed per rank: EP over blocks of E/q contiguous ranks, each block a full copy, ``expert_dp`` over the copies (0: 2 for ``lina_full``, else 1) |
 | ``launch_jitter_ms`` | 0 | a random per-rank delay before each micro-op launch (robustness runs, spec §5 I7) |
 | ``pack_controller`` | false | ``lina_full`` only: start from ``experts_per_device`` (0: 1) and let :mod:`.packing` double q from measured micro-op times |
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moelab.config import ConfigError
-from moelab.strategies.options import StrategyOptions
+from moelab.registry import StrategyOptions
 
 POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
 SCHEDULED = ("fixed", "priority", "lina", "lina_pipe", "lina_full")  # policies that run the priority scheduler
@@ -103,7 +103,7 @@ class LinaOptions(StrategyOptions):
 
     @property
     def holds_pipelined_backward(self) -> bool:
-        """A pipelined layer's backward holds the scheduler (:meth:`moelab.comm.priority.PriorityScheduler.hold`,
+        """A pipelined layer's backward holds the scheduler (:meth:`moelab.strategies.lina.priority.PriorityScheduler.hold`,
         built from these options: priority mode, the combine block on, no plan); the simulator prices it."""
         return self.pipelined and self.block_on_combine_backward and self.launch_agreement != "plan"
 

@@ -8,7 +8,7 @@ is issued as soon as it is done. The FFN is per token, so chunking is exact; ``m
 same operations as the unchunked path. Backward mirrors it inside :class:`PipelinedExperts`: the
 combine's reverse all-to-all of chunk j+1 moves while chunk j's expert backward runs (accumulating
 the expert weight gradients), then chunk j's dispatch gradient goes back. Until its last chunk's
-all-to-all is issued the backward holds the rank's priority scheduler (:meth:`moelab.comm.priority.
+all-to-all is issued the backward holds the rank's priority scheduler (:meth:`moelab.strategies.lina.priority.
 PriorityScheduler.hold`): more all-to-alls follow, so no all-reduce micro-op launches between chunks.
 """
 from __future__ import annotations

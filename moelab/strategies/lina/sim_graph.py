@@ -33,7 +33,7 @@ micro-op is preceded by its leader's go, a 1-element broadcast on the same strea
 a call's fixed cost each; the leader's gate is priced as every rank's).
 
 A pipelined layer's backward holds the gate from its first chunk's call to its last
-(:attr:`moelab.sim.engine.OpGraph.gate_holds`), as the runtime's :meth:`~moelab.comm.priority.PriorityScheduler.hold`
+(:attr:`moelab.sim.engine.OpGraph.gate_holds`), as the runtime's :meth:`~moelab.strategies.lina.priority.PriorityScheduler.hold`
 (not under ``launch_agreement: plan``, nor without the combine block).
 
 ``launch_agreement: plan`` (:mod:`moelab.strategies.lina.sim_windows`): no call gate; each micro-op launches once
@@ -49,13 +49,19 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moelab.sim import costs
-from moelab.sim.graphs import capacity, elem_bytes_of, moe_layer_ids, token_stages, topology_of, \
-    transformer_iteration_graph
-from moelab.placement import Placement
-from moelab.strategies.lina.sim_windows import WindowLayout, steady_plan, window_of
-
 import numpy as np
+
+from moelab.comm import costs
+from moelab.placement import Placement
+from moelab.sim.graphs import (
+    capacity,
+    elem_bytes_of,
+    moe_layer_ids,
+    token_stages,
+    topology_of,
+    transformer_iteration_graph,
+)
+from moelab.strategies.lina.sim_windows import WindowLayout, steady_plan, window_of
 
 A2A, AR = "comm", "allreduce"
 
@@ -84,9 +90,9 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     ``gamma``: the all-to-all / all-reduce interference factor (a number >= 1, or op -> number);
     ``windows`` (``launch_agreement: plan``): the micro-ops planned by the end of each backward window,
     cumulative (default: the plan's steady state, :func:`moelab.strategies.lina.sim_windows.steady_plan`)."""
-    from moelab.strategies import get
-
     import dataclasses
+
+    from moelab.registry import get
 
     cls = get("lina").options
     opts = cls.from_dict(cfg.parallel.strategy_options) if cfg.parallel.strategy == "lina" else cls()

@@ -4,7 +4,7 @@ Input: a batch's traces ``[tokens, moe_layers]`` (the expert of every token at e
 real model: :func:`moelab.runtime.serve.profile` or a served run's ``routing_traces.npy``) with the
 rank each token sits on, and the path table fitted on the profiling split. Every (variant, layer)
 plan comes from the same pure functions the runtime runs (:func:`.infer.choose_plan`); the
-replica-aware split is :func:`moelab.moe.serve.route_table`. Per MoE layer the graph holds, on every
+replica-aware split is :func:`moelab.strategies.lina.dispatch.route_table`. Per MoE layer the graph holds, on every
 rank: attention and gate compute; the count exchange; phase 2 (``o_check`` when Lina compares and
 keeps its plan, ``o_plan`` when it re-plans or plans from counts) and the swap of the experts it newly
 puts on a rank (their bytes over ``h2d_GBps``), on the critical path; the dispatch all-to-all (bytes
@@ -30,8 +30,8 @@ import dataclasses
 
 import numpy as np
 
+from moelab.comm import costs
 from moelab.moe.dispatch import count_exchange_bytes
-from moelab.sim import costs
 from moelab.sim.engine import simulate
 from moelab.sim.graphs import new_graph
 
@@ -89,7 +89,7 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
     layer j after the previous batch (updated in place: swaps persist across batches); ``io``: ``(bytes
     in, bytes out)`` of the REAL serving path's batch, rank 0's broadcast of the requests' tokens before
     the first layer and the all-gather of the answers after the last (None: the paper's T_batch, layers only)."""
-    from moelab.moe.serve import route_table
+    from moelab.strategies.lina.dispatch import route_table
     from moelab.strategies.lina.infer import piggyback_bytes
 
     o = {k: v[0] for k, v in PAPER_OVERHEADS.items()} | dict(overheads or {})

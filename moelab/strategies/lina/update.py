@@ -4,7 +4,7 @@
 
 - ``after_backward``, ``ddp_overlap``: the core's updates (:mod:`moelab.runtime.update`), unchanged;
 - ``fixed``, ``priority``: DDP's buckets (``parallel.bucket_mb``, reverse parameter order), each a
-  low-priority op of a :class:`moelab.comm.priority.PriorityScheduler` (``fixed``: released between
+  low-priority op of a :class:`moelab.strategies.lina.priority.PriorityScheduler` (``fixed``: released between
   MoE layers; ``priority``: strict priority, whole buckets);
 - ``lina``, ``lina_pipe``, ``lina_full``: every dense gradient cut into views of at most
   ``partition_bytes`` (:func:`partition`), all-reduced in place, one gradient per micro-op (with
@@ -23,9 +23,9 @@ sequence on ``dp`` and ``expert_dp`` even if their autograd finished gradients i
 """
 from __future__ import annotations
 
-from moelab.comm.priority import LowOp, PriorityScheduler
 from moelab.moe.sync import packed_expert_params, sync_replica_grads
 from moelab.runtime.update import GRAD_SYNCS, OverlappedDataParallelUpdate, fill_missing_grads
+from moelab.strategies.lina.priority import LowOp, PriorityScheduler
 
 
 def partition(numel: int, element_size: int, max_bytes: float) -> list:
@@ -71,7 +71,7 @@ class LinaUpdate(OverlappedDataParallelUpdate):
     checkpoint_ready = True  # its state: the iteration and the packing controller's block
 
     def __init__(self, model, comm, cfg):
-        from moelab.strategies import get
+        from moelab.registry import get
 
         self.opts = get("lina").bind(cfg)
         super().__init__(model, comm, cfg)
@@ -235,7 +235,7 @@ class LinaUpdate(OverlappedDataParallelUpdate):
 
 def lina_update(model, comm, cfg):
     """The update of the run's ``policy``: the core's for the unscheduled ones, :class:`LinaUpdate` else."""
-    from moelab.strategies import get
+    from moelab.registry import get
 
     opts = get("lina").bind(cfg)
     if not opts.scheduled:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from moelab.strategies import Strategy, register_strategy
+from moelab.registry import Strategy, register_strategy
 from moelab.strategies.lsh_moe.options import LSHMoEOptionError, LSHMoEOptions
 
 

@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, field
 
 from moelab.config import ConfigError
+from moelab.registry import StrategyOptions
 from moelab.strategies.lsh_moe.hashing import FAMILIES
-from moelab.strategies.options import StrategyOptions
 
 
 class LSHMoEOptionError(ConfigError):

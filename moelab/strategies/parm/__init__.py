@@ -15,13 +15,13 @@
 Registered as ``parallel.strategy: parm`` with ``strategy_options`` such as ``{mp: 2, esp: 2,
 schedule: s2}``; needs ``model.moe.dispatcher: dense``, a capacity factor and a switch or gshard
 gate. Exempt from the generic conformance suite (its gating pools and MP-replicated inputs are not
-the core layer's contract); its own fp64 references are ``tests/test_parm_*.py``.
+the core layer's contract); its own fp64 references are ``tests/strategies/parm/``.
 """
 from __future__ import annotations
 
 import functools
 
-from moelab.strategies import Strategy, register_strategy
+from moelab.registry import Strategy, register_strategy
 from moelab.strategies.parm.options import ParmOptionError, ParmOptions
 
 

@@ -2,7 +2,7 @@
 
 Each (collective, group) the paper's model needs is timed over a sweep of sizes on the groups the
 run declared: a world barrier before every timed call, the max over ranks of each repetition, the
-median over repetitions, then OLS ``t = alpha + beta * x`` (:func:`moelab.sim.calibrate.fit_alpha_beta`,
+median over repetitions, then OLS ``t = alpha + beta * x`` (:func:`moelab.measure.calibrate.fit_alpha_beta`,
 with standard errors and R^2). ``x`` counts elements the way the paper does: AllGather output,
 AlltoAll per-rank send, AllReduce tensor, ReduceScatter input, SAA output. Every rank gets the same
 numbers (the max is agreed collectively), so Alg. 1 chooses the same schedule everywhere.
@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from moelab.comm.costs import fit_alpha_beta
 from moelab.comm.saa import saa
 from moelab.runtime.timing import barrier
-from moelab.sim.calibrate import fit_alpha_beta
 from moelab.strategies.parm.layout import EP, EPESP, ESP, MP, SAA, ParmLayout
 
 # name -> (door op, group): the collectives of Eq. 1, 11, 14 and Alg. 1

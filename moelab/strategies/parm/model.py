@@ -74,7 +74,7 @@ class ParmMoELayer(ParmMoE):
     @torch.no_grad()
     def load_full(self, own: dict, experts: dict) -> int:
         """This rank's shard from a full model's checkpoint (``train.init_from``,
-        :func:`moelab.models.tasks.init_from_checkpoint`): the gate's weight, and per local expert the
+        :func:`moelab.runtime.checkpoint.init_from_checkpoint`): the gate's weight, and per local expert the
         ESP slice of w1's columns and of w2's rows. Parm's experts carry no b1, so a checkpoint with
         expert biases is refused rather than half loaded."""
         from moelab.runtime.checkpoint import CheckpointError

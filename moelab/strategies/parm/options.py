@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moelab.config import ConfigError
-from moelab.strategies.options import StrategyOptions
+from moelab.registry import StrategyOptions
 from moelab.strategies.parm.gating import DISPATCHERS
 from moelab.strategies.parm.layout import SAA_MODES
 

@@ -2,7 +2,7 @@
 Eq. 1 / 2 / 11 / 14 (``paper_mode``: exactly the paper's formulas, with the §6 P1/P2 fixes), Alg. 1 and
 its closed form.
 
-A fit is a :class:`moelab.sim.calibrate.AlphaBeta` whose ``beta`` is seconds per **element** and whose x
+A fit is a :class:`moelab.measure.calibrate.AlphaBeta` whose ``beta`` is seconds per **element** and whose x
 is counted as the paper counts it (AllGather output, AlltoAll per-rank send, AllReduce tensor,
 ReduceScatter input, SAA output; :mod:`.fits` measures them that way). Keys: ``AG_MP``, ``AG_ESP``,
 ``AR_ESP``, ``RS_ESP``, ``A2A_EP``, ``A2A_EPESP``, ``SAA``.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moelab.comm.costs import AlphaBeta
 from moelab.moe.routing import capacity_for
-from moelab.sim.calibrate import AlphaBeta
 
 
 @dataclass(frozen=True)

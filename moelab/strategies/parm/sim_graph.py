@@ -2,7 +2,7 @@
 from the same plan the runtime executes (:mod:`.plan`), so simulated bytes are the door's bytes.
 
 - every collective is one op per group instance over that instance's ranks; instances of one group
-  run at once and share the nodes' NICs and ports (:mod:`moelab.sim.costs` link model);
+  run at once and share the nodes' NICs and ports (:mod:`moelab.comm.costs` link model);
 - SAA is priced as its P phases (the collective's own ``phases`` rule, :mod:`moelab.comm.saa`), each
   an exchange of the all-to-all half (one chunk to rank ``(r+i)%P``) together with the gather half
   (the chunk or, ``saa_mode: combined``, the ESP sum completed in the phase before, to every MP
@@ -20,9 +20,9 @@ from typing import Optional
 
 import numpy as np
 
+from moelab.comm import costs
+from moelab.comm.costs import fit_alpha_beta
 from moelab.comm.topology import Topology
-from moelab.sim import costs
-from moelab.sim.calibrate import fit_alpha_beta
 from moelab.sim.engine import simulate
 from moelab.sim.graphs import new_graph
 from moelab.strategies.parm.layout import MP, ParmLayout

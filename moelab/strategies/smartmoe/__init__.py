@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from moelab.strategies import Strategy, register_strategy
+from moelab.registry import Strategy, register_strategy
 from moelab.strategies.smartmoe.options import SmartMoEOptionError, SmartMoEOptions
 from moelab.strategies.smartmoe.update import SmartMoEUpdate
 

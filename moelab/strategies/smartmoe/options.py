@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from moelab.config import ConfigError
 from moelab.placement.rebalance import DECISIONS
-from moelab.strategies.options import StrategyOptions
+from moelab.registry import StrategyOptions
 
 
 class SmartMoEOptionError(ConfigError):

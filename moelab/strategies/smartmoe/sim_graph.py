@@ -7,11 +7,17 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from moelab.comm import costs
 from moelab.placement import Placement
 from moelab.placement.rebalance import smartmoe_round
-from moelab.sim import costs
-from moelab.sim.graphs import (elem_bytes_of, expert_param_count, route_matrix, token_stages, topology_of,
-                               transformer_iteration_graph)
+from moelab.sim.graphs import (
+    elem_bytes_of,
+    expert_param_count,
+    route_matrix,
+    token_stages,
+    topology_of,
+    transformer_iteration_graph,
+)
 
 
 def smartmoe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *, owners=None,

@@ -30,7 +30,7 @@ class SmartMoEUpdate(DataParallelUpdate):
     def cost(self):
         """The §2.9 model on ``cost_profile`` with this run's experts (built once)."""
         if self._cost is None:
-            from moelab.placement.fssdp_cost import cost_for_run
+            from moelab.sim.placement_cost import cost_for_run
 
             self._cost = cost_for_run(self.cfg, self.options.cost_profile, self.comm.topo.ranks_per_node)
         return self._cost

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from moelab.strategies import Strategy, register_strategy
+from moelab.registry import Strategy, register_strategy
 from moelab.strategies.zero.options import ZeroOptionError, ZeroOptions
 from moelab.strategies.zero.update import ZeroUpdate
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moelab.config import ConfigError
-from moelab.strategies.options import StrategyOptions
+from moelab.registry import StrategyOptions
 
 STAGES = (0, 1, 2, 3)
 GRAD_COLLECTIVES = ("reduce_scatter", "all_reduce")

@@ -1,6 +1,6 @@
 """The simulator's op graph of one ZeRO training iteration (``moelab.sim`` executor of the plan
 :class:`~moelab.strategies.zero.update.ZeroUpdate` and :class:`~moelab.strategies.zero.layer.ZeroMoELayer`
-run): the ``sim_graph`` of the ``zero`` :class:`~moelab.strategies.Strategy`.
+run): the ``sim_graph`` of the ``zero`` :class:`~moelab.registry.Strategy`.
 
 Compute: the EP skeleton of :func:`moelab.sim.graphs.ep_iteration_graph` (attention, gate, MoE or
 dense FFN, tied head; backward 2x) except that an MoE layer has no count exchange and no
@@ -34,11 +34,10 @@ from typing import Optional
 
 import numpy as np
 
+from moelab.comm import costs
 from moelab.placement import Placement
-from moelab.sim import costs
 from moelab.sim.engine import OpGraph
-from moelab.sim.graphs import (dense_param_count, elem_bytes_of, expert_param_count, moe_layer_ids,
-                               topology_of)
+from moelab.sim.graphs import dense_param_count, elem_bytes_of, expert_param_count, moe_layer_ids, topology_of
 from moelab.strategies.zero.options import ZeroOptions
 from moelab.strategies.zero.update import padded_numel
 

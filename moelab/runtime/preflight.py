@@ -1,0 +1,287 @@
+"""The checks behind :meth:`moelab.config.RunConfig.validate`: every way a config cannot work, each a
+message naming the option, found before any process starts (a strategy checks its own options through
+its ``bind``)."""
+from __future__ import annotations
+
+import math
+
+from moelab.config import (
+    ARCHS,
+    DISPATCHERS,
+    GATES,
+    GRAD_SYNCS,
+    POSITIONS,
+    SERVE_VARIANTS,
+    MoEConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+
+def config_errors(cfg: RunConfig) -> list:
+    """Every complaint about ``cfg``; the range errors alone when there are any (later checks divide by
+    those numbers)."""
+    m, moe, p, t = cfg.model, cfg.model.moe, cfg.parallel, cfg.train
+    errs = range_errors(cfg)
+    if errs:  # later checks divide by these numbers: stop here with every range error
+        return errs
+    if m.arch not in ARCHS:
+        errs.append(f"model.arch must be one of {ARCHS}, got {m.arch!r}")
+    if m.positions not in POSITIONS:
+        errs.append(f"model.positions must be one of {POSITIONS}, got {m.positions!r}")
+    from moelab.registry import known_strategies
+
+    if p.strategy not in known_strategies():
+        errs.append(f"parallel.strategy {p.strategy!r} is unknown; known: {sorted(known_strategies())}")
+    elif not errs:
+        from moelab.registry import get
+
+        try:  # the strategy binds and checks its own options against this run
+            get(p.strategy).bind(cfg)
+        except Exception as e:  # noqa: BLE001 - any complaint becomes a clear config error
+            errs.append(f"parallel.strategy_options for {p.strategy!r}: {e}")
+    gates, dispatchers = registered_gates(), registered_dispatchers()  # after the strategy registered its own
+    if moe.gate not in gates:
+        errs.append(f"model.moe.gate must be one of {gates}, got {moe.gate!r}")
+    if moe.dispatcher not in dispatchers:
+        errs.append(f"model.moe.dispatcher must be one of {dispatchers}, got {moe.dispatcher!r}")
+    if p.placement is None and moe.num_experts % p.nproc != 0 and not _own_expert_layout(p.strategy):
+        errs.append(
+            f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.nproc={p.nproc}: "
+            "expert parallelism needs the same number of experts on every rank")
+    if not isinstance(moe.top_k, int) or not 1 <= moe.top_k <= max(moe.num_experts, 1):
+        errs.append(f"model.moe.top_k must be an integer in 1..model.moe.num_experts={moe.num_experts}, "
+                    f"got {moe.top_k!r}")
+    errs += _kernel_errors(moe, p.backend)
+    errs += _autocast_errors(t, p.backend)
+    if moe.gate == "gshard" and moe.top_k != 2:
+        errs.append("model.moe.gate='gshard' is a top-2 gate: set model.moe.top_k=2")
+    if moe.gate == "switch" and moe.top_k != 1:
+        errs.append("model.moe.gate='switch' is a top-1 gate: set model.moe.top_k=1")
+    if moe.gate == "base" and (moe.top_k != 1 or (t.batch_size * m.seq_len) % max(moe.num_experts, 1)):
+        errs.append(f"model.moe.gate='base' is a balanced top-1 gate (every expert gets exactly T/E of a rank's "
+                    f"T = train.batch_size * model.seq_len = {t.batch_size * m.seq_len} tokens): set "
+                    f"model.moe.top_k=1 (got {moe.top_k}) and make T divisible by num_experts={moe.num_experts}")
+    if moe.dispatcher == "dense" and moe.capacity_factor is None:
+        errs.append("the dense dispatcher pads to a capacity: set model.moe.capacity_factor")
+    if moe.dispatcher == "dense" and p.placement is not None:
+        errs.append("the dense (DeepSpeed-style) dispatcher supports plain expert parallelism only")
+    if m.d_model % m.n_heads != 0:
+        errs.append(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    if m.moe_every not in (1, 2):
+        errs.append(f"model.moe_every must be 1 or 2, got {m.moe_every}")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        errs.append(f"parallel.backend must be auto, gloo or nccl, got {p.backend!r}")
+    topo = p.topology
+    rpn = topo.ranks_per_node if topo.ranks_per_node is not None else (
+        p.nproc // topo.nodes if topo.nodes > 0 else 0)
+    if topo.nodes < 1 or rpn < 1 or topo.nodes * rpn != p.nproc:
+        errs.append(
+            f"topology {topo.nodes} nodes x {topo.ranks_per_node or '?'} ranks does not fit nproc={p.nproc}")
+    if p.placement is not None:
+        from moelab.placement import Placement
+
+        try:
+            Placement.from_mapping(p.placement, moe.num_experts, p.nproc)
+        except ValueError as e:
+            errs.append(f"parallel.placement: {e}")
+    if t.dtype not in ("float32", "float64"):
+        errs.append(f"train.dtype must be float32 or float64, got {t.dtype!r}")
+    if t.fault_rank is not None and not 0 <= t.fault_rank < p.nproc:
+        errs.append(f"train.fault_rank={t.fault_rank} is not a rank of nproc={p.nproc}")
+    if p.grad_sync not in GRAD_SYNCS:
+        errs.append(f"parallel.grad_sync must be one of {GRAD_SYNCS}, got {p.grad_sync!r}")
+    elif p.strategy in known_strategies() and p.strategy != "ep":
+        from moelab.registry import get_update
+
+        if get_update(p.strategy) is not None:
+            if p.grad_sync != "after_backward":
+                errs.append(f"parallel.grad_sync={p.grad_sync!r} chooses the data-parallel update; strategy "
+                            f"{p.strategy!r} brings its own gradient sync: leave it at 'after_backward'")
+            if (t.checkpoint_every or t.resume_from) and not vars(get_update(p.strategy)).get("checkpoint_ready"):
+                errs.append(f"train.checkpoint_every / train.resume_from: checkpoints cover the data-parallel "
+                            f"updates and the strategies whose update saves its own state; strategy "
+                            f"{p.strategy!r} brings its own update, not yet checkpointed")
+    from moelab.models.data import DATASETS
+
+    if t.dataset not in DATASETS:
+        errs.append(f"train.dataset must be one of {DATASETS}, got {t.dataset!r}")
+    from moelab.models.tasks import task_errors
+    from moelab.runtime.checkpoint import checkpoint_errors
+
+    errs += task_errors(cfg) + checkpoint_errors(cfg)
+    if moe.activation not in ("gelu", "relu"):
+        errs.append(f"model.moe.activation must be gelu or relu, got {moe.activation!r}")
+    if t.resume_from is not None and not errs:
+        from moelab.runtime.checkpoint import resume_errors
+
+        errs += resume_errors(cfg)
+    if cfg.emulation.compute_yields:
+        from moelab.comm.cpu_priority import UNAVAILABLE, available
+
+        if not available():
+            errs.append("emulation.compute_yields " + UNAVAILABLE)
+    from moelab.comm.groups import declared_group_errors
+
+    errs += [] if errs else declared_group_errors(cfg)
+    return errs
+
+
+def range_errors(cfg) -> list:
+    """Every numeric field's range, with a message naming the option (no process has started)."""
+    m, moe, p, t, e = cfg.model, cfg.model.moe, cfg.parallel, cfg.train, cfg.emulation
+    min_vocab = 3 if m.arch == "bert" else 2  # bert reserves one id for [MASK]
+    checks = [  # (option, value, integer?, lower bound, lower bound allowed?)
+        ("parallel.nproc", p.nproc, True, 1, True),
+        ("model.vocab_size", m.vocab_size, True, min_vocab, True),
+        ("model.d_model", m.d_model, True, 1, True),
+        ("model.d_ff", m.d_ff, True, 1, True),
+        ("model.n_layers", m.n_layers, True, 1, True),
+        ("model.n_heads", m.n_heads, True, 1, True),
+        ("model.seq_len", m.seq_len, True, 1, True),
+        ("model.moe.num_experts", moe.num_experts, True, 1, True),
+        ("model.moe.min_capacity", moe.min_capacity, True, 0, True),
+        ("model.moe.balance_loss_coef", moe.balance_loss_coef, False, 0, True),
+        ("model.moe.z_loss_coef", moe.z_loss_coef, False, 0, True),
+        ("parallel.bucket_mb", p.bucket_mb, False, 0, False),
+        ("train.iters", t.iters, True, 1, True),
+        ("train.batch_size", t.batch_size, True, 1, True),
+        ("train.lr", t.lr, False, 0, False),
+        ("train.seed", t.seed, True, 0, True),
+        ("train.threads_per_rank", t.threads_per_rank, True, 1, True),
+        ("train.timeout_s", t.timeout_s, False, 0, False),
+        ("train.fault_iter", t.fault_iter, True, 0, True),
+        ("train.eval_every", t.eval_every, True, 0, True),
+        ("train.eval_batches", t.eval_batches, True, 1, True),
+        ("train.checkpoint_every", t.checkpoint_every, True, 0, True),
+        ("train.trace_iters", t.trace_iters, True, 0, True),
+        ("train.task_classes", t.task_classes, True, 2, True),
+        ("train.patch_size", t.patch_size, True, 1, True),
+        ("emulation.intra_bw_GBps", e.intra_bw_GBps, False, 0, False),
+        ("emulation.inter_bw_GBps", e.inter_bw_GBps, False, 0, False),
+        ("emulation.intra_latency_us", e.intra_latency_us, False, 0, True),
+        ("emulation.inter_latency_us", e.inter_latency_us, False, 0, True),
+        ("emulation.interference_gamma", e.interference_gamma, False, 1, True),
+    ]
+    if moe.capacity_factor is not None:
+        checks.append(("model.moe.capacity_factor", moe.capacity_factor, False, 0, False))
+    if p.topology.ranks_per_node is not None:
+        checks.append(("parallel.topology.ranks_per_node", p.topology.ranks_per_node, True, 1, True))
+    checks.append(("parallel.topology.nodes", p.topology.nodes, True, 1, True))
+    errs = []
+    for name, v, integer, lo, closed in checks:
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not number or (integer and not isinstance(v, int)):
+            errs.append(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}")
+        elif not math.isfinite(v) or (v < lo if closed else v <= lo):
+            extra = " (or null for dropless)" if name == "model.moe.capacity_factor" else ""
+            errs.append(f"{name} must be {'>=' if closed else '>'} {lo}{extra}, got {v!r}")
+    return errs
+
+
+def _own_expert_layout(strategy: str) -> bool:
+    """Whether ``strategy`` validates the expert count against its own layout (Parm: N_EP | E)."""
+    from moelab.registry import get, known_strategies
+
+    return strategy in known_strategies() and get(strategy).own_expert_layout
+
+
+def registered_gates() -> tuple:
+    """Gate names the layer can resolve: the built-in ones and any a strategy registered."""
+    from moelab.moe.gates import GATES as rules
+
+    return tuple(sorted(set(GATES) | set(rules)))
+
+
+def registered_dispatchers() -> tuple:
+    from moelab.moe.dispatch import DISPATCHERS as classes
+
+    return tuple(sorted(set(DISPATCHERS) | set(classes)))
+
+
+def serve_errors(cfg: RunConfig) -> list:
+    """Everything that makes ``cfg`` unservable, each naming the option (before any process starts)."""
+    sv, m, moe, p = cfg.serve, cfg.model, cfg.model.moe, cfg.parallel
+    errs = []
+    if sv.variant not in SERVE_VARIANTS:
+        errs.append(f"serve.variant must be one of {list(SERVE_VARIANTS)}, got {sv.variant!r}")
+    from moelab.strategies.lina.placement import REPLAN_TESTS, ROUNDING
+
+    if sv.replica_rounding not in ROUNDING:
+        errs.append(f"serve.replica_rounding must be one of {list(ROUNDING)}, got {sv.replica_rounding!r}")
+    if sv.first_layers not in ("static", "actual"):
+        errs.append(f"serve.first_layers must be static or actual, got {sv.first_layers!r}")
+    if sv.replan_test not in REPLAN_TESTS:
+        errs.append(f"serve.replan_test must be one of {list(REPLAN_TESTS)}, got {sv.replan_test!r}")
+    if isinstance(sv.replan_tol, bool) or not isinstance(sv.replan_tol, (int, float)) or not sv.replan_tol >= 0:
+        errs.append(f"serve.replan_tol must be a number >= 0, got {sv.replan_tol!r}")
+    if sv.arrival not in ("poisson", "closed"):
+        errs.append(f"serve.arrival must be 'poisson' or 'closed', got {sv.arrival!r}")
+    for name, v, lo in (("requests", sv.requests, 1), ("batch_size", sv.batch_size, 1), ("max_pack", sv.max_pack, 1),
+                        ("profile_batches", sv.profile_batches, 1), ("path_len", sv.path_len, 1)):
+        if not isinstance(v, int) or v < lo:
+            errs.append(f"serve.{name} must be an integer >= {lo}, got {v!r}")
+    for name, v in (("rate_per_s", sv.rate_per_s), ("max_wait_ms", sv.max_wait_ms)):
+        if not v > 0:
+            errs.append(f"serve.{name} must be > 0, got {v!r}")
+    E = moe.num_experts
+    n_moe = m.n_layers if m.moe_every == 1 else m.n_layers // 2
+    if isinstance(sv.path_len, int) and sv.path_len >= n_moe:
+        errs.append(f"serve.path_len={sv.path_len} must be below the number of MoE layers ({n_moe})")
+    for name, v in (("k_est", sv.k_est), ("k_cmp", sv.k_cmp)):
+        if not isinstance(v, int) or not 1 <= v <= E:
+            errs.append(f"serve.{name} must lie in 1..num_experts={E}, got {v!r}")
+    if isinstance(sv.max_pack, int) and sv.max_pack * p.nproc < E:
+        errs.append(f"serve.max_pack={sv.max_pack} x parallel.nproc={p.nproc} devices cannot hold {E} experts")
+    if E % p.nproc:
+        errs.append(f"serving places experts statically one block per rank: num_experts={E} must be divisible "
+                    f"by parallel.nproc={p.nproc}")
+    if moe.capacity_factor is not None:
+        errs.append("serving computes every token (no drops): set model.moe.capacity_factor to null")
+    if moe.top_k != 1:
+        errs.append(f"serving routes top-1 (Lina's inference gate): set model.moe.top_k=1, got {moe.top_k}")
+    return errs
+
+
+def resolve_backend(requested: str) -> str:
+    """The process-group backend ``parallel.backend`` means here: ``auto`` is NCCL with CUDA, else gloo."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _kernel_errors(moe: MoEConfig, backend: str) -> list:
+    """``model.moe.kernels`` must name a selector, and Triton must be able to run where the ranks will."""
+    from moelab.kernels import KINDS, MAX_TOP_K, triton_error
+
+    if moe.kernels not in KINDS:
+        return [f"model.moe.kernels must be one of {KINDS}, got {moe.kernels!r}"]
+    if moe.kernels != "triton":
+        return []
+    errs = [f"model.moe.kernels=triton routes top-k up to {MAX_TOP_K}, got model.moe.top_k={moe.top_k}"] \
+        if isinstance(moe.top_k, int) and moe.top_k > MAX_TOP_K else []
+    why = triton_error("cuda" if resolve_backend(backend) == "nccl" else "cpu")
+    return errs + ([why] if why else [])
+
+
+def _autocast_errors(t: TrainConfig, backend: str) -> list:
+    """bf16 autocast needs an fp32 model and, on a CPU, native bf16 (AVX512-BF16 or AMX)."""
+    if t.autocast not in ("none", "bf16"):
+        return [f"train.autocast must be none or bf16, got {t.autocast!r}"]
+    if t.autocast == "none":
+        return []
+    if t.dtype != "float32":
+        return [f"train.autocast=bf16 runs an fp32 model in bf16: set train.dtype=float32 (got {t.dtype})"]
+    if resolve_backend(backend) != "nccl" and not cpu_has_bf16():
+        return ["train.autocast=bf16: this CPU has no native bf16 (AVX512-BF16 or AMX); use train.autocast=none "
+                "or run on a GPU"]
+    return []
+
+
+def cpu_has_bf16() -> bool:
+    import torch
+
+    probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(p() for p in probes if p is not None)

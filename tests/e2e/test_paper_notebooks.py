@@ -1,0 +1,94 @@
+"""Every reproduction notebook built on the kit (Hecate, LSH-MoE), executed headless with papermill at smoke
+scale through ``moelab reproduce``: its parameters cell matches the scale files; every product the manifest
+promises is made and exported with a label of its declared class; the paper-vs-moelab table refuses no row.
+(What a manifest promises grows with its issue; manifest/registry/notebook agreement: tests/papers/kit/test_kit.py.
+FasterMoE's notebook has its own, stricter file.)"""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+pm = pytest.importorskip("papermill")
+# one worker under pytest-xdist: the browser test reads the report the notebook tests wrote into its basetemp
+pytestmark = pytest.mark.xdist_group("paper_reports")
+
+REPO = Path(__file__).resolve().parents[2]
+KINDS = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE", "PAPER")
+PAPERS = {"hecate": "table1_models", "lsh_moe": "table_fig06l_summary", "parm": "table4", "lina": "table_fig14e"}  # paper -> one table it must write
+
+
+def _reports(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "paper_reports"
+
+
+@pytest.mark.parametrize("paper", PAPERS)
+def test_parameters_cell_and_scale_files_match(paper):
+    declared = pm.inspect_notebook(str(REPO / "notebooks" / f"{paper}.ipynb"))
+    for name in ("scale", "out_dir", "png", "seed", "run_real"):
+        assert name in declared and declared[name]["help"], name
+    spec = importlib.import_module(f"moelab.strategies.{paper}.experiments").scale_spec
+    for scale in ("smoke", "default", "full"):
+        params = yaml.safe_load((REPO / "experiments" / paper / f"{scale}.yaml").read_text())
+        assert params["scale"] == scale and set(params) <= set(declared), scale
+        assert spec(scale).name == scale
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("paper", PAPERS)
+def test_notebook_smoke_exports_every_product_with_its_class(paper, tmp_path_factory):
+    from moelab.papers.kit.manifest import NO_CUDA, load_manifest
+    from moelab.papers.kit.reproduce import reproduce
+
+    out = _reports(tmp_path_factory)  # one report for every paper: the browser test below reads it
+    batch = reproduce([paper], "smoke", out, log=lambda s: None)
+    assert not batch.failed, batch.outcomes[0].error
+    figs = out / "figures" / paper
+    sides = [json.loads(p.read_text()) for p in figs.glob("*.json")]
+    labels = [s["label"] for s in sides if s.get("kind") == "figure"]
+    assert labels and all(l.startswith(KINDS) for l in labels), labels
+    assert (figs / f"{PAPERS[paper]}.csv").is_file() and (figs / "table_manifest.csv").is_file()
+    promised = load_manifest(paper).product_classes()
+    table = pd.read_csv(figs / "table_manifest.csv", dtype=str).fillna("")
+    made = table[table["product"] != ""].set_index("product")
+    assert sorted(made.index) == sorted(promised)
+    gpu_skip = (made.status == "skipped") & made.reason.str.startswith(NO_CUDA)  # a GPU item on a CPU machine
+    assert ((made.status == "made") | gpu_skip).all(), made[made.status != "made"]
+    manifest = json.loads((figs / "manifest.json").read_text())
+    for p in (p for it in manifest["items"] for p in it["products"]):
+        for f in p["files"]:
+            assert f["label"].startswith((p["cls"], "PAPER")), (p["id"], f["stem"])
+    pvm = pd.read_csv(figs / "table_paper_vs_moelab.csv")
+    assert not (pvm.status == "refused").any(), pvm[pvm.status == "refused"]
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_report_reads_right_in_a_browser(tmp_path_factory):
+    """The report of the smoke runs above, opened in Chromium: the per-paper summary (manifest coverage,
+    paper-vs-moelab rows, run time), every figure drawing, no broken image or link; a screenshot."""
+    from moelab.papers.kit.reproduce import reproduce
+
+    browser_kit = pytest.importorskip("tests.browser_kit")
+    pytest.importorskip("playwright")
+    if browser_kit.chromium_path() is None:
+        pytest.skip("no chromium executable (README: browser tests)")
+    out = _reports(tmp_path_factory)
+    if not (out / "index.html").is_file():  # run on its own: make one paper's report first
+        assert not reproduce(["parm"], "smoke", out, log=lambda s: None).failed
+    with browser_kit.chromium() as page:
+        checked = browser_kit.check_report(page, out / "index.html")
+        page.goto((out / "index.html").resolve().as_uri())
+        rows = page.locator("section").first.locator("tr").all_inner_texts()[1:]
+    made = sorted(p.stem.removesuffix(".run") for p in (out / "notebooks").glob("*.run.json"))
+    assert len(rows) == len(made) and made
+    for row in rows:
+        assert "ok" in row and " reproduced, " in row and "not reproducible here" in row, row
+        assert "ratio" in row or "trend check" in row or "not run" in row, row  # the paper-vs-moelab column
+    assert checked["figures"] >= 2 * len(made), checked
