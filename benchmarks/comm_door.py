@@ -119,7 +119,8 @@ def main():
     med = {k: statistics.median(v) for k, v in wall.items()}
     cpu = {k: statistics.median([statistics.mean(r[1][k][b] for r in res) for b in range(a.blocks)]) for k in wall}
     print(f"2 gloo ranks, {a.kb} KB all-to-all, {a.blocks} blocks x {a.calls} calls, methods interleaved")
-    print(f"{'method':<14}{'median us/call':>16}{'min':>10}{'max':>10}{'/ raw':>8}{'main-thread CPU us':>20}{'/ raw':>8}")
+    print(f"{'method':<14}{'median us/call':>16}{'min':>10}{'max':>10}{'/ raw':>8}"
+          f"{'main-thread CPU us':>20}{'/ raw':>8}")
     for k, v in wall.items():
         print(f"{k:<14}{med[k] * 1e6:>16.1f}{min(v) * 1e6:>10.1f}{max(v) * 1e6:>10.1f}{med[k] / med['raw']:>8.3f}"
               f"{cpu[k] * 1e6:>20.1f}{cpu[k] / cpu['raw']:>8.3f}")
@@ -127,7 +128,8 @@ def main():
     ratio = med["door"] / med["raw"]
     print(f"door's own Python work per call (1 process, no network): {py * 1e6:.1f} us "
           f"= {py / med['raw'] * 100:.1f} % of a raw call")
-    print(f"emulation's finish-time agreement per collective: MAX all-reduce of one float64 {med['finish_reduce'] * 1e6:.1f} us/call"
+    print("emulation's finish-time agreement per collective: MAX all-reduce of one float64 "
+          f"{med['finish_reduce'] * 1e6:.1f} us/call"
           f" (members on several hosts), shared-memory board {med['finish_board'] * 1e6:.1f} us/call (one host)")
     print(f"door / raw = {ratio:.3f}  (target <= 1.05: {'OK' if ratio <= 1.05 else 'MISSED'})")
 

@@ -102,13 +102,15 @@ def run_shape(name: str, sh: dict, tokens: int, args, device: str, dtype, impls:
     for impl in impls:
         s = timer(device, lambda: P.unpermute(P.permute(x, plan, impl), weights, plan, impl), args.iters, args.warmup)
         res[f"perm_{impl}"] = s
-        print(f"permute+unpermute {impl:7s} {s * 1e3:9.3f} ms  {moved / s / 1e9:8.1f} GB/s  {moved / s / 1e9 / gb_peak:6.1%} of HBM")
+        print(f"permute+unpermute {impl:7s} {s * 1e3:9.3f} ms  {moved / s / 1e9:8.1f} GB/s  "
+              f"{moved / s / 1e9 / gb_peak:6.1%} of HBM")
 
     def layer(impl, loop=False):
         xi = x.detach().requires_grad_()
         a, b = w1.detach().requires_grad_(), w2.detach().requires_grad_()
         rows = P.permute(xi, plan, impl)
-        mm = (lambda r, w: grouped_mm(r, w, plan.counts, "torch")) if loop else (lambda r, w: grouped_mm(r, w, plan.counts, impl))
+        mm = ((lambda r, w: grouped_mm(r, w, plan.counts, "torch")) if loop
+              else (lambda r, w: grouped_mm(r, w, plan.counts, impl)))
         y = P.unpermute(mm(torch.nn.functional.gelu(mm(rows, a)), b), weights, plan, impl)
         y.backward(torch.ones_like(y))
 

@@ -61,7 +61,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
     res = run_ranks(_rank, args.nproc, args, timeout=args.timeout)
-    print(f"{args.nproc} gloo ranks, d={args.d}, bucket {args.bucket_mb} MiB, emulation {'on' if args.emulate else 'off'}")
+    print(f"{args.nproc} gloo ranks, d={args.d}, bucket {args.bucket_mb} MiB, "
+          f"emulation {'on' if args.emulate else 'off'}")
     print(f"{'mode':<16}{'step ms (median, slowest rank)':>32}{'all-reduces/iter':>18}{'grads peak KiB':>16}"
           f"{'total peak KiB':>16}")
     for m in ("after_backward", "ddp_overlap"):

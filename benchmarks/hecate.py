@@ -22,7 +22,8 @@ memory at the iteration peak per category (params, grads, optim, activations) an
 the total peak, per system; the computed overlap degree t; the MoE layers alone
 (real: gate to last token exchange forward, first to last backward; sim: the critical path's MoE ops); exposed /
 total spAG time of every Hecate variant; RM's replica bytes and time, at ``--layers`` and, in one more spawn of EP,
-Hecate and Hecate-RM, at ``--rm-layers`` (RM keeps the last layer's replicas, so at 2 layers it frees half). A second table: the same medians over the
+Hecate and Hecate-RM, at ``--rm-layers`` (RM keeps the last layer's replicas, so at 2 layers it frees half).
+A second table: the same medians over the
 timed iterations in which no system re-sharded (the run re-shards every ``max(2, warmup)`` iterations so that Alg. 2
 runs inside it; the paper's interval is 100), and with each run's migration time per re-shard spread over 100
 iterations. CPU timings are not paper numbers (spec §6.15): the ratios check
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
     p.add_argument("--spag-backend", default="hier", choices=("a2a", "p2p", "hier", "stripe"),
                    help="Hecate's sparse collectives (t is sized on the node's links with hier, a rank's otherwise)")
     p.add_argument("--t-nonmoe", type=float, default=None,
-                   help="T_nonMoE in seconds for every Hecate variant (default: measured by Hecate in a short run first)")
+                   help="T_nonMoE in seconds for every Hecate variant "
+                   "(default: measured by Hecate in a short run first)")
     p.add_argument("--rm-layers", type=int, default=6,
                    help="also run EP, Hecate and Hecate-RM with this many layers, where RM can free more than "
                    "half the replicas (0: skip)")
@@ -114,17 +116,19 @@ def main(argv=None) -> int:
         pre = RunConfig().with_overrides({**base, "train.iters": 4, "parallel.strategy": "hecate",
                                           "parallel.strategy_options": hec}).validate()
         a.t_nonmoe = run_real(pre, timeout=a.timeout).plans[-1][0]["hecate"]["t_nonmoe_s"]
-        print(f"# T_nonMoE = {1e3 * a.t_nonmoe:.2f} ms: measured by Hecate (median of its first 3 iterations' attention "
-              "forward, max over ranks) in a 4-iteration run, given to every Hecate variant")
+        print(f"# T_nonMoE = {1e3 * a.t_nonmoe:.2f} ms: measured by Hecate (median of its first 3 iterations' "
+              "attention forward, max over ranks) in a 4-iteration run, given to every Hecate variant")
     hec["t_nonmoe_s"] = a.t_nonmoe
     if a.m is not None:
         hec["m"] = a.m
     systems = {"EP": ("ep", {}), "Hecate": ("hecate", hec),
                "Hecate sharding only": ("hecate", {**hec, "materialize": False, "calibration": False}),
                "Hecate materialization only": ("hecate", {**hec, "shard": False}),
-               "Hecate-RM": ("hecate", {**hec, "rm": True}), "Hecate no calibration": ("hecate", {**hec, "calibration": False}),
+               "Hecate-RM": ("hecate", {**hec, "rm": True}),
+               "Hecate no calibration": ("hecate", {**hec, "calibration": False}),
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": a.nproc // a.nodes}),
-               "FlexMoE": ("flexmoe", FLEXMOE_OPTIONS), "FSDP": ("fsdp_expert", {}), "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
+               "FlexMoE": ("flexmoe", FLEXMOE_OPTIONS), "FSDP": ("fsdp_expert", {}),
+               "SmartMoE": ("smartmoe", {"interval": max(2, a.warmup)})}
     extra = {"FasterMoE shadowing only": ("fastermoe", {"shadow": True, "smart": False}),  # with --only
              "Hecate, best calibration": ("hecate", {**hec, "calibration_rule": "best"}),
              # the paper's baselines were hand-tuned, FlexMoE's reserved memory among them (spec §4): more slots,
@@ -138,11 +142,13 @@ def main(argv=None) -> int:
             p.error(f"--only: unknown systems {sorted(unknown)}; known: {sorted(systems) + sorted(extra)}")
         systems = {n: c for n, c in {**systems, **extra}.items() if n in ("EP", "Hecate") or n in a.only}
     have = known_strategies()
-    named = [(n, RunConfig().with_overrides({**base, "parallel.strategy": s, "parallel.strategy_options": o}).validate())
+    named = [(n, RunConfig().with_overrides({**base, "parallel.strategy": s,
+                                             "parallel.strategy_options": o}).validate())
              for n, (s, o) in systems.items() if s in have]
     print(f"# {len(named)} systems on {a.nproc} gloo ranks as {a.nodes} nodes, EMULATED links intra {a.intra} GB/s, "
-          f"inter {a.inter} GB/s per rank; d={a.d}, d_ff={a.ff * a.d}, {a.layers} layers, {a.experts} experts, {a.iters} iterations; "
-          f"compute threads {'yield to communication (SCHED_IDLE)' if a.compute_yields else 'at the same priority as communication'}")
+          f"inter {a.inter} GB/s per rank; d={a.d}, d_ff={a.ff * a.d}, {a.layers} layers, {a.experts} experts, "
+          f"{a.iters} iterations; compute threads "
+          f"{'yield to communication (SCHED_IDLE)' if a.compute_yields else 'at the same priority as communication'}")
     comp0, reals, _ = validate(named, warmup=a.warmup, timeout=a.timeout, warn=False)
     fixed = measure_emulated_call_costs(named[0][1], timeout=a.timeout, busy=True)
 
@@ -200,7 +206,8 @@ def main(argv=None) -> int:
     if "FlexMoE" in runs:
         f = runs["FlexMoE"].comm
         ar = f[(f.phase == "replica_sync") & (f.iter >= a.warmup)]
-        print(f"FlexMoE replica all-reduce bytes per iteration: {ar[['bytes_intra', 'bytes_inter']].sum().sum() / (a.iters - a.warmup):.0f}"
+        print("FlexMoE replica all-reduce bytes per iteration: "
+              f"{ar[['bytes_intra', 'bytes_inter']].sum().sum() / (a.iters - a.warmup):.0f}"
               " (its replicas differ from Hecate's plan: not the same-plan identity of spec §2.2, see tests; "
               f"0: its policy made no replica; options {FLEXMOE_OPTIONS})")
     for n, r in runs.items():
@@ -210,8 +217,9 @@ def main(argv=None) -> int:
         calls = [rec['hecate']['calibration'] for it in plans for rec in it]
         cpu = [rec['hecate'].get('calibration_cpu_s', 0.0) for it in plans for rec in it]
         print(f"{n}: m = {plans[-1][0]['hecate']['m']} ({plans[-1][0]['hecate'].get('m_source')}); calibrations: "
-              f"{calls.count('accepted')} of {len(calls)} layer calls accepted, policy CPU {1e3 * np.median(cpu):.1f} ms "
-              f"a call (median of rank 0's calls); experts migrated: {sum(len(rec['hecate']['moved']) for it in plans for rec in it)}")
+              f"{calls.count('accepted')} of {len(calls)} layer calls accepted, "
+              f"policy CPU {1e3 * np.median(cpu):.1f} ms a call (median of rank 0's calls); experts migrated: "
+              f"{sum(len(rec['hecate']['moved']) for it in plans for rec in it)}")
     print("overlap degree t (T_nonMoE·bw/s_e): " + ", ".join(
         f"{n} {r.plans[-1][0]['hecate']['t']} ({r.plans[-1][0]['hecate'].get('t_quotient') or 0:.2f})"
         for n, r in runs.items() if n.startswith("Hecate")))
@@ -232,14 +240,16 @@ def main(argv=None) -> int:
     dev = {n: max_device_tokens(r.plans[a.warmup:], a.nproc, a.nproc // a.nodes) for n, r in runs.items()
            if n == "EP" or n.startswith("Hecate")}
     print("tokens the busiest device computes per MoE layer over EP's (median over iterations; each call's counts "
-          "routed through its holders by the dispatcher's rule, exact): " + ", ".join(f"{n} {v / dev['EP']:.2f}" for n, v in dev.items()))
+          "routed through its holders by the dispatcher's rule, exact): "
+          + ", ".join(f"{n} {v / dev['EP']:.2f}" for n, v in dev.items()))
     moe = {n: (real_moe_s(r, a.warmup), sim_moe_s(sm, c, a.warmup), sim_moe_s(sp, c, a.warmup))
            for (n, c), r, sm, sp in zip(named, reals, sims, sims_pool)}
     print(f"\n{'MoE layers alone (ms/iter)':30s} {'real':>8s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} "
           f"{'cores pooled':>12s}")
     for n, (mr, ms, mp) in moe.items():
         print(f"{n:30s} {1e3 * mr:8.1f} {1e3 * ms:8.1f} {moe['EP'][0] / mr:12.2f} {moe['EP'][1] / ms:6.2f} "
-              f"{moe['EP'][2] / mp:12.2f}" + ("  (no token exchange to bound the layer: not measured)" if np.isnan(mr) else ""))
+              f"{moe['EP'][2] / mp:12.2f}"
+              + ("  (no token exchange to bound the layer: not measured)" if np.isnan(mr) else ""))
     print("spAG exposed / total (rank 0, the wait before dispatch over issue-to-done): " + ", ".join(
         "{} {:.2f} ({:.1f} of {:.1f} ms)".format(n, *spag_exposed(r, a.warmup)) for n, r in runs.items()
         if n.startswith("Hecate") and n != "Hecate sharding only"))
@@ -271,7 +281,8 @@ def rm_line(label: str, peak: dict, t) -> None:
     """Hecate-RM against Hecate: replica params at the iteration peak (params over EP's), iteration time."""
     rep = {n: peak[n][0] - peak["EP"][0] for n in ("Hecate", "Hecate-RM")}
     print(f"Hecate-RM, {label}: replica params at the peak {1e-6 * rep['Hecate-RM']:.3f} vs Hecate "
-          f"{1e-6 * rep['Hecate']:.3f} MB ({1 - rep['Hecate-RM'] / rep['Hecate'] if rep['Hecate'] > 0 else float('nan'):.0%}"
+          f"{1e-6 * rep['Hecate']:.3f} MB "
+          f"({1 - rep['Hecate-RM'] / rep['Hecate'] if rep['Hecate'] > 0 else float('nan'):.0%}"
           f" lower), iteration {t.loc['Hecate-RM'].real_s / t.loc['Hecate'].real_s:.2f}x Hecate's")
 
 
@@ -314,7 +325,8 @@ def steady_state(comp, runs: dict, warmup: int, comp_pool=None) -> None:
     print(f"\nsteady state: timed iterations without a re-shard ({sorted(set(it['iter']))}; re-shards at "
           f"{sorted(resh)}), medians; '+R={PAPER_R}': plus the run's migration time per re-shard / {PAPER_R}")
     print(f"{'system':30s} {'iter ms real':>12s} {'sim':>8s} {'speedup real':>12s} {'sim':>6s} "
-          f"{'+R=' + str(PAPER_R) + ' real':>12s} {'speedup':>7s}" + ("  sim, cores pooled" if pool is not None else ""))
+          f"{'+R=' + str(PAPER_R) + ' real':>12s} {'speedup':>7s}"
+          + ("  sim, cores pooled" if pool is not None else ""))
     ep = t.loc["EP"]
     for name, row in t.iterrows():
         c = runs[name].comm

@@ -28,7 +28,8 @@ its all-to-all (~80 ms alone, ~173 ms beside the all-reduce).
 
 ``--gamma`` (default ``fitted``): the emulated ports' all-to-all / all-reduce interference
 (``emulation.interference_gamma``, :mod:`moelab.comm.links`), by default Lina's gamma FITTED in the
-simulator to the paper's Fig. 4 median (1.22 on the Table-1-calibrated profile; the simulator prices the same gamma). With gamma = 1 the
+simulator to the paper's Fig. 4 median (1.22 on the Table-1-calibrated profile; the simulator prices the same
+gamma). With gamma = 1 the
 links share fairly and are work-conserving: overlapping costs the two transfers nothing beyond their
 bytes, so on links this busy no ordering can shorten the step (measured: ``priority`` 0.99x step, 1.43x
 backward all-to-all); the paper's gain rests on the contention gamma stands for.
@@ -69,7 +70,8 @@ EXTRA = {"lina_inflight2": ("lina", {"max_inflight": 2}),  # the same policy, tw
          # one in flight while an all-to-all can arrive, four in the drain after backward
          "lina_drain4": ("lina", {"drain_inflight": 4}),
          "priority_drain4": ("priority", {"drain_inflight": 4}),
-         "lina_nowait": ("lina", {"a2a_waits_for_inflight": False}),  # an all-to-all does not wait for the one in flight
+         # an all-to-all does not wait for the one in flight
+         "lina_nowait": ("lina", {"a2a_waits_for_inflight": False}),
          "lina_pipe_nowait": ("lina_pipe", {"a2a_waits_for_inflight": False}),
          "lina_leader": ("lina", {"launch_agreement": "leader"}),  # the first rank decides every launch
          "lina_pipe_leader": ("lina_pipe", {"launch_agreement": "leader"}),
@@ -131,7 +133,8 @@ def predicted(cfg, run, fixed: Optional[dict] = None, busy: Optional[dict] = Non
     from moelab.measure.local import machine_profile
     from moelab.measure.validate import simulate_real
 
-    ep = cfg.with_overrides({"parallel.strategy": "ep", "parallel.strategy_options": {}})  # compute rate: the same model
+    # compute rate: the same model
+    ep = cfg.with_overrides({"parallel.strategy": "ep", "parallel.strategy_options": {}})
     prof = machine_profile(ep, None, compute=compute, share_cores=share_cores)
     if fixed:
         prof = dataclasses.replace(prof, call_overhead_s=fixed["call_s"], emulated_sync_s=fixed["sync_s"])
@@ -204,9 +207,11 @@ def main(argv=None) -> int:
                    "not each call's fixed cost, set its time; the scale's own: 0.2 0.05 at default)")
     p.add_argument("--replica-rounding", default="floor", choices=("floor", "nearest", "balanced"),
                    help="with --serve: replicas of a hot expert, floor(n(e)) (the spec's), n(e) rounded, or as many as "
-                   "bring the busiest device within BALANCE_TOL of the mean (moelab.strategies.lina.placement.allocate_balanced)")
+                   "bring the busiest device within BALANCE_TOL of the mean "
+                   "(moelab.strategies.lina.placement.allocate_balanced)")
     p.add_argument("--serve-experts", type=int, metavar="E", help="with --serve: experts per MoE layer instead of the "
-                   "scale's (4: the paper's own geometry on 4 ranks, one expert per device, as its 4-expert models on 4 GPUs)")
+                   "scale's (4: the paper's own geometry on 4 ranks, one expert per device, "
+                   "as its 4-expert models on 4 GPUs)")
     a = p.parse_args(argv)
     if a.repeat < 1:
         p.error(f"--repeat must be >= 1, got {a.repeat}")
@@ -267,8 +272,8 @@ def main(argv=None) -> int:
         print(f"{pol:17s} {1e3 * step:8.1f} {statistics.median(speedup[pol]):8.2f} {1e3 * bwd:10.1f} "
               f"{bwd_x[pol]:6.2f} {100 * share:8.1f}% {stalls:20.1f} {100 * beside:25.0f}%")
     if a.repeat > 1:
-        print(f"{a.repeat} rounds, policies interleaved; step ms, bwd a2a ms, share: medians over rounds; speedups: the "
-              "median of each round's ratio. Each round's step speedup: " + "; ".join(
+        print(f"{a.repeat} rounds, policies interleaved; step ms, bwd a2a ms, share: medians over rounds; speedups: "
+              "the median of each round's ratio. Each round's step speedup: " + "; ".join(
                   f"{pol} " + " ".join(f"{x:.2f}" for x in v) for pol, v in speedup.items() if pol != "ddp_overlap"))
     lm = runs[names.index("lina_full_ctl")].layer_metrics if "lina_full_ctl" in names else None
     if lm is not None and "pack_decision" in lm:
@@ -323,12 +328,15 @@ def main(argv=None) -> int:
               for f, kw in (((), {}), ((fixed["idle"],), {}), ((fixed["idle"], fixed["busy"]), {}),
                             ((fixed["idle"], fixed["busy"]), {"share_cores": "pool"}),
                             ((fixed["idle"],), {"share_cores": "pool", "cpu_s_per_byte": cpb}),
-                            ((fixed["idle"],), {"share_cores": "pool", "cpu_s_per_byte": cpb, "compute": "model_line"}))]
+                            ((fixed["idle"],), {"share_cores": "pool", "cpu_s_per_byte": cpb,
+                                                "compute": "model_line"}))]
         for j, name in enumerate(controls[1:], 1):
             print(f"{'control ' + name:17s} {ctrl[j] / ctrl[0]:12.2f} " + " ".join(
-                f"{p[j] / p[0]:9.2f} {100 * abs(p[j] / p[0] / (ctrl[j] / ctrl[0]) - 1):5.0f}%" for p in cp) + " (step ratio)")
+                f"{p[j] / p[0]:9.2f} {100 * abs(p[j] / p[0] / (ctrl[j] / ctrl[0]) - 1):5.0f}%"
+                for p in cp) + " (step ratio)")
         print("largest simulator error on a speedup (target 25 %): " + ", ".join(
-            f"sim+{k} {100 * max(v):.0f}%" if k in ("idle", "busy") else f"{k} {100 * max(v):.0f}%" for k, v in errs.items()))
+            f"sim+{k} {100 * max(v):.0f}%" if k in ("idle", "busy") else f"{k} {100 * max(v):.0f}%"
+            for k, v in errs.items()))
     return 0
 
 
@@ -337,15 +345,18 @@ def serve_rows(scale, links: tuple, rounding: str = "floor", yields: bool = Fals
     Lina's re-plan rate (4 gloo ranks serving over EMULATED ``links`` = (intra, inter) GB/s, 2 nodes x 2,
     so a hot expert's rank pays for its bytes as on the paper's network), each ratio beside the simulator's
     prediction of the same run (:func:`frames.serve_predicted`: the run's own plans and counts priced on the
-    links, this host's compute rate and held-out call costs; latencies by replaying its batches); ``yields``: the ranks serve under ``emulation.compute_yields``). On links much faster than that,
+    links, this host's compute rate and held-out call costs; latencies by replaying its batches); ``yields``: the
+    ranks serve under ``emulation.compute_yields``). On links much faster than that,
     each call's fixed cost on this host (a few ms) sets a batch's time and no placement can shorten it
     (Ideal then gains a few per cent)."""
     import numpy as np
 
     from moelab.papers.lina import frames
 
-    df = frames.serve_summary(scale, emulated=links, rounding=rounding, yields=yields, repeat=repeat).set_index("variant")
-    pred = frames.serve_predicted(scale, emulated=links, rounding=rounding, yields=yields, repeat=repeat).set_index("variant")
+    df = frames.serve_summary(scale, emulated=links, rounding=rounding, yields=yields,
+                              repeat=repeat).set_index("variant")
+    pred = frames.serve_predicted(scale, emulated=links, rounding=rounding, yields=yields,
+                                  repeat=repeat).set_index("variant")
     cols = ("p50_latency_s", "p95_latency_s", "p99_latency_s", "p95_batch_s")
     print(df.attrs["label"])
     print(f"torch CPU kernels: {kernels()} (the trained model, and so every ratio, depends on them)")
@@ -373,7 +384,8 @@ def serve_rows(scale, links: tuple, rounding: str = "floor", yields: bool = Fals
         for v in df.index:
             print(f"  {v:42s} " + " ".join(f"{p95('baseline', r) / p95(v, r):6.2f}" for r in range(repeat)))
     for key in [k for k in df.index if k.startswith("lina") and "no_" not in k]:  # the runs that re-plan
-        acc = frames.estimation_accuracy(scale, key=key, emulated=links, rounding=rounding, yields=yields, repeat=repeat)
+        acc = frames.estimation_accuracy(scale, key=key, emulated=links, rounding=rounding, yields=yields,
+                                         repeat=repeat)
         w = acc.instances.sum()
         print(f"{key}: re-plan rate {np.average(acc.replan_rate, weights=acc.instances) if w else float('nan'):.1%}, "
               f"estimation accuracy {np.average(acc.accuracy, weights=acc.instances) if w else float('nan'):.1%} "

@@ -34,7 +34,8 @@ import argparse
 import sys
 import time
 
-VARIANTS = {"ep": None, "identity": {"hash_family": "identity"}, "CP L=2": {"num_hashes": 2}, "CP L=4": {"num_hashes": 4},
+VARIANTS = {"ep": None, "identity": {"hash_family": "identity"}, "CP L=2": {"num_hashes": 2},
+            "CP L=4": {"num_hashes": 4},
             "CP L=6": {"num_hashes": 6}, "CP L=6 no-EC": {"num_hashes": 6, "error_compensation": False}}
 
 
@@ -90,8 +91,10 @@ def _rank(rank, world, a, cap, sources):
                 lsh_s = sum(t1 - t0 for _, cat, t0, t1, _ in comm.rec.spans[n_span:] if cat == "lsh")
                 m = dict(getattr(layer, "last_metrics", {}) or {})
                 reps.append(dict(wall=wall, cpu=cpu, emulated=sum(r.emulated_s for r in recs), a2a_calls=len(a2a),
-                                 a2a_s=sum(r.t_end - r.t_start for r in a2a), a2a_bytes=sum(sum(r.sent_to.values()) for r in a2a),
-                                 lsh_s=lsh_s, A=m.get("A"), M=m.get("M"), A_remote=m.get("A_remote"), M_remote=m.get("M_remote"),
+                                 a2a_s=sum(r.t_end - r.t_start for r in a2a),
+                                 a2a_bytes=sum(sum(r.sent_to.values()) for r in a2a),
+                                 lsh_s=lsh_s, A=m.get("A"), M=m.get("M"), A_remote=m.get("A_remote"),
+                                 M_remote=m.get("M_remote"),
                                  lsh_cpu=sum(m.get(f"{st}_cpu_s", 0.0) for st in ("hash", "centroid", "decompress")),
                                  warm=i >= a.warmup))
         for name, (comm, layer, reps) in built.items():
@@ -131,9 +134,11 @@ def simulate_layer(a, cap, counts, centroids, variant_opts, lsh_row_s, tokens_pe
     cfg = RunConfig().with_overrides({
         "model.d_model": d, "model.d_ff": f, "model.n_layers": 1, "model.moe_every": 1, "model.n_heads": 1,
         "model.seq_len": tokens_per_rank, "model.moe.num_experts": E, "model.moe.top_k": 2, "train.batch_size": 1,
-        "parallel.nproc": a.nproc, "parallel.topology.nodes": a.nodes, "parallel.strategy": "ep" if variant_opts is None else "lsh_moe",
+        "parallel.nproc": a.nproc, "parallel.topology.nodes": a.nodes,
+        "parallel.strategy": "ep" if variant_opts is None else "lsh_moe",
         "parallel.strategy_options": variant_opts or {}, "emulation.enabled": True, "emulation.intra_bw_GBps": a.intra,
-        "emulation.inter_bw_GBps": a.inter, "emulation.intra_latency_us": a.latency, "emulation.inter_latency_us": a.latency}).validate()
+        "emulation.inter_bw_GBps": a.inter, "emulation.intra_latency_us": a.latency,
+        "emulation.inter_latency_us": a.latency}).validate()
     prof = machine_profile(cfg, None, compute="model")
     loads = np.asarray([counts])
     g = ep_iteration_graph(cfg, prof, loads) if variant_opts is None else \
@@ -195,18 +200,18 @@ def main(argv=None) -> int:
             row_s = lsh / max(1, max(w[0]["A"] or 0 for w in warm))
             sim = simulate_layer(a, cap, per[0]["counts"], per[0]["centroids"], VARIANTS[name],
                                  row_s if VARIANTS[name] is not None else None, tokens_per_rank)
-            rows[name] = dict(wall=wall, cpu=cpu, a2a=a2a, lsh=lsh, lsh_cpu=lsh_cpu, bytes=bytes_, A=A, M=M, rho=M / A if A else 1.0,
-                              rho_remote=Mr / Ar if Ar else 1.0, sim=sim)
+            rows[name] = dict(wall=wall, cpu=cpu, a2a=a2a, lsh=lsh, lsh_cpu=lsh_cpu, bytes=bytes_, A=A, M=M,
+                              rho=M / A if A else 1.0, rho_remote=Mr / Ar if Ar else 1.0, sim=sim)
         ep = rows["ep"]
         p_share = ep["a2a"] / ep["wall"]
         calls = max(x["a2a_calls"] for r in res for x in r[si * len(VARIANTS)]["reps"] if x["warm"])  # ep's, per rep
         f_fixed = min(1.0, calls * fixed / ep["a2a"])  # the share of ep's all-to-all time no compression removes
-        print(f"\n[{source} rows]  ep: layer {ep['wall'] * 1e3:.1f} ms (sim {ep['sim'] * 1e3:.1f}), all-to-all share p = "
-              f"{p_share:.2f}, CPU {ep['cpu'] * 1e3:.1f} ms over all ranks")
-        print(f"fixed cost per all-to-all call {fixed * 1e3:.2f} ms x {calls:.0f} calls = {f_fixed:.1%} of ep's all-to-all "
-              "time; 'Amdahl+fixed' keeps that part unshrunk")
-        print(f"{'variant':14s} {'bytes/ep':>9s} {'M/A':>7s} {'rho_rem':>8s} {'speedup':>8s} {'Amdahl':>7s} {'A+fixed':>8s} "
-              f"{'sim':>6s} {'CPU/ep':>7s} {'lsh/wall':>9s} {'lsh/CPU':>8s}")
+        print(f"\n[{source} rows]  ep: layer {ep['wall'] * 1e3:.1f} ms (sim {ep['sim'] * 1e3:.1f}), "
+              f"all-to-all share p = {p_share:.2f}, CPU {ep['cpu'] * 1e3:.1f} ms over all ranks")
+        print(f"fixed cost per all-to-all call {fixed * 1e3:.2f} ms x {calls:.0f} calls = {f_fixed:.1%} of ep's "
+              "all-to-all time; 'Amdahl+fixed' keeps that part unshrunk")
+        print(f"{'variant':14s} {'bytes/ep':>9s} {'M/A':>7s} {'rho_rem':>8s} {'speedup':>8s} {'Amdahl':>7s} "
+              f"{'A+fixed':>8s} {'sim':>6s} {'CPU/ep':>7s} {'lsh/wall':>9s} {'lsh/CPU':>8s}")
         for name, r in rows.items():
             if name == "ep":
                 continue
@@ -220,8 +225,10 @@ def main(argv=None) -> int:
             ok &= abs(ratio_b - r["rho"]) < 1e-12
         ident = rows["identity"]
         print(f"targets: identity CPU/ep = {ident['cpu'] / ep['cpu']:.2f} (<= 1.15); "
-              + "; ".join(f"{n}: speedup/Amdahl = {(ep['wall'] / r['wall']) / (1.0 / ((1 - p_share) + p_share * r['rho_remote'])):.2f} "
-                          f"(>= 0.8 where rho <= 0.3 and p >= 0.5: {'applies' if r['rho'] <= 0.3 and p_share >= 0.5 else 'n/a'})"
+              + "; ".join(f"{n}: speedup/Amdahl = "
+                          f"{(ep['wall'] / r['wall']) / (1.0 / ((1 - p_share) + p_share * r['rho_remote'])):.2f} "
+                          "(>= 0.8 where rho <= 0.3 and p >= 0.5: "
+                          f"{'applies' if r['rho'] <= 0.3 and p_share >= 0.5 else 'n/a'})"
                           for n, r in rows.items() if n.startswith("CP")))
     print("\nbytes/ep == M/A for every variant:", "yes" if ok else "NO")
     return 0 if ok else 1

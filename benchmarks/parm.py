@@ -170,7 +170,8 @@ def main(argv=None) -> int:
           f"{a.warmup} warm-up, slowest rank")
     print("held-out fixed costs per cell (all ranks busy), ms: " + "; ".join(
         f"{c} call {o['call_s'] * 1e3:.1f} SAA phase {o['phase_s'] * 1e3:.1f} sync {o['sync_s'] * 1e3:.1f} "
-        f"compute step {o['op_s'] * 1e3:.1f}" for c, o in over.items()) + "; simulated ratios: [without them] (with them)")
+        f"compute step {o['op_s'] * 1e3:.1f}" for c, o in over.items())
+          + "; simulated ratios: [without them] (with them)")
     print(f"{'cell':>7} {'base ms':>8} {'S1 ms':>7} {'S2 ms':>7} {'AAS ms':>7} | {'S1/base':>21} {'S2/base':>21} "
           f"{'AAS/base':>21} | auto (tD1, tD2 ms) ok | sim ms base/S1 (with)")
     right, n = 0, 0
@@ -190,7 +191,8 @@ def main(argv=None) -> int:
               + f" | {auto['schedule']} {pred} {'yes' if ok else 'no'} | {s['baseline'] * 1e3:.0f}/{s['s1'] * 1e3:.0f}")
     worst = max(abs(sim[c]["baseline"] / sim[c][k] / (res[c]["median"]["baseline"] / res[c]["median"][k]) - 1)
                 for c in CELLS for k in ("s1", "s2", "s2_aas"))
-    print("x measured speedup over the baseline, [y] simulated without fixed costs, (z) with the held-out ones; targets: "
+    print("x measured speedup over the baseline, [y] simulated without fixed costs, (z) with the held-out ones; "
+          "targets: "
           f">=1.5x at (2,2), >=2x at (4,4), auto right in >=80% of cells: {right}/{n}; simulator (with) within "
           f"{worst:.0%} of every measured ratio (target 25%)")
     return 0

@@ -7,7 +7,8 @@ process's peak RSS (run one strategy per invocation for a clean memory figure), 
 the simulated step. At
 the end, per strategy, the fitted growth exponent of wall time in ranks (log-log slope over the
 largest three sizes). Parm runs with what it needs (``moelab.sim.whatif.STRATEGY_NEEDS``: capacity
-factor 1.25, the dense dispatcher, the gshard gate); the others are dropless. Targets: <= 2 s at 1,024 ranks, <= 30 s at 4,096, <= 4 GB. A strategy whose
+factor 1.25, the dense dispatcher, the gshard gate); the others are dropless.
+Targets: <= 2 s at 1,024 ranks, <= 30 s at 4,096, <= 4 GB. A strategy whose
 graph cannot be built for this model says why. A size that takes longer than ``--budget`` seconds
 stops that strategy's sweep (the next size would take longer still).
 

@@ -41,8 +41,10 @@ def one_round(iters: int, warmup: int, cal_reps: int, intra: float, inter: float
           f"  one process: {c['op_overhead_s'] * 1e6:.0f} us/op + flops / {c['flops_per_s'] / 1e9:.2f} GFLOP/s "
           f"(R^2 {c['r2']:.3f}, {c['n']} shapes)\n"
           f"  in context (4-rank training, held-out shapes): {x['op_overhead_s'] * 1e6:.0f} us/op + flops / "
-          f"{x['flops_per_s'] / 1e9:.2f} GFLOP/s (R^2 {x['r2']:.3f}), + {x['call_overhead_s'] * 1e6:.0f} us per call\n  "
-          + ", ".join(f"{op} {v['alpha'] * 1e6:.0f} us + x / {1 / v['beta'] / 1e9 if v['beta'] > 0 else float('inf'):.2f} GB/s"
+          f"{x['flops_per_s'] / 1e9:.2f} GFLOP/s (R^2 {x['r2']:.3f}), "
+          f"+ {x['call_overhead_s'] * 1e6:.0f} us per call\n  "
+          + ", ".join(f"{op} {v['alpha'] * 1e6:.0f} us + x / "
+                      f"{1 / v['beta'] / 1e9 if v['beta'] > 0 else float('inf'):.2f} GB/s"
                       for op, v in cal["collectives"].items()))
     variants = {"cpu_pool": "calibrated", "in_context": "in_context"}  # machine_profile(compute=...)
     out = {"calibration": {k: v for k, v in cal.items() if k != "raw"}, "calibration_s": t_cal}
@@ -100,8 +102,8 @@ def main():
         rounds.append(one_round(a.iters, a.warmup, a.cal_reps, a.intra_bw, a.inter_bw))
     print("\n=== summary over rounds: median [min, max]")
     for key in ("loopback/cpu_pool", "loopback/in_context", "emulated/cpu_pool", "emulated/in_context"):
-        for m in ("r2", "r2_ceiling", "median_rel_err", "r2_compute", "median_rel_err_compute", "r2_comm", "median_rel_err_comm",
-                  "config_r2"):
+        for m in ("r2", "r2_ceiling", "median_rel_err", "r2_compute", "median_rel_err_compute", "r2_comm",
+                  "median_rel_err_comm", "config_r2"):
             v = np.array([r[key][m] for r in rounds], dtype=float)
             print(f"  {key:20s} {m:24s} {np.median(v):8.3f} [{v.min():.3f}, {v.max():.3f}]")
     if a.json:

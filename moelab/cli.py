@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("config", help="YAML config with a serve section, e.g. experiments/lina/serve.yaml")
     srv.add_argument("--nproc", type=int, help="ranks (default: parallel.nproc of the config)")
     srv.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                     help="dotted override, repeatable: --set serve.variant=lina")
+                     help="dotted override, repeatable: --set serve.strategy_options.variant=lina")
     srv.add_argument("--timeout", type=float, help="seconds (default: train.timeout_s)")
     srv.add_argument("--out-root", default="runs", help="results root (default: runs)")
     srv.add_argument("--no-progress", action="store_true", help="no progress bar")

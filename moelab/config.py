@@ -9,32 +9,70 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
-GATES = ("topk", "gshard", "switch", "base")  # built in; strategies may register more (moelab.moe.gates)
-GRAD_SYNCS = ("after_backward", "ddp_overlap")
-DISPATCHERS = ("sparse", "dense")
 ARCHS = ("gpt", "bert")
 POSITIONS = ("learned", "alibi")
-STRATEGIES = ("ep",)  # strategies register more names through moelab.strategies
 
 
 class ConfigError(ValueError):
     """A configuration that cannot work; raised before any process starts."""
 
 
+# ---- a field's own rule, as field metadata: each section checks its fields (field_errors) ------------
+def at_least(default, lo, *, integer: bool = True, strict: bool = False, note: str = ""):
+    """A numeric field ``>= lo`` (``> lo`` when ``strict``), an integer unless ``integer`` is False; ``note``
+    follows the bound in the message. A None default is allowed to stay None (the field's own meaning)."""
+    return field(default=default, metadata={"min": lo, "integer": integer, "strict": strict, "note": note})
+
+
+def one_of(default, choices: tuple):
+    """A field whose value must be one of ``choices``."""
+    return field(default=default, metadata={"choices": choices})
+
+
+def _field_error(name: str, f: dataclasses.Field, v) -> Optional[str]:
+    md = f.metadata
+    if "choices" in md:
+        return None if v in md["choices"] else f"{name} must be one of {md['choices']}, got {v!r}"
+    if "min" not in md or (v is None and f.default is None):
+        return None
+    integer, lo, strict = md["integer"], md["min"], md["strict"]
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or (integer and not isinstance(v, int)):
+        return f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}"
+    if not math.isfinite(v) or (v <= lo if strict else v < lo):
+        return f"{name} must be {'>' if strict else '>='} {lo}{md['note']}, got {v!r}"
+    return None
+
+
+def field_errors(section, prefix: str) -> list:
+    """Every field of a config ``section`` (and its nested sections) that breaks its own rule (metadata of
+    :func:`at_least` / :func:`one_of`), each message naming the dotted option."""
+    errs = []
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if dataclasses.is_dataclass(v):
+            errs += field_errors(v, f"{prefix}{f.name}.")
+        else:
+            err = _field_error(prefix + f.name, f, v)
+            errs += [err] if err else []
+    return errs + list(getattr(section, "own_errors", lambda: [])())
+
+
 @dataclass
 class MoEConfig:
-    num_experts: int = 8  # experts per MoE layer (global)
+    num_experts: int = at_least(8, 1)  # experts per MoE layer (global)
     top_k: int = 2  # experts per token, 1..num_experts (gshard: 2, switch/base: 1)
     gate: str = "topk"  # topk (renormalized top-k softmax) | gshard (top-2) | switch (top-1) | base (balanced top-1)
-    capacity_factor: Optional[float] = None  # None = dropless; else capacity = ceil(k*cf*T/E) per source rank
-    min_capacity: int = 0  # lower bound of the per-expert capacity
+    # None = dropless; else capacity = ceil(k*cf*T/E) per source rank
+    capacity_factor: Optional[float] = at_least(None, 0, integer=False, strict=True, note=" (or null for dropless)")
+    min_capacity: int = at_least(0, 0)  # lower bound of the per-expert capacity
     random_routing: bool = False  # gshard: drop the 2nd expert when 2*p2 < U(0,1)
-    balance_loss_coef: float = 0.01  # weight of the GShard/Switch load-balancing loss
-    z_loss_coef: float = 0.0  # weight of the router z-loss mean(logsumexp(logits)^2)
+    balance_loss_coef: float = at_least(0.01, 0, integer=False)  # weight of the GShard/Switch load-balancing loss
+    z_loss_coef: float = at_least(0.0, 0, integer=False)  # weight of the router z-loss mean(logsumexp(logits)^2)
     dispatcher: str = "sparse"  # sparse (count exchange + uneven all-to-all) | dense (capacity-padded, equal splits)
     activation: str = "gelu"  # expert FFN activation: gelu | relu
     expert_bias: bool = True  # biases in the expert FFN
@@ -43,25 +81,32 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str = "gpt"  # gpt (causal LM) | bert (masked LM)
-    vocab_size: int = 256  # byte-level by default
-    d_model: int = 64
-    d_ff: int = 128  # expert (and dense FFN) hidden size
-    n_layers: int = 2
-    n_heads: int = 4
-    seq_len: int = 64
+    arch: str = one_of("gpt", ARCHS)  # gpt (causal LM) | bert (masked LM)
+    vocab_size: int = at_least(256, 2)  # byte-level by default
+    d_model: int = at_least(64, 1)
+    d_ff: int = at_least(128, 1)  # expert (and dense FFN) hidden size
+    n_layers: int = at_least(2, 1)
+    n_heads: int = at_least(4, 1)
+    seq_len: int = at_least(64, 1)
     moe_every: int = 1  # 1: every layer is MoE; 2: every other layer (odd layers)
     # learned: a learned absolute embedding (GPT/RoBERTa) | alibi: no embedding, attention scores biased by
     # -slope_h * |i - j| (Press et al.), which tiny byte-level masked LMs learn from without the long early
     # plateau absolute positions give them (moelab.models.transformer)
-    positions: str = "learned"
+    positions: str = one_of("learned", POSITIONS)
     moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def own_errors(self) -> list:
+        """bert reserves one id for [MASK]: its vocabulary needs 3 ids at least."""
+        v = self.vocab_size
+        if self.arch == "bert" and isinstance(v, int) and not isinstance(v, bool) and v == 2:
+            return [f"model.vocab_size must be >= 3, got {v!r}"]
+        return []
 
 
 @dataclass
 class TopologyConfig:
-    nodes: int = 1  # declared nodes; "2 nodes x 4" works on one machine
-    ranks_per_node: Optional[int] = None  # None: nproc / nodes
+    nodes: int = at_least(1, 1)  # declared nodes; "2 nodes x 4" works on one machine
+    ranks_per_node: Optional[int] = at_least(None, 1)  # None: nproc / nodes
 
 
 @dataclass
@@ -69,13 +114,13 @@ class EmulationConfig:
     """Link emulation: a collective takes at least the time the declared links would need."""
 
     enabled: bool = False
-    intra_bw_GBps: float = 10.0  # intra-node bandwidth per rank, GB/s
-    intra_latency_us: float = 5.0
-    inter_bw_GBps: float = 1.0  # inter-node bandwidth per rank, GB/s
-    inter_latency_us: float = 20.0
+    intra_bw_GBps: float = at_least(10.0, 0, integer=False, strict=True)  # intra-node bandwidth per rank, GB/s
+    intra_latency_us: float = at_least(5.0, 0, integer=False)
+    inter_bw_GBps: float = at_least(1.0, 0, integer=False, strict=True)  # inter-node bandwidth per rank, GB/s
+    inter_latency_us: float = at_least(20.0, 0, integer=False)
     # an all-to-all and an all-reduce moving on one port at once each get 1/gamma of their fair share
     # (NCCL's channel/SM contention, Lina's gamma; moelab.comm.links); 1 = fair sharing
-    interference_gamma: float = 1.0
+    interference_gamma: float = at_least(1.0, 1, integer=False)
     # the ranks' compute threads run their iterations (or serving) at SCHED_IDLE, so a communication
     # thread's call does not wait for a core behind compute, as a NIC does not wait for the GPU
     # (moelab.comm.cpu_priority)
@@ -84,69 +129,84 @@ class EmulationConfig:
 
 @dataclass
 class ParallelConfig:
-    nproc: int = 2  # ranks (processes)
+    nproc: int = at_least(2, 1)  # ranks (processes)
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
     strategy: str = "ep"  # registered strategy name
     strategy_options: dict = field(default_factory=dict)  # options of that strategy (it validates them)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     # expert -> [owner, replica, ...] ; None means plain expert parallelism
     placement: Optional[dict] = None
-    grad_sync: str = "after_backward"  # after_backward (one flat all-reduce after backward) | ddp_overlap (DDP buckets during backward)
-    bucket_mb: float = 25.0  # ddp_overlap: bucket size in MiB (PyTorch DDP's default)
+    # after_backward (one flat all-reduce after backward) | ddp_overlap (DDP buckets during backward)
+    grad_sync: str = "after_backward"
+    # ddp_overlap: bucket size in MiB (PyTorch DDP's default)
+    bucket_mb: float = at_least(25.0, 0, integer=False, strict=True)
 
 
 @dataclass
 class TrainConfig:
-    iters: int = 20
-    batch_size: int = 4  # sequences per rank per iteration
-    lr: float = 1e-3
-    seed: int = 0
+    iters: int = at_least(20, 1)
+    batch_size: int = at_least(4, 1)  # sequences per rank per iteration
+    lr: float = at_least(1e-3, 0, integer=False, strict=True)
+    seed: int = at_least(0, 0)
     dataset: str = "pydocs"  # pydocs | pytests | pytext (byte-level text of the Python installation) | random
     dtype: str = "float32"  # float32 | float64
     autocast: str = "none"  # none | bf16: forward under torch.autocast(bfloat16), fp32 weights and optimizer
-    threads_per_rank: int = 1
-    timeout_s: float = 600.0  # the launcher kills the run after this
+    threads_per_rank: int = at_least(1, 1)
+    timeout_s: float = at_least(600.0, 0, integer=False, strict=True)  # the launcher kills the run after this
     trace: bool = True  # write a per-rank Chrome trace
-    trace_iters: int = 50  # iterations each trace keeps (evenly spaced, first and last); 0 = all. Not in the run id
+    # iterations each trace keeps (evenly spaced, first and last); 0 = all. Not in the run id
+    trace_iters: int = at_least(50, 0)
     fault_rank: Optional[int] = None  # testing aid: this rank raises at fault_iter
-    fault_iter: int = 0
-    eval_every: int = 0  # evaluate on held-out windows after every n-th iteration (0: never)
-    eval_batches: int = 2  # held-out batches (of batch_size per rank) per evaluation
-    checkpoint_every: int = 0  # write a checkpoint into the run folder every n iterations (0: never)
+    fault_iter: int = at_least(0, 0)
+    eval_every: int = at_least(0, 0)  # evaluate on held-out windows after every n-th iteration (0: never)
+    eval_batches: int = at_least(2, 1)  # held-out batches (of batch_size per rank) per evaluation
+    checkpoint_every: int = at_least(0, 0)  # write a checkpoint into the run folder every n iterations (0: never)
     resume_from: Optional[str] = None  # a checkpoint folder (or a run folder: its latest) to continue from
     # objective (moelab.models.tasks): lm (the arch's own: next byte / masked LM) | span (bert: T5-like
     # span corruption) | acceptability | topic | paraphrase (bert: text classification) | digits (bert
     # blocks on image patches); classification runs report eval_acc (and eval_top2_acc)
     task: str = "lm"
-    task_classes: int = 4  # topic: the number of (largest) pydoc topics used as classes; paraphrase: drawn from
-    patch_size: int = 2  # digits: square patch side in pixels (1, 2, 4 or 8) of the 8x8 images
-    init_from: Optional[str] = None  # fine-tune: a checkpoint (or run folder) to copy parameters from; task heads it lacks start fresh
-
-
-SERVE_VARIANTS = ("baseline", "ideal", "lina", "lina_no_estimation", "lina_no_finetune")
+    # topic: the number of (largest) pydoc topics used as classes; paraphrase: drawn from
+    task_classes: int = at_least(4, 2)
+    patch_size: int = at_least(2, 1)  # digits: square patch side in pixels (1, 2, 4 or 8) of the 8x8 images
+    # fine-tune: a checkpoint (or run folder) to copy parameters from; task heads it lacks start fresh
+    init_from: Optional[str] = None
 
 
 @dataclass
 class ServeConfig:
-    """Inference serving (``moelab serve``, :mod:`moelab.runtime.serve`): requests, batching, the
-    placement variant of the MoE layers (Lina §2.3). Checked by :func:`serve_errors` at launch."""
+    """Inference serving (``moelab serve``, :mod:`moelab.runtime.serve`): what every server has - requests,
+    arrivals, batching - and the strategy whose server answers them. The server's own settings are its
+    ``strategy_options``, declared and checked by that strategy (``Strategy.serve_options``: a placement
+    variant, an estimator), before any process starts (:func:`moelab.runtime.preflight.serve_errors`)."""
 
-    variant: str = "baseline"  # baseline (static EP) | ideal (balanced gate, timing only) | lina | lina_no_estimation | lina_no_finetune
+    strategy: Optional[str] = None  # the registered strategy whose server answers (one declaring ``serve``)
+    strategy_options: dict = field(default_factory=dict)  # that server's options (its ``serve_options``)
     requests: int = 32  # requests drawn (held-out windows of model.seq_len tokens)
     arrival: str = "poisson"  # poisson (rate_per_s) | closed (batch_size clients, each sends again once served)
     rate_per_s: float = 100.0
     batch_size: int = 8  # B: sequences per batch over all ranks
     max_wait_ms: float = 10.0  # a batch leaves when full or when its first request waited this long
     requests_file: Optional[str] = None  # CSV id,arrival_s,text instead of drawn requests; malformed rows rejected
-    path_len: int = 3  # Lp: preceding MoE layers in a path; estimation starts at MoE layer Lp
-    first_layers: str = "static"  # lina's layers before Lp: static (the paper's slower start) | actual: planned from the actual counts (phase 2 without an estimate)
-    k_est: int = 2  # per-token experts kept from the path distribution
-    k_cmp: int = 2  # top experts compared by phase 2
-    replan_test: str = "sets"  # phase 2 re-plans iff: the top-k_cmp sets differ (the paper's) | load: the kept plan's busiest device exceeds its estimated load by more than replan_tol
-    replan_tol: float = 0.1  # [choice] with replan_test=load: the busiest load's tolerated excess over the estimate's
-    max_pack: int = 4  # experts per device at most
-    replica_rounding: str = "floor"  # replicas of an expert wanting n(e) devices: floor (spec [R]) | nearest | balanced (for the busiest device)
-    profile_batches: int = 4  # training-split batches per rank traced to fit the path table
+
+    # Settings older versions kept on this section itself, with their defaults then: a stored run's config still
+    # loads (from_dict moves the ones that differ into strategy_options and drops the rest, so a training run
+    # keeps its id). They are the server's options now.
+    MOVED: ClassVar[dict] = {"variant": "baseline", "path_len": 3, "first_layers": "static", "k_est": 2, "k_cmp": 2,
+                             "replan_test": "sets", "replan_tol": 0.1, "max_pack": 4, "replica_rounding": "floor",
+                             "profile_batches": 4}
+
+    @classmethod
+    def upgrade(cls, d: dict) -> dict:
+        """``d`` with the :data:`MOVED` keys of an older config moved into ``strategy_options``."""
+        old = {k: d[k] for k in cls.MOVED if k in d}
+        if not old:
+            return d
+        d = {k: v for k, v in d.items() if k not in old}
+        moved = {k: v for k, v in old.items() if v != cls.MOVED[k]}
+        if moved:
+            d["strategy_options"] = {**moved, **dict(d.get("strategy_options") or {})}
+        return d
 
 
 @dataclass
@@ -231,9 +291,11 @@ class RunConfig:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
         return self
 
+
 def _from_dict(cls, d: dict):
     if not isinstance(d, dict):
         raise ConfigError(f"expected a mapping for {cls.__name__}, got {type(d).__name__}")
+    d = cls.upgrade(d) if hasattr(cls, "upgrade") else d
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(d) - set(fields)
     if unknown:
@@ -241,7 +303,8 @@ def _from_dict(cls, d: dict):
     kw = {}
     for name, value in d.items():
         sub = _NESTED.get((cls, name))
-        kw[name] = _from_dict(sub, value) if sub is not None and value is not None else _coerce(cls, fields[name], value)
+        nested = sub is not None and value is not None
+        kw[name] = _from_dict(sub, value) if nested else _coerce(cls, fields[name], value)
     return cls(**kw)
 
 

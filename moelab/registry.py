@@ -31,6 +31,10 @@ A strategy is everything a system changes, as data the core reads:
   strategy train a different model on purpose when true (FasterMoE's topology gate), or a predicate
   on the option dict (LSH-MoE: every hash family but identity); such option sets are exempt from the
   equivalences (:meth:`Strategy.changes_model_with`).
+- ``serve``: ``(run_cfg, comm) -> server`` (or ``"module:function"``): the strategy's inference server, which
+  ``moelab serve`` runs when ``serve.strategy`` names it (:mod:`moelab.runtime.serve` says what a server
+  provides); ``serve_options``: its :class:`StrategyOptions` for ``serve.strategy_options``, checked like
+  ``options`` (:meth:`Strategy.bind_serve`). None: the strategy does not serve.
 
 ``ep`` (the baseline itself) is registered here. Built-in strategies are the subpackages of
 :mod:`moelab.strategies`, each registering the strategy of its own name; one is imported by name on first
@@ -167,9 +171,13 @@ class Strategy:
     data_shard: Optional[Callable] = None
     prepare_model: Optional[Callable] = None
     own_expert_layout: bool = False
-    shared_loads: bool = True  # every rank's ``layer.last_global_counts`` is one matrix (a count exchange); False: each rank's gating pool's (Parm)
+    # every rank's ``layer.last_global_counts`` is one matrix (a count exchange);
+    # False: each rank's gating pool's (Parm)
+    shared_loads: bool = True
     conformance: tuple = ({},)  # option dicts for the conformance suite
     changes_model: Union[tuple, Callable] = ()  # option names (or a predicate) that change the trained model
+    serve: Union[Callable, str, None] = None  # (run_cfg, comm) -> server (moelab.runtime.serve); None: no server
+    serve_options: Optional[type] = None  # StrategyOptions of serve.strategy_options
     doc: str = ""
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -189,6 +197,25 @@ class Strategy:
         opts = self.options.from_dict(given)
         opts.raise_if(opts.run_errors(run_cfg))
         return opts
+
+    def bind_serve(self, run_cfg):
+        """The run's serving options (``serve.strategy_options``), parsed and checked against the run."""
+        given = run_cfg.serve.strategy_options
+        if self.serve is None:
+            raise ConfigError(f"strategy {self.name!r} has no server; serve.strategy must name one of "
+                              f"{sorted(serving_strategies())}")
+        if self.serve_options is None:
+            if given:
+                raise ConfigError(f"serve.strategy {self.name!r} takes no strategy_options, got {sorted(given)}")
+            return None
+        opts = self.serve_options.from_dict(given)
+        opts.raise_if(opts.run_errors(run_cfg))
+        return opts
+
+    def server(self, run_cfg, comm):
+        """This strategy's server for ``run_cfg`` on ``comm`` (:mod:`moelab.runtime.serve`)."""
+        self.bind_serve(run_cfg)
+        return self._resolve("serve", self.serve)(run_cfg, comm)
 
     def layer_class(self, run_cfg):
         """The MoE layer class of this run (options bound), or None for the core layer."""
@@ -237,6 +264,11 @@ def get(name: str) -> Strategy:
 
 def known_strategies() -> set:
     return set(_REGISTRY) | set(_builtin())
+
+
+def serving_strategies() -> set:
+    """The names of the known strategies that declare a server (imports them)."""
+    return {s.name for s in all_strategies() if s.serve is not None}
 
 
 def all_strategies() -> list:

@@ -255,7 +255,8 @@ def check_report(page, index: Path, drawn: int = 12) -> dict:
             figures.append(target)
     figures = sorted(set(figures))
     shot = screenshot_page(page, "report")
-    errors += [f"figure is not a plotly page: {f}" for f in figures if "Plotly.newPlot" not in f.read_text(errors="replace")]
+    errors += [f"figure is not a plotly page: {f}" for f in figures
+               if "Plotly.newPlot" not in f.read_text(errors="replace")]
     for fig in figures[::max(1, -(-len(figures) // drawn))]:
         page.goto(fig.as_uri())
         try:

@@ -28,7 +28,8 @@ from moelab.config import ConfigError, RunConfig
     ({"parallel.grad_sync": "sometimes"}, "parallel.grad_sync must be one of"),
     ({"parallel.grad_sync": "ddp_overlap", "parallel.bucket_mb": 0}, "parallel.bucket_mb must be > 0, got 0"),
     ({"parallel.bucket_mb": -5}, "parallel.bucket_mb must be > 0, got -5"),
-    ({"parallel.strategy": "zero", "parallel.grad_sync": "ddp_overlap"}, "strategy 'zero' brings its own gradient sync"),
+    ({"parallel.strategy": "zero", "parallel.grad_sync": "ddp_overlap"},
+     "strategy 'zero' brings its own gradient sync"),
     ({"train.iters": 0}, "train.iters must be >= 1, got 0"),
     ({"train.batch_size": 0}, "train.batch_size must be >= 1, got 0"),
     ({"train.lr": 0}, "train.lr must be > 0, got 0"),
@@ -68,3 +69,46 @@ def test_defaults_and_edges_are_valid():
     RunConfig().with_overrides({"train.eval_every": 0, "train.checkpoint_every": 0, "model.moe.min_capacity": 0,
                                 "emulation.intra_latency_us": 0, "parallel.grad_sync": "ddp_overlap",
                                 "parallel.bucket_mb": 0.001}).validate()
+
+
+def _ruled_fields(section, prefix=""):
+    import dataclasses
+
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _ruled_fields(v, f"{prefix}{f.name}.")
+        elif "min" in f.metadata or "choices" in f.metadata:
+            yield prefix + f.name, f.metadata
+
+
+def test_each_section_checks_its_own_fields_from_their_metadata():
+    """Every field carrying a rule (moelab.config.at_least / one_of) is refused just past it, by name, from the
+    config alone (field_errors: no other package asked); a value on the bound passes."""
+    from moelab.config import field_errors
+
+    ruled = dict(_ruled_fields(RunConfig()))
+    assert {"model.moe.num_experts", "model.arch", "train.lr", "emulation.interference_gamma",
+            "parallel.topology.nodes"} <= set(ruled)
+    for name, md in ruled.items():
+        bad = "magic" if "choices" in md else md["min"] - (0 if md["strict"] else 1)
+        errs = field_errors(RunConfig().with_overrides({name: bad}), "")
+        assert any(e.startswith(f"{name} must ") for e in errs), (name, errs)
+        if "min" in md and not md["strict"]:
+            on_bound = RunConfig().with_overrides({name: md["min"]})
+            assert not any(e.startswith(f"{name} ") for e in field_errors(on_bound, "")), name
+
+
+def test_a_stored_config_of_an_older_version_still_loads_with_its_id():
+    """Before the serving seam the serve section held the server's own settings; such a stored config loads: the
+    defaults then are dropped (a training run keeps its id), the rest become serve.strategy_options."""
+    from moelab.config import ServeConfig
+
+    new = RunConfig().with_overrides({"train.iters": 3})
+    old = new.to_dict()
+    old["serve"] = {**old["serve"], **ServeConfig.MOVED}
+    del old["serve"]["strategy"], old["serve"]["strategy_options"]
+    assert RunConfig.from_dict(old).short_hash() == new.short_hash()
+    old["serve"].update(variant="lina", path_len=2)
+    cfg = RunConfig.from_dict(old)
+    assert cfg.serve.strategy_options == {"variant": "lina", "path_len": 2} and cfg.serve.strategy is None

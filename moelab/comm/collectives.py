@@ -38,7 +38,8 @@ class Collective:
 
     def __post_init__(self):
         if self.pricing not in ("ring", "chain", "direct"):
-            raise ValueError(f"collective {self.name!r}: pricing must be 'ring', 'chain' or 'direct', got {self.pricing!r}")
+            raise ValueError(f"collective {self.name!r}: pricing must be 'ring', 'chain' or 'direct', "
+                             f"got {self.pricing!r}")
 
 
 _COLLECTIVES: dict = {}
@@ -79,7 +80,8 @@ def _costs():
 def _ring(op: str, sent_per_member: Callable) -> Collective:
     rule = lambda group, me, nbytes=0, **_: {r: sent_per_member(len(group), int(nbytes)) for r in group}  # noqa: E731
     return Collective(op, rule, rule, "ring",
-                      lambda group, topo, profile, nbytes=0, **_: [_costs().ring_demand(op, group, topo, profile, nbytes)])
+                      lambda group, topo, profile, nbytes=0, **_: [
+                          _costs().ring_demand(op, group, topo, profile, nbytes)])
 
 
 def _chain(op: str) -> Collective:

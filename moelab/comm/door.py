@@ -250,7 +250,8 @@ class Communicator:
         per-group seq as for declared groups); a non-member gets the name only."""
         key = tuple(sorted({int(r) for r in ranks}))
         if not key or key[0] < 0 or key[-1] >= self.world_size:
-            raise ValueError(f"replica_group ranks {list(ranks)} must be a non-empty subset of 0..{self.world_size - 1}")
+            raise ValueError(f"replica_group ranks {list(ranks)} must be a non-empty subset of "
+                             f"0..{self.world_size - 1}")
         cache = self._replica_names
         if key not in cache:
             name = "replica:" + ",".join(map(str, key))
@@ -476,7 +477,8 @@ class Communicator:
                           None, async_op, ranks)
 
     # ---- autograd-aware ------------------------------------------------------------------------
-    def all_to_all(self, x: torch.Tensor, out_rows: Sequence[int], in_rows: Sequence[int], group: str = "ep") -> torch.Tensor:
+    def all_to_all(self, x: torch.Tensor, out_rows: Sequence[int], in_rows: Sequence[int],
+                   group: str = "ep") -> torch.Tensor:
         """Autograd-aware uneven all-to-all; backward is the reverse all-to-all of the gradient.
 
         Under grad mode the output always requires grad (a zero-size anchor input), so a rank whose

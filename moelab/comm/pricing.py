@@ -79,7 +79,8 @@ def chain_edges(op: str, ranks, me: int, sent: dict, recv: dict) -> tuple:
 def port_flows(topo: Topology, emulation, rank: int, op: str, ranks: Sequence[int], sent: dict, recv: dict) -> list:
     """``rank``'s share of one call as flows on its ports: ``[(latency, {(class, dir): bytes})]``.
 
-    Ring collectives (declared ``pricing="ring"``, :mod:`moelab.comm.collectives`): one flow after the ring's step latencies, with this
+    Ring collectives (declared ``pricing="ring"``, :mod:`moelab.comm.collectives`): one flow after the ring's step
+    latencies, with this
     rank's ring edges' bytes (the ring's slowest link elsewhere is reached through the members'
     finish-time reduction, so alone every member ends at :func:`emulated_time`). Every other call:
     one flow per link class in use, after that class's latency, ``sent`` out and ``recv`` in.

@@ -188,7 +188,8 @@ def _plan(holders_from, holders_to, rank, world_size, ranks_per_node) -> SparseP
     return SparsePlan(rank, world_size, ranks_per_node, holders_from, holders_to)
 
 
-def sparse_plan(holders_from, holders_to, rank: int, world_size: int, ranks_per_node: Optional[int] = None) -> SparsePlan:
+def sparse_plan(holders_from, holders_to, rank: int, world_size: int,
+                ranks_per_node: Optional[int] = None) -> SparsePlan:
     """The (cached) :class:`SparsePlan` of spAG(``holders_from`` → ``holders_to``) on ``rank``."""
     canon = lambda hs: tuple(tuple(int(r) for r in h) for h in hs)  # noqa: E731
     return _plan(canon(holders_from), canon(holders_to), int(rank), int(world_size), int(ranks_per_node or world_size))

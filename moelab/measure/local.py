@@ -89,12 +89,13 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
         src = f"effective FLOP/s of this model, {cfg.parallel.nproc} processes at once (measure_compute_concurrent)"
     elif compute in ("model", "model_line", "gemm"):
         if compute == "model":
-            flops, src = measure_compute(cfg)["flops_per_s"], "effective FLOP/s of this model on 1 process (measure_compute)"
+            flops, src = (measure_compute(cfg)["flops_per_s"],
+                          "effective FLOP/s of this model on 1 process (measure_compute)")
         elif compute == "model_line":
             fit = measure_compute_line(cfg)
             flops, pool["op_overhead_s"] = fit["flops_per_s"], fit["op_overhead_s"]
-            src = (f"fitted: {fit['source']}: {fit['flops_per_s'] / 1e9:.1f} GFLOP/s and {fit['op_overhead_s'] * 1e3:.2f} "
-                   "ms per compute op")
+            src = (f"fitted: {fit['source']}: {fit['flops_per_s'] / 1e9:.1f} GFLOP/s and "
+                   f"{fit['op_overhead_s'] * 1e3:.2f} ms per compute op")
         else:
             flops, src = float(calibration["gemm_flops"]), "GEMM FLOP/s (calibrate_local)"
         tag, cores = compute, cpu_cores()

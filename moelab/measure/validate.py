@@ -30,7 +30,8 @@ port or NIC; all-reduce / all-gather / reduce-scatter as rings with one channel 
 nodes (``moelab.comm.costs.ring_channels``), ``steps x latency`` plus the slowest link. Both are
 tested equal call by call, inside one node and across nodes (``tests/measure/test_validate.py``);
 broadcast/reduce run as the same pipelined chain from the root on both sides (since 2026-11-27; before,
-the emulator priced a flat tree, 8x slower for 8 ranks across 2 nodes). Per-layer communication is read as each call's span from its last member's start to its
+the emulator priced a flat tree, 8x slower for 8 ranks across 2 nodes). Per-layer communication is read as
+each call's span from its last member's start to its
 last member's end, the quantity the simulator times.
 
 Measured on this 2-core machine (shared with other jobs, load average 4-12), smoke set, 6 configs x
@@ -194,7 +195,8 @@ class Comparison:
     iteration), r2_ceiling (R^2 of the best any per-config prediction can do: each config's median
     measured step time predicting its iterations; on a machine shared with other jobs this bounds
     the per-iteration R^2 from above), r2_compute / median_rel_err_compute and r2_comm /
-    median_rel_err_comm (the same on each part of the split alone), config_r2 and config_median_rel_err (per config, median over its timed iterations:
+    median_rel_err_comm (the same on each part of the split alone), config_r2 and config_median_rel_err
+    (per config, median over its timed iterations:
     robust to one-off stalls of a shared machine), layer_r2, layer_median_rel_err, layer_r2_compute,
     layer_r2_comm, layer_median_rel_err_compute, layer_median_rel_err_comm, n_points, n_configs,
     by_topology (per declared topology: n, r2, median_rel_err, median_signed_rel_err: the bias).
@@ -403,7 +405,8 @@ def validate(named_cfgs, calibration: Optional[dict] = None, *, warmup: int = 3,
 
     ``compute="auto"`` (default): ``"calibrated"`` when the calibration holds a fitted compute line
     (:func:`machine_profile`), else ``"model"``: each model's effective FLOP/s on one process
-    (:func:`measure_compute`) times the core share; ``"concurrent"`` measures it with :func:`measure_compute_concurrent` on as
+    (:func:`measure_compute`) times the core share; ``"concurrent"`` measures it with
+    :func:`measure_compute_concurrent` on as
     many processes as the run has ranks right before the real runs (on a machine loaded by others
     this turned out noisier); ``"gemm"`` as in :func:`machine_profile`. ``calibration`` may be None
     for emulated configs. The first ``warmup`` iterations of each config are not timed (allocation,
@@ -452,6 +455,8 @@ from moelab.measure.realruns import (  # noqa: E402,F401
 )
 
 __all__ = ["RealRun", "SimRun", "Comparison", "BytesMismatchWarning", "run_real", "run_real_many", "simulate_real",
-           "compare", "r2_score", "median_rel_err", "parts_table", "MIN_R2_POINTS", "R2_TARGET", "REL_ERR_TARGET", "measure_compute", "measure_compute_concurrent", "machine_profile",
+           "compare", "r2_score", "median_rel_err", "parts_table", "MIN_R2_POINTS", "R2_TARGET", "REL_ERR_TARGET",
+           "measure_compute", "measure_compute_concurrent", "machine_profile",
            "emulation_profile",
-           "validation_configs", "validation_configs_4", "GRID_4", "BASE_MODEL", "validate", "quick_calibration", "real_label", "cpu_cores"]
+           "validation_configs", "validation_configs_4", "GRID_4", "BASE_MODEL", "validate", "quick_calibration",
+           "real_label", "cpu_cores"]

@@ -97,7 +97,8 @@ def _fastermoe(arch: str, layers: int, seq: int) -> ModelConfig:
         moe=MoEConfig(num_experts=16, top_k=2, gate="topk", expert_bias=True))
 
 
-def _lsh(arch: str, layers: int, d: int, f: int, experts: int, moe_every: int, bias: bool, seq: int, heads: int) -> ModelConfig:
+def _lsh(arch: str, layers: int, d: int, f: int, experts: int, moe_every: int, bias: bool, seq: int,
+         heads: int) -> ModelConfig:
     """LSH-MoE Table 1 model (papers/lsh-moe.md §4): top-2 (renormalized), vocab 50257 (the paper's); the MoE
     placement and expert biases are the ones that reproduce the paper's MoE-parameter column; seq and heads
     are [choice] (the paper gives neither)."""

@@ -69,7 +69,8 @@ PRESETS = {p.name: p for p in (
         "model.n_heads": (32, MIXTRAL), "model.vocab_size": (32000, MIXTRAL),
         "model.seq_len": (4096, "a training window; the model's context is 32768 (Table 1)"),
         "model.moe.num_experts": (8, MIXTRAL), "model.moe.top_k": (2, MIXTRAL),
-        "model.moe.expert_bias": (False, MIXTRAL + ": bias-free FFNs"), "model.moe.activation": ("gelu", "SwiGLU approximated")},
+        "model.moe.expert_bias": (False, MIXTRAL + ": bias-free FFNs"),
+        "model.moe.activation": ("gelu", "SwiGLU approximated")},
         ("grouped-query attention (8 KV heads)", "SwiGLU's third matrix", "RoPE")),
     Preset("deepseek_v3", "DeepSeek-V3", {
         "model.d_model": (7168, DSV3), "model.d_ff": (2048, DSV3 + ": routed expert hidden size"),

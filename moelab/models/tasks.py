@@ -285,7 +285,6 @@ def build_model(cfg, **kw) -> MoETransformer:
     return TaskTransformer(cfg.model, num_classes=num_classes(cfg), patch_dim=patch, pair=t.task in PAIR_TASKS, **kw)
 
 
-@torch.no_grad()
 def task_errors(cfg) -> list:
     """Why ``cfg``'s task options cannot work (empty: they can). Called by RunConfig.validate."""
     m, t = cfg.model, cfg.train

@@ -171,7 +171,8 @@ class MoETransformer(nn.Module):
         B, S = tokens.shape
         if S > self.cfg.seq_len:
             raise ValueError(f"sequence length {S} exceeds the model's seq_len={self.cfg.seq_len}")
-        return self.features(self.with_positions(self.tok_emb(tokens))) @ self.tok_emb.weight.t()  # LM head tied to the embedding
+        # LM head tied to the embedding
+        return self.features(self.with_positions(self.tok_emb(tokens))) @ self.tok_emb.weight.t()
 
     def with_positions(self, x: torch.Tensor) -> torch.Tensor:
         """Embedded input [B, S, d] plus the learned position embedding (ALiBi models: unchanged; the

@@ -169,7 +169,8 @@ def plan_from_counts(counts, placement: Placement, dest: torch.Tensor, rank: int
         sent = C.clone()
         sent[:, held] = 0
         per_expert = torch.bincount(sh_exp, minlength=E)
-        shadow_pos, shadow_counts = sh_pos[torch.argsort(sh_exp, stable=True)], tuple(int(per_expert[e]) for e in shadowed)
+        shadow_pos, shadow_counts = (sh_pos[torch.argsort(sh_exp, stable=True)],
+                                     tuple(int(per_expert[e]) for e in shadowed))
     else:
         shadow_pos, shadow_counts = torch.zeros(0, dtype=torch.int64), ()
     order = torch.argsort(experts, stable=True)

@@ -152,7 +152,8 @@ def _swap(layer, li, placement, got, params, states, shapes, numel, optimizer) -
     def piece(e, k):  # k = 0 params, 1 exp_avg, 2 exp_avg_sq: the expert's [w1, b1, w2, b2]
         if e in old:
             s = old.index(e)
-            src = params if k == 0 else [x if x is not None else z for x, z in zip(states[k - 1], _zeros_like_params(params))]
+            src = params if k == 0 else [x if x is not None else z
+                                         for x, z in zip(states[k - 1], _zeros_like_params(params))]
             return [None if t is None else t[s].detach() for t in src]
         return unflatten(got[(li, e)][k * numel:(k + 1) * numel], shapes)
 

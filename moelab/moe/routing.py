@@ -29,7 +29,8 @@ class Routing:
     z_loss: torch.Tensor  # scalar, raw
 
 
-def capacity_for(num_tokens: int, num_experts: int, k: int, cf: Optional[float], min_capacity: int = 0) -> Optional[int]:
+def capacity_for(num_tokens: int, num_experts: int, k: int, cf: Optional[float],
+                 min_capacity: int = 0) -> Optional[int]:
     if cf is None:
         return None
     exact = Fraction(k * num_tokens, num_experts) * Fraction(str(cf))  # exact decimal cf: no float round-up

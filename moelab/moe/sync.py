@@ -42,7 +42,8 @@ def sync_replica_grads(layer, comm: Communicator) -> None:
     if pl.is_trivial or comm.world_size == 1:
         return
     ex = layer.experts
-    full = [(p, p.grad if p.grad is not None else torch.zeros_like(p)) for p in (ex.w1, ex.b1, ex.w2, ex.b2) if p is not None]
+    full = [(p, p.grad if p.grad is not None else torch.zeros_like(p)) for p in (ex.w1, ex.b1, ex.w2, ex.b2)
+            if p is not None]
     with comm.rec.tagged(layer=layer.layer_id, phase="replica_sync"):
         for e, holders in enumerate(pl.holders):
             if len(holders) < 2 or me not in holders:

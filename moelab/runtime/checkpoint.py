@@ -182,7 +182,8 @@ def save(trainer, run_dir, step: int) -> Path:
             meta = {"format": FORMAT, "step": step, "world": comm.world_size, "config": cfg.to_dict(),
                     "config_hash": cfg.short_hash(), "global_batch": comm.world_size * cfg.train.batch_size,
                     "layers": [{"layer": li, "forward_calls": getattr(layer, "forward_calls", 0),
-                                "holders": [list(h) for h in layer.placement.holders] if hasattr(layer, "placement") else []}
+                                "holders": ([list(h) for h in layer.placement.holders]
+                                            if hasattr(layer, "placement") else [])}
                                for li, layer in enumerate(trainer.model.moe_layers())]}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
             os.replace(tmp, final)
@@ -281,6 +282,7 @@ def load(trainer, path) -> int:
 
 
 # ---- starting a model from a checkpoint (fine-tuning) -----------------------------------------
+@torch.no_grad()
 def init_from_checkpoint(model: torch.nn.Module, path) -> dict:
     """Copy a checkpoint's parameters into ``model`` (non-strict only for HEAD_MODULES).
 
@@ -360,8 +362,8 @@ def checkpoint_errors(cfg) -> list:
             saved = read_meta(ckpt)["config"]["model"]
             if saved != cfg.to_dict()["model"]:
                 diff = sorted(k for k in saved if saved[k] != cfg.to_dict()["model"].get(k))
-                errs.append(f"train.init_from: the checkpoint {ckpt} is of another model (model.{', model.'.join(diff)} "
-                            "differ): fine-tuning keeps the model section")
+                errs.append(f"train.init_from: the checkpoint {ckpt} is of another model "
+                            f"(model.{', model.'.join(diff)} differ): fine-tuning keeps the model section")
     if t.resume_from is not None:
         ckpt = latest_checkpoint(t.resume_from)
         was = read_meta(ckpt)["config"]["train"].get("task", "lm") if ckpt is not None else t.task

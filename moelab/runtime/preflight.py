@@ -3,32 +3,16 @@ message naming the option, found before any process starts (a strategy checks it
 its ``bind``)."""
 from __future__ import annotations
 
-import math
-
-from moelab.config import (
-    ARCHS,
-    DISPATCHERS,
-    GATES,
-    GRAD_SYNCS,
-    POSITIONS,
-    SERVE_VARIANTS,
-    MoEConfig,
-    RunConfig,
-    TrainConfig,
-)
+from moelab.config import ConfigError, MoEConfig, RunConfig, TrainConfig, field_errors
 
 
 def config_errors(cfg: RunConfig) -> list:
     """Every complaint about ``cfg``; the range errors alone when there are any (later checks divide by
     those numbers)."""
     m, moe, p, t = cfg.model, cfg.model.moe, cfg.parallel, cfg.train
-    errs = range_errors(cfg)
-    if errs:  # later checks divide by these numbers: stop here with every range error
+    errs = field_errors(cfg, "")  # each section's own fields (their metadata, moelab.config)
+    if errs:  # later checks divide by these numbers: stop here with every field error
         return errs
-    if m.arch not in ARCHS:
-        errs.append(f"model.arch must be one of {ARCHS}, got {m.arch!r}")
-    if m.positions not in POSITIONS:
-        errs.append(f"model.positions must be one of {POSITIONS}, got {m.positions!r}")
     from moelab.registry import known_strategies
 
     if p.strategy not in known_strategies():
@@ -89,8 +73,10 @@ def config_errors(cfg: RunConfig) -> list:
         errs.append(f"train.dtype must be float32 or float64, got {t.dtype!r}")
     if t.fault_rank is not None and not 0 <= t.fault_rank < p.nproc:
         errs.append(f"train.fault_rank={t.fault_rank} is not a rank of nproc={p.nproc}")
+    from moelab.runtime.update import GRAD_SYNCS  # the data-parallel updates by name: the one list of them
+
     if p.grad_sync not in GRAD_SYNCS:
-        errs.append(f"parallel.grad_sync must be one of {GRAD_SYNCS}, got {p.grad_sync!r}")
+        errs.append(f"parallel.grad_sync must be one of {tuple(GRAD_SYNCS)}, got {p.grad_sync!r}")
     elif p.strategy in known_strategies() and p.strategy != "ep":
         from moelab.registry import get_update
 
@@ -127,58 +113,6 @@ def config_errors(cfg: RunConfig) -> list:
     return errs
 
 
-def range_errors(cfg) -> list:
-    """Every numeric field's range, with a message naming the option (no process has started)."""
-    m, moe, p, t, e = cfg.model, cfg.model.moe, cfg.parallel, cfg.train, cfg.emulation
-    min_vocab = 3 if m.arch == "bert" else 2  # bert reserves one id for [MASK]
-    checks = [  # (option, value, integer?, lower bound, lower bound allowed?)
-        ("parallel.nproc", p.nproc, True, 1, True),
-        ("model.vocab_size", m.vocab_size, True, min_vocab, True),
-        ("model.d_model", m.d_model, True, 1, True),
-        ("model.d_ff", m.d_ff, True, 1, True),
-        ("model.n_layers", m.n_layers, True, 1, True),
-        ("model.n_heads", m.n_heads, True, 1, True),
-        ("model.seq_len", m.seq_len, True, 1, True),
-        ("model.moe.num_experts", moe.num_experts, True, 1, True),
-        ("model.moe.min_capacity", moe.min_capacity, True, 0, True),
-        ("model.moe.balance_loss_coef", moe.balance_loss_coef, False, 0, True),
-        ("model.moe.z_loss_coef", moe.z_loss_coef, False, 0, True),
-        ("parallel.bucket_mb", p.bucket_mb, False, 0, False),
-        ("train.iters", t.iters, True, 1, True),
-        ("train.batch_size", t.batch_size, True, 1, True),
-        ("train.lr", t.lr, False, 0, False),
-        ("train.seed", t.seed, True, 0, True),
-        ("train.threads_per_rank", t.threads_per_rank, True, 1, True),
-        ("train.timeout_s", t.timeout_s, False, 0, False),
-        ("train.fault_iter", t.fault_iter, True, 0, True),
-        ("train.eval_every", t.eval_every, True, 0, True),
-        ("train.eval_batches", t.eval_batches, True, 1, True),
-        ("train.checkpoint_every", t.checkpoint_every, True, 0, True),
-        ("train.trace_iters", t.trace_iters, True, 0, True),
-        ("train.task_classes", t.task_classes, True, 2, True),
-        ("train.patch_size", t.patch_size, True, 1, True),
-        ("emulation.intra_bw_GBps", e.intra_bw_GBps, False, 0, False),
-        ("emulation.inter_bw_GBps", e.inter_bw_GBps, False, 0, False),
-        ("emulation.intra_latency_us", e.intra_latency_us, False, 0, True),
-        ("emulation.inter_latency_us", e.inter_latency_us, False, 0, True),
-        ("emulation.interference_gamma", e.interference_gamma, False, 1, True),
-    ]
-    if moe.capacity_factor is not None:
-        checks.append(("model.moe.capacity_factor", moe.capacity_factor, False, 0, False))
-    if p.topology.ranks_per_node is not None:
-        checks.append(("parallel.topology.ranks_per_node", p.topology.ranks_per_node, True, 1, True))
-    checks.append(("parallel.topology.nodes", p.topology.nodes, True, 1, True))
-    errs = []
-    for name, v, integer, lo, closed in checks:
-        number = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if not number or (integer and not isinstance(v, int)):
-            errs.append(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}")
-        elif not math.isfinite(v) or (v < lo if closed else v <= lo):
-            extra = " (or null for dropless)" if name == "model.moe.capacity_factor" else ""
-            errs.append(f"{name} must be {'>=' if closed else '>'} {lo}{extra}, got {v!r}")
-    return errs
-
-
 def _own_expert_layout(strategy: str) -> bool:
     """Whether ``strategy`` validates the expert count against its own layout (Parm: N_EP | E)."""
     from moelab.registry import get, known_strategies
@@ -187,59 +121,41 @@ def _own_expert_layout(strategy: str) -> bool:
 
 
 def registered_gates() -> tuple:
-    """Gate names the layer can resolve: the built-in ones and any a strategy registered."""
-    from moelab.moe.gates import GATES as rules
+    """Gate names the layer can resolve: the registry of :mod:`moelab.moe.gates` (built-in and strategies')."""
+    from moelab.moe.gates import GATES
 
-    return tuple(sorted(set(GATES) | set(rules)))
+    return tuple(sorted(GATES))
 
 
 def registered_dispatchers() -> tuple:
-    from moelab.moe.dispatch import DISPATCHERS as classes
+    """Dispatcher names the layer can resolve: the registry of :mod:`moelab.moe.dispatch`."""
+    from moelab.moe.dispatch import DISPATCHERS
 
-    return tuple(sorted(set(DISPATCHERS) | set(classes)))
+    return tuple(sorted(DISPATCHERS))
 
 
 def serve_errors(cfg: RunConfig) -> list:
-    """Everything that makes ``cfg`` unservable, each naming the option (before any process starts)."""
-    sv, m, moe, p = cfg.serve, cfg.model, cfg.model.moe, cfg.parallel
-    errs = []
-    if sv.variant not in SERVE_VARIANTS:
-        errs.append(f"serve.variant must be one of {list(SERVE_VARIANTS)}, got {sv.variant!r}")
-    from moelab.strategies.lina.placement import REPLAN_TESTS, ROUNDING
+    """Everything that makes ``cfg`` unservable, each naming the option (before any process starts): the
+    serving loop's own fields here, the server's options by the strategy that declares them."""
+    from moelab.registry import get, known_strategies, serving_strategies
 
-    if sv.replica_rounding not in ROUNDING:
-        errs.append(f"serve.replica_rounding must be one of {list(ROUNDING)}, got {sv.replica_rounding!r}")
-    if sv.first_layers not in ("static", "actual"):
-        errs.append(f"serve.first_layers must be static or actual, got {sv.first_layers!r}")
-    if sv.replan_test not in REPLAN_TESTS:
-        errs.append(f"serve.replan_test must be one of {list(REPLAN_TESTS)}, got {sv.replan_test!r}")
-    if isinstance(sv.replan_tol, bool) or not isinstance(sv.replan_tol, (int, float)) or not sv.replan_tol >= 0:
-        errs.append(f"serve.replan_tol must be a number >= 0, got {sv.replan_tol!r}")
+    sv = cfg.serve
+    errs = []
     if sv.arrival not in ("poisson", "closed"):
         errs.append(f"serve.arrival must be 'poisson' or 'closed', got {sv.arrival!r}")
-    for name, v, lo in (("requests", sv.requests, 1), ("batch_size", sv.batch_size, 1), ("max_pack", sv.max_pack, 1),
-                        ("profile_batches", sv.profile_batches, 1), ("path_len", sv.path_len, 1)):
-        if not isinstance(v, int) or v < lo:
-            errs.append(f"serve.{name} must be an integer >= {lo}, got {v!r}")
+    for name, v in (("requests", sv.requests), ("batch_size", sv.batch_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            errs.append(f"serve.{name} must be an integer >= 1, got {v!r}")
     for name, v in (("rate_per_s", sv.rate_per_s), ("max_wait_ms", sv.max_wait_ms)):
         if not v > 0:
             errs.append(f"serve.{name} must be > 0, got {v!r}")
-    E = moe.num_experts
-    n_moe = m.n_layers if m.moe_every == 1 else m.n_layers // 2
-    if isinstance(sv.path_len, int) and sv.path_len >= n_moe:
-        errs.append(f"serve.path_len={sv.path_len} must be below the number of MoE layers ({n_moe})")
-    for name, v in (("k_est", sv.k_est), ("k_cmp", sv.k_cmp)):
-        if not isinstance(v, int) or not 1 <= v <= E:
-            errs.append(f"serve.{name} must lie in 1..num_experts={E}, got {v!r}")
-    if isinstance(sv.max_pack, int) and sv.max_pack * p.nproc < E:
-        errs.append(f"serve.max_pack={sv.max_pack} x parallel.nproc={p.nproc} devices cannot hold {E} experts")
-    if E % p.nproc:
-        errs.append(f"serving places experts statically one block per rank: num_experts={E} must be divisible "
-                    f"by parallel.nproc={p.nproc}")
-    if moe.capacity_factor is not None:
-        errs.append("serving computes every token (no drops): set model.moe.capacity_factor to null")
-    if moe.top_k != 1:
-        errs.append(f"serving routes top-1 (Lina's inference gate): set model.moe.top_k=1, got {moe.top_k}")
+    if sv.strategy is None or sv.strategy not in known_strategies():
+        return errs + [f"serve.strategy must name a strategy with a server, one of {sorted(serving_strategies())}; "
+                       f"got {sv.strategy!r}"]
+    try:
+        get(sv.strategy).bind_serve(cfg)
+    except ConfigError as e:
+        errs.append(f"serve.strategy_options ({sv.strategy}): {e}")
     return errs
 
 

@@ -1,6 +1,7 @@
 """Run a function on N real gloo ranks (spawned processes) with a hard timeout.
 
-Used by the simulator's calibration, the reproductions, the benchmarks, the notebooks and the tests. Each rank sets one thread,
+Used by the simulator's calibration, the reproductions, the benchmarks, the notebooks and the tests. Each rank sets
+one thread,
 joins a process group on a free localhost port, runs ``fn(rank, world_size, *args)`` and sends its
 (picklable) result back. A failing rank is reported with its traceback; a hang is killed at the
 timeout; no child process survives either way.
@@ -64,7 +65,8 @@ def rank_context():
     platform has it (POSIX), else ``spawn``; ``MOELAB_START_METHOD=spawn`` forces fresh interpreters.
     Start the target through :func:`caller_state` / :func:`take_caller_state` so that the child sees the
     caller's environment, directory and import path of now, not the fork server's of its start."""
-    method = os.environ.get(START_METHOD_ENV) or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    method = os.environ.get(START_METHOD_ENV) or ("forkserver" if "forkserver" in mp.get_all_start_methods()
+                                                  else "spawn")
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
@@ -118,7 +120,8 @@ def run_ranks(fn, nproc: int, *args, timeout: float = 120.0):
         while len(results) < nproc and err is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                err = TimeoutError(f"ranks {sorted(set(range(nproc)) - set(results))} did not finish within {timeout:.0f}s")
+                err = TimeoutError(f"ranks {sorted(set(range(nproc)) - set(results))} did not finish "
+                                   f"within {timeout:.0f}s")
                 break
             try:
                 rank, ok, payload = q.get(timeout=min(left, 1.0))

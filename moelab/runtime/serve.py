@@ -1,24 +1,26 @@
-"""A real multi-process serving path beside the training loop (``moelab serve``; Lina §2.3).
+"""A real multi-process serving path beside the training loop (``moelab serve``).
 
 Every rank runs :func:`serve`. Rank 0 owns the requests: drawn held-out windows of ``model.seq_len``
 tokens arriving as a seeded Poisson process (``serve.rate_per_s``) or a closed loop (``serve.batch_size``
 clients, each sending again when answered), or read from ``serve.requests_file`` (malformed rows are
 rejected into the results, never a crash). It closes a batch when ``serve.batch_size`` requests wait
 or the first has waited ``serve.max_wait_ms``, and broadcasts it through the door; each rank takes a
-contiguous share (possibly none), runs the no-grad forward with the serve MoE layers
-(:class:`moelab.strategies.lina.infer.LinaServeLayer`, the variant in ``serve.variant``), and the
-answers (next byte, the window's mean NLL) come back to rank 0 by an all-gather.
+contiguous share (possibly none), runs the server's no-grad forward, and the answers (next byte, the
+window's mean NLL) come back to rank 0 by an all-gather.
 
-Before serving, the path table is fitted from routing traces of the same model on
-``serve.profile_batches`` training-split batches per rank (all-gathered, so every rank fits the same
-table). Per request: arrival, start, end, latency; per batch: size, time; per (batch, MoE layer):
-the plan, the estimated and actual popularity, re-plan, swap, gate/plan/dispatch times.
+**The serving seam.** The model is the server of the strategy ``serve.strategy`` names (its ``serve`` in the
+registry, :class:`moelab.registry.Strategy`; options in ``serve.strategy_options``). A server has
+``model`` (the serving module: ``[tokens, S] -> logits``), ``prepare()`` (before the clock starts, with the
+door's records paused: e.g. fitting an estimator on routing traces; returns the traces to store, or None),
+``new_batch(b)`` (before each batch's forward), ``records`` (its per-(batch, MoE layer) rows of the last
+batch: plans, estimates, swaps, times) and ``close()``.
+
+Records: per request arrival, start, end, latency; per batch size and time; the server's layer rows.
 """
 from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import json
 import os
 import time
@@ -74,40 +76,10 @@ def read_requests(path: str, cfg: RunConfig) -> tuple:
 
 
 def build(cfg: RunConfig, comm):
-    """The serving model (serve layers sharing one context) and its context, from ``train.init_from``
-    when given (parameters only), else the seeded init."""
-    from moelab.models.tasks import build_model
-    from moelab.runtime.checkpoint import init_from_checkpoint
-    from moelab.runtime.train import DTYPES
-    from moelab.strategies.lina.infer import LinaServeLayer, ServeContext
+    """The server of ``serve.strategy`` for ``cfg`` on ``comm`` (see the module doc)."""
+    from moelab.registry import get
 
-    n_moe = cfg.model.n_layers if cfg.model.moe_every == 1 else cfg.model.n_layers // 2
-    ctx = ServeContext(cfg.serve, cfg.model.moe.num_experts, n_moe, comm, seed=cfg.train.seed)
-    model = build_model(cfg, seed=cfg.train.seed, comm=comm, placement=None, dtype=DTYPES[cfg.train.dtype],
-                        moe_layer_cls=functools.partial(LinaServeLayer, context=ctx))
-    if cfg.train.init_from is not None:
-        init_from_checkpoint(model, cfg.train.init_from)
-    model.eval()
-    return model, ctx
-
-
-@torch.no_grad()
-def profile(cfg: RunConfig, model, ctx, comm):
-    """Fit the path table on routing traces of ``serve.profile_batches`` training batches per rank."""
-    from moelab.models.data import make_batch
-    from moelab.strategies.lina.popularity import PathTable
-
-    ctx.capture = True
-    traces = []
-    for b in range(cfg.serve.profile_batches):
-        ctx.new_batch(-1 - b)
-        model(make_batch(cfg, comm.rank, comm.world_size, b)["inputs"])
-        traces.append(torch.stack(ctx.paths, dim=1))
-    ctx.capture = False
-    mine = torch.cat(traces)
-    every = comm.all_gather(mine, group="world").reshape(-1, mine.shape[1])  # same shape on every rank
-    ctx.table = PathTable.fit(every.numpy(), cfg.model.moe.num_experts, cfg.serve.path_len)
-    return every.numpy()
+    return get(cfg.serve.strategy).server(cfg, comm)
 
 
 def _share(n: int, world: int, rank: int) -> tuple:
@@ -117,7 +89,7 @@ def _share(n: int, world: int, rank: int) -> tuple:
 
 
 @torch.no_grad()
-def serve(cfg: RunConfig, model, ctx, comm, requests=None) -> dict:
+def serve(cfg: RunConfig, server, comm, requests=None) -> dict:
     """Serve every request (rank 0's list; the others pass None). Returns rank 0's records:
     ``requests``, ``batches``, ``layers`` (every rank returns its own ``layers``)."""
     sv, S = cfg.serve, cfg.model.seq_len
@@ -164,10 +136,11 @@ def serve(cfg: RunConfig, model, ctx, comm, requests=None) -> dict:
             comm.broadcast_(tokens, 0, group="world")
         lo, hi = _share(n, N, comm.rank)
         mine = tokens[lo:hi]
-        ctx.new_batch(b)
+        server.new_batch(b)
         with comm.rec.tagged(iter=b):
-            logits = model(mine[:, :-1])
-        nll = torch.nn.functional.cross_entropy(logits.double().transpose(1, 2), mine[:, 1:], reduction="none").mean(1) \
+            logits = server.model(mine[:, :-1])
+        nll = torch.nn.functional.cross_entropy(logits.double().transpose(1, 2), mine[:, 1:],
+                                                reduction="none").mean(1) \
             if len(mine) else torch.zeros(0, dtype=torch.float64)
         out = torch.full((-(-B // N), 3), -1.0, dtype=torch.float64)
         out[: hi - lo, 0] = header[1 + lo:1 + hi].double()
@@ -177,7 +150,7 @@ def serve(cfg: RunConfig, model, ctx, comm, requests=None) -> dict:
             got = comm.all_gather(out, group="world").reshape(-1, 3)
         end = clock()
         layer_rows += [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in rec.items()} | {"rank": comm.rank}
-                       for rec in ctx.records]
+                       for rec in server.records]
         if comm.rank == 0:
             ans = {int(row[0]): row for row in got.tolist() if row[0] >= 0}
             for r in batch:
@@ -232,9 +205,9 @@ def run(cfg: RunConfig, out_dir=None) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank))
-    model, ctx = build(cfg, comm)
+    server = build(cfg, comm)
     with comm.rec.paused():
-        traces = profile(cfg, model, ctx, comm)
+        traces = server.prepare()
     requests, rejected = (None, [])
     if rank == 0:
         requests, rejected = read_requests(cfg.serve.requests_file, cfg) if cfg.serve.requests_file else \
@@ -243,9 +216,9 @@ def run(cfg: RunConfig, out_dir=None) -> dict:
 
     try:
         with compute_yields(cfg.emulation.compute_yields):
-            res = serve(cfg, model, ctx, comm, requests)
+            res = serve(cfg, server, comm, requests)
     finally:
-        ctx.close()
+        server.close()
     if out_dir is not None:
         write_outputs(out_dir, comm, res, rejected, traces)
     comm.close()  # a process serving again (a suite's next variant) starts without this run's groups

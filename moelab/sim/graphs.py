@@ -191,7 +191,8 @@ class IterationContext:
         """Expert FFN compute of ``tokens`` rows on rank r (backward: 2x, frees the activations)."""
         m, bwd = self.cfg.model, phase == "bwd"
         act = {"activations": int(tokens) * (m.d_model + 2 * m.d_ff) * self.eb}  # [estimate] in, pre/post act
-        return self.g.compute(r, name, (2 if bwd else 1) * self.compute_time(costs.ffn_flops(int(tokens), m.d_model, m.d_ff)),
+        return self.g.compute(r, name,
+                              (2 if bwd else 1) * self.compute_time(costs.ffn_flops(int(tokens), m.d_model, m.d_ff)),
                               deps=deps, category="expert", layer=layer, phase=phase,
                               **({"free": act} if bwd else {"alloc": act}))
 
@@ -253,7 +254,8 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     T = cfg.train.batch_size * s
     moe_ids = moe_layer_ids(m)
     if np.asarray(loads).shape != (len(moe_ids), N, E):
-        raise ValueError(f"loads must be [moe_layers={len(moe_ids)}][ranks={N}][experts={E}], got {np.asarray(loads).shape}")
+        raise ValueError(f"loads must be [moe_layers={len(moe_ids)}][ranks={N}][experts={E}], "
+                         f"got {np.asarray(loads).shape}")
     g = new_graph(profile, topo, meta={"profile": profile.name, "topology": topo.describe(), "elem_bytes": eb,
                                        **(meta or {})})
     g.stream_priority.update(stream_priority or {})
@@ -290,7 +292,8 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
         if i in moe_ids:
             gates = [g.compute(r, f"L{i}.gate.fwd", t_gate, deps=after[r], category="gate", layer=i,
                                phase="fwd", alloc={"activations": act_gate}) for r in ranks]
-            counts = g.transfer(f"L{i}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile, count_bytes)],
+            counts = g.transfer(f"L{i}.counts", ranks,
+                                [costs.ring_demand("all_gather", ranks, topo, profile, count_bytes)],
                                 deps=gates, category="count_exchange", layer=i, phase="fwd",
                                 comm={"op": "all_gather", "group": ranks, "nbytes": count_bytes})
             last = moe_forward(ctx, i, moe_ids.index(i), (counts,))
@@ -320,7 +323,8 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     if dense_sync is not None:
         return g, ctx, tuple(dense_sync(ctx, ready))
     grad_bytes = n_dense * eb
-    prev = (g.transfer("dense_grads.allreduce", ranks, [costs.ring_demand("all_reduce", ranks, topo, profile, grad_bytes)],
+    prev = (g.transfer("dense_grads.allreduce", ranks,
+                       [costs.ring_demand("all_reduce", ranks, topo, profile, grad_bytes)],
                        deps=last, category="allreduce", phase="sync",
                        comm={"op": "all_reduce", "group": ranks, "nbytes": grad_bytes}),)
     return g, ctx, prev

@@ -159,7 +159,8 @@ class PlacementCost:
         before, after = np.zeros((K, nodes * G), bool), np.zeros((K, nodes * G), bool)
         for side, out in ((0, before), (1, after)):  # one flat scatter per side, not one per expert
             sets = [p[side] for p in pairs]
-            out[np.repeat(np.arange(K), [len(h) for h in sets]), np.fromiter(chain.from_iterable(sets), np.int64)] = True
+            out[np.repeat(np.arange(K), [len(h) for h in sets]),
+                np.fromiter(chain.from_iterable(sets), np.int64)] = True
         per_dev = (after & ~before).astype(np.int64)
         owner_node = np.array([h0[0] // G for h0, _ in pairs], dtype=np.int64)
         remote = per_dev.reshape(K, nodes, G).sum(-1)
@@ -266,6 +267,7 @@ class PlanPricer:
         holders = tuple(tuple(h) for h in holders)
         R0 = self.routes(holders)
         zero = np.zeros_like(R0)
-        D = np.stack([zero if tuple(h) == holders[e] else self._expert_routes(e, tuple(h)) - self._expert_routes(e, holders[e])
+        D = np.stack([zero if tuple(h) == holders[e]
+                      else self._expert_routes(e, tuple(h)) - self._expert_routes(e, holders[e])
                       for e, h in steps])
         return R0[None] + np.cumsum(D, axis=0)

@@ -52,7 +52,8 @@ class ClusterProfile:
     busy_emulated_sync_s: Optional[float] = None  # ... and its emulated_sync_s (both measured with compute beside)
     software_on_cores: bool = False  # shared_cores and EMULATED links: a call's fixed costs are CPU work on those cores
     cpu_s_per_byte: float = 0.0  # ... and each byte a rank sends or receives costs it this much CPU (held out)
-    allreduce: str = "ring"  # "ring" (gloo, the emulator) | "nccl": per message the faster of ring and a latency-optimal schedule (sim/costs.py)
+    # "ring" (gloo, the emulator) | "nccl": per message the faster of ring and a latency-optimal schedule (sim/costs.py)
+    allreduce: str = "ring"
     extra: dict = field(default_factory=dict)  # paper constants that are not link/compute numbers
     sources: dict = field(default_factory=dict)  # field -> spec section / paper sentence / [assumption]
     notes: str = ""

@@ -383,6 +383,7 @@ def build_widget(state: Optional[ExplorerState] = None, runs=(), profiles=None):
 
 
 __all__ = ["ExplorerState", "build_widget", "evaluate", "set_owner", "toggle_replica", "set_replicas",
-           "reset_ep", "edit_placement", "shadow_hottest", "hottest_expert", "placement_of", "mapping", "trace_loads", "layer_loads",
+           "reset_ep", "edit_placement", "shadow_hottest", "hottest_expert", "placement_of", "mapping", "trace_loads",
+           "layer_loads",
            "uniform_sources", "run_global_loads", "replica_sync_bytes", "load_figure", "bytes_figure",
            "summary_text", "label_of", "ep_holders", "SYNTHETIC_KINDS"]

@@ -171,7 +171,8 @@ class ExplorerUI:
         ev = evaluate(self.state)
         base = evaluate(reset_ep(self.state)) if self.state.holders else None
         self.last = ev
-        err = f"<br><span style='color:#c00'>{html.escape(self.error, quote=False)} (kept the last valid placement)</span>" if self.error else ""
+        err = (f"<br><span style='color:#c00'>{html.escape(self.error, quote=False)} "
+               "(kept the last valid placement)</span>" if self.error else "")
         self.summary.value = f"<b>{ev['label']}</b><br>{summary_text(ev)}{err}"
         self.figures = {"load": load_figure(ev, baseline=base), "bytes": bytes_figure(ev)}
         if _in_kernel():  # outside a kernel (tests, scripts) an Output area would just print the figure

@@ -12,8 +12,9 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_gpu_layer_benchmark_cpu_mode(tmp_path):
     out = tmp_path / "rows.json"
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_layer.py"), "--device", "cpu", "--tokens", "256,512",
-                        "--iters", "2", "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=280)
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_layer.py"), "--device", "cpu",
+                        "--tokens", "256,512", "--iters", "2", "--warmup", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr
     assert "CPU mode" in r.stdout and "GPU numbers are owed" in r.stdout
     data = json.loads(out.read_text())

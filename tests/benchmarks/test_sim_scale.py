@@ -15,7 +15,8 @@ def test_sim_scale_benchmark_runs_small():
                          timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [ln.split() for ln in out.stdout.splitlines() if ln.split()[:1] in (["ep"], ["parm"])]
-    assert [(r[0], r[1]) for r in rows if r[1].isdigit()] == [("ep", "16"), ("ep", "32"), ("parm", "16"), ("parm", "32")]
+    assert [(r[0], r[1]) for r in rows if r[1].isdigit()] == [("ep", "16"), ("ep", "32"),
+                                                              ("parm", "16"), ("parm", "32")]
     assert out.stdout.count("growth exponent") == 2
 
 

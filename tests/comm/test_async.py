@@ -68,7 +68,8 @@ def test_async_equals_sync_and_bytes_pair_up(world):
             assert stream == "MainThread"
             for j in range(world):
                 assert sent_to.get(j, 0) == res[j]["recs"][k][4].get(i, 0), (op, i, j)
-            assert sum(sent_to.values()) == sum(sent.values()) and sum(res[i]["recs"][k][4].values()) == sum(recv.values())
+            assert (sum(sent_to.values()) == sum(sent.values())
+                    and sum(res[i]["recs"][k][4].values()) == sum(recv.values()))
         assert len({res[i]["recs"][k][2] for i in range(world)}) == 1  # seq agrees across ranks
     total_a2a = sum(sum(r["recs"][0][3].values()) for r in res)
     assert total_a2a > 0

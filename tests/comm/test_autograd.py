@@ -90,7 +90,8 @@ def test_autograd_blocks_match_local_maths():
                 # all_to_all: block i of member p lands as block p of member i; grad is the reverse
                 y, gx = out[("a2a", group)]
                 b = 4 // n
-                torch.testing.assert_close(y, torch.cat([xs[q][pos * b:(pos + 1) * b] for q in inst], 0), rtol=0, atol=0)
+                torch.testing.assert_close(y, torch.cat([xs[q][pos * b:(pos + 1) * b] for q in inst], 0),
+                                           rtol=0, atol=0)
                 torch.testing.assert_close(gx, torch.cat([gs[q][:4][pos * b:(pos + 1) * b] for q in inst], 0),
                                            rtol=0, atol=0)
     for r, out in enumerate(res):

@@ -48,7 +48,8 @@ def test_simulator_demands_come_from_the_declarations():
     assert t(costs.demands("all_reduce", g, topo, prof, nbytes=4000)) == costs.allreduce_time(4000, topo, prof)
     assert t(costs.demands("all_gather", g, topo, prof, nbytes=4000)) == costs.allgather_time(4000, topo, prof)
     assert t(costs.demands("reduce_scatter", g, topo, prof, nbytes=4000)) == costs.reduce_scatter_time(4000, topo, prof)
-    assert t(costs.demands("broadcast", g, topo, prof, nbytes=4000, root=2)) == costs.broadcast_time(4000, topo, prof, root=2)
+    assert (t(costs.demands("broadcast", g, topo, prof, nbytes=4000, root=2))
+            == costs.broadcast_time(4000, topo, prof, root=2))
     assert t(costs.demands("p2p", (1, 2), topo, prof, nbytes=4000)) == costs.p2p_time(4000, 1, 2, topo, prof)
     assert collective("all_reduce").pricing == "ring" and collective("all_to_all").pricing == "direct"
     with pytest.raises(ValueError, match="unknown op 'nope'"):

@@ -64,11 +64,11 @@ def test_comm_threads_started_by_a_yielding_thread_run_at_normal_priority():
         seen["launcher"] = os.sched_getscheduler(0)
         return Done()
 
-    from moelab.config import ServeConfig
     from moelab.strategies.lina.infer import ServeContext
+    from moelab.strategies.lina.options import LinaServeOptions
 
     with compute_yields():
-        serving = ServeContext(ServeConfig(), num_experts=2, num_layers=1, comm=None)
+        serving = ServeContext(LinaServeOptions(), num_experts=2, num_layers=1, comm=None)
         assert serving.loader().submit(os.sched_getscheduler, 0).result() == os.SCHED_OTHER  # phase 1's loader
         serving.close()
         stream = CommStream(name="test-stream")
@@ -115,7 +115,8 @@ def test_a_run_computes_the_same_model_whether_compute_yields_or_not():
 
     base = RunConfig().with_overrides({
         "model.d_model": 32, "model.d_ff": 64, "model.n_layers": 2, "model.n_heads": 2, "model.seq_len": 16,
-        "model.moe.num_experts": 2, "model.moe.dispatcher": "dense", "model.moe.capacity_factor": 1.0, "train.iters": 3, "train.batch_size": 2,
+        "model.moe.num_experts": 2, "model.moe.dispatcher": "dense", "model.moe.capacity_factor": 1.0,
+        "train.iters": 3, "train.batch_size": 2,
         "train.trace": False, "parallel.nproc": 2, "parallel.strategy": "lina",
         "parallel.strategy_options": {"policy": "lina", "partition_bytes": 1024}})
     cfgs = [base.with_overrides({"emulation.compute_yields": y}).validate() for y in (False, True)]

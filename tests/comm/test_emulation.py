@@ -104,7 +104,8 @@ def _saa_emulated(rank, world):
     took = time.time() - t
     r = comm.rec.comm[-1]
     ph = [(comm._fold(s), comm._fold(v)) for s, v in collective("saa").phases(list(range(world)), rank,
-                                                                            nbytes=ROWS, sub=(rank // 2 * 2, rank // 2 * 2 + 1))]
+                                                                              nbytes=ROWS,
+                                                                              sub=(rank // 2 * 2, rank // 2 * 2 + 1))]
     return dict(took=took, phased=comm.emulated_time(r.bytes, r.recv, "saa", list(range(world)), phases=ph),
                 direct=comm.emulated_time(r.bytes, r.recv, "saa", list(range(world))))
 

@@ -234,7 +234,8 @@ def _staged_on_a_stream(rank, world, G, E):
                 time.sleep(rng.uniform(0, 0.01))
             for ag, rs in reversed(handles) if rep else handles:  # waited in either order
                 time.sleep(rng.uniform(0, 0.01))
-                out.append((b, {e: t.tolist() for e, t in ag.wait().items()}, {e: t.tolist() for e, t in rs.wait().items()}))
+                out.append((b, {e: t.tolist() for e, t in ag.wait().items()},
+                            {e: t.tolist() for e, t in rs.wait().items()}))
     stream.close()
     return out
 

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.xdist_group("paper_reports")
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE", "PAPER")
-PAPERS = {"hecate": "table1_models", "lsh_moe": "table_fig06l_summary", "parm": "table4", "lina": "table_fig14e"}  # paper -> one table it must write
+# paper -> one table it must write
+PAPERS = {"hecate": "table1_models", "lsh_moe": "table_fig06l_summary", "parm": "table4", "lina": "table_fig14e"}
 
 
 def _reports(tmp_path_factory) -> Path:

@@ -238,7 +238,8 @@ def test_machine_profile_pools_cores_so_a_lone_busy_rank_runs_at_full_speed(monk
     skewed = np.zeros((1, 2, 4, 4), np.int64)
     skewed[..., 0] = T  # every rank routes everything to expert 0, on rank 0
     even = np.full((1, 2, 4, 4), T // 4, np.int64)
-    span = {k: [simulate_real(c, ld, p).makespan[0] for p in (static, pooled)] for k, ld in (("skewed", skewed), ("even", even))}
+    span = {k: [simulate_real(c, ld, p).makespan[0] for p in (static, pooled)]
+            for k, ld in (("skewed", skewed), ("even", even))}
     assert span["skewed"][1] < 0.75 * span["skewed"][0]  # rank 0's experts alone: a whole core, not half of one
     assert span["even"][1] == pytest.approx(span["even"][0], rel=0.1)
     with pytest.raises(ValueError, match="share_cores"):
@@ -270,7 +271,8 @@ def test_compute_line_fits_a_rate_and_a_cost_per_op_through_batch_multiples(monk
 
     def fake(c, iters=10, warmup=2, cache=True):
         flops = 1e9 * c.train.batch_size
-        return dict(flops=flops, ops=ops, time_s=ops * over + flops / rate, flops_per_s=flops / (ops * over + flops / rate))
+        return dict(flops=flops, ops=ops, time_s=ops * over + flops / rate,
+                    flops_per_s=flops / (ops * over + flops / rate))
 
     monkeypatch.setattr(realruns, "measure_compute", fake)
     c = cfg(4, **{"train.batch_size": 3})
@@ -447,11 +449,13 @@ def test_emulated_call_costs_leave_the_links_out():
     from moelab.config import RunConfig
     from moelab.measure.local import measure_emulated_call_costs
 
-    cfg = RunConfig().with_overrides({"parallel.nproc": 2, "emulation.enabled": True, "emulation.intra_latency_us": 30_000.0,
+    cfg = RunConfig().with_overrides({"parallel.nproc": 2, "emulation.enabled": True,
+                                      "emulation.intra_latency_us": 30_000.0,
                                       "emulation.inter_latency_us": 30_000.0}).validate()
     got = measure_emulated_call_costs(cfg, timeout=60, busy=True)
     assert 0.0 <= got["call_s"] < 0.015 and 0.0 <= got["sync_s"] < 0.015
-    assert 0.0 < got["cpu_s_per_byte"] < 1e-7  # a loopback copy costs CPU, far less than 10 MB/s of it; no latency in it
+    # a loopback copy costs CPU, far less than 10 MB/s of it; no latency in it
+    assert 0.0 < got["cpu_s_per_byte"] < 1e-7
     busy = got["busy"]  # the same calls with a thread computing beside them, in the same spawn
     assert set(busy) == {"call_s", "sync_s"} and 0.0 <= busy["call_s"] < 0.025 and 0.0 <= busy["sync_s"] < 0.025
 

@@ -49,7 +49,8 @@ def test_batches_are_deterministic_shaped_and_split_independent(task):
     for k in ("inputs", "targets", "sample_ids"):
         assert torch.equal(one[k], torch.cat([t[k] for t in two]))
     ev = make_eval_batch(cfg, 0, 2, 0)
-    assert ev["inputs"].shape == a["inputs"].shape and torch.equal(ev["inputs"], make_eval_batch(cfg, 0, 2, 0)["inputs"])
+    assert (ev["inputs"].shape == a["inputs"].shape
+            and torch.equal(ev["inputs"], make_eval_batch(cfg, 0, 2, 0)["inputs"]))
 
 
 @pytest.mark.parametrize("task,classes", [("acceptability", 2), ("topic", 4), ("paraphrase", 2), ("digits", 10)])
@@ -99,7 +100,8 @@ def _restates(x: np.ndarray) -> bool:
 
 def test_paraphrase_positives_restate_the_first_half_and_negatives_do_not():
     for split in ("train", "eval"):
-        b = (make_batch if split == "train" else make_eval_batch)(_cfg("paraphrase", **{"train.batch_size": 64}), 0, 1, 0)
+        b = (make_batch if split == "train" else make_eval_batch)(_cfg("paraphrase", **{"train.batch_size": 64}),
+                                                                  0, 1, 0)
         x, y = b["inputs"].numpy(), b["targets"][:, 0].numpy()
         hits = np.array([_restates(r) for r in x])
         assert 0 < y.sum() < len(y) and np.array_equal(hits, y == 1), split

@@ -19,7 +19,8 @@ def _model(cfg):
 def _cfg(arch, positions="learned"):
     from moelab.config import ModelConfig
 
-    return ModelConfig(arch=arch, vocab_size=32, d_model=16, d_ff=32, n_layers=2, n_heads=4, seq_len=8, positions=positions)
+    return ModelConfig(arch=arch, vocab_size=32, d_model=16, d_ff=32, n_layers=2, n_heads=4, seq_len=8,
+                       positions=positions)
 
 
 def _tokens():
@@ -67,9 +68,11 @@ def test_sharded_model_computes_the_full_model(arch, positions):
                                            fg[p + "attn.out.weight"].grad[:, m * hn * dh:(m + 1) * hn * dh], **tol)
                 torch.testing.assert_close(o["grads"][p + "attn.out_b"][0], fg[p + "attn.out.bias"].grad, **tol)
                 f = 32 // n
-                torch.testing.assert_close(o["grads"][p + "ffn.fc1_w"][0], fg[p + "ffn.fc1.weight"].grad[m * f:(m + 1) * f],
+                torch.testing.assert_close(o["grads"][p + "ffn.fc1_w"][0],
+                                           fg[p + "ffn.fc1.weight"].grad[m * f:(m + 1) * f],
                                            **tol)
-                torch.testing.assert_close(o["grads"][p + "ffn.fc2_w"][0], fg[p + "ffn.fc2.weight"].grad[:, m * f:(m + 1) * f],
+                torch.testing.assert_close(o["grads"][p + "ffn.fc2_w"][0],
+                                           fg[p + "ffn.fc2.weight"].grad[:, m * f:(m + 1) * f],
                                            **tol)
                 assert o["grads"][p + "ffn.fc1_w"][1] and not o["grads"][p + "ffn.fc2_b"][1]
             for k in ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "blocks.0.ln1.weight", "blocks.1.ln2.bias"):

@@ -99,8 +99,10 @@ def test_paper_models_fields_and_validate():
         count_params(PAPER_MODELS["BERT-MoE"], convention="nope")
 
 
-@pytest.mark.parametrize("moe_every,expert_bias,arch,positions", [(1, True, "gpt", "learned"), (2, False, "bert", "learned"),
-                                                                 (2, True, "gpt", "learned"), (2, False, "bert", "alibi")])
+@pytest.mark.parametrize("moe_every,expert_bias,arch,positions", [(1, True, "gpt", "learned"),
+                                                                  (2, False, "bert", "learned"),
+                                                                  (2, True, "gpt", "learned"),
+                                                                  (2, False, "bert", "alibi")])
 def test_full_count_matches_built_model(moe_every, expert_bias, arch, positions):
     """The closed-form 'full' count equals the real model's parameters, category by category."""
     layer = real_layer_cls()
@@ -273,7 +275,8 @@ def test_lm_loss_gpt_and_bert():
     targets = torch.full((2, 16), -100)
     targets[0, 3], targets[1, 9] = 17, 42
     logits = bert(inputs)
-    manual = 0.5 * (F.cross_entropy(logits[0, 3:4], targets[0, 3:4]) + F.cross_entropy(logits[1, 9:10], targets[1, 9:10]))
+    manual = 0.5 * (F.cross_entropy(logits[0, 3:4], targets[0, 3:4])
+                    + F.cross_entropy(logits[1, 9:10], targets[1, 9:10]))
     assert torch.allclose(lm_loss(bert, {"inputs": inputs, "targets": targets}), manual)
     # no masked position at all: a zero loss that still backpropagates (no NaN)
     loss = lm_loss(bert, {"inputs": inputs, "targets": torch.full((2, 16), -100)})

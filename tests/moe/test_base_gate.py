@@ -137,7 +137,8 @@ def test_gate_requires_top1():
 
 
 @pytest.mark.parametrize("over, msg", [({"model.moe.top_k": 2}, "top_k=1"),
-                                       ({"model.moe.top_k": 1, "train.batch_size": 3, "model.seq_len": 5}, "divisible")])
+                                       ({"model.moe.top_k": 1, "train.batch_size": 3, "model.seq_len": 5},
+                                        "divisible")])
 def test_config_validation(over, msg):
     base = {"model.moe.gate": "base", "model.moe.num_experts": 4, "parallel.nproc": 2}
     with pytest.raises(ConfigError, match=msg):
@@ -176,7 +177,8 @@ def _layer(rank, world):
         sync_dense_grads(list(layer.gate.parameters()), comm)
         ex = layer.experts
         out[name] = dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad, experts=ex.experts,
-                         eg=[torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in (ex.w1, ex.b1, ex.w2, ex.b2)],
+                         eg=[torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                             for p in (ex.w1, ex.b1, ex.w2, ex.b2)],
                          counts=layer.last_global_counts.clone())
     return out
 

@@ -125,7 +125,8 @@ def random_placement(seed, N, E):
 
 
 PLACEMENTS = {  # the layer/train/sim tests' placements
-    "train-replicas": lambda N, E: Placement.from_mapping({0: [0, 1], 1: [1], 2: [1, 0], 3: [0]}, 4, N) if (N, E) == (2, 4) else None,
+    "train-replicas": lambda N, E: (Placement.from_mapping({0: [0, 1], 1: [1], 2: [1, 0], 3: [0]}, 4, N)
+                                    if (N, E) == (2, 4) else None),
     "sim-replicas": lambda N, E: Placement.expert_parallel(E, N).with_replicas({0: list(range(1, N))}),
 }
 
@@ -188,7 +189,8 @@ def test_plans_agree_across_ranks_and_conserve_rows(seed):
         valid = (flat >= 0).nonzero().squeeze(1)
         both = torch.cat([p.send_pos, p.shadow_pos]).sort().values
         assert torch.equal(both, valid)
-        assert bool(torch.isin(flat[p.shadow_pos], torch.tensor(S, dtype=torch.int64)).all()) if S else p.shadow_pos.numel() == 0
+        assert (bool(torch.isin(flat[p.shadow_pos], torch.tensor(S, dtype=torch.int64)).all()) if S
+                else p.shadow_pos.numel() == 0)
         off = 0
         for s, n in enumerate(p.in_rows):
             exps = flat[p.send_pos[off:off + n]]
@@ -236,7 +238,8 @@ def _purity_rank(rank, world, seed):
     out = []
     for r in range(world):
         p = plan_from_counts(C, pl, rows[r][:lens[r]], r, shadowed=(1,))
-        out.append({k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in vars(p).items() if k != "placement"})
+        out.append({k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in vars(p).items()
+                    if k != "placement"})
     return json.dumps(out, sort_keys=True)
 
 

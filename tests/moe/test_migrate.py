@@ -60,7 +60,8 @@ def _migrate(rank, world, new_owners):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     opt.step()
-    stepped = all(p in opt.state for p in live) and all(any(q is p for q in opt.param_groups[0]["params"]) for p in live)
+    stepped = (all(p in opt.state for p in live)
+               and all(any(q is p for q in opt.param_groups[0]["params"]) for p in live))
     return dict(before=before, after=after, moves=moves, again=again, ops=[r.op for r in recs],
                 held=[l.experts.experts for l in layers], stepped=stepped,
                 sent=sum(v for r in recs for q, v in r.sent_to.items() if q != rank))

@@ -45,7 +45,8 @@ def test_hottest_is_deterministic_with_id_tie_break():
     assert hottest(C, 3) == (0, 1, 2)
     assert hottest(C, 0) == ()
     # identical on every rank: a function of the (all-gathered) counts only
-    assert ReplicateHottest(2)(C, Placement.expert_parallel(4, 2)) == ReplicateHottest(2)(C.copy(), Placement.expert_parallel(4, 2))
+    assert (ReplicateHottest(2)(C, Placement.expert_parallel(4, 2))
+            == ReplicateHottest(2)(C.copy(), Placement.expert_parallel(4, 2)))
 
 
 def test_policies_from_counts_to_placement():

@@ -113,7 +113,8 @@ def test_rule_validation_and_records():
         Placement(1, 1, ((0,),), rule=object())
     pl = Placement.expert_parallel(4, 2).with_replicas({0: [1]}).with_rule(LocalityFirst(1))
     rec = json.loads(json.dumps(pl.to_record()))
-    assert rec == {"holders": {"0": [0, 1], "1": [0], "2": [1], "3": [1]}, "rule": "locality_first", "ranks_per_node": 1}
+    assert rec == {"holders": {"0": [0, 1], "1": [0], "2": [1], "3": [1]}, "rule": "locality_first",
+                   "ranks_per_node": 1}
     assert rule_from_dict({k: v for k, v in rec.items() if k != "holders"}) == LocalityFirst(1)
     assert pl.with_replicas({1: [1]}).rule == LocalityFirst(1)  # derived placements keep the rule
     with pytest.raises(ValueError, match="unknown routing rule"):

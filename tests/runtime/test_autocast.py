@@ -1,4 +1,5 @@
-"""train.autocast=bf16: the forward runs in bfloat16 on real ranks, close to the fp32 run; refused where it cannot run."""
+"""train.autocast=bf16: the forward runs in bfloat16 on real ranks, close to the fp32 run; refused where it cannot
+run."""
 import pytest
 
 from moelab.config import ConfigError, RunConfig

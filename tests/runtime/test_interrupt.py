@@ -41,7 +41,8 @@ def test_ctrl_c_stops_every_rank_and_says_so_in_one_line(tmp_path, monkeypatch):
         launch(TINY, 2, out_root=tmp_path, worker=worker, progress=False, timeout=300)
     assert time.monotonic() - sent["t"] < STOP_S
     msg = str(info.value)
-    assert "\n" not in msg and msg.startswith("moelab: run ") and "interrupted: all 2 ranks stopped, nothing stored" in msg
+    assert ("\n" not in msg and msg.startswith("moelab: run ")
+            and "interrupted: all 2 ranks stopped, nothing stored" in msg)
     assert info.value._render_traceback_() == [msg]  # what a notebook shows: the line, no launcher frames
     assert isinstance(info.value, KeyboardInterrupt)  # scripts and papermill still see an interrupt
     assert _clean(tmp_path)

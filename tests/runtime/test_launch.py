@@ -162,7 +162,8 @@ def test_reuse_runs_again_what_an_older_moelab_made(tmp_path, monkeypatch, capsy
     (first.path / "summary.json").write_text(json.dumps({**summary, "moelab_version": "0.0.1"}))
     again = launch(TINY, 2, out_root=tmp_path, worker=worker, progress=False, reuse=True)
     assert again.summary["moelab_version"] == moelab.__version__  # made again, by this version
-    assert f"not re-using the stored run {first.run_id}: made by moelab 0.0.1, this is moelab" in capsys.readouterr().err
+    assert (f"not re-using the stored run {first.run_id}: made by moelab 0.0.1, this is moelab"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.slow

@@ -51,7 +51,8 @@ def test_activations_grow_with_the_batch_and_are_freed_by_backward():
         row = tr.metrics[-1]
         # every parameter gets a gradient of its own size (1 rank: no bucket, no flat buffer kept)
         assert row["mem_grads_peak_bytes"] == row["mem_grads_bytes"] == row["mem_params_bytes"]
-        assert row["mem_optim_bytes"] == 2 * row["mem_params_bytes"] + 4 * len(list(tr.model.parameters()))  # + fp32 step
+        # + fp32 step
+        assert row["mem_optim_bytes"] == 2 * row["mem_params_bytes"] + 4 * len(list(tr.model.parameters()))
         assert row["mem_total_peak_bytes"] >= row["mem_params_bytes"] + row["mem_optim_bytes"] + row["mem_grads_bytes"]
 
 

@@ -55,7 +55,8 @@ def _measure_rank(rank, world):
     before = measure(comm, lambda: None)
     m = measure(comm, step)
     return dict(before=len(before.comm), n=len(m.comm), a2a_bytes=m.op_bytes("all_to_all"),
-                spans=[s[0] for s in m.spans], left=len(comm.rec.comm), t=m.time.slowest_s, a2a_s=m.op_seconds("all_to_all"))
+                spans=[s[0] for s in m.spans], left=len(comm.rec.comm), t=m.time.slowest_s,
+                a2a_s=m.op_seconds("all_to_all"))
 
 
 @pytest.mark.timeout(120)

@@ -81,7 +81,8 @@ def _runtime_rows(cfg, loads, placement):
 
 def _profile(cfg):
     t = topology_of(cfg)
-    return ClusterProfile(name="t", nodes=t.world_size // t.ranks_per_node, gpus_per_node=t.ranks_per_node, gpu="x", peak_flops=1e12,
+    return ClusterProfile(name="t", nodes=t.world_size // t.ranks_per_node, gpus_per_node=t.ranks_per_node, gpu="x",
+                          peak_flops=1e12,
                           achieved_flops=1e12, intra_bw_GBps=10.0, intra_latency_us=1.0, inter_bw_GBps=1.0,
                           inter_latency_us=5.0, mem_GB=1.0)
 

@@ -142,7 +142,8 @@ def test_nccl_allreduce_takes_the_faster_of_ring_and_halving_doubling():
     assert allreduce_time(1e9, topo, nccl) == pytest.approx(2 * 4 * lat + 1e9 / 10e9)
     assert allreduce_time(1e9, topo, ring) == pytest.approx(2 * 15 * lat + 2 * 15 / 16 * 1e9 / 10e9)
     hd = dict(costs._halving_doubling_ports(tuple(range(16)), topo, 1)[1])
-    assert all(hd[("intra_out", r)] + hd.get(("nic_out", r // 8), 0) / 8 == pytest.approx(2 * 15 / 16) for r in range(8))
+    assert all(hd[("intra_out", r)] + hd.get(("nic_out", r // 8), 0) / 8 == pytest.approx(2 * 15 / 16)
+               for r in range(8))
     assert ring_demand("all_reduce", range(12), dataclasses.replace(nccl, nodes=2, gpus_per_node=6).topology(),
                        nccl, 1e3).alpha == pytest.approx(2 * 11 * lat)  # 12 is no power of two: the ring
     for p in PROFILES.values():

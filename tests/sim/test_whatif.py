@@ -67,7 +67,8 @@ def test_a_strategy_s_own_needs_are_applied_to_it_alone_and_recorded():
     need = {"parm": {"model.moe.capacity_factor": 1.25, "model.moe.dispatcher": "dense", "model.moe.gate": "gshard"}}
     f = sweep(BASE, prof, [16], strategies=["ep", "parm"], per_strategy=need, progress=False).set_index("strategy")
     assert f.loc["parm", "note"] == "" and f.loc["parm", "step_ms"] > 0
-    assert f.loc["parm", "overrides"] == "model.moe.capacity_factor=1.25, model.moe.dispatcher=dense, model.moe.gate=gshard"
+    assert f.loc["parm", "overrides"] == ("model.moe.capacity_factor=1.25, model.moe.dispatcher=dense, "
+                                          "model.moe.gate=gshard")
     assert f.loc["ep", "overrides"] == ""
     bare = sweep(BASE, prof, [16], strategies=["parm"], progress=False)
     assert bare.note[0].startswith("not priced: ConfigError") and "capacity_factor" in bare.note[0]

@@ -76,7 +76,8 @@ def _layer_cases(rank, world, cases):
             x = xs[rank].clone().requires_grad_()
             y = layer(x)
             ((y * gys[rank]).sum() + layer.aux_loss).backward()
-            out.append(dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad.clone(), eg=expert_grads(layer.experts),
+            out.append(dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad.clone(),
+                            eg=expert_grads(layer.experts),
                             counts=layer.last_global_counts.clone()))
             layer.comm.close()  # 84 builds per rank: unclosed, their groups left ~950 threads per rank
     return out

@@ -260,7 +260,8 @@ def fig10_real(scale) -> pd.DataFrame:
         df["speedup_vs_zero3"] = z3 / df.step_ms
     c = next(iter(cfgs.values()))
     df.attrs["label"] = (f"EMULATED links: {sp.conv_nproc} ranks gloo (2 nodes x {sp.conv_nproc // 2}, intra "
-                         f"{sp.intra_GBps:g} / inter {sp.inter_GBps:g} GB/s per rank), tiny MoE-GPT L={c.model.n_layers} "
+                         f"{sp.intra_GBps:g} / inter {sp.inter_GBps:g} GB/s per rank), "
+                         f"tiny MoE-GPT L={c.model.n_layers} "
                          f"d={c.model.d_model}, 16 experts, whole training steps")
     df.attrs["missing"] = [] if zero_available() else ["ZeRO (moelab has no zero strategy)"]
     return df

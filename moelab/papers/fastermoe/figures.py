@@ -30,7 +30,8 @@ def _c(i: int) -> str:
 
 # ---- Fig. 3 ----------------------------------------------------------------------------------------
 @labelled
-def fig3_ep_example(routing, workers, *, label: str, title: str = "Fig. 3: expert parallelism, routing and idle workers"):
+def fig3_ep_example(routing, workers, *, label: str,
+                    title: str = "Fig. 3: expert parallelism, routing and idle workers"):
     """Left: tokens each worker sends to each expert (one expert per worker). Right: forward expert
     compute per worker and how long it waits for the slowest one."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens: source worker -> expert", "forward expert compute"),
@@ -178,7 +179,8 @@ def fig9_predictor(points, metrics, *, label: str, title: str = "Fig. 9: perform
         lim = 0.0
         for i, mode in enumerate(modes):
             for split, g in points[points["mode"] == mode].groupby("split"):
-                fig.add_scatter(x=1e3 * g[meas], y=1e3 * g[pred], mode="markers", name=f"{kind.get(mode, mode)}, {split}",
+                fig.add_scatter(x=1e3 * g[meas], y=1e3 * g[pred], mode="markers",
+                                name=f"{kind.get(mode, mode)}, {split}",
                                 legendgroup=f"{mode}{split}", showlegend=c == 1,
                                 marker={"color": _c(i), "symbol": symbols.get(split, "circle"), "size": 9},
                                 text=g.point, hovertemplate="%{text}<br>measured %{x:.2f} ms<br>predicted %{y:.2f} ms",
@@ -249,7 +251,8 @@ def fig11_shadowing(latency, shadow_map, *, label: str,
 
 # ---- Fig. 12 ---------------------------------------------------------------------------------------
 @labelled
-def fig12_smart(frame, *, label: str, title: str = "Fig. 12: smart scheduling speedup per layer, theoretical vs achieved"):
+def fig12_smart(frame, *, label: str,
+                title: str = "Fig. 12: smart scheduling speedup per layer, theoretical vs achieved"):
     fig = go.Figure()
     x = [frame.model, frame.layer.astype(str)]
     fig.add_bar(x=x, y=frame.theoretical, name="theoretical", marker_color="#bab0ac")

@@ -146,7 +146,8 @@ def fig9_predictor(scale, seed: int = 0):
     ``P_N`` (per rank count: the ranks share the cores) and ``c0`` are *calibrated on a held-out half* (non-negative
     least squares)
     of the points (alternate points in (N, h, trace) order: with traces T1/T2, T1 calibrates and T2
-    evaluates) and R^2 / median relative error are reported on the other half (spec §5.9). Returns ``(points, metrics)``: points per (point, mode)
+    evaluates) and R^2 / median relative error are reported on the other half (spec §5.9). Returns
+    ``(points, metrics)``: points per (point, mode)
     with measured and predicted e2e / compute / comm and ``run`` (EMULATED links / REAL loopback
     gloo); metrics one row per (mode, split in calibration / evaluation / all, part in e2e / compute /
     comm) with run, n, r2, median_rel_err, share_of_e2e, r2_meaningful, what is measured and

@@ -63,7 +63,8 @@ def fig5a(ctx):
     pts, lines = roofline.fig5_roofline_measured(ctx.scale)
     return Made(pts, tables={"table_fig05a_roofline_measured": (pts, "Fig. 5 (a): measured roofline points")},
                 figures={"fig05a_roofline_measured": F.fig5_roofline(
-                    pts, lines, unit="GFLOPs", label=_label(pts), title="Fig. 5 (a): DDL-Roofline, measured on CPU ranks")})
+                    pts, lines, unit="GFLOPs", label=_label(pts),
+                    title="Fig. 5 (a): DDL-Roofline, measured on CPU ranks")})
 
 
 @product(P, "fig6", needs_real=True)
@@ -93,7 +94,8 @@ def fig8b(ctx):
     ms = {k: round(v, 2) for k, v in sim8.attrs["makespan_ms"].items()}
     return Made(sim8, notes=[f"pipeline model makespans (ms), from the measured op times: {ms}"],
                 figures={"fig08b_schedules_sim": F.fig8_schedules(
-                    sim8, by="schedule", label=_label(sim8), title="Fig. 8 (b): 8a sequential, 8b two streams, 8c smart order")})
+                    sim8, by="schedule", label=_label(sim8),
+                    title="Fig. 8 (b): 8a sequential, 8b two streams, 8c smart order")})
 
 
 @product(P, "fig9", needs_real=True,
@@ -159,7 +161,8 @@ def fig11a(ctx):
 
 
 @product(P, "fig12", quantities={"achieved_simulator": SMART_ACHIEVED, "theoretical": SMART_THEORY,
-                                 "model_fraction_of_theory": Quantity("pipeline-model / theoretical speedup of the smart schedule")})
+                                 "model_fraction_of_theory": Quantity(
+                                     "pipeline-model / theoretical speedup of the smart schedule")})
 def fig12(ctx):
     f12 = schedule.fig12_smart(ctx.scale, ctx.seed)
     return Made(f12, tables={"table_fig12_smart": (f12, "Fig. 12: per-layer smart-schedule speedup")},
@@ -189,7 +192,8 @@ def fig13a(ctx):
     title = "Fig. 13 (a): on CPU ranks" + ("" if f13r.attrs["fired"] else ": the shadow policy never fired")
     return Made(f13r, notes=[f13r.attrs["shadowing"]],
                 tables={"table_fig13a_breakdown_real": (f13r, "Fig. 13 (a): on CPU ranks")},
-                figures={"fig13a_breakdown_real": F.fig13_breakdown(f13r, x="variant", label=_label(f13r), title=title)})
+                figures={"fig13a_breakdown_real": F.fig13_breakdown(f13r, x="variant", label=_label(f13r),
+                                                                    title=title)})
 
 
 @product(P, "fig14", needs_real=True)
@@ -200,8 +204,10 @@ def fig14(ctx):
 
 
 TABLE3 = {"iter_speedup_vs_fastmoe": Quantity("per-iteration speedup over FastMoE, MoE-GPT on johnny", X),
-          "iter_gain_vs_fastermoe": Quantity("fraction by which an iteration is shorter than FasterMoE's (no topology gate)"),
-          "extra_steps_vs_fastermoe": Quantity("extra steps to the target loss relative to FasterMoE (no topology gate)"),
+          "iter_gain_vs_fastermoe": Quantity(
+              "fraction by which an iteration is shorter than FasterMoE's (no topology gate)"),
+          "extra_steps_vs_fastermoe": Quantity(
+              "extra steps to the target loss relative to FasterMoE (no topology gate)"),
           "steps_vs_fastmoe": Quantity("steps to the target loss relative to FastMoE (faithful top-2)", X),
           "time_vs_fastermoe": Quantity("time to the target loss relative to FasterMoE's", X)}
 

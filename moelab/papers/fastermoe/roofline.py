@@ -79,7 +79,8 @@ def fig5_roofline_measured(scale, trace: Optional[str] = None):
                          semi_ideal_GFLOPs=float(rl.semi_ideal(np.median(rhos), P)) / 1e9))
     points = pd.DataFrame(rows)
     rho = np.logspace(-2, 2, 200)
-    lines = pd.DataFrame(dict(rho=rho, ideal_GFLOPs=rl.ideal(rho, P) / 1e9, semi_ideal_GFLOPs=rl.semi_ideal(rho, P) / 1e9))
+    lines = pd.DataFrame(dict(rho=rho, ideal_GFLOPs=rl.ideal(rho, P) / 1e9,
+                              semi_ideal_GFLOPs=rl.semi_ideal(rho, P) / 1e9))
     label = s["label"] + f"; P = {P / 1e9:.1f} GFLOP/s per rank (measured, all ranks at once)"
     points.attrs["label"] = lines.attrs["label"] = label
     return points, lines

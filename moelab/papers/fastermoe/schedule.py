@@ -194,7 +194,8 @@ def fig8_schedules(scale, trace: Optional[str] = None):
     smart = [asc[0]] + asc[2:] + [asc[1]] if G > 2 else asc  # cheapest exposed S first, next-cheapest R last
     naive = [desc[0]] + desc[2:] + [desc[1]] if G > 2 else desc  # the costliest ones exposed instead
     sim = []
-    for name, kw in (("8a sequential", dict(sequential=True)), ("8b two streams, costliest at the ends", dict(order=naive)),
+    for name, kw in (("8a sequential", dict(sequential=True)),
+                     ("8b two streams, costliest at the ends", dict(order=naive)),
                      ("8c two streams, smart order", dict(order=smart))):
         g = pipeline_gantt(dS, dC, dR, **kw)
         sim.append(g.assign(schedule=name, start_ms=1e3 * g.start, end_ms=1e3 * g.end,

@@ -34,7 +34,8 @@ def flexmoe_plans(trace, cost, *, r: int = 1, interval: int = 10, threshold: flo
         hist.append(trace[it])
         del hist[:-window]
     reps = sum(len(h) - 1 for h in holders[0]) if holders else 0
-    return plans, f"r={r}, K={interval}; layer rounds with steps: {rounds} ({copies} steps); replicas at the end (layer 0): {reps}"
+    return plans, (f"r={r}, K={interval}; layer rounds with steps: {rounds} ({copies} steps); "
+                   f"replicas at the end (layer 0): {reps}")
 
 
 def smartmoe_plans(trace, cost, ranks_per_node: int):

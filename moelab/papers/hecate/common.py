@@ -85,7 +85,8 @@ def table1() -> pd.DataFrame:
         E, d, L = m.moe.num_experts, m.d_model, m.n_layers
         c = count_params(m, convention="hecate")
         rows.append(dict(model=name, d_model=d, seq_len=m.seq_len, layers=L, experts=E, heads=m.n_heads,
-                         vocab=m.vocab_size, params=c["total"], params_B=c["total"] / 1e9, closed_form_B=L * (4 * E + 4) * d * d / 1e9,
+                         vocab=m.vocab_size, params=c["total"], params_B=c["total"] / 1e9,
+                         closed_form_B=L * (4 * E + 4) * d * d / 1e9,
                          paper_params_B=HECATE_TABLE1_PARAMS_B[name],
                          expert_MB_fp16=2 * 2 * d * m.d_ff / 1e6))
     t = pd.DataFrame(rows)

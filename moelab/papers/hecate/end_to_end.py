@@ -154,5 +154,6 @@ def end_to_end(scale="smoke", cluster: str = "hecate_A", gpus: int = 16, models:
     out["speedup_vs_ep"] = ep.iter_ms.reindex(out.model).to_numpy() / out.iter_ms
     out["moe_speedup_vs_ep"] = ep.moe_ms.reindex(out.model).to_numpy() / out.moe_ms
     out.attrs["label"] = frame_label(cluster, f"{gpus} GPUs, {2 * gpus} experts, batch 1 sequence per GPU, "
-                                              f"{sp.paper_iters} iterations per point (SUBSTITUTE loads: tiny-model trace)")
+                                              f"{sp.paper_iters} iterations per point "
+                                              "(SUBSTITUTE loads: tiny-model trace)")
     return out

@@ -42,7 +42,8 @@ def speedup_bars(frame, *, label: str, title: str, y: str = "speedup_vs_ep", fac
     """Grouped bars: one group per model, one bar per system, one panel per ``facet`` value; a system the
     checkout lacks (NaN) is left out and named in the legend title."""
     facets = list(dict.fromkeys(frame[facet])) if facet in frame else [None]
-    fig = make_subplots(rows=1, cols=len(facets), subplot_titles=[f"{f} {facet}" if f is not None else "" for f in facets],
+    fig = make_subplots(rows=1, cols=len(facets),
+                        subplot_titles=[f"{f} {facet}" if f is not None else "" for f in facets],
                         shared_yaxes=True)
     systems = list(dict.fromkeys(frame.system))
     for c, f in enumerate(facets, 1):
@@ -120,7 +121,8 @@ def gantt(frame, *, label: str, title: str, row: str = "row"):
 
 @labelled
 def chunk_grid(frame, *, label: str, title: str = "Fig. 6: spAG and spRS on 4 devices (chunk values)"):
-    cols = (("before", "before (P: owners)"), ("after_spag", "after spAG(P, P')"), ("after_sprs", "after spRS(P', P): owners"))
+    cols = (("before", "before (P: owners)"), ("after_spag", "after spAG(P, P')"),
+            ("after_sprs", "after spRS(P', P): owners"))
     fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in cols], shared_yaxes=True)
     for c, (col, _) in enumerate(cols, 1):
         grid = frame.pivot_table(index="device", columns="chunk", values=col, aggfunc="first")
@@ -152,7 +154,8 @@ def memory_speedup(frame, *, label: str, title: str = "M2: FlexMoE speedup over 
                                text=[f"r={r}" for r in frame.r], textposition="top center",
                                marker_color=SYSTEM_COLOURS["FlexMoE"]))
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
-    return finish(fig, title, label, xaxis_title="expert memory over EP (E/N + r) / (E/N)", yaxis_title="speedup over EP")
+    return finish(fig, title, label, xaxis_title="expert memory over EP (E/N + r) / (E/N)",
+                  yaxis_title="speedup over EP")
 
 
 @labelled
@@ -168,7 +171,8 @@ def throughput_batch(frame, *, label: str, title: str = "Fig. 14: throughput vs 
 def t_sweep(frame, *, label: str, title: str = "Sensitivity: Hecate's speedup over EP vs the overlap degree t (= m)"):
     fig = go.Figure()
     for i, ((cl, model), g) in enumerate(frame.groupby(["cluster", "model"], sort=False)):
-        fig.add_scatter(x=g.t, y=g.speedup_vs_ep, mode="lines+markers", name=f"{model} on {cl} (formula t={g.t_formula.iloc[0]})",
+        fig.add_scatter(x=g.t, y=g.speedup_vs_ep, mode="lines+markers",
+                        name=f"{model} on {cl} (formula t={g.t_formula.iloc[0]})",
                         marker_color=_c(i))
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
     return finish(fig, title, label, xaxis_title="t = m (experts replicated per layer)", yaxis_title="speedup over EP")

@@ -77,7 +77,8 @@ def m2(scale="smoke", seed: int = 0, rs=(1, 2, 4, 6, 8)) -> pd.DataFrame:
     rows = []
     for r in rs:
         plans, note = flexmoe_plans(loads, hecate_cost(cfg, prof), **{**FLEXMOE, "r": r})
-        t = float(simulate_system(cfg.with_overrides({"parallel.strategy": "flexmoe"}), prof, loads, plans).iter_s.mean())
+        t = float(simulate_system(cfg.with_overrides({"parallel.strategy": "flexmoe"}), prof, loads, plans)
+                  .iter_s.mean())
         rows.append(dict(r=r, speedup=ep / t, expert_memory_over_ep=(E_N + r) / E_N, note=note))
     df = pd.DataFrame(rows)
     df.attrs["label"] = frame_label("hecate_A", "16 GPUs, GPT-MoE-S, FlexMoE replayed with r reserved slots")
@@ -107,7 +108,8 @@ def m3(scale="smoke", seed: int = 0, intervals=(10, 25, 50, 100)) -> pd.DataFram
         t = simulate_system(cfg, prof, loads, plans, first=1).set_index("iter").iter_s
         plain = float(t.reindex(steady).mean())
         total = plain * (n - 1 - len(moving)) + float(t.reindex(moving).sum())
-        rows.append(dict(interval=K, iters=n, replacements=len(moving), steady_ms=1e3 * plain, total_s=total, note=note))
+        rows.append(dict(interval=K, iters=n, replacements=len(moving), steady_ms=1e3 * plain, total_s=total,
+                         note=note))
     df = pd.DataFrame(rows)
     base = df.set_index("interval")
     if 25 in base.index and 10 in base.index:

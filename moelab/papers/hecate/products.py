@@ -79,7 +79,8 @@ def _e2e_product(ctx, cluster, gpus_list, fig_id, title):
 
 
 @product(P, "fig9", quantities={"speedup_vs_ep": ("system", {"Hecate": VS_EP}),
-                                "geomean_vs_best": Quantity("geometric-mean end-to-end speedup of Hecate over the best baseline", X)})
+                                "geomean_vs_best": Quantity(
+                                    "geometric-mean end-to-end speedup of Hecate over the best baseline", X)})
 def fig9(ctx):
     df, cols, notes = _e2e_product(ctx, "hecate_A", (16, 32), "fig9", "")
     return Made(df, tables={"table_fig09_end_to_end": (df[cols], "Fig. 9: iteration time and speedup, cluster A")},
@@ -89,7 +90,8 @@ def fig9(ctx):
 
 
 @product(P, "fig10", quantities={"speedup_vs_ep": ("system", {"Hecate": VS_EP}),
-                                 "geomean_vs_baselines": Quantity('geometric-mean end-to-end speedup of Hecate "compared to baseline systems"', X)})
+                                 "geomean_vs_baselines": Quantity(
+                                     'geometric-mean end-to-end speedup of Hecate "compared to baseline systems"', X)})
 def fig10(ctx):
     df, cols, notes = _e2e_product(ctx, "hecate_B", (32,), "fig10", "")
     return Made(df, tables={"table_fig10_end_to_end": (df[cols], "Fig. 10: iteration time and speedup, cluster B")},
@@ -113,8 +115,10 @@ def fig11(ctx):
                 figures={"fig11_layers": F.layer_speedups(t, label=t.attrs["label"])})
 
 
-@product(P, "fig12", quantities={"a2a_reduction": Quantity("EP all-to-all time over Hecate all-to-all time on the critical path", X),
-                                 "rm_spag_over_hecate": Quantity("exposed sparse-collective time of Hecate-RM over Hecate", X),
+@product(P, "fig12", quantities={"a2a_reduction": Quantity(
+                                     "EP all-to-all time over Hecate all-to-all time on the critical path", X),
+                                 "rm_spag_over_hecate": Quantity(
+                                     "exposed sparse-collective time of Hecate-RM over Hecate", X),
                                  "rm_vs_baselines": Quantity("end-to-end speedup of Hecate-RM over the baselines", X)})
 def fig12(ctx):
     systems = ("EP", "FasterMoE", "SmartMoE", "FlexMoE", "Hecate", "Hecate-RM")
@@ -186,11 +190,13 @@ def fig15b(ctx):
         rows.append(dict(interval=R, iters=n, sampled=len(picks), iter_ms=1e3 * t, speedup=base / t, note=note,
                          reshards=sum(1 for p in plans if p["moved"])))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = (f"SIMULATED: hecate_B profile, 32 GPUs, GPT-MoE-S (2 layers), {n} replayed iterations of the REAL "
-                         f"tiny-model trace upsampled, priced at {len(picks)} sampled iterations; calibration off (keeps a "
+    df.attrs["label"] = (f"SIMULATED: hecate_B profile, 32 GPUs, GPT-MoE-S (2 layers), {n} replayed iterations "
+                         "of the REAL tiny-model trace upsampled, "
+                         f"priced at {len(picks)} sampled iterations; calibration off (keeps a "
                          f"2000-iteration replay tractable; orthogonal to the interval)")
     fig = F.interval_bars(df, label=df.attrs["label"])
-    notes = [f"R={r.interval}: re-shardings that moved experts: {r.reshards} (of {n // r.interval} due)" for r in df.itertuples()]
+    notes = [f"R={r.interval}: re-shardings that moved experts: {r.reshards} (of {n // r.interval} due)"
+             for r in df.itertuples()]
     return Made(df, tables={"table_fig15b_interval": (df, "Fig. 15b: re-sharding interval")},
                 figures={"fig15b_interval": fig}, notes=notes)
 
@@ -222,9 +228,12 @@ def fig13(ctx):
     reps = max_replicas(plans[1:], N)
     m.moe.num_experts = E
     rows = [("EP", {}, "E/N experts per layer"), ("SmartMoE", {}, "a permutation: the same as EP"),
-            ("FlexMoE", {"extra_slots": FLEXMOE["r"]}, f"E/N + r slots per layer (r={FLEXMOE['r']}), each with optimizer state"),
-            ("Hecate", {"replicas": reps}, f"at most {reps} replicas per layer per device (replayed plans), live in every layer"),
-            ("Hecate-RM", {"replicas": reps, "live_layers": 2}, "replicas of the 2 live layers only (current + prefetched)")]
+            ("FlexMoE", {"extra_slots": FLEXMOE["r"]},
+             f"E/N + r slots per layer (r={FLEXMOE['r']}), each with optimizer state"),
+            ("Hecate", {"replicas": reps},
+             f"at most {reps} replicas per layer per device (replayed plans), live in every layer"),
+            ("Hecate-RM", {"replicas": reps, "live_layers": 2},
+             "replicas of the 2 live layers only (current + prefetched)")]
     df = pd.DataFrame([dict(system=n, **{f"{k}_GB": v / 1e9 for k, v in state_bytes(m, N, E, **kw).items()}, note=note)
                        for n, kw, note in rows]).set_index("system")
     df["flexmoe_over_hecate"] = df.total_GB["FlexMoE"] / df.total_GB["Hecate"]
@@ -234,7 +243,8 @@ def fig13(ctx):
     df["rm_param_cut"] = (df.param_GB["Hecate"] - df.param_GB["Hecate-RM"]) / extra if extra > 0 else np.nan
     df["rm_total_over_ep"] = df.total_GB["Hecate-RM"] / df.total_GB["EP"]
     df = df.reset_index()
-    df.attrs["label"] = (f"SIMULATED: {cluster}, {gpus} GPUs, {model} (all {m.n_layers} layers); replica counts from the "
+    df.attrs["label"] = (f"SIMULATED: {cluster}, {gpus} GPUs, {model} (all {m.n_layers} layers); "
+                         "replica counts from the "
                          "replayed Hecate plans; byte factors fp16 params/grads, 12 B/param optimizer (spec §6.19)")
     return Made(df, tables={"table_fig13_memory": (df, "Fig. 13: peak model-state memory per device")},
                 figures={"fig13_memory": F.memory_bars(df, label=df.attrs["label"])})

@@ -1,5 +1,6 @@
-"""Hecate's REAL products (Figs. 1r, 4, 5, 6, 8, 9r, 11r, 12r, 13r, 15ar), Fig. 1's simulated timeline, the motivation (M1-M3) and the sweeps beside them
-(Figs. 9t, 14): registered functions, ids as in ``experiments/hecate/manifest.yaml``."""
+"""Hecate's REAL products (Figs. 1r, 4, 5, 6, 8, 9r, 11r, 12r, 13r, 15ar), Fig. 1's simulated timeline, the motivation
+(M1-M3) and the sweeps beside them (Figs. 9t, 14): registered functions, ids as in
+``experiments/hecate/manifest.yaml``."""
 from __future__ import annotations
 
 from moelab.papers.kit.registry import Made, Quantity, product
@@ -17,7 +18,8 @@ def fig4(ctx):
 
     df = real.fig4_bytes(ctx.scale.name)
     df["fsdp_over_hecate"] = df.fsdp / df.hecate_sparse.where(df.hecate_sparse > 0)
-    notes = [] if (df.hecate_sparse > 0).any() else ["no replica was materialized in these iterations: spAG/spRS moved 0 bytes"]
+    notes = [] if (df.hecate_sparse > 0).any() else [
+        "no replica was materialized in these iterations: spAG/spRS moved 0 bytes"]
     return Made(df, tables={"table_fig04_bytes": (df, "Fig. 4: bytes per MoE layer and iteration")},
                 figures={"fig04_bytes": F.bytes_per_layer(df, label=df.attrs["label"])}, notes=notes)
 
@@ -30,7 +32,8 @@ def fig5(ctx):
     ev["row"] = "rank " + ev["rank"].astype(str) + " " + ev["kind"]
     return Made(ev, tables={"table_fig05_events": (ev, "Fig. 5: one iteration's events (REAL)")},
                 figures={"fig05_events": F.gantt(ev, label=ev.attrs["label"],
-                                                 title="Fig. 5: FSSDP workflow of one iteration (spAG beside attention, spRS after backward)")})
+                                                 title="Fig. 5: FSSDP workflow of one iteration "
+                                                       "(spAG beside attention, spRS after backward)")})
 
 
 @product(P, "fig1r", needs_real=True)
@@ -49,8 +52,10 @@ def fig1r(ctx):
     span = df.groupby("system").end_ms.max()
     df.attrs["label"] = frames[1].attrs["label"].replace("; iteration", "; EP and Hecate, iteration")
     return Made(df, tables={"table_fig01r_events": (df, "Fig. 1 (REAL): one iteration of EP and of Hecate")},
-                notes=["iteration span (first event to last, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in span.items()),
-                       "attention spans are recorded by Hecate's pre-hooks only: in EP's rows it is the gap before each gate"],
+                notes=["iteration span (first event to last, ms): "
+                       + ", ".join(f"{k} {v:.1f}" for k, v in span.items()),
+                       "attention spans are recorded by Hecate's pre-hooks only: "
+                       "in EP's rows it is the gap before each gate"],
                 figures={"fig01r_events": F.gantt(df, label=df.attrs["label"],
                                                   title="Fig. 1 (REAL): one iteration of EP and of FSSDP, every rank")})
 
@@ -107,9 +112,11 @@ def fig15ar(ctx):
     notes = [f"no plan change in these iterations (the policy did not fire): {idle}"] if idle else []
     notes.append("REAL, this CPU's wall clock of the same runs, speedup over EP: " + ", ".join(
         f"{r.system} {r.real_speedup_vs_ep:.2f}x" for r in df.itertuples() if r.system != "EP"))
-    return Made(df, tables={"table_fig15ar_ablation": (df, "Fig. 15a (REAL plans): ablation priced on cluster A")}, notes=notes,
+    return Made(df, tables={"table_fig15ar_ablation": (df, "Fig. 15a (REAL plans): ablation priced on cluster A")},
+                notes=notes,
                 figures={"fig15ar_ablation": F.speedup_bars(df, label=df.attrs["label"], facet="gpus",
-                                                            title="Fig. 15a (small): REAL plans of the ablation, timed by the simulator on cluster A")})
+                                                            title="Fig. 15a (small): REAL plans of the ablation, "
+                                                                  "timed by the simulator on cluster A")})
 
 
 @product(P, "fig13r", needs_real=True, quantities={
@@ -128,9 +135,11 @@ def fig13r(ctx):
     order = "holds" if s["FlexMoE"] > s["Hecate"] > s["EP"] else "does NOT hold"
     notes = [f"trend check, the paper's order FlexMoE > Hecate > EP in model states {order} here (FlexMoE / Hecate "
              f"{s['FlexMoE'] / s['Hecate']:.2f}, Hecate / EP {s['Hecate'] / s['EP']:.2f})"]
-    return Made(df, tables={"table_fig13r_memory": (df, "Fig. 13 (REAL): peak model-state memory per rank")}, notes=notes,
+    return Made(df, tables={"table_fig13r_memory": (df, "Fig. 13 (REAL): peak model-state memory per rank")},
+                notes=notes,
                 figures={"fig13r_memory": F.memory_bars(df, label=df.attrs["label"], unit="MB",
-                                                        title="Fig. 13 (REAL): model-state memory per rank at the iteration peak")})
+                                                        title="Fig. 13 (REAL): model-state memory per rank "
+                                                              "at the iteration peak")})
 
 
 @product(P, "fig1")
@@ -155,7 +164,8 @@ def fig1(ctx):
         frames.append(pd.DataFrame(dict(row=system + " " + tl.stream, what=tl.category, start_ms=1e3 * tl.start,
                                         end_ms=1e3 * tl.end)))
     df = pd.concat(frames, ignore_index=True)
-    df.attrs["label"] = ("SIMULATED: hecate_A profile, 16 GPUs, GPT-MoE-S (2 layers), rank 0, last replayed iteration of "
+    df.attrs["label"] = ("SIMULATED: hecate_A profile, 16 GPUs, GPT-MoE-S (2 layers), rank 0, "
+                         "last replayed iteration of "
                          "the REAL trace upsampled; Hecate t = t_paper (assumption), m = E (memory does not bind)")
     return Made(df, tables={"table_fig01_timeline": (df, "Fig. 1: simulated timeline rows")},
                 figures={"fig01_timeline": F.gantt(df, label=df.attrs["label"],
@@ -187,7 +197,8 @@ def m2(ctx):
 
     df = M.m2(ctx.scale.name, ctx.seed)
     fig = F.memory_speedup(df, label=df.attrs["label"])
-    return Made(df, tables={"table_m2_flexmoe": (df, "M2: FlexMoE speedup vs reserved memory")}, figures={"m2_flexmoe": fig},
+    return Made(df, tables={"table_m2_flexmoe": (df, "M2: FlexMoE speedup vs reserved memory")},
+                figures={"m2_flexmoe": fig},
                 notes=[f"r={r.r}: {r.note}" for r in df.itertuples()])
 
 
@@ -243,7 +254,8 @@ def fig14(ctx):
     df["rm_over_hecate"] = df.batch.map(df[df.system == "Hecate-RM"].set_index("batch").iter_ms / h)
     df.loc[df.system != "Hecate-RM", "rm_over_hecate"] = np.nan
     df.attrs["label"] = (f"SIMULATED: hecate_B profile, 32 GPUs ({prof.mem_GB:g} GB each), GPT-MoE-S ({L} simulated "
-                         f"layers, activations scaled to {m.n_layers}); model states analytic (fp16 + 12 B/param optimizer); "
+                         f"layers, activations scaled to {m.n_layers}); "
+                         "model states analytic (fp16 + 12 B/param optimizer); "
                          "loads = REAL tiny-model trace upsampled per batch")
     return Made(df, tables={"table_fig14_batch": (df, "Fig. 14: throughput and memory vs batch")},
                 figures={"fig14_batch": F.throughput_batch(df, label=df.attrs["label"])},
@@ -257,9 +269,11 @@ def fig9r(ctx):
     df = real.fig9_real(ctx.scale.name)
     idle = [r.system for r in df.itertuples() if r.system != "EP" and r.system != "FSDP" and not r.policy_fired]
     notes = [f"no plan change in these iterations (the policy did not fire): {idle}"] if idle else []
-    return Made(df, notes=notes, tables={"table_fig09r_real_plans": (df, "Fig. 9 (small): REAL plans priced on cluster A")},
+    return Made(df, notes=notes,
+                tables={"table_fig09r_real_plans": (df, "Fig. 9 (small): REAL plans priced on cluster A")},
                 figures={"fig09r_real_plans": F.speedup_bars(df, label=df.attrs["label"], facet="gpus",
-                                                             title="Fig. 9 (small): REAL plans of every system, timed by the simulator on cluster A")})
+                                                             title="Fig. 9 (small): REAL plans of every system, "
+                                                                   "timed by the simulator on cluster A")})
 
 
 T_SWEEP = (0, 1, 2, 4, 8)
@@ -286,7 +300,8 @@ def fig9t(ctx):
                 h = EE.simulate_system(scfg, prof, loads, plans).iter_s.mean()
                 rows.append(dict(cluster=cluster, gpus=gpus, model=model, t=t, t_formula=formula, speedup_vs_ep=ep / h))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = ("SIMULATED: hecate_A (16 GPUs) and hecate_B (32 GPUs), batch 1, REAL trace upsampled; t = m swept, "
+    df.attrs["label"] = ("SIMULATED: hecate_A (16 GPUs) and hecate_B (32 GPUs), batch 1, REAL trace upsampled; "
+                         "t = m swept, "
                          "calibration off (Alg. 1's plans alone)")
     fig = F.t_sweep(df, label=df.attrs["label"])
     return Made(df, tables={"table_fig09t_t_sweep": (df, "Hecate speedup over EP vs the overlap degree t")},
@@ -295,14 +310,17 @@ def fig9t(ctx):
 
 @product(P, "m3", quantities={
     "best_interval": Quantity("best SmartMoE re-arrangement interval", "iterations"),
-    "iter_gain_10_vs_25": Quantity("per-iteration time saved by SmartMoE at interval 10 over 25 (non-rearranging iterations)", "fraction"),
+    "iter_gain_10_vs_25": Quantity(
+        "per-iteration time saved by SmartMoE at interval 10 over 25 (non-rearranging iterations)", "fraction"),
     "total_loss_10_vs_25": Quantity("total time added by SmartMoE at interval 10 over 25", "fraction")})
 def m3(ctx):
     from . import motivation as M
 
     df = M.m3(ctx.scale.name, ctx.seed)
     return Made(df, tables={"table_m3_smartmoe": (df, "M3: SmartMoE interval")},
-                figures={"m3_smartmoe": F.interval_bars(df.assign(speedup=df.total_s.min() / df.total_s), label=df.attrs["label"],
+                figures={"m3_smartmoe": F.interval_bars(df.assign(speedup=df.total_s.min() / df.total_s),
+                                                        label=df.attrs["label"],
                                                         title="M3: SmartMoE total time relative to the best interval")},
                 notes=[f"K={r.interval}: {r.note}" for r in df.itertuples()]
-                + ([] if df.replacements.sum() else ["no re-placement was applied at any K: SmartMoE's policy did not fire"]))
+                + ([] if df.replacements.sum()
+                   else ["no re-placement was applied at any K: SmartMoE's policy did not fire"]))

@@ -72,8 +72,9 @@ def fig9_real(scale="smoke", cluster: str = "hecate_A") -> pd.DataFrame:
     df["speedup_vs_ep"] = ep.sim_iter_ms / df.sim_iter_ms
     df["real_speedup_vs_ep"] = ep.real_iter_ms / df.real_iter_ms  # REAL: this CPU's wall clock, not cluster A
     df["model"], df["gpus"] = f"tiny (d={sp.d}, E={sp.experts})", sp.nproc
-    df.attrs["label"] = (f"SIMULATED: {cluster} links and compute pricing the plans and loads of REAL runs on {sp.nproc} "
-                         f"gloo ranks ({sp.nodes} declared nodes), tiny model; real_iter_ms and real_speedup_vs_ep are REAL: "
+    df.attrs["label"] = (f"SIMULATED: {cluster} links and compute pricing the plans and loads of REAL runs "
+                         f"on {sp.nproc} gloo ranks ({sp.nodes} declared nodes), tiny model; "
+                         "real_iter_ms and real_speedup_vs_ep are REAL: "
                          "this CPU's wall clock of the same runs")
     return df
 
@@ -88,7 +89,8 @@ def call_device_load(rec: dict, N: int, ranks_per_node: int) -> np.ndarray:
     C = np.asarray(rec["counts"], dtype=np.int64).reshape(N, -1)
     E = C.shape[1]
     holders = rec["hecate"]["holders"] if "hecate" in rec else holders_of(homogeneous_owners(1, E, N)[0])
-    return Placement(E, N, tuple(tuple(int(d) for d in h) for h in holders), LocalityFirst(ranks_per_node)).routes(C).sum(0)
+    return Placement(E, N, tuple(tuple(int(d) for d in h) for h in holders),
+                     LocalityFirst(ranks_per_node)).routes(C).sum(0)
 
 
 def device_loads(scale="smoke", systems=("EP", "Hecate", "Hecate (sharding only)", "Hecate (materialization only)")):
@@ -105,7 +107,8 @@ def device_loads(scale="smoke", systems=("EP", "Hecate", "Hecate (sharding only)
             for rec in recs if it >= 1 else ():
                 load = call_device_load(rec, N, sp.ranks_per_node)
                 rows.append(dict(system=name, iter=it, layer=rec["layer"], max_tokens=int(load.max()),
-                                 mean_tokens=float(load.mean()), max_over_mean=float(load.max() / max(load.mean(), 1e-9))))
+                                 mean_tokens=float(load.mean()),
+                                 max_over_mean=float(load.max() / max(load.mean(), 1e-9))))
     df = pd.DataFrame(rows)
     df.attrs["label"] = (runs["EP"].label + "; tokens each rank computes per MoE layer: the recorded counts routed "
                          "through the recorded plan (exact), iterations after the first")
@@ -199,7 +202,8 @@ def event_order(scale="smoke", iteration: int = None, system: str = "Hecate") ->
     it = iteration if iteration is not None else hec.iters - 1
     c = hec.comm[hec.comm.iter == it]
     s = hec.spans[(hec.spans.iter == it) & hec.spans.name.isin(["attention", "attention.bwd.start", "experts", "gate"])]
-    rows = [dict(rank=r.rank, what=f"{r.phase} {r.op}".strip(), layer=r.layer, start=r.t_start, end=r.t_done, kind="comm")
+    rows = [dict(rank=r.rank, what=f"{r.phase} {r.op}".strip(), layer=r.layer, start=r.t_start, end=r.t_done,
+                 kind="comm")
             for r in c.itertuples()]
     rows += [dict(rank=r.rank, what=r.name, layer=r.layer, start=r.t_start, end=max(r.t_end, r.t_start + 1e-5),
                   kind="compute") for r in s.itertuples()]
@@ -248,11 +252,12 @@ def fig6_buffers() -> pd.DataFrame:
             rows.append(dict(device=d, chunk=c, before=r["before"].get(c), after_spag=r["after"].get(c),
                              after_sprs=r["sums"].get(c)))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = "REAL: 4 ranks gloo (2 declared nodes), moelab.comm.sparse a2a backend, fp32 chunks of 1 element"
+    df.attrs["label"] = ("REAL: 4 ranks gloo (2 declared nodes), moelab.comm.sparse a2a backend, "
+                         "fp32 chunks of 1 element")
     return df
 
 
-# ---- Fig. 8: Alg. 2 on the recorded trace ------------------------------------------------------------------------------
+# ---- Fig. 8: Alg. 2 on the recorded trace ----------------------------------------------------------------------------
 def fig8_sharding(scale="smoke", t: int = 1, window: int = 5) -> pd.DataFrame:
     """Homogeneous (EP) vs heterogeneous (Alg. 2) sharding of the REAL trace's last window, 4 devices in 2
     nodes: per layer and device the experts owned and their load (the pure function the runtime calls)."""

@@ -54,7 +54,8 @@ class Assumption:
         v = self.value
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise AssumptionError(f"{at}: value must be a finite number, got {self.value!r}"
-                                  + (" (YAML reads 1e12 as text: write 1.0e+12)" if isinstance(self.value, str) else ""))
+                                  + (" (YAML reads 1e12 as text: write 1.0e+12)"
+                                     if isinstance(self.value, str) else ""))
         if self.range is not None:
             lo, hi = self.range
             if not lo <= hi:

@@ -176,7 +176,8 @@ def _manifest_html(folder: Path, base: str) -> str:
                         f"</td><td class=muted>{_e(it.get('not_reproduced'))}</td></tr>")
         for p in it.get("products", []):
             links = " · ".join(f'<a href="{_u(base + f["file"])}">{_e(f["stem"])}</a>' for f in p.get("files", []))
-            what = links if p.get("status") == "made" else f"<span class=warn>{_e(p.get('status'))}: {_e(p.get('reason'))}</span>"
+            what = (links if p.get("status") == "made"
+                    else f"<span class=warn>{_e(p.get('status'))}: {_e(p.get('reason'))}</span>")
             notes = "".join(f"<br><span class=muted>{_e(n)}</span>" for n in p.get("notes", []) if len(n) < 300)
             rows.append(f"<tr><td>{_e(it['id'])}</td><td>{_e(it['title'])}</td><td>{_badge(p['cls'], p['cls'])}"
                         f"{_e(p['id'])}</td><td>{what}{notes}</td></tr>")
@@ -358,7 +359,8 @@ def _section(m: dict, out: Path, found: dict) -> str:
     head = (f'<section id="nb-{_e(name)}"><h2>{_e(name)} {_status_badges(m)}</h2>'
             f'<p>{" ".join(_badge(k, k) for k in kinds)}'
             f'<a href="{_u(m.get("executed", ""))}">executed notebook</a> · source <code>{_e(m.get("notebook"))}</code>'
-            f' · scale <b>{_e(m.get("scale"))}</b> · parameters from <code>{_e(m.get("parameters_file") or "notebook defaults")}</code></p>'
+            f' · scale <b>{_e(m.get("scale"))}</b> · parameters from '
+            f'<code>{_e(m.get("parameters_file") or "notebook defaults")}</code></p>'
             f'<p class=muted>run time {_fmt_s(m.get("wall_s"))}, started {_e(m.get("started"))}; '
             f'last checked {_e(m.get("checked"))}: {_e(m.get("outcome"))} — {_e(m.get("reason"))}</p>')
     body = [head]
@@ -410,7 +412,8 @@ def build_index(out: str | Path, session: dict | None = None) -> Path:
                "real processes with emulated links; SIMULATED: the simulator at a cluster profile; "
                "SUBSTITUTE: a stand-in for what the paper used; PAPER: the paper's own numbers.</p>"
                "<table><tr><th>notebook</th><th>status</th><th>scale</th><th>run time</th><th>paper items</th>"
-               "<th>paper vs moelab</th><th>figures</th><th>why it ran / was re-used</th></tr>" + "".join(rows) + "</table></section>"
+               "<th>paper vs moelab</th><th>figures</th><th>why it ran / was re-used</th></tr>" + "".join(rows)
+               + "</table></section>"
                if manifests else "<section><p>No notebooks have been run into this folder.</p></section>")
     page = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>moelab report</title>"
             f"<meta name=viewport content='width=device-width,initial-scale=1'><style>{_CSS}</style></head>"

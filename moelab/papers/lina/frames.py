@@ -13,7 +13,7 @@ from moelab.strategies.lina.popularity import pattern_share
 
 from .common import labelled as _labelled
 from .common import scale_spec
-from .runs import FREE_LINKS, FREE_RUNS, inference_suite, policy_runs
+from .runs import FREE_LINKS, FREE_RUNS, inference_suite, policy_runs, serve_options
 
 
 # ---- training (EMULATED) ------------------------------------------------------------------------------
@@ -118,7 +118,8 @@ def serve_summary(scale, seed=0, keys=None, emulated=False, rounding="floor", yi
 
 def serve_predicted(scale, seed=0, emulated=False, rounding="floor", yields=False, repeat=1) -> pd.DataFrame:
     """:func:`predict_suite` of the EMULATED serve runs of :func:`serve_summary` (same arguments)."""
-    return predict_suite(inference_suite(scale, seed, emulated=emulated, rounding=rounding, yields=yields, repeat=repeat))
+    return predict_suite(inference_suite(scale, seed, emulated=emulated, rounding=rounding, yields=yields,
+                                         repeat=repeat))
 
 
 def predict_suite(su: dict) -> pd.DataFrame:
@@ -127,7 +128,8 @@ def predict_suite(su: dict) -> pd.DataFrame:
     (:func:`moelab.strategies.lina.sim_infer.predict_served`) on the emulated links, this model's compute
     rate on this host (:func:`moelab.measure.local.machine_profile`, ``compute="model"``) and the call costs
     measured in the suite's spawn after serving (held out); request latencies by replaying the run's
-    batches through the batcher at the predicted batch times (:func:`~moelab.strategies.lina.sim_infer.replay_latencies`).
+    batches through the batcher at the predicted batch times
+    (:func:`~moelab.strategies.lina.sim_infer.replay_latencies`).
     Planning costs: each run's own allocation timed again here on the popularities it planned from (held
     out from its timeline). The serving path's own work beyond the FLOP model - per layer (``host_layer_s``:
     the interpreter's gate and permutation) and per expert a rank runs (``expert_launch_s``) - is FITTED on
@@ -150,17 +152,18 @@ def predict_suite(su: dict) -> pd.DataFrame:
     prof = dataclasses.replace(machine_profile(cfg, None, compute="model"), call_overhead_s=cc["call_s"],
                                emulated_sync_s=cc["sync_s"])
     topo = Topology.from_config(p.nproc, p.topology.nodes, p.topology.ranks_per_node)
-    shape = InferShape(d_model=m.d_model, d_ff=m.d_ff, seq_len=m.seq_len, elem_bytes=8 if cfg.train.dtype == "float64" else 4)
+    shape = InferShape(d_model=m.d_model, d_ff=m.d_ff, seq_len=m.seq_len,
+                       elem_bytes=8 if cfg.train.dtype == "float64" else 4)
     B, N = cfg.serve.batch_size, p.nproc
     io = (B * (m.seq_len + 1) * 8, N * -(-B // N) * 3 * 8)  # int64 tokens; per rank (id, token, nll) float64 rows
-    free_cfgs = {k: base.with_overrides(FREE_RUNS[k]).validate().serve for k in su["free_links"]}
+    free_cfgs = {k: serve_options(base.with_overrides(FREE_RUNS[k]).validate()) for k in su["free_links"]}
     host, per_expert = _host_costs(su["free_links"], prof, topo, shape, io,
                                    {k: _plan_cost(r, free_cfgs[k], N) for k, r in su["free_links"].items()})
     rows = []
     for key, run in su["serve"].items():
         if key.startswith("lina_Lp"):
             continue
-        over = {"o_check_s": 0.0, "o_plan_s": _plan_cost(run, cfgs[key].serve, N), "host_layer_s": host,
+        over = {"o_check_s": 0.0, "o_plan_s": _plan_cost(run, serve_options(cfgs[key]), N), "host_layer_s": host,
                 "expert_launch_s": per_expert}
         bt = predict_served(run["layers"], prof, topo, shape, over, io)
         lat = replay_latencies(run["requests"], bt, B, cfgs[key].serve.max_wait_ms / 1e3)
@@ -168,7 +171,8 @@ def predict_suite(su: dict) -> pd.DataFrame:
                      "p99_latency_s": np.percentile(lat, 99), "median_batch_s": float(np.median(list(bt.values()))),
                      "p95_batch_s": float(np.percentile(list(bt.values()), 95)), "o_plan_s": over["o_plan_s"],
                      "host_layer_s": host, "host_expert_s": per_expert})
-    return _labelled(pd.DataFrame(rows), f"SIMULATED ({prof.name}, call {1e3 * cc['call_s']:.2f} + {1e3 * cc['sync_s']:.2f} ms "
+    return _labelled(pd.DataFrame(rows), f"SIMULATED ({prof.name}, call {1e3 * cc['call_s']:.2f} + "
+                     f"{1e3 * cc['sync_s']:.2f} ms "
                      f"measured, host work {1e3 * host:.2f} ms per layer + {1e3 * per_expert:.2f} ms per expert FITTED "
                      "on held-out runs over free links): the recorded plans of the runs")
 

@@ -49,7 +49,8 @@ def gpu_timings(device="cuda", d: int = 512, f: int = 2048, heads: int = 8, seq:
     w, wg = _expert(d, f, dev, dtype), torch.randn(d, experts, device=dev, dtype=dtype)
     for T in tokens:
         x = torch.randn(T, d, device=dev, dtype=dtype, requires_grad=True)
-        rows.append({"what": "expert FFN fwd+bwd", "tokens": T, "ms": _time_ms(lambda: _ffn(x, w).sum().backward(), dev, reps)})
+        rows.append({"what": "expert FFN fwd+bwd", "tokens": T,
+                     "ms": _time_ms(lambda: _ffn(x, w).sum().backward(), dev, reps)})
         rows.append({"what": "gate fwd (softmax, top-2)", "tokens": T,
                      "ms": _time_ms(lambda: torch.topk(torch.softmax(x.detach() @ wg, -1), 2), dev, reps)})
         if T >= seq:

@@ -29,11 +29,13 @@ def dp_ep_step(comm: pd.DataFrame, spans: pd.DataFrame) -> tuple:
     lanes = [pd.DataFrame({"rank": a2a["rank"], "lane": "comm", "name": names, "layer": a2a.layer,
                            "start": a2a.t_start, "end": a2a.t_done}),
              pd.DataFrame({"rank": other["rank"], "lane": "comm",
-                           "name": other.op.map({"all_gather": "count exchange", "all_reduce": "all-reduce"}).fillna(other.op),
+                           "name": other.op.map({"all_gather": "count exchange",
+                                                 "all_reduce": "all-reduce"}).fillna(other.op),
                            "layer": other.layer, "start": other.t_start, "end": other.t_done})]
     for lane, cats in (("pass", ("forward", "backward", "comm", "optimizer")), ("compute", ("gate", "expert"))):
         sp = spans[spans.cat.isin(cats)]
-        lanes.append(pd.DataFrame({"rank": sp["rank"], "lane": lane, "name": sp.name.replace({"grad_sync": "gradient drain"}),
+        lanes.append(pd.DataFrame({"rank": sp["rank"], "lane": lane,
+                                   "name": sp.name.replace({"grad_sync": "gradient drain"}),
                                    "layer": sp.layer, "start": sp.t_start, "end": sp.t_end}))
     tl = pd.concat(lanes, ignore_index=True)
     tl["start"], tl["end"] = tl.start - t0, tl.end - t0

@@ -17,8 +17,9 @@ import math
 import numpy as np
 import pandas as pd
 
-from moelab.config import RunConfig, ServeConfig
+from moelab.config import RunConfig
 from moelab.papers.kit.cache import cached
+from moelab.strategies.lina.options import LinaServeOptions
 
 from .common import scale_spec
 
@@ -35,7 +36,8 @@ def paper_config(layers: int, E: int, policy: str = "lina", batch_per_gpu=None, 
     return RunConfig().with_overrides({
         "model.d_model": a["d_model"], "model.d_ff": a["d_ff"], "model.n_layers": layers, "model.n_heads": 8,
         "model.seq_len": a["seq_len"], "model.vocab_size": a["vocab"], "model.moe.num_experts": E,
-        "model.moe.top_k": a["top_k"], "model.moe.dispatcher": "dense", "model.moe.capacity_factor": a["capacity_factor"],
+        "model.moe.top_k": a["top_k"], "model.moe.dispatcher": "dense",
+        "model.moe.capacity_factor": a["capacity_factor"],
         "train.batch_size": int(batch), "parallel.nproc": E, "parallel.topology.nodes": math.ceil(E / per_node),
         "parallel.topology.ranks_per_node": per_node, "parallel.strategy": "lina", "parallel.bucket_mb": a["bucket_MB"],
         "parallel.strategy_options": {"policy": policy, "partition_bytes": a["partition_MB"] * 1e6,
@@ -273,7 +275,8 @@ def packing(scale: str, qs=(1, 2, 4)) -> pd.DataFrame:
         for q in qs:
             if E % q:
                 continue
-            cfg = paper_config(layers, E, "lina_pipe" if q == 1 else "lina_full", **({"experts_per_device": q} if q > 1 else {}))
+            cfg = paper_config(layers, E, "lina_pipe" if q == 1 else "lina_full",
+                               **({"experts_per_device": q} if q > 1 else {}))
             res = _simulate(cfg)
             rows.append({"layers": layers, "experts": E, "experts_per_gpu": q, **_metrics(res, cfg, E)})
     out = pd.DataFrame(rows)
@@ -307,7 +310,8 @@ def layer_timeline(scale: str, policy: str, phase: str, busiest: bool = False) -
     out = pd.DataFrame({"rank": 0, "lane": w.stream.values, "name": w.category.values, "op": w.name.values,
                         "start": np.maximum(w.start.values, a) - a, "end": np.minimum(w.end.values, b) - a})
     a2a = out[out.name == "a2a"]
-    out.attrs.update(label=sim_label() + f"; {layers} layers, E = {E}, policy {policy}, rank 0, MoE layer {mid} ({phase})",
+    out.attrs.update(label=sim_label() + f"; {layers} layers, E = {E}, policy {policy}, rank 0, "
+                                         f"MoE layer {mid} ({phase})",
                      span_s=b - a, a2a_share=union_seconds(a2a.start, a2a.end) / (b - a), layer=mid, layers=layers,
                      experts=E)
     return out
@@ -360,9 +364,10 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     batch (``tokens_per_batch``; default: :func:`fitted_infer_tokens`'s) so Lina's fixed scheduling costs
     meet a paper-size batch; ``variants``: default all; ``free_scheduling``: a what-if with the paper's
     scheduler costs (``o_plan``, ``o_check``) set to zero, to separate them from the placement's quality;
-    ``rounding``: the scheduled variants' ``serve.replica_rounding`` (:func:`moelab.strategies.lina.placement.allocate`);
-    ``replan_test``: Lina's ``serve.replan_test`` (phase 2 by the top sets, or by load); ``first_layers``: its
-    ``serve.first_layers`` (the layers before path_len static, or planned from the actual counts); ``path_len``:
+    ``rounding``: the scheduled variants' ``serve.strategy_options.replica_rounding``
+    (:func:`moelab.strategies.lina.placement.allocate`); ``replan_test``: Lina's ``serve.strategy_options.replan_test``
+    (phase 2 by the top sets, or by load); ``first_layers``: its ``serve.strategy_options.first_layers`` (the layers
+    before path_len static, or planned from the actual counts); ``path_len``:
     the estimator's path (default: the scale's middle one, Table 5's 3 at the default scale)."""
     from moelab.comm.topology import Topology
     from moelab.strategies.lina.popularity import PathTable
@@ -383,13 +388,14 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     k = max(1, round((fitted_infer_tokens(scale, seed)["tokens"] if fit else tokens_per_batch) / real))
     src = np.arange(len(test)) % E
     batches = [np.tile(np.arange(b * real, (b + 1) * real), k) for b in range(n_batches)]
-    sv = ServeConfig(path_len=Lp, replica_rounding=rounding, replan_test=replan_test, first_layers=first_layers)
+    sv = LinaServeOptions(path_len=Lp, replica_rounding=rounding, replan_test=replan_test, first_layers=first_layers)
     rows = simulate_serving(test, src, batches, variants or VARIANTS, sv, table, calibrated_profile(),
                             Topology(E, min(4, E)), InferShape(),
                             overheads={"o_plan_s": 0.0, "o_check_s": 0.0} if free_scheduling else None)
     out = pd.DataFrame(rows)
     out.attrs.update(batch_tokens=k * real, moe_layers=int(t.shape[1]), label=(
-        f"SIMULATED: profile lina (calibrated to Table 1's training row), {E} devices (one per expert), priced from the REAL routing traces of the model "
+        f"SIMULATED: profile lina (calibrated to Table 1's training row), {E} devices (one per expert), "
+        "priced from the REAL routing traces of the model "
         f"trained here: {n_batches} batches of {real} served tokens, each tiled x{k} to {k * real} tokens per batch "
         + ("(FITTED: the baseline's all-to-all time per MoE layer = Table 1's inference all-to-all at 16 GPUs "
            "/ its 12 layers)" if fit else "(given)")
@@ -424,7 +430,8 @@ def path_length_times(scale: str, seed: int = 0) -> pd.DataFrame:
         g = df.groupby("variant").batch_s
         med, p95 = g.median(), g.quantile(0.95)
         rows.append({"path_len": int(n), "median_over_ideal": med["lina"] / med["ideal"],
-                     "p95_over_ideal": p95["lina"] / p95["ideal"], "replans": int(df[df.variant == "lina"].replans.sum())})
+                     "p95_over_ideal": p95["lina"] / p95["ideal"],
+                     "replans": int(df[df.variant == "lina"].replans.sum())})
     out = pd.DataFrame(rows)
     out.attrs["label"] = df.attrs["label"]
     return out

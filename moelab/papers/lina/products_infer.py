@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from moelab.config import ServeConfig
 from moelab.papers.kit.registry import Made, Quantity, product
+from moelab.strategies.lina.options import LinaServeOptions
 from moelab.strategies.lina.placement import BALANCE_TOL
 
 from . import figures as F
@@ -30,11 +30,13 @@ TAIL_A2A = Quantity("tail (p95) all-to-all time, baseline over Lina", "x")
 def fig6r(ctx):
     df = frames.popularity_skew(ctx.scale.name, ctx.seed)
     notes = [f"most/least popular expert: training {df.train_max_over_min.median():.2f}x, inference "
-             f"{df.infer_max_over_min_median.median():.2f}x (median over layers; paper 4.02x at 4 and 5.56x at 16 experts)"]
+             f"{df.infer_max_over_min_median.median():.2f}x (median over layers; "
+             "paper 4.02x at 4 and 5.56x at 16 experts)"]
     return Made(df, figures={"fig06r_skew": F.bars(df.melt(id_vars="layer", value_vars=["train_max_over_min",
                                                                                         "infer_max_over_min_median"]),
                                                    "layer", "value", color="variable", label=df.attrs["label"],
-                                                   title="Fig. 6 analog: expert popularity skew, training vs inference")},
+                                                   title="Fig. 6 analog: expert popularity skew, "
+                                                         "training vs inference")},
                 tables={"table_fig06r": (df, "Fig. 6 analog: most/least popular expert per layer")}, notes=notes)
 
 
@@ -61,9 +63,11 @@ def table2r(ctx):
 def fig16r(ctx):
     df = frames.serve_summary(ctx.scale.name, ctx.seed)
     balanced = df[df.variant.str.endswith(BALANCED_SUFFIX)]
-    notes = [f"rows '{BALANCED_SUFFIX.strip()}': the same model served with serve.replica_rounding balanced (an option, "
+    notes = [f"rows '{BALANCED_SUFFIX.strip()}': the same model served with "
+             "serve.strategy_options.replica_rounding balanced (an option, "
              "not the spec's floor): the baseline's p95 batch time over theirs " + ", ".join(
-                 f"{r.variant} {r.p95_speedup_over_baseline:.2f}x" for r in balanced.itertuples())] if len(balanced) else []
+                 f"{r.variant} {r.p95_speedup_over_baseline:.2f}x"
+                 for r in balanced.itertuples())] if len(balanced) else []
     notes += [LOAD_NOTE + ": the baseline's p95 batch time over its " + ", ".join(
         f"{r.p95_speedup_over_baseline:.2f}x" for r in df[df.variant == LOAD_KEY].itertuples())] \
         if (df.variant == LOAD_KEY).any() else []
@@ -85,13 +89,14 @@ def fig16s(ctx):
     load = paper_scale.inference(ctx.scale.name, ctx.seed, variants=("lina",), rounding="balanced", replan_test="load")
     load["variant"] = LOAD_KEY
     first = [paper_scale.inference(ctx.scale.name, ctx.seed, variants=("lina",), first_layers="actual",
-                                   rounding=o.get("serve.replica_rounding", "floor")).assign(variant=k)
+                                   rounding=o.get("serve.strategy_options.replica_rounding", "floor")).assign(variant=k)
              for k, o in FIRST_KEYS.items()]
     attrs, raw = raw.attrs, pd.concat([raw, bal, load, *first], ignore_index=True)
     raw.attrs = attrs
     g = raw.groupby("variant", sort=False).batch_s
     df = pd.DataFrame({"variant": list(g.groups), "median_batch_s": g.median().values,
-                       "p95_batch_s": g.quantile(0.95).values, "replans": raw.groupby("variant", sort=False).replans.sum().values,
+                       "p95_batch_s": g.quantile(0.95).values,
+                       "replans": raw.groupby("variant", sort=False).replans.sum().values,
                        "a2a_share": (raw.a2a_s / raw.batch_s).groupby(raw.variant, sort=False).median().values,
                        "load_max_over_mean": raw.groupby("variant", sort=False).load_max_over_mean.median().values})
     ideal = df.set_index("variant").loc["ideal"]
@@ -110,7 +115,8 @@ def fig16s(ctx):
                                                           "the tokens per batch")},
                 notes=fired(df[df.variant == "lina"], "replans", "Lina's phase-2 re-plan")
                 + ["the batch size is FITTED to Table 1's inference all-to-all time (a fit, not a result): "
-                   f"{fit['tokens']} tokens give the baseline {1e3 * fit['a2a_per_layer_s']:.2f} ms of all-to-all per MoE "
+                   f"{fit['tokens']} tokens give the baseline {1e3 * fit['a2a_per_layer_s']:.2f} ms "
+                   "of all-to-all per MoE "
                    f"layer (target {1e3 * fit['target_s']:.2f} ms); Lina's "
                    "scheduling costs are fixed per layer, so its speedup grows with the batch: " + ", ".join(
                        f"{int(r.tokens_per_batch)} tokens ({r.kind}): lina {r.lina_median_speedup:.2f}x, ideal "
@@ -120,22 +126,29 @@ def fig16s(ctx):
                    + f"; with the scheduler's costs set to zero (what-if) Lina gains "
                    f"{sens[sens.kind.str.endswith(WHAT_IF)].lina_median_speedup.iloc[0]:.2f}x "
                    "at the fitted batch: the rest of its gap to Ideal is the placement (whole devices per expert)",
-                   f"rows '{BALANCED_SUFFIX.strip()}': an option, not the spec's - replica counts chosen so the busiest "
-                   f"device is within {BALANCE_TOL:.0%} of the mean (serve.replica_rounding: balanced) instead of floor(n(e)); the "
+                   f"rows '{BALANCED_SUFFIX.strip()}': an option, not the spec's - "
+                   "replica counts chosen so the busiest "
+                   f"device is within {BALANCE_TOL:.0%} of the mean "
+                   "(serve.strategy_options.replica_rounding: balanced) instead of floor(n(e)); the "
                    "first path_len layers stay static in both", LOAD_NOTE] + _first_note(df))
 
 
-LOAD_NOTE = (f"row '{LOAD_KEY}': an option, not the paper's - lina (balanced) whose phase 2 re-plans iff the kept plan's "
-             f"busiest device carries more than 1 + serve.replan_tol ({ServeConfig.replan_tol}) times the load the estimate "
-             f"predicted for it (serve.replan_test: load), instead of iff the top-{ServeConfig.k_cmp} sets differ")
+LOAD_NOTE = (f"row '{LOAD_KEY}': an option, not the paper's - "
+             "lina (balanced) whose phase 2 re-plans iff the kept plan's "
+             "busiest device carries more than 1 + serve.strategy_options.replan_tol "
+             f"({LinaServeOptions.replan_tol}) times the load the estimate "
+             "predicted for it (serve.strategy_options.replan_test: load), "
+             f"instead of iff the top-{LinaServeOptions.k_cmp} sets differ")
 
 
 def _first_note(df) -> list:
     rows = df[df.variant.isin(list(FIRST_KEYS))]
     return [f"rows '{'/'.join(FIRST_KEYS)}': an option, not the spec's - lina planning the MoE layers before "
-            "serve.path_len from the actual counts (serve.first_layers: actual; phase 2 without an estimate, blocking), "
+            "serve.strategy_options.path_len from the actual counts (serve.strategy_options.first_layers: actual; "
+            "phase 2 without an estimate, blocking), "
             "where the spec leaves them static (the paper's slower start): the baseline's p95 batch time over theirs "
-            + ", ".join(f"{r.variant} {r.p95_speedup_over_baseline:.2f}x" for r in rows.itertuples())] if len(rows) else []
+            + ", ".join(f"{r.variant} {r.p95_speedup_over_baseline:.2f}x"
+                        for r in rows.itertuples())] if len(rows) else []
 
 
 WHAT_IF = ", scheduler costs 0 (what-if)"  # the sensitivity row priced without Lina's scheduler costs
@@ -155,7 +168,8 @@ def _batch_size_sensitivity(ctx) -> pd.DataFrame:
         kind = "fitted" if tokens == fit else "assumption" if tokens == a.value else "range end"
         rows.append({"tokens_per_batch": df.attrs["batch_tokens"],
                      "kind": kind + (WHAT_IF if free else ""),
-                     "lina_median_speedup": g["baseline"] / g["lina"], "ideal_median_speedup": g["baseline"] / g["ideal"]})
+                     "lina_median_speedup": g["baseline"] / g["lina"],
+                     "ideal_median_speedup": g["baseline"] / g["ideal"]})
     out = pd.DataFrame(rows)
     out.attrs["label"] = paper_scale.inference(ctx.scale.name, ctx.seed).attrs["label"].split(", each tiled")[0] + \
         "; each batch tiled to the tokens of the row (the fitted batch and the assumption's range)"
@@ -177,7 +191,8 @@ def _tail_a2a(out: pd.DataFrame, stem: str, name: str) -> Made:
              f"{out.a2a_reduction.max():.2f}x over layers (paper: average 1.96x, max 2.50x)"]
     return Made(out, figures={stem: F.bars(out, "layer", "a2a_reduction", line=1.0, label=out.attrs["label"],
                                            title=f"{name}: p95 all-to-all time, baseline over Lina")},
-                tables={f"table_{stem.split('_')[0]}": (out, f"{name}: tail all-to-all reduction per layer")}, notes=notes)
+                tables={f"table_{stem.split('_')[0]}": (out, f"{name}: tail all-to-all reduction per layer")},
+                notes=notes)
 
 
 @product(P, "fig18r", needs_real=True, quantities={"a2a_reduction": TAIL_A2A})
@@ -194,7 +209,8 @@ def fig17s(ctx):
     df = paper_scale.inference_layers(ctx.scale.name, ctx.seed)
     lina = df[df.variant == "lina"]
     notes = [f"p95 MoE-layer time, baseline over lina: mean {lina.p95_layer_speedup.mean():.2f}x over the "
-             f"{len(lina)} MoE layers (the first serve.path_len layers stay static) (paper: 1.87x / 1.77x, TXL 8 / 16)"]
+             f"{len(lina)} MoE layers (the first serve.strategy_options.path_len layers stay static) "
+             "(paper: 1.87x / 1.77x, TXL 8 / 16)"]
     return Made(df, figures={"fig17s_layer_p95": F.lines(df, "layer", "p95_layer_s", color="variant",
                                                          label=df.attrs["label"],
                                                          title="Fig. 17: p95 MoE-layer time per layer")},
@@ -214,7 +230,8 @@ def fig18s(ctx):
 def fig19r(ctx):
     df = frames.estimation_accuracy(ctx.scale.name, ctx.seed)
     notes = [f"overall estimation accuracy {np.average(df.accuracy, weights=df.instances):.1%}, re-plan rate "
-             f"{np.average(df.replan_rate, weights=df.instances):.1%} (paper: 58.41 % TXL, 54.16 % BERT-L; 23 % re-plans)"] \
+             f"{np.average(df.replan_rate, weights=df.instances):.1%} "
+             "(paper: 58.41 % TXL, 54.16 % BERT-L; 23 % re-plans)"] \
         if len(df) else ["no scheduled layer: the path is as long as the model"]
     return Made(df, figures={"fig19r_accuracy": F.bars(df, "layer", "accuracy", label=df.attrs["label"],
                                                        title="Fig. 19 analog: estimation accuracy per layer")},
@@ -225,7 +242,8 @@ def fig19r(ctx):
                                                    "median_over_ideal": INFER, "p95_over_ideal": INFER})
 def table5r(ctx):
     df = frames.path_length_table(ctx.scale.name, ctx.seed)
-    return Made(df, tables={"table5r_path_length": (df, "Table 5 analog: path length vs accuracy, re-plans, batch time")})
+    return Made(df, tables={"table5r_path_length": (df, "Table 5 analog: path length vs accuracy, "
+                                                        "re-plans, batch time")})
 
 
 @product(P, "table5s", needs_real=True, quantities={"median_over_ideal": INFER, "p95_over_ideal": INFER})
@@ -251,6 +269,7 @@ def table6d(ctx):
                                                                                                    "accuracy"]),
                                                                "domain", "value", color="variable", line=1.0,
                                                                label=df.attrs["label"],
-                                                               title="Table 6 substitute: Lina on three local text domains")},
+                                                               title="Table 6 substitute: Lina on three local "
+                                                                     "text domains")},
                 tables={"table6d_generalization": (df, "Table 6 substitute: per text domain, p95 batch time over "
                                                        "Ideal and estimation accuracy")}, notes=notes)

@@ -37,7 +37,8 @@ def fig1r(ctx):
                         "table_fig01r_timeline": (tl, "Fig. 1(b): every op of the step")}, notes=notes)
 
 
-@product(P, "fig4e", needs_real=True, quantities={"slowdown": Quantity("backward all-to-all slowdown under overlap", "x")})
+@product(P, "fig4e", needs_real=True,
+         quantities={"slowdown": Quantity("backward all-to-all slowdown under overlap", "x")})
 def fig4e(ctx):
     df = frames.bwd_a2a_slowdown(ctx.scale.name, ctx.seed)
     med = df.groupby("policy").slowdown.median()
@@ -67,15 +68,18 @@ def fig4s(ctx):
     table.attrs["label"] = df.attrs["label"]
     notes = [f"gamma = {fit['gamma']:.3g} is FITTED (regula falsi over the paper's 3 models x E = 2..16, "
              f"{fit['overlapped_ops']} overlapped backward all-to-alls) to the paper's median slowdown "
-             f"{fit['target_median']:.2f}x: a fit, not a result" + ("" if fit["reached"] else " — the fit did NOT reach it"),
+             f"{fit['target_median']:.2f}x: a fit, not a result"
+             + ("" if fit["reached"] else " — the fit did NOT reach it"),
              "Fig. 4's population: backward all-to-alls of ddp_overlap during which an all-reduce runs; this scale: "
              + ", ".join(f"gamma {k}: {int(r['count'])} ops, median {r['median']:.2f}x, max {r['max']:.2f}x"
-                         for k, r in stats.iterrows()) + " (the max is a check, not fitted; paper 4.14x over 1,500 ops)"]
+                         for k, r in stats.iterrows())
+             + " (the max is a check, not fitted; paper 4.14x over 1,500 ops)"]
     if over.empty:
         notes.append("no backward all-to-all overlaps an all-reduce at this scale: the CDF is empty")
     return Made(df, figures={"fig04s_slowdown_cdf": F.cdf({f"gamma {k}": g.slowdown for k, g in over.groupby("gamma")},
                                                           label=df.attrs["label"], xtitle="slowdown (x)",
-                                                          title="Fig. 4: backward all-to-all slowdown under all-reduce")},
+                                                          title="Fig. 4: backward all-to-all slowdown "
+                                                                "under all-reduce")},
                 tables={"table_fig04s": (table, "Fig. 4: slowdown of overlapped backward all-to-alls")},
                 notes=notes)
 
@@ -127,11 +131,13 @@ def fig14s(ctx):
 def fig10t(ctx):
     df = _cases(paper_scale.training(ctx.scale.name))
     df = df[df.policy.isin(["ddp_overlap", "lina", "lina_full"])][
-        ["case", "layers", "experts", "policy", "step_s", "step_speedup", "step_speedup_vs_tutel"]].reset_index(drop=True)
+        ["case", "layers", "experts", "policy", "step_s", "step_speedup",
+         "step_speedup_vs_tutel"]].reset_index(drop=True)
     df.attrs["label"] = ("SUBSTITUTE of Tutel (spec §3: the baseline with Tutel's 2D hierarchical all-to-all, its fast "
                          "kernels not modelled); " + paper_scale.sim_label())
     full = df[df.policy == "lina_full"]
-    notes = [f"lina_full over tutel_like {full.step_speedup_vs_tutel.min():.2f}-{full.step_speedup_vs_tutel.max():.2f}x, "
+    notes = ["lina_full over tutel_like "
+             f"{full.step_speedup_vs_tutel.min():.2f}-{full.step_speedup_vs_tutel.max():.2f}x, "
              f"over ddp_overlap {full.step_speedup.min():.2f}-{full.step_speedup.max():.2f}x (paper, Fig. 10: the "
              "speedup over Tutel is 'slightly smaller' than over DeepSpeed)"]
     return Made(df, figures={"fig10t_over_tutel": F.bars(df, "case", "step_speedup_vs_tutel", color="policy",
@@ -161,14 +167,17 @@ def fig11_12s(ctx):
              "moe_compute_busy"]].reset_index(drop=True)
     df.attrs["label"] = paper_scale.sim_label()
     full = df[df.policy == "lina_full"]
-    notes = [f"lina_full MoE layers: forward {full.moe_fwd_speedup.min():.2f}-{full.moe_fwd_speedup.max():.2f}x, backward "
-             f"{full.moe_bwd_speedup.min():.2f}-{full.moe_bwd_speedup.max():.2f}x over ddp_overlap (paper: forward 1.84x / "
+    notes = [f"lina_full MoE layers: forward {full.moe_fwd_speedup.min():.2f}-{full.moe_fwd_speedup.max():.2f}x, "
+             f"backward {full.moe_bwd_speedup.min():.2f}-{full.moe_bwd_speedup.max():.2f}x over ddp_overlap "
+             "(paper: forward 1.84x / "
              "1.89x, backward 2.41x / 2.32x at 2 / 8 experts; MoE-layer GPU utilization +>=16 % at 16)"]
-    figs = {f"fig{n}s_moe_{ph}": F.bars(df, "case", f"moe_{ph}_speedup", color="policy", label=df.attrs["label"], line=1.0,
+    figs = {f"fig{n}s_moe_{ph}": F.bars(df, "case", f"moe_{ph}_speedup", color="policy", label=df.attrs["label"],
+                                        line=1.0,
                                         title=f"Fig. {n}: MoE-layer {name} time speedup over ddp_overlap")
             for n, ph, name in ((11, "fwd", "forward"), (12, "bwd", "backward"))}
     figs["fig12s_moe_busy"] = F.bars(df, "case", "moe_compute_busy", color="policy", label=df.attrs["label"],
-                                     title="Fig. 12: compute-busy fraction of the MoE layers (GPU utilization stand-in)")
+                                     title="Fig. 12: compute-busy fraction of the MoE layers "
+                                           "(GPU utilization stand-in)")
     return Made(df, figures=figs, tables={"table_fig11_12s": (df, "Figs. 11/12: MoE-layer time per pass and "
                                                                   "compute-busy fraction")}, notes=notes)
 
@@ -240,7 +249,8 @@ def table3e(ctx):
     df = frames.pipelining_efficiency(ctx.scale.name, ctx.seed)
     eff = df.set_index("policy").pipelining_eff
     df["pipe_gain"] = float(eff["lina_full"] / eff["lina_pipe"]) if eff["lina_pipe"] > 0 else float("nan")
-    notes = [] if (df.pipelining_eff > 0).any() else ["pipelining did not fire: no expert compute inside any all-to-all"]
+    notes = [] if (df.pipelining_eff > 0).any() else [
+        "pipelining did not fire: no expert compute inside any all-to-all"]
     return Made(df, tables={"table3e_pipelining": (df, "Table 3 analog: pipelining efficiency without (q = 1) and "
                                                        "with packing (q = 2) on 4 ranks")}, notes=notes)
 
@@ -273,7 +283,8 @@ def fig2e(ctx):
     value = pd.DataFrame([{"layer": a["layer"], "layer_fwd_s": a["span_s"], "a2a_share": a["a2a_share"]}])
     value.attrs["label"] = a["label"]
     return Made(value, figures={"fig02e_layer_fwd": F.timeline(df, label=a["label"],
-                                                               title="Fig. 2 analog: one MoE layer's forward on rank 0")},
+                                                               title="Fig. 2 analog: one MoE layer's forward "
+                                                                     "on rank 0")},
                 tables={"table_fig02e": (df, "Fig. 2 analog: rank 0's ops in the layer's forward")},
                 notes=[f"all-to-all share of the MoE layer's forward (gate to combine): {a['a2a_share']:.1%} "
                        "(paper: 74.9 %)"])
@@ -300,8 +311,10 @@ def _layer_backwards(ctx, fig: int, policies, busiest: bool, real: bool) -> tupl
 
 
 SCHEDULES = {7: (("ddp_overlap", "priority", "fixed"), True, "one MoE layer's backward per schedule",
-                  ["(a) baseline = ddp_overlap, (b) naive priority = priority, (c) deferred all-reduce = fixed; (d) the "
-                   "oracle's gap placement is not a moelab policy and is not drawn; each policy's layer is the one whose "
+                  ["(a) baseline = ddp_overlap, (b) naive priority = priority, (c) deferred all-reduce = fixed; "
+                   "(d) the "
+                   "oracle's gap placement is not a moelab policy and is not drawn; "
+                   "each policy's layer is the one whose "
                    "backward overlaps the most all-reduce on rank 0"], "an all-reduce during a MoE layer's backward"),
              8: (("lina", "lina_pipe"), False, "what runs in one MoE layer's backward", [],
                  "overlap of all-reduce micro-ops with the layer's backward")}
@@ -375,16 +388,20 @@ def fig15e(ctx):
     df = partition_runs(ctx.scale.name, ctx.seed)
     best = df.loc[df.step_s.idxmin()]
     notes = [f"lina's step vs the micro-op size S on 4 ranks (S scaled with the model): fastest at "
-             f"{int(best.partition_bytes)} B ({best.S_factor:g} x the scale's S, {int(best.micro_ops)} micro-ops a step); "
-             + ", ".join(f"{r.S_factor:g} x S: {1e3 * r.step_s:.0f} ms, {r.micro_ops} micro-ops" for r in df.itertuples())
+             f"{int(best.partition_bytes)} B ({best.S_factor:g} x the scale's S, "
+             f"{int(best.micro_ops)} micro-ops a step); "
+             + ", ".join(f"{r.S_factor:g} x S: {1e3 * r.step_s:.0f} ms, {r.micro_ops} micro-ops"
+                         for r in df.itertuples())
              + " (paper: > 50 MB slower than 30 MB, < 10 MB costly, several optima)"]
     whole = df[df.micro_ops == df.micro_ops.min()]
     if len(whole) > 1:
-        notes.append(f"from {int(whole.partition_bytes.min())} B on every gradient is one micro-op ({int(whole.micro_ops.min())} "
+        notes.append(f"from {int(whole.partition_bytes.min())} B on every gradient is one micro-op "
+                     f"({int(whole.micro_ops.min())} "
                      "a step): the larger sizes run the same schedule, their steps differ by the host's noise only")
     return Made(df, figures={"fig15e_partition": F.lines(df, "partition_bytes", "step_s", label=df.attrs["label"],
                                                          title="Fig. 15 analog: lina's step time vs micro-op size")},
-                tables={"table_fig15e": (df, "Fig. 15 analog: step time and micro-ops per partition size")}, notes=notes)
+                tables={"table_fig15e": (df, "Fig. 15 analog: step time and micro-ops per partition size")},
+                notes=notes)
 
 
 @product(P, "gpu_c", needs_gpu=True)
@@ -394,5 +411,6 @@ def gpu_c(ctx):
     df = gpu_timings("cuda", d=paper_scale.ASSUMED["d_model"], f=paper_scale.ASSUMED["d_ff"],
                      seq=paper_scale.ASSUMED["seq_len"], partition_MB=paper_scale.ASSUMED["partition_MB"])
     return Made(df, tables={"table_gpu_c": (df, "§4(c): one GPU's times for Lina's cost model")},
-                notes=["reported beside the model, not fed into the lina profile (calibrated to Table 1); one GPU cannot "
+                notes=["reported beside the model, not fed into the lina profile (calibrated to Table 1); "
+                       "one GPU cannot "
                        "show the all-to-all / all-reduce contention, which stays EMULATED and SIMULATED"])

@@ -18,25 +18,28 @@ import pandas as pd
 from moelab.config import RunConfig
 from moelab.papers.kit.cache import cached
 from moelab.sim.result import interval_union, overlap_seconds, union_seconds
+from moelab.strategies.lina.options import POLICIES, SERVE_VARIANTS, LinaServeOptions
 
 from .common import scale_spec
 
-POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
 # runs beside the policies that depart from the spec, each named apart and said so where shown:
 # lina with runs of small gradients sharing one micro-op of <= S (option coalesce_bytes = S)
 DEPARTURES = {"lina_coalesce": ("lina", "coalesce_bytes")}
 DEPARTURE_NOTE = ("lina_coalesce: lina with runs of consecutive small gradients sharing one micro-op of <= S "
                   "(coalesce_bytes = S), a departure from the spec's one gradient per micro-op")
-VARIANTS = ("baseline", "ideal", "lina", "lina_no_estimation", "lina_no_finetune")
-SCHEDULED = VARIANTS[2:]  # the variants that plan placements (serve.replica_rounding applies to them)
-BALANCED_SUFFIX = " (balanced)"  # their runs with serve.replica_rounding "balanced" (moelab.strategies.lina.placement.allocate_balanced)
-LOAD_KEY = "lina (balanced, load test)"  # lina (balanced) whose phase 2 re-plans by load (serve.replan_test "load")
-LOAD_OPTIONS = {"serve.replica_rounding": "balanced", "serve.replan_test": "load"}
-# lina whose layers before path_len are planned from the actual counts (serve.first_layers "actual"), with the
-# spec's floor and with balanced replicas: what the paper's "slower start" costs on this model
-FIRST_KEYS = {"lina (first layers from counts)": {"serve.first_layers": "actual"},
-              "lina (balanced, first layers from counts)": {"serve.first_layers": "actual",
-                                                            "serve.replica_rounding": "balanced"}}
+VARIANTS = SERVE_VARIANTS
+SCHEDULED = VARIANTS[2:]  # the variants that plan placements (serve.strategy_options.replica_rounding applies to them)
+# their runs with serve.strategy_options.replica_rounding "balanced"
+# (moelab.strategies.lina.placement.allocate_balanced)
+BALANCED_SUFFIX = " (balanced)"
+# lina (balanced) whose phase 2 re-plans by load (serve.strategy_options.replan_test "load")
+LOAD_KEY = "lina (balanced, load test)"
+LOAD_OPTIONS = {"serve.strategy_options.replica_rounding": "balanced", "serve.strategy_options.replan_test": "load"}
+# lina whose layers before path_len are planned from the actual counts (serve.strategy_options.first_layers "actual"),
+# with the spec's floor and with balanced replicas: what the paper's "slower start" costs on this model
+FIRST_KEYS = {"lina (first layers from counts)": {"serve.strategy_options.first_layers": "actual"},
+              "lina (balanced, first layers from counts)": {"serve.strategy_options.first_layers": "actual",
+                                                            "serve.strategy_options.replica_rounding": "balanced"}}
 WORLD, NODES = 4, 2
 
 
@@ -208,8 +211,16 @@ def infer_config(s, seed: int = 0, dataset: str = "pydocs", **serve) -> RunConfi
         "train.iters": s.i_iters, "train.batch_size": s.i_batch, "train.trace": False, "train.seed": seed,
         "train.lr": 3e-3, "parallel.nproc": WORLD,
         "serve.requests": s.requests, "serve.batch_size": s.serve_batch, "serve.rate_per_s": s.rate_per_s,
-        "serve.profile_batches": s.profile_batches, "serve.path_len": s.path_lens[min(1, len(s.path_lens) - 1)],
-        "serve.max_pack": max_pack(s), **{f"serve.{k}": v for k, v in serve.items()}}).validate()
+        "serve.strategy_options.profile_batches": s.profile_batches,
+        "serve.strategy_options.path_len": s.path_lens[min(1, len(s.path_lens) - 1)],
+        "serve.strategy_options.max_pack": max_pack(s), "serve.strategy": "lina",
+        **{f"serve.strategy_options.{k}": v for k, v in serve.items()}}).validate()
+
+
+def serve_options(cfg) -> LinaServeOptions:
+    """Lina's serving options of a serve run's config (a :class:`RunConfig` or its dict)."""
+    d = cfg if isinstance(cfg, dict) else cfg.to_dict()
+    return LinaServeOptions.from_dict(d["serve"]["strategy_options"])
 
 
 def max_pack(s) -> int:
@@ -251,8 +262,9 @@ def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir, repeat=1):
 # the held-out serve runs on links that cost (almost) nothing: what the serving path costs on this host beyond
 # them, with the static placement and with many replicas per rank (so a cost per layer and one per expert separate)
 FREE_LINKS = {"intra_bw_GBps": 1e6, "inter_bw_GBps": 1e6, "intra_latency_us": 0.0, "inter_latency_us": 0.0}
-FREE_RUNS = {"static": {"serve.variant": "baseline"},
-             "replicated": {"serve.variant": "lina_no_estimation", "serve.replica_rounding": "balanced"}}
+FREE_RUNS = {"static": {"serve.strategy_options.variant": "baseline"},
+             "replicated": {"serve.strategy_options.variant": "lina_no_estimation",
+                            "serve.strategy_options.replica_rounding": "balanced"}}
 
 
 def _serve_call_costs(cfg, world) -> dict:
@@ -280,7 +292,8 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     ``loads`` (training, last iterations), ``traces`` ([tokens, MoE layers] of the profiling split), ``losses``.
     ``emulated``: serve over the scale's contention-aware EMULATED links (2 nodes x 2; training stays REAL),
     or over links of ``(intra, inter)`` GB/s per rank when a pair is given. ``rounding``: the scheduled
-    variants' ``serve.replica_rounding`` (the spec's ``floor``, or ``nearest``, ``balanced``); with ``floor`` they
+    variants' ``serve.strategy_options.replica_rounding`` (the spec's ``floor``, or ``nearest``, ``balanced``); with
+    ``floor`` they
     are also served with ``balanced`` (keys ``"<variant> (balanced)"``), and ``lina`` with ``balanced`` and
     phase 2 by load (:data:`LOAD_KEY`), and ``lina`` planning its first layers too (:data:`FIRST_KEYS`), on the
     same model. ``yields``: serve with
@@ -296,19 +309,22 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     cfg = infer_config(s, seed, dataset)
     links = emulated_links(s) if emulated else {}
     if rounding != "floor":
-        links = {**links, "serve.replica_rounding": rounding}
+        links = {**links, "serve.strategy_options.replica_rounding": rounding}
     if yields:
         links = {**links, "emulation.compute_yields": True}
     if dataset == "pydocs":
-        runs = {v: {"serve.variant": v, **links} for v in VARIANTS}
-        runs.update({f"lina_Lp{n}": {"serve.variant": "lina", "serve.path_len": int(n), **links} for n in s.path_lens})
+        runs = {v: {"serve.strategy_options.variant": v, **links} for v in VARIANTS}
+        runs.update({f"lina_Lp{n}": {"serve.strategy_options.variant": "lina",
+                                     "serve.strategy_options.path_len": int(n), **links}
+                     for n in s.path_lens})
         if rounding == "floor":  # the option beside the spec's rounding, on the same trained model
-            runs.update({v + BALANCED_SUFFIX: {"serve.variant": v, **links, "serve.replica_rounding": "balanced"}
+            runs.update({v + BALANCED_SUFFIX: {"serve.strategy_options.variant": v, **links,
+                                               "serve.strategy_options.replica_rounding": "balanced"}
                          for v in SCHEDULED})
-            runs[LOAD_KEY] = {"serve.variant": "lina", **links, **LOAD_OPTIONS}
-            runs.update({k: {"serve.variant": "lina", **links, **o} for k, o in FIRST_KEYS.items()})
+            runs[LOAD_KEY] = {"serve.strategy_options.variant": "lina", **links, **LOAD_OPTIONS}
+            runs.update({k: {"serve.strategy_options.variant": "lina", **links, **o} for k, o in FIRST_KEYS.items()})
     else:
-        runs = {v: {"serve.variant": v, **links} for v in ("ideal", "lina")}
+        runs = {v: {"serve.strategy_options.variant": v, **links} for v in ("ideal", "lina")}
     with tempfile.TemporaryDirectory(prefix="moelab-lina-") as d:
         res = run_ranks(_suite_rank, WORLD, cfg.to_dict(), runs, d, repeat, timeout=3600 * repeat)
         out = res[0]
@@ -337,10 +353,14 @@ def _traces(cfg, ckpt_dir) -> np.ndarray:
 def _trace_rank(rank, world, cfg_dict, ckpt_dir):
     from moelab.comm.door import Communicator
     from moelab.comm.topology import Topology
-    from moelab.runtime.serve import build, profile
+    from moelab.runtime.serve import build
 
     cfg = RunConfig.from_dict(cfg_dict).with_overrides({"parallel.nproc": 1, "train.init_from": ckpt_dir,
-                                                        "serve.profile_batches": 4 * cfg_dict["serve"]["profile_batches"]})
+                                                        "serve.strategy_options.profile_batches":
+                                                            4 * serve_options(cfg_dict).profile_batches})
     comm = Communicator(Topology(1, 1))
-    model, ctx = build(cfg, comm)
-    return profile(cfg, model, ctx, comm)
+    server = build(cfg, comm)
+    try:
+        return server.prepare()
+    finally:
+        server.close()

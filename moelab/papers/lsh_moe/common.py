@@ -59,7 +59,8 @@ def tiny_overrides(s: ScaleSpec, *, iters: int, seed: int = 0) -> dict:
     with the learned one the byte-level masked LM sat on a plateau (held-out ppl ~19-22) from iteration ~100
     to ~450-700, past a default quality run's 300 iterations, so Fig. 6's curves ended flat for every variant;
     with ALiBi it fell steadily (13.1 at 300; one rank, batch 32, measured 2026-11-27)."""
-    return {"model.arch": "bert", "model.positions": "alibi", "model.d_model": s.d, "model.d_ff": 4 * s.d, "model.n_layers": s.layers,
+    return {"model.arch": "bert", "model.positions": "alibi", "model.d_model": s.d, "model.d_ff": 4 * s.d,
+            "model.n_layers": s.layers,
             "model.n_heads": s.heads, "model.seq_len": s.seq, "model.moe_every": 2, "model.moe.num_experts": s.experts,
             "model.moe.top_k": 2, "train.batch_size": s.batch, "train.iters": iters, "train.seed": seed,
             "train.trace": False}

@@ -76,7 +76,8 @@ def convergence(frame, *, label: str, x: str = "time_s", x_title: str = "trainin
     ev = frame.dropna(subset=["eval_ppl"])
     fig = go.Figure()
     for i, (v, sub) in enumerate(ev.groupby("variant", sort=False)):
-        g = sub.groupby("iter").agg(x=(x, "mean"), ppl=("eval_ppl", "mean"), lo=("eval_ppl", "min"), hi=("eval_ppl", "max"))
+        g = sub.groupby("iter").agg(x=(x, "mean"), ppl=("eval_ppl", "mean"), lo=("eval_ppl", "min"),
+                                    hi=("eval_ppl", "max"))
         colour = VARIANT_COLOURS.get(v, _c(i + 3))
         fig.add_trace(go.Scatter(x=list(g.x) + list(g.x[::-1]), y=list(g.hi) + list(g.lo[::-1]), fill="toself",
                                  line={"width": 0}, fillcolor=colour, opacity=0.15, showlegend=False, hoverinfo="skip"))
@@ -100,11 +101,13 @@ def a2a_share_bars(frame, *, label: str, title: str = "Fig. 3: share of the step
         sub = frame[frame.setup == s]
         fig.add_trace(go.Bar(x=sub.model, y=sub.share, name="moelab (SIMULATED)", marker_color="#4c78a8",
                              showlegend=c == 1), 1, c)
-        fig.add_trace(go.Scatter(x=sub.model, y=sub.eq9_share, mode="markers", marker={"symbol": "line-ew-open", "size": 28},
+        fig.add_trace(go.Scatter(x=sub.model, y=sub.eq9_share, mode="markers",
+                                 marker={"symbol": "line-ew-open", "size": 28},
                                  name="Eq. 9 closed form", line={"color": "#54a24b"}, showlegend=c == 1), 1, c)
         if sub.paper_share.notna().any():
-            fig.add_trace(go.Scatter(x=sub.model, y=sub.paper_share, mode="markers", marker={"symbol": "diamond", "size": 12},
-                                     name="paper (Fig. 3 a, reference)", line={"color": "#e45756"}, showlegend=True), 1, c)
+            fig.add_trace(go.Scatter(x=sub.model, y=sub.paper_share, mode="markers",
+                                     marker={"symbol": "diamond", "size": 12}, name="paper (Fig. 3 a, reference)",
+                                     line={"color": "#e45756"}, showlegend=True), 1, c)
     fig.update_yaxes(title_text="all-to-all share of the step", range=[0, 1], row=1, col=1)
     return finish(fig, title, label, height=420, width=1100)
 

@@ -32,12 +32,15 @@ def run_config(scale, task: str, opts: dict, seed: int, iters: int, init_from=No
     s = scale_spec(scale)
     over = {**tiny_overrides(s, iters=iters, seed=seed), "paper": "lsh_moe", "name": f"ft-{task}",
             "parallel.nproc": s.q_nproc, "parallel.topology.nodes": s.q_nodes, "parallel.strategy": "lsh_moe",
-            "parallel.strategy_options": {"error_sample": 0, **opts}, "train.lr": s.q_lr if task == "digits" else s.ft_lr, "train.task": task,
-            "train.eval_every": s.ft_eval_every, "train.eval_batches": 2 * max(2, s.q_eval_batches), "train.init_from": init_from,
+            "parallel.strategy_options": {"error_sample": 0, **opts},
+            "train.lr": s.q_lr if task == "digits" else s.ft_lr, "train.task": task,
+            "train.eval_every": s.ft_eval_every, "train.eval_batches": 2 * max(2, s.q_eval_batches),
+            "train.init_from": init_from,
             "emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps, "emulation.inter_bw_GBps": s.inter_GBps,
             "emulation.intra_latency_us": s.latency_us, "emulation.inter_latency_us": s.latency_us}
     if task == "digits":  # a ViT-like patch model: learned positions, as ViT's (no text plateau to avoid)
-        over.update({"train.patch_size": s.v_patch, "train.eval_every": max(1, iters // 4), "model.positions": "learned"})
+        over.update({"train.patch_size": s.v_patch, "train.eval_every": max(1, iters // 4),
+                     "model.positions": "learned"})
     return RunConfig().with_overrides(over).validate()
 
 
@@ -54,7 +57,8 @@ def _rows(runs) -> list:
         steps = run.step_times[1:].max(axis=1) if len(run.step_times) > 1 else run.step_times.max(axis=1)
         rows.append(dict(acc=ev[-1]["eval_acc"] if ev else None, top2=ev[-1]["eval_top2_acc"] if ev else None,
                          rho=rho, step_s=float(np.median(steps)), final_loss=run.metrics[-1]["loss"],
-                         samples_per_step=run.cfg.train.batch_size * run.cfg.parallel.nproc, classes=num_classes(run.cfg)))
+                         samples_per_step=run.cfg.train.batch_size * run.cfg.parallel.nproc,
+                         classes=num_classes(run.cfg)))
     return rows
 
 
@@ -94,9 +98,9 @@ def _run(scale, specs) -> pd.DataFrame:
 
 def _label(scale, what: str) -> str:
     s = scale_spec(scale)
-    return (f"SUBSTITUTE ({what}): tiny bert-MoE (d={s.d}, {s.layers} layers, {s.experts} experts, top-2, ALiBi positions) pretrained "
-            f"uncompressed {s.capture_iters} iterations of {s.q_nproc * s.batch} sequences on the stdlib's text, fine-tuned "
-            f"{s.ft_iters} iterations (lr {s.ft_lr}) on "
+    return (f"SUBSTITUTE ({what}): tiny bert-MoE (d={s.d}, {s.layers} layers, {s.experts} experts, top-2, "
+            f"ALiBi positions) pretrained uncompressed {s.capture_iters} iterations of {s.q_nproc * s.batch} "
+            f"sequences on the stdlib's text, fine-tuned {s.ft_iters} iterations (lr {s.ft_lr}) on "
             f"{s.q_nproc} gloo ranks as {s.q_nodes} nodes (EMULATED links {s.intra_GBps}/{s.inter_GBps} GB/s), "
             f"{s.q_seeds} seed(s); accuracy from the exact forward on held-out windows")
 
@@ -128,7 +132,8 @@ def table2_summary(df: pd.DataFrame) -> pd.DataFrame:
         chance = 1 / int(sub.classes.iloc[0])
         low = sub[sub.variant.str.startswith(rates.AT_L)]  # the low-rate setting, when one was added
         rows.append(dict(task=t, origin_acc=o.acc.mean(), origin_std=o.acc.std(ddof=0), lsh_acc=l.acc.mean(),
-                         lsh_std=l.acc.std(ddof=0), lsh_acc_compressed_eval=float(comp.acc.mean()) if len(comp) else None,
+                         lsh_std=l.acc.std(ddof=0),
+                         lsh_acc_compressed_eval=float(comp.acc.mean()) if len(comp) else None,
                          acc_delta=l.acc.mean() - o.acc.mean(), abs_acc_delta=abs(l.acc.mean() - o.acc.mean()),
                          lsh_rho=l.rho.mean(), low_rate_variant=low.variant.iloc[0] if len(low) else None,
                          low_rate_acc=low.acc.mean() if len(low) else None,
@@ -162,8 +167,9 @@ def table3(scale) -> pd.DataFrame:
              for seed in range(s.q_seeds) for v, opts in variants]
     df = _run(scale, specs)
     df["samples_per_s"] = df.samples_per_step / df.step_s
-    df.attrs["label"] = (f"SUBSTITUTE (Table 3: Swin-MoE on ImageNet-1K): patch-token MoE ({s.v_patch}x{s.v_patch} patches, "
-                         f"d={s.d}, {s.experts} experts) on scikit-learn's load_digits trained from scratch {s.v_iters} "
+    df.attrs["label"] = ("SUBSTITUTE (Table 3: Swin-MoE on ImageNet-1K): patch-token MoE "
+                         f"({s.v_patch}x{s.v_patch} patches, d={s.d}, {s.experts} experts) "
+                         f"on scikit-learn's load_digits trained from scratch {s.v_iters} "
                          f"iterations on {s.q_nproc} gloo ranks as {s.q_nodes} nodes; samples/s EMULATED "
                          f"({s.intra_GBps}/{s.inter_GBps} GB/s), {s.q_seeds} seed(s)")
     return df
@@ -205,10 +211,12 @@ def fig7(scale) -> pd.DataFrame:
         for target in (0.2, 0.15, 0.1):
             for fam in ("cross_polytope", "spherical"):
                 L, _ = _L_for_rate(scale, fam, target)
-                specs.append((dict(panel="right", variant=f"{fam} @ {target:.0%}", family=fam, L=L, target=target, seed=seed),
+                specs.append((dict(panel="right", variant=f"{fam} @ {target:.0%}", family=fam, L=L,
+                                   target=target, seed=seed),
                               "topic", {"hash_family": fam, "num_hashes": L}, seed, s.ft_iters, ckpt))
     df = _run(scale, specs)
-    df.attrs["label"] = _label(scale, "Fig. 7: GPT-MoE 15B on MNLI/SST-2").replace(f"{s.q_seeds} seed(s)", f"{s.f7_seeds} seed(s)")
+    df.attrs["label"] = _label(scale, "Fig. 7: GPT-MoE 15B on MNLI/SST-2").replace(f"{s.q_seeds} seed(s)",
+                                                                                   f"{s.f7_seeds} seed(s)")
     return df
 
 

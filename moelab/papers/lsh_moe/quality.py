@@ -4,7 +4,8 @@ MoE on the stdlib's text, trained on gloo ranks declared as 2 nodes with EMULATE
 plus the L calibrated on the substitute to reach rho <= 0.25 when L=6 does not, over several seeds.
 
 Evaluation runs the exact (uncompressed) forward, the headline; one extra run of LSH-MoE (seed 0) is
-evaluated with the compressed forward. Every run logs its measured rho per iteration (Σ M / Σ A over ranks and MoE layers, from the layers'
+evaluated with the compressed forward. Every run logs its measured rho per iteration
+(Σ M / Σ A over ranks and MoE layers, from the layers'
 own metrics), its held-out perplexity every ``q_eval_every`` iterations and its step times (EMULATED
 links: the all-to-all bytes each variant really sends, priced by the door's emulation). Time to the
 Origin's final perplexity is read off these curves; a run that never reaches it says so.
@@ -37,9 +38,11 @@ def run_config(scale, opts: dict, seed: int, task: str = "lm"):
 
     s = scale_spec(scale)
     return RunConfig().with_overrides({
-        **tiny_overrides(s, iters=s.q_iters, seed=seed), "paper": "lsh_moe", "name": f"quality-{task}", "train.task": task,
+        **tiny_overrides(s, iters=s.q_iters, seed=seed), "paper": "lsh_moe", "name": f"quality-{task}",
+        "train.task": task,
         "parallel.nproc": s.q_nproc, "parallel.topology.nodes": s.q_nodes, "parallel.strategy": "lsh_moe",
-        "parallel.strategy_options": {"error_sample": 0, **opts}, "train.lr": s.q_lr, "train.eval_every": s.q_eval_every,
+        "parallel.strategy_options": {"error_sample": 0, **opts}, "train.lr": s.q_lr,
+        "train.eval_every": s.q_eval_every,
         "train.eval_batches": s.q_eval_batches, "emulation.enabled": True, "emulation.intra_bw_GBps": s.intra_GBps,
         "emulation.inter_bw_GBps": s.inter_GBps, "emulation.intra_latency_us": s.latency_us,
         "emulation.inter_latency_us": s.latency_us}).validate()
@@ -76,9 +79,11 @@ def convergence(scale, task: str = "lm") -> pd.DataFrame:
 
         cap = tokens.capture(scale)
         df.attrs["reference_ppl"], df.attrs["reference_iters"] = cap["eval_ppl"], cap["iters"]
-    df.attrs["label"] = (f"SUBSTITUTE ({PANELS[task]}): tiny bert-MoE {'masked LM' if task == 'lm' else 'span corruption (encoder-only)'} "
-                         f"(d={s.d}, {s.layers} layers, {s.experts} experts, top-2, ALiBi positions) on the stdlib's text; REAL training on "
-                         f"{s.q_nproc} gloo ranks as {s.q_nodes} nodes, EMULATED links {s.intra_GBps}/{s.inter_GBps} GB/s "
+    df.attrs["label"] = (f"SUBSTITUTE ({PANELS[task]}): tiny bert-MoE "
+                         f"{'masked LM' if task == 'lm' else 'span corruption (encoder-only)'} "
+                         f"(d={s.d}, {s.layers} layers, {s.experts} experts, top-2, ALiBi positions) "
+                         f"on the stdlib's text; REAL training on {s.q_nproc} gloo ranks as {s.q_nodes} nodes, "
+                         f"EMULATED links {s.intra_GBps}/{s.inter_GBps} GB/s "
                          f"intra/inter, {s.q_seeds} seed(s), {s.q_iters} iterations")
     return df
 
@@ -142,6 +147,7 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
     out["ppl_vs_origin"] = out.final_ppl - o.final_ppl
     out["step_speedup"] = o.step_s / out.step_s
     out.attrs["target_ppl"] = target
-    out.attrs["reference_ppl"], out.attrs["reference_iters"] = df.attrs.get("reference_ppl"), df.attrs.get("reference_iters")
+    out.attrs["reference_ppl"], out.attrs["reference_iters"] = (df.attrs.get("reference_ppl"),
+                                                                df.attrs.get("reference_iters"))
     out.attrs["label"] = df.attrs.get("label", "")
     return out

@@ -27,7 +27,8 @@ def bucketize(xa: torch.Tensor, expert: torch.Tensor, E: int, family: str, L: in
     from moelab.moe.experts import seeded_generator
 
     d = xa.shape[1]
-    R = rotations(d, 1 if family == "hyperplane" else r, L, seed, layer) if family in ("cross_polytope", "hyperplane") else None
+    R = (rotations(d, 1 if family == "hyperplane" else r, L, seed, layer)
+         if family in ("cross_polytope", "hyperplane") else None)
     gen = seeded_generator("lsh_sp", seed, layer, 0, rank) if family == "spherical" else None
     return bk.make_buckets(expert, hash_rows(family, xa, expert, R=R, L=L, gen=gen, center=center), E)
 
@@ -70,12 +71,15 @@ def rate_sweep(scale, seed: int = 0) -> pd.DataFrame:
                 for j, groups in enumerate(per_layer):
                     m, a = rate(groups, s.experts, fam, L, max(r, 1), layer=j)
                     M, A = M + m, A + a
-                rows.append(dict(source=source, family=fam, r=r if fam == "cross_polytope" else None, L=L, M=M, A=A, rho=M / A))
+                rows.append(dict(source=source, family=fam,
+                                 r=r if fam == "cross_polytope" else None, L=L, M=M, A=A, rho=M / A))
     df = pd.DataFrame(rows)
     info = T.summary(scale, seed)
-    df.attrs["label"] = (f"SUBSTITUTE (Fig. 7 middle: GPT-MoE 15B on MNLI/SST-2): REAL hashing of captured rows: tiny bert-MoE (d={s.d}, {s.layers} layers, {s.experts} experts) "
-                         f"trained {info['iters']} iterations on the stdlib's text, ~{info['rows_per_group']:.0f} rows per "
-                         f"(source rank, expert) group; controls: untrained, random rows; synthetic: 16 clusters, 512 rows")
+    df.attrs["label"] = ("SUBSTITUTE (Fig. 7 middle: GPT-MoE 15B on MNLI/SST-2): REAL hashing of captured rows: "
+                         f"tiny bert-MoE (d={s.d}, {s.layers} layers, {s.experts} experts) "
+                         f"trained {info['iters']} iterations on the stdlib's text, "
+                         f"~{info['rows_per_group']:.0f} rows per (source rank, expert) group; "
+                         "controls: untrained, random rows; synthetic: 16 clusters, 512 rows")
     return df
 
 
@@ -89,7 +93,8 @@ def group_size_sweep(scale, seed: int = 0, L: int = 6, r: int = 2) -> pd.DataFra
         M = A = 0
         for j in range(len(cap["x"])):
             for rank, (xa, ex) in enumerate(T.groups_of(cap, j)):
-                keep = torch.cat([(ex == e).nonzero().squeeze(1)[:n] for e in torch.unique(ex).tolist()]) if len(ex) else ex
+                keep = (torch.cat([(ex == e).nonzero().squeeze(1)[:n] for e in torch.unique(ex).tolist()])
+                        if len(ex) else ex)
                 keep = keep.sort().values
                 b = bucketize(xa[keep], ex[keep], s.experts, "cross_polytope", L, r, layer=j, rank=rank)
                 M, A = M + b.M, A + b.A
@@ -97,8 +102,8 @@ def group_size_sweep(scale, seed: int = 0, L: int = 6, r: int = 2) -> pd.DataFra
         if n >= 10 ** 9:
             break
     df = pd.DataFrame(rows)
-    df.attrs["label"] = (f"SUBSTITUTE (tiny bert-MoE for GPT-MoE 15B): REAL hashing of captured trained rows (CP, L={L}, r={r}); "
-                         f"groups truncated to n rows")
+    df.attrs["label"] = ("SUBSTITUTE (tiny bert-MoE for GPT-MoE 15B): REAL hashing of captured trained rows "
+                         f"(CP, L={L}, r={r}); groups truncated to n rows")
     return df
 
 
@@ -146,8 +151,8 @@ def pca(scale, layer: int = 0, L: int = 6, r: int = 2, seed: int = 0) -> pd.Data
         rhos[source] = b.M / b.A
     df = pd.concat(frames, ignore_index=True)
     df.attrs["rho"] = rhos
-    df.attrs["label"] = (f"SUBSTITUTE (Fig. 4): PCA of the dispatched rows of MoE layer {layer}, one source rank, tiny bert-MoE "
-                         f"on the stdlib's text (REAL); CP L={L} r={r}: rho " +
+    df.attrs["label"] = (f"SUBSTITUTE (Fig. 4): PCA of the dispatched rows of MoE layer {layer}, one source rank, "
+                         f"tiny bert-MoE on the stdlib's text (REAL); CP L={L} r={r}: rho " +
                          ", ".join(f"{k} {v:.2f}" for k, v in rhos.items()))
     return df
 

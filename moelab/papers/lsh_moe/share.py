@@ -8,7 +8,8 @@ fitting both would be ill-posed;
 (b) 32 GPUs and (c) 16 GPUs with twice the experts are then *predicted* with those constants and set
 beside the paper's "nearly constant". A model with fewer experts than GPUs (RoBERTa-MoE's 16 on 32) runs
 expert parallelism over groups of E GPUs, data parallel across them (an assumption: the paper does not say;
-the experts' gradient all-reduce is not priced), so its share is its 16-GPU one. The tokens per GPU and the Swin-MoE-L stand-in are assumptions
+the experts' gradient all-reduce is not priced), so its share is its 16-GPU one.
+The tokens per GPU and the Swin-MoE-L stand-in are assumptions
 (``experiments/lsh_moe/assumptions.yaml``). Eq. 9's closed form is shown beside each bar.
 
 REAL / EMULATED: the measured share of tiny models on 2 and 4 gloo ranks, without and with emulated
@@ -53,7 +54,8 @@ def model_config(name: str):
                        moe_every=2, moe=MoEConfig(num_experts=32, top_k=2, gate="topk", expert_bias=True))
 
 
-TOKENS = {"RoBERTa-MoE": "tokens_per_gpu_roberta", "GPT-MoE-15B": "tokens_per_gpu_gpt", "Swin-MoE-L": "tokens_per_gpu_swin"}
+TOKENS = {"RoBERTa-MoE": "tokens_per_gpu_roberta", "GPT-MoE-15B": "tokens_per_gpu_gpt",
+          "Swin-MoE-L": "tokens_per_gpu_swin"}
 
 
 def paper_step(name: str, servers: int, mfu: float, eta: float, *, expert_mult: int = 1, tokens_per_gpu=None,
@@ -126,15 +128,17 @@ def fig3(scale) -> pd.DataFrame:
             ep = paper_step(name, servers, f["mfu"], f["eta"], expert_mult=mult)[0].parallel.nproc
             B = f["eta"] * prof.inter_bw_GBps * 1e9 / prof.gpus_per_node / prof.elem_bytes  # elements/s per GPU
             r = a2a_compute_ratio(m.moe.top_k, m.d_model, max(1, ep // 8), f["mfu"] * prof.peak_flops, B)
-            rows.append(dict(setup=setup, gpus=8 * servers, ep_gpus=ep, experts=m.moe.num_experts * mult, model=name, share=share,
-                             paper_share=PAPER_A[name] if setup == "a" else None, role="fit" if setup == "a" else "prediction",
-                             eq9_share=r / (1 + r)))
+            rows.append(dict(setup=setup, gpus=8 * servers, ep_gpus=ep, experts=m.moe.num_experts * mult, model=name,
+                             share=share, paper_share=PAPER_A[name] if setup == "a" else None,
+                             role="fit" if setup == "a" else "prediction", eq9_share=r / (1 + r)))
     df = pd.DataFrame(rows)
     A = assumptions()
     df.attrs["fit"] = f
-    df.attrs["label"] = (f"SIMULATED lsh_a100 (uncompressed EP, balanced loads): MFU {f['mfu']:.2f} assumed, NIC efficiency "
+    df.attrs["label"] = ("SIMULATED lsh_a100 (uncompressed EP, balanced loads): "
+                         f"MFU {f['mfu']:.2f} assumed, NIC efficiency "
                          f"eta_n {f['eta']:.3f} FITTED to Fig. 3(a) (rms error {f['rmse']:.3f}); (b), (c) predicted; "
-                         f"tokens per GPU {int(A.value('tokens_per_gpu_roberta'))}/{int(A.value('tokens_per_gpu_gpt'))}/"
+                         f"tokens per GPU {int(A.value('tokens_per_gpu_roberta'))}/"
+                         f"{int(A.value('tokens_per_gpu_gpt'))}/"
                          f"{int(A.value('tokens_per_gpu_swin'))} and the Swin-MoE-L stand-in are assumptions")
     return df
 
@@ -161,9 +165,10 @@ def measured(scale) -> pd.DataFrame:
             a2a = c[c.op == "all_to_all"].assign(d=lambda f: f.t_done - f.t_start).groupby(["iter", "rank"]).d.sum()
             step = pd.Series(run.step_times[1:].max(axis=1), index=range(1, len(run.step_times)))
             per_iter = a2a.groupby("iter").max() / step
-            rows.append(dict(ranks=nproc, links="EMULATED" if emulate else "REAL loopback", share=float(per_iter.median()),
-                             step_ms=float(step.median() * 1e3)))
+            rows.append(dict(ranks=nproc, links="EMULATED" if emulate else "REAL loopback",
+                             share=float(per_iter.median()), step_ms=float(step.median() * 1e3)))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = (f"EMULATED (and REAL loopback rows): tiny bert-MoE (d={s.d}, {s.experts} experts) on 2 and 4 gloo ranks as 2 nodes; "
+    df.attrs["label"] = (f"EMULATED (and REAL loopback rows): tiny bert-MoE (d={s.d}, {s.experts} experts) "
+                         "on 2 and 4 gloo ranks as 2 nodes; "
                          f"emulated links {s.intra_GBps}/{s.inter_GBps} GB/s; median over iterations after the first")
     return df

@@ -54,7 +54,8 @@ def table2_speed(scale) -> pd.DataFrame:
                              speedup=t["ep_s"] / t["lsh_s"], speedup_experts_on_tokens=t["ep_s"] / t["lsh_tokens_s"],
                              ep_step_ms=t["ep_s"] * 1e3, lsh_step_ms=t["lsh_s"] * 1e3))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = (f"SIMULATED lsh_v100 (16 V100, 100 Gb/s), GPT-MoE 15B/52B fine-tuning steps on balanced loads, "
+    df.attrs["label"] = ("SIMULATED lsh_v100 (16 V100, 100 Gb/s), "
+                         "GPT-MoE 15B/52B fine-tuning steps on balanced loads, "
                          f"{int(A.value('tokens_per_gpu_glue'))} tokens per GPU (assumed), MFU {f['mfu']:.2f} assumed, "
                          f"eta_n {f['eta']:.2f} as fitted on lsh_a100 in Fig. 3 (reused: an assumption)")
     return df
@@ -74,6 +75,6 @@ def table3_speed(scale) -> pd.DataFrame:
                          samples_per_s_origin=images / t["ep_s"], samples_per_s_lsh=images / t["lsh_s"],
                          speedup=t["ep_s"] / t["lsh_s"], speedup_experts_on_tokens=t["ep_s"] / t["lsh_tokens_s"]))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = (f"SIMULATED lsh_a100 (32 A100, 200 Gb/s): the uniform Swin-MoE-L stand-in, {tokens} tokens per GPU "
-                         f"(assumed), MFU {f['mfu']:.2f} assumed, eta_n {f['eta']:.2f} fitted in Fig. 3")
+    df.attrs["label"] = (f"SIMULATED lsh_a100 (32 A100, 200 Gb/s): the uniform Swin-MoE-L stand-in, {tokens} "
+                         f"tokens per GPU (assumed), MFU {f['mfu']:.2f} assumed, eta_n {f['eta']:.2f} fitted in Fig. 3")
     return df

@@ -41,7 +41,8 @@ def capture(scale, seed: int = 0, trained: bool = True) -> dict:
     rows = tr.run() if trained else []  # untrained: the seeded initialisation
     layers = tr.model.moe_layers()
     xs = [[] for _ in layers]
-    hooks = [layer.register_forward_pre_hook(lambda mod, args, j=j: xs[j].append(args[0].detach().reshape(-1, args[0].shape[-1]).clone()))
+    hooks = [layer.register_forward_pre_hook(
+                 lambda mod, args, j=j: xs[j].append(args[0].detach().reshape(-1, args[0].shape[-1]).clone()))
              for j, layer in enumerate(layers)]
     idx = [[] for _ in layers]
     losses = []

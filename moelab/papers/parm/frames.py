@@ -40,7 +40,8 @@ def timeline(world: int, scale, cell: tuple, seed: int = 0) -> pd.DataFrame:
             t = traces[(cell, m)]
             base = t["t0"]
             for r in t["recs"]:
-                rows.append(dict(schedule=m, rank=rank, kind="comm", op=f"{r['op']} {GROUP_NAMES.get(r['group'], r['group'])}",
+                rows.append(dict(schedule=m, rank=rank, kind="comm",
+                                 op=f"{r['op']} {GROUP_NAMES.get(r['group'], r['group'])}",
                                  phase=r["phase"], start_ms=(r["t0"] - base) * 1e3, end_ms=(r["t1"] - base) * 1e3))
             for sp in t["spans"]:
                 if sp["cat"] == "compute":

@@ -93,7 +93,8 @@ def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
                 fits[key] = model_fits(prof, lay)
             t = {m: layer_time(prof, lay, c.shape(dispatcher), m) for m in ("baseline", "s1", "s2", "s2_aas")}
             pick = select(ParmShape(c.B, c.L, c.M, c.E, c.k, c.f, c.n_mp, c.n_esp), fits[key])[0]
-            rows.append(dict(dispatcher=dispatcher, setting=setting, testbed=setting[0], P=c.P, n_mp=c.n_mp, n_esp=c.n_esp, B=c.B, L=c.L,
+            rows.append(dict(dispatcher=dispatcher, setting=setting, testbed=setting[0], P=c.P, n_mp=c.n_mp,
+                             n_esp=c.n_esp, B=c.B, L=c.L,
                              M=c.M, h=c.h, f=c.f, E=c.E, **{f"{m}_s": v["time_s"] for m, v in t.items()},
                              comm_share=t["baseline"]["comm_share"], pick=pick))
     df = pd.DataFrame(rows)
@@ -119,8 +120,8 @@ def grid_counts(scale) -> pd.DataFrame:
         rows.append(dict(setting=setting, configs=len(keep) + len(drop), kept=len(keep), dropped=len(drop),
                          simulated=int((g.setting == setting).sum())))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = (f"SIMULATED: the §2.10d memory model (baseline peak within the GPU memory minus {reserve:g} GiB); "
-                         "paper: 1296 valid over the four settings")
+    df.attrs["label"] = ("SIMULATED: the §2.10d memory model (baseline peak within the GPU memory minus "
+                         f"{reserve:g} GiB); paper: 1296 valid over the four settings")
     return df
 
 
@@ -149,7 +150,8 @@ def vic(scale) -> pd.DataFrame:
             rows.append(dict(metric=f"{m}_cell_mean_min", testbed=tb, value=sub[f"{m}_speedup"].min()))
             rows.append(dict(metric=f"{m}_cell_mean_max", testbed=tb, value=sub[f"{m}_speedup"].max()))
         gg = g[(g.testbed == tb) & (g.n_mp > 1)]
-        rows.append(dict(metric="parm_over_worse", testbed=tb, value=float((np.maximum(gg.s1_s, gg.s2_s) / gg.parm_s).mean())))
+        rows.append(dict(metric="parm_over_worse", testbed=tb,
+                         value=float((np.maximum(gg.s1_s, gg.s2_s) / gg.parm_s).mean())))
         rows.append(dict(metric="saa_over_aas", testbed=tb, value=float((gg.s2_aas_s / gg.s2_s).mean())))
         rows.append(dict(metric="all_beat_baseline", testbed=tb,
                          value=float(((gg.s1_speedup > 1) & (gg.s2_speedup > 1)).mean())))
@@ -177,7 +179,8 @@ def fig7(scale) -> pd.DataFrame:
     df = g[(g.setting == "B-32") & (g.n_mp == 4) & (g.n_esp == 4)].copy()
     df["above_4x"] = (df.parm_speedup > 4).astype(float)
     df = df.reset_index(drop=True)
-    df.attrs["label"] = "SIMULATED: parm_B 32 GPUs, N_MP=N_ESP=4" + sim_grid(scale).attrs["label"].split("fwd+bwd", 1)[1]
+    df.attrs["label"] = ("SIMULATED: parm_B 32 GPUs, N_MP=N_ESP=4"
+                         + sim_grid(scale).attrs["label"].split("fwd+bwd", 1)[1])
     return df
 
 
@@ -212,8 +215,10 @@ def fig6_frame(scale, seed: int = 0) -> tuple:
         for name in ("AG_MP", "A2A_EPESP", "SAA"):
             ts = sim_curve(prof, lay, name, big)
             ab = fit_alpha_beta(big, ts)
-            fits.append(dict(source=f"SIMULATED {prof_name}", name=name, alpha=ab.alpha, beta=ab.beta, r2=ab.r2, n=ab.n))
-            rows += [dict(source=f"SIMULATED {prof_name}", name=name, x=x, time_s=np.nan, fit_s=t) for x, t in zip(big, ts)]
+            fits.append(dict(source=f"SIMULATED {prof_name}", name=name,
+                             alpha=ab.alpha, beta=ab.beta, r2=ab.r2, n=ab.n))
+            rows += [dict(source=f"SIMULATED {prof_name}", name=name, x=x, time_s=np.nan, fit_s=t)
+                     for x, t in zip(big, ts)]
     df, ft = pd.DataFrame(rows), pd.DataFrame(fits)
     df.attrs["label"] = ("REAL: 4 gloo ranks (loopback) and EMULATED links, x in elements as the paper counts; PAPER: "
                          "Fig. 6's AG_MP fits; SIMULATED: parm_A / parm_B one node, (2,2)")
@@ -248,8 +253,8 @@ def table5_sim(scale) -> pd.DataFrame:
             pick, _, _ = select(ParmShape(B=B, L=m["seq"], M=768, E=E, k=1, f=1.2, n_mp=4, n_esp=4), fits)
             kw = dict(n_layers=12, seq_len=m["seq"], vocab=m["vocab"], d_ff=3072)
             t = {s: simulate(parm_model_graph(prof, lay, shape, schedule=s, **kw)).makespan for s in ("baseline", pick)}
-            rows.append(dict(model=model, testbed=tb, P=prof.world_size, E=E, pick=pick, baseline_ms=t["baseline"] * 1e3,
-                             parm_ms=t[pick] * 1e3, speedup=t["baseline"] / t[pick]))
+            rows.append(dict(model=model, testbed=tb, P=prof.world_size, E=E, pick=pick,
+                             baseline_ms=t["baseline"] * 1e3, parm_ms=t[pick] * 1e3, speedup=t["baseline"] / t[pick]))
     df = pd.DataFrame(rows)
     df.attrs["label"] = ("SIMULATED: parm_A (8 GPUs) and parm_B (32 GPUs), Megatron TP over MP, fp32, B=8 (assumed), "
                          "compute at 0.5 of peak (assumed); dense-DP gradient all-reduce included")

@@ -51,7 +51,8 @@ def fig1(ctx):
 def fig1r(ctx):
     df = frames.fig1_real_share(ctx.scale.name, ctx.seed)
     return Made(df, figures={"fig01r_share_real": F.sorted_share(df, label=df.attrs["label"],
-                                                                 title="Fig. 1 analog: baseline comm share, 8 gloo ranks")},
+                                                                 title="Fig. 1 analog: baseline comm share, "
+                                                                       "8 gloo ranks")},
                 tables={"table_fig01r": (df, "Fig. 1 analog: baseline comm share per cell")})
 
 
@@ -89,7 +90,8 @@ def fig4(ctx):
         df.insert(0, "cell", str(cell))
         frames_.append(df)
         figs[f"fig04_bytes_mp{cell[0]}"] = F.byte_matrices(df, label=df.attrs["label"],
-                                                           title=f"Fig. 4: src -> dst bytes per forward call, N_MP={cell[0]}, N_ESP=2")
+                                                           title="Fig. 4: src -> dst bytes per forward call, "
+                                                                 f"N_MP={cell[0]}, N_ESP=2")
     out = pd.concat(frames_, ignore_index=True)
     out.attrs["label"] = frames_[0].attrs["label"].replace("(1, 2)", "(1, 2) and (2, 2)")
     return Made(out, figures=figs, tables={"table_fig04_bytes": (out, "Fig. 4: bytes per (call, src, dst)")})
@@ -110,18 +112,22 @@ def fig5(ctx):
 def fig6(ctx):
     df, fits = paper_scale.fig6_frame(ctx.scale.name, ctx.seed)
     return Made(fits, figures={"fig06_fits": F.fits(df, label=df.attrs["label"])},
-                tables={"table_fig06_fits": (fits, "Fig. 6: alpha-beta fits (alpha s, beta s per element, R^2) per source"),
+                tables={"table_fig06_fits": (fits, "Fig. 6: alpha-beta fits (alpha s, beta s per element, R^2) "
+                                                   "per source"),
                         "table_fig06_points": (df, "Fig. 6: measured points and fitted / paper / simulated curves")})
 
 
 @product(P, "table4", quantities={f"{s}_speedup": Q[s] for s in Q})
 def table4(ctx):
     df = paper_scale.table4(ctx.scale.name)
-    notes = [f"{r.dispatcher} {r.setting} ({r.n_mp},{r.n_esp}): Parm {r.parm_speedup:.2f}x (S1 {r.s1_speedup:.2f}, S2 {r.s2_speedup:.2f}, "
+    notes = [f"{r.dispatcher} {r.setting} ({r.n_mp},{r.n_esp}): "
+             f"Parm {r.parm_speedup:.2f}x (S1 {r.s1_speedup:.2f}, S2 {r.s2_speedup:.2f}, "
              f"oracle {r.oracle_speedup:.2f}), Alg. 1 right in {r.selection_accuracy:.0%} of {int(r.configs)}"
-             + (" - Parm trails the better fixed schedule here" if r.parm_speedup < max(r.s1_speedup, r.s2_speedup) - 1e-9
+             + (" - Parm trails the better fixed schedule here"
+                if r.parm_speedup < max(r.s1_speedup, r.s2_speedup) - 1e-9
                 else "") for r in df.itertuples()]
-    return Made(df, figures={"table4_speedups": F.speedup_bars(df, label=df.attrs["label"], by=("dispatcher", "setting", "n_mp", "n_esp"),
+    return Made(df, figures={"table4_speedups": F.speedup_bars(df, label=df.attrs["label"],
+                                                               by=("dispatcher", "setting", "n_mp", "n_esp"),
                                                                cols=("s1_speedup", "s2_speedup", "parm_speedup",
                                                                      "oracle_speedup"))},
                 tables={"table4": (df, "Table IV: mean speedup over the baseline per setting and cell")}, notes=notes)
@@ -138,7 +144,8 @@ def table4e(ctx):
 
 VIC = {"parm_speedup_min_config": Quantity("smallest per-configuration MoE-layer speedup of Parm over the "
                                            "DeepSpeed-MoE baseline", "x"),
-       "parm_cell_mean_max": Quantity("largest cell-mean MoE-layer speedup of Parm over the DeepSpeed-MoE baseline", "x"),
+       "parm_cell_mean_max": Quantity("largest cell-mean MoE-layer speedup of Parm over the DeepSpeed-MoE "
+                                      "baseline", "x"),
        "parm_over_worse": Quantity("mean time of the worse of S1/S2 divided by Parm's (Alg. 1's pick)", "x"),
        "saa_over_aas": Quantity("mean S2-AAS time divided by S2 (SAA) time", "x")}
 
@@ -152,8 +159,8 @@ def vic(ctx):
 
 @product(P, "fig7", quantities={"parm_speedup": Quantity("mean MoE-layer speedup of Parm over the DeepSpeed-MoE "
                                                          "baseline", "x"),
-                                "above_4x": Quantity("fraction of configurations where Parm is more than 4x faster than "
-                                                     "the baseline", "fraction")})
+                                "above_4x": Quantity("fraction of configurations where Parm is more than 4x faster "
+                                                     "than the baseline", "fraction")})
 def fig7(ctx):
     df = paper_scale.fig7(ctx.scale.name)
     notes = [f"mean {df.parm_speedup.mean():.2f}x, {df.above_4x.mean():.0%} of {len(df)} configurations above 4x "
@@ -166,7 +173,8 @@ def fig7(ctx):
 def fig7e(ctx):
     df = frames.fig7_emulated(ctx.scale.name, ctx.seed)
     return Made(df, figures={"fig07e_distribution": F.speedup_distribution(df, label=df.attrs["label"],
-                                                                           title="Fig. 7 analog: Parm's speedup, 8 ranks (4,4)")},
+                                                                           title="Fig. 7 analog: Parm's speedup, "
+                                                                                 "8 ranks (4,4)")},
                 tables={"table_fig07e": (df, "Fig. 7 analog: per configuration")})
 
 

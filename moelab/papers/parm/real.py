@@ -144,7 +144,8 @@ def _tv_rank(rank, world, scale, seed=0):
             worst = tr.comm.all_gather(steps, group="world").max(0).values  # the slowest rank per iteration
             pick = tr.model.moe_layers()[0].schedule
             out.append(dict(model={"bert": "MoE-BERT (tiny)", "gpt": "MoE-GPT (tiny)"}[arch], system=system,
-                            iter_ms=float(worst.mean()) * 1e3, std_ms=float(worst.std()) * 1e3 if len(worst) > 1 else 0.0,
+                            iter_ms=float(worst.mean()) * 1e3,
+                            std_ms=float(worst.std()) * 1e3 if len(worst) > 1 else 0.0,
                             schedule=pick, loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"]))
             tr.close()  # the next system's timings beside none of this one's process groups
     return out

@@ -3,7 +3,8 @@
 | option | default | meaning |
 |---|---|---|
 | ``shadow`` | False | dynamic shadowing (§2.4), decided per layer per forward by the policy |
-| ``shadow_force`` | None | testing/exploration aid: a fixed list of expert ids shadowed every forward (bypasses the policy; implies shadowing) |
+| ``shadow_force`` | None | testing/exploration aid: a fixed list of expert ids shadowed every forward (bypasses the
+  policy; implies shadowing) |
 | ``shadow_net_bw`` | 6.25e9 | policy ``W_net``, bytes/s (FMOE_FASTER_GLBPLC_NETBW = 50 Gb/s) |
 | ``shadow_gpu_flops`` | 11.5e12 | policy ``P``, FLOP/s (FMOE_FASTER_GLBPLC_GPUTP) |
 | ``shadow_elem_bytes`` | 4 | policy ``s`` |

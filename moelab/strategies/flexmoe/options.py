@@ -2,14 +2,19 @@
 
 | option | default | meaning (spec ``papers/hecate.md`` §3 FlexMoE) |
 |---|---|---|
-| ``r`` | 1 | reserved expert slots per device and layer (slot budget E/N + r); 0: FlexMoE can only Migrate, and with every slot full it never changes EP |
-| ``reserve`` | true | hold the budget's unfilled slots as real storage (params, grads, Adam moments), as FlexMoE reserves memory for incoming experts and their optimizer states; false: only filled slots use memory |
+| ``r`` | 1 | reserved expert slots per device and layer (slot budget E/N + r); 0: FlexMoE can only Migrate, and with
+  every slot full it never changes EP |
+| ``reserve`` | true | hold the budget's unfilled slots as real storage (params, grads, Adam moments), as FlexMoE
+  reserves memory for incoming experts and their optimizer states; false: only filled slots use memory |
 | ``interval`` | 10 | K: the scheduler runs every K iterations (and its steps must pay back within K iterations) |
 | ``threshold`` | 1.2 | it also runs when the window's balance ratio max/mean device load exceeds this (> 1) |
 | ``max_steps`` | 4 | at most this many greedy steps (Expand / Shrink / Migrate) per layer and round |
 | ``window`` | 5 | iterations of global loads the scheduler plans from |
-| ``cost_profile`` | hecate_A | the cluster whose constants price a step's gain (§2.9 ``t_moe``) and its migration bytes |
-| ``migration_cost_s`` | null | seconds charged per copied expert; null: the §2.9 cost (params + Adam state bytes over one node's NIC); 0: any step that gains is kept (tiny CPU models, where the profile's migration always outweighs the gain) |
+| ``cost_profile`` | hecate_A | the cluster whose constants price a step's gain (§2.9 ``t_moe``) and its migration
+  bytes |
+| ``migration_cost_s`` | null | seconds charged per copied expert; null: the §2.9 cost (params + Adam state bytes over
+  one node's NIC); 0: any step that gains is kept (tiny CPU models, where the profile's migration always outweighs the
+  gain) |
 """
 from __future__ import annotations
 

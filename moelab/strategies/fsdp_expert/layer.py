@@ -142,7 +142,8 @@ class FsdpExpertMoELayer(ZeroMoELayer):
                 out.append(None)
                 continue
             off, shape = lay
-            out.append(torch.empty(0, dtype=self.full.dtype).set_(st, off, shape, torch.empty(shape, device="meta").stride()))
+            out.append(torch.empty(0, dtype=self.full.dtype).set_(st, off, shape,
+                                                                  torch.empty(shape, device="meta").stride()))
         return out
 
     def flat_grad(self, grads) -> torch.Tensor:

@@ -2,8 +2,12 @@
 
 | option | default | meaning |
 |---|---|---|
-| ``reshard_after_forward`` | False | free each MoE layer's gathered expert buffer when its forward ends (storage resized to 0, as FSDP does) and all-gather it again when that layer's backward starts: two all-gathers per layer per iteration instead of one, the full experts resident only while the layer computes. False: the gathered buffer lives from the layer's forward to the end of its backward (FSDP's ``SHARD_GRAD_OP``) |
-| ``global_loads`` | True | after each MoE gate, all-gather the per-expert token counts (*unrecorded* metric traffic, as ``zero``'s) so ``last_global_counts`` holds every rank's row; False: only this rank's row, no count collective |
+| ``reshard_after_forward`` | False | free each MoE layer's gathered expert buffer when its forward ends (storage
+  resized to 0, as FSDP does) and all-gather it again when that layer's backward starts: two all-gathers per layer per
+  iteration instead of one, the full experts resident only while the layer computes. False: the gathered buffer lives
+  from the layer's forward to the end of its backward (FSDP's ``SHARD_GRAD_OP``) |
+| ``global_loads`` | True | after each MoE gate, all-gather the per-expert token counts (*unrecorded* metric traffic, as
+  ``zero``'s) so ``last_global_counts`` holds every rank's row; False: only this rank's row, no count collective |
 """
 from __future__ import annotations
 

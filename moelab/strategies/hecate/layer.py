@@ -126,7 +126,8 @@ class HecateMoELayer(MoELayer):
                                           hier=self.backend in NODE_BACKENDS)
             em = getattr(self.comm, "emulation", None)
             if em is not None:
-                cost = dataclasses.replace(cost, intra_Bps=em.intra_bw_GBps * 1e9, nic_Bps=em.inter_bw_GBps * 1e9 * self.G,
+                cost = dataclasses.replace(cost, intra_Bps=em.intra_bw_GBps * 1e9,
+                                           nic_Bps=em.inter_bw_GBps * 1e9 * self.G,
                                            alpha_a2a_s=em.inter_latency_us * 1e-6)
             self._cost = cost
         return self._cost

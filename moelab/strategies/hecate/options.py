@@ -2,10 +2,16 @@
 
 | option | default | meaning (spec ``papers/hecate.md``) |
 |---|---|---|
-| ``t`` | null | overlap degree (§2.3); null: ⌊T_nonMoE · bw / s_e⌋ from ``t_nonmoe_s`` (or the measured attention forward time, see ``t_iters``), the emulated links (else ``cost_profile``) |
-| ``t_iters`` | 3 | measured T_nonMoE: the median of the first ``t_iters`` iterations' mean attention forward time (max over ranks); t is re-decided before each of iterations 1..``t_iters`` from the iterations so far, then fixed (1: iteration 0 alone) |
-| ``m`` | null | replica slots per device (§2.3); null: from ``replica_budget_bytes``, else profiled from free memory (§2.10) |
-| ``replica_budget_bytes`` | null | free bytes for replicas → m = ⌊budget / (live layers · (param + grad bytes of an expert))⌋; null: each rank's free memory (its GPU's, or its share of the host's ``MemAvailable``), the least over ranks, measured once; m capped at E. Slots beyond t are calibration's |
+| ``t`` | null | overlap degree (§2.3); null: ⌊T_nonMoE · bw / s_e⌋ from ``t_nonmoe_s`` (or the measured attention
+  forward time, see ``t_iters``), the emulated links (else ``cost_profile``) |
+| ``t_iters`` | 3 | measured T_nonMoE: the median of the first ``t_iters`` iterations' mean attention forward time (max
+  over ranks); t is re-decided before each of iterations 1..``t_iters`` from the iterations so far, then fixed (1:
+  iteration 0 alone) |
+| ``m`` | null | replica slots per device (§2.3); null: from ``replica_budget_bytes``, else profiled from free memory
+  (§2.10) |
+| ``replica_budget_bytes`` | null | free bytes for replicas → m = ⌊budget / (live layers · (param + grad bytes of an
+  expert))⌋; null: each rank's free memory (its GPU's, or its share of the host's ``MemAvailable``), the least over
+  ranks, measured once; m capped at E. Slots beyond t are calibration's |
 | ``t_nonmoe_s`` | null | T_nonMoE in seconds (identical on every rank) instead of measuring it |
 | ``assign`` | proportional | Alg. 1's replica count rule: ``proportional`` or ``mean_load`` (§2.3, §6.2) |
 | ``window`` | 5 | iterations of the integer load window F̂ (§2.7) |
@@ -13,9 +19,11 @@
 | ``reshard_window`` | null | a longer window for Alg. 2 (§6.6); null: ``window`` |
 | ``prefer_fewer_free`` | true | Alg. 2's tie-break as written (false inverts it, §6.6) |
 | ``calibration`` | true | re-plan after the gate when the cost model says it pays (§2.4) |
-| ``calibration_rule`` | all_slots | what calibration proposes: ``all_slots`` (t_cal = the free slots, spec §2.4 [choice]: all or nothing) or ``best`` (the fastest t_cal of 1..free slots by the cost model) |
+| ``calibration_rule`` | all_slots | what calibration proposes: ``all_slots`` (t_cal = the free slots, spec §2.4
+  [choice]: all or nothing) or ``best`` (the fastest t_cal of 1..free slots by the cost model) |
 | ``rm`` | false | re-materialization: free replicas after forward, re-gather them in backward (§2.8) |
-| ``spag_backend`` | a2a | ``a2a`` / ``p2p`` / ``hier`` / ``stripe`` (§2.2; ``stripe``: ``hier`` with each crossing expert split over the node's G NICs) |
+| ``spag_backend`` | a2a | ``a2a`` / ``p2p`` / ``hier`` / ``stripe`` (§2.2; ``stripe``: ``hier`` with each crossing
+  expert split over the node's G NICs) |
 | ``materialize`` | true | false: "sharding only" ablation (P' = P) |
 | ``shard`` | true | false: "materialization only" ablation (no Alg. 2) |
 | ``cost_profile`` | hecate_A | the cluster whose constants the cost model uses (calibration, t without emulation) |

@@ -48,7 +48,8 @@ def _stage_matrices(P, Q, N: int, G: int, backend: str, numel: int, elem_bytes: 
 
 def _full(owners, extra) -> tuple:
     """Holders from owners plus ``{expert: [replica ranks]}``."""
-    return tuple((int(o),) + tuple(sorted(int(r) for r in extra.get(str(e), extra.get(e, ())))) for e, o in enumerate(owners))
+    return tuple((int(o),) + tuple(sorted(int(r) for r in extra.get(str(e), extra.get(e, ()))))
+                 for e, o in enumerate(owners))
 
 
 def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *, holders=None, owners=None,
@@ -106,7 +107,8 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
             return [o] * N
         if phase == "bwd" and j is not None and j > 0 and has_rm[j - 1]:  # re-gather the layer below
             ip = moe_ids[j - 1]
-            rm_ops[ip] = collective(ctx, f"L{ip}.spag_rm", _stage_matrices(P[j - 1], final[j - 1], N, G, backend, numel, eb),
+            rm_ops[ip] = collective(ctx, f"L{ip}.spag_rm",
+                                    _stage_matrices(P[j - 1], final[j - 1], N, G, backend, numel, eb),
                                     tuple(deps), ip, "bwd", "spag", beside_compute=True)
         return None
 
@@ -136,7 +138,8 @@ def hecate_iteration_graph(cfg, profile, loads, placement: Optional[Placement] =
         for _, _, s, d in moved:
             M[int(s), int(d)] += 3 * row
         last = (g.transfer("migrate", ranks, costs.alltoall_demands(M, ranks, topo, profile, False), deps=last,
-                           category="migrate", phase="migrate", comm={"op": "all_to_all", "group": ranks, "splits": M}),)
+                           category="migrate", phase="migrate",
+                           comm={"op": "all_to_all", "group": ranks, "splits": M}),)
     g.add("iteration.done", ranks, kind="compute", category="other", deps=last)
     return g
 

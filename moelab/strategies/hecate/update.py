@@ -97,7 +97,8 @@ class HecateUpdate(DataParallelUpdate):
             rec = self.comm.rec
             if rec.enabled:  # attention on the trace, so the overlap with the gather is visible
                 rec.spans.append(Span("attention", "attention", self._t_attn, t1,
-                                      {**rec.tags, "layer": layer.layer_id, "phase": "fwd"}, threading.current_thread().name))
+                                      {**rec.tags, "layer": layer.layer_id, "phase": "fwd"},
+                                      threading.current_thread().name))
         return hook
 
     def _attention_bwd(self, layer):
@@ -106,7 +107,8 @@ class HecateUpdate(DataParallelUpdate):
             if rec.enabled:
                 t = time.time()
                 rec.spans.append(Span("attention.bwd.start", "attention", t, t,
-                                      {**rec.tags, "layer": layer.layer_id, "phase": "bwd"}, threading.current_thread().name))
+                                      {**rec.tags, "layer": layer.layer_id, "phase": "bwd"},
+                                      threading.current_thread().name))
         return hook
 
     # ---- t and m ----------------------------------------------------------------------------------------

@@ -5,6 +5,13 @@ collective passes), :mod:`.update` (DDP buckets or partitioned micro-ops as low-
 :mod:`.layer` (the combine marker). Policies: ``after_backward``, ``ddp_overlap`` (the baseline),
 ``fixed``, ``priority``, ``lina`` (:mod:`.options`).
 
+Inference (§2.3): :mod:`.server` (what ``moelab serve`` runs with ``serve.strategy: lina``), :mod:`.infer`
+(the serve layer and its two-phase scheduling), :mod:`.popularity` (the path table estimator),
+:mod:`.placement` (packing and replica allocation), :mod:`.dispatch` (replica-aware serving dispatch);
+options :class:`.options.LinaServeOptions`. Simulated: :mod:`.sim_graph` (training), :mod:`.sim_windows`,
+:mod:`.sim_infer` (serving); :mod:`.packing` (the expert-packing controller), :mod:`.pipeline`.
+Reproduction: :mod:`moelab.papers.lina` (``notebooks/lina.ipynb``).
+
 Registered as strategy ``lina``: ``parallel.strategy: lina`` with ``parallel.strategy_options`` such
 as ``{policy: lina, partition_bytes: 30e6}``. Scheduling only: every policy trains the EP model.
 """
@@ -13,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from moelab.registry import Strategy, register_strategy
-from moelab.strategies.lina.options import POLICIES, LinaOptionError, LinaOptions
+from moelab.strategies.lina.options import POLICIES, LinaOptionError, LinaOptions, LinaServeOptions
 
 
 def layer_factory(run_cfg, opts: LinaOptions):
@@ -39,7 +46,8 @@ def _groups(run_cfg) -> dict:
 STRATEGY = register_strategy(Strategy(
     "lina", options=LinaOptions, layer=layer_factory, update=_update, groups=_groups, own_expert_layout=True,
     sim_graph="moelab.strategies.lina.sim_graph:lina_iteration_graph",
+    serve="moelab.strategies.lina.server:build", serve_options=LinaServeOptions,
     conformance=tuple({"policy": p} for p in ("ddp_overlap", "priority", "lina")),
     doc="Lina: all-to-all before all-reduce (priority scheduler, partitioned gradient micro-ops)"))
 
-__all__ = ["STRATEGY", "layer_factory", "LinaOptions", "LinaOptionError", "POLICIES"]
+__all__ = ["STRATEGY", "layer_factory", "LinaOptions", "LinaServeOptions", "LinaOptionError", "POLICIES"]

@@ -2,7 +2,8 @@
 
 :class:`LinaServeLayer` replaces a model's MoE layer when serving. It holds the gate (seeded as in
 training, top-1, no capacity) and the full expert bank (every expert on every rank: the host copy).
-Per call it picks this batch's placement by the variant, then runs :func:`moelab.strategies.lina.dispatch.serve_forward`:
+Per call it picks this batch's placement by the variant, then runs
+:func:`moelab.strategies.lina.dispatch.serve_forward`:
 
 - ``baseline``: the static placement (expert block of rank r on rank r);
 - ``ideal``: the gate's choice replaced by a perfectly balanced one (timing only: other outputs);
@@ -14,15 +15,16 @@ Per call it picks this batch's placement by the variant, then runs :func:`moelab
   newly placed experts from the bank, while layer l dispatches and computes (the paper's
   prefetch; on a CPU the load is a memory copy). Phase 2 - after layer l+1's gate the
   count exchange gives the actual popularity; if its top-``k_cmp`` set differs from the estimate's
-  (``serve.replan_test: load``: if phase 1's plan carries more of the actual load on its busiest device
+  (``serve.strategy_options.replan_test: load``: if phase 1's plan carries more of the actual load on its busiest device
   than the estimate promised, by over ``replan_tol``), every rank re-plans from it and loads what the
   new plan adds on the critical path (blocking);
 - ``lina_no_estimation``: no phase 1; every layer, from the first, plans from the actual counts (blocking);
 - ``lina_no_finetune``: phase 1 only.
 
 Which layers get a plan: :func:`schedules`. ``lina`` and ``lina_no_finetune`` keep the static placement in
-the layers before MoE layer ``path_len`` (no full path to estimate from yet); ``serve.first_layers: actual``
-lets ``lina`` plan those from the actual counts (phase 2 without an estimate). Experts a plan puts
+the layers before MoE layer ``path_len`` (no full path to estimate from yet);
+``serve.strategy_options.first_layers: actual`` lets ``lina`` plan those from the actual counts (phase 2 without an
+estimate). Experts a plan puts
 on a rank are copied from the bank into its working slots: by phase 1's loader during the previous
 layer (``prefetched``, ``prefetch_s``), or before the dispatch (``swapped``, ``swap_s``: the critical
 path); ``p1_wait_s``: how long layer l+1 waited for phase 1 (planning that outlasted layer l); ``counts``: the
@@ -62,8 +64,8 @@ def estimates(sv, j: int) -> bool:
 
 def schedules(sv, j: int) -> bool:
     """Whether MoE layer ``j`` gets a plan under ``sv.variant``: where phase 1 estimates it; every layer for
-    ``lina_no_estimation`` (spec §2.3: from layer 1); with ``serve.first_layers: actual`` every layer for
-    ``lina`` (those without an estimate planned by phase 2 from the actual counts, blocking)."""
+    ``lina_no_estimation`` (spec §2.3: from layer 1); with ``serve.strategy_options.first_layers: actual``
+    every layer for ``lina`` (those without an estimate planned by phase 2 from the actual counts, blocking)."""
     return (estimates(sv, j) or sv.variant == "lina_no_estimation"
             or (sv.variant == "lina" and sv.first_layers == "actual"))
 
@@ -168,7 +170,8 @@ class LinaServeLayer(nn.Module):
         if est is None:
             counts = comm.all_gather(mine, group="world")
         else:
-            every = comm.all_gather(torch.cat([mine.double(), torch.as_tensor(est, dtype=torch.float64)]), group="world")
+            every = comm.all_gather(torch.cat([mine.double(), torch.as_tensor(est, dtype=torch.float64)]),
+                                    group="world")
             counts = every[:, :E].to(torch.int64)
             pop_next = (every[:, E:-1].sum(0) / max(float(every[:, -1].sum()), 1.0)).numpy()
         t_gate = time.perf_counter()

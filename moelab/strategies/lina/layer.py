@@ -65,7 +65,8 @@ class LinaMoELayer(MoELayer):
         sched = self.comm.scheduler
         if torch.is_grad_enabled() and sched is not None and hasattr(sched, "stalls"):
             # cumulative counters of the rank's scheduler (so a run says whether its bounded waits fired)
-            self.last_metrics = {"sched_stalls": sched.stalls, "sched_low_ops": sum(r["kind"] == "low" for r in sched.records),
+            self.last_metrics = {"sched_stalls": sched.stalls,
+                                 "sched_low_ops": sum(r["kind"] == "low" for r in sched.records),
                                  "experts_per_rank": len(self.experts.experts), "block": self.comm.world_size}
             decision = self.__dict__.pop("pack_decision", None)  # the packing controller's, this iteration
             if decision is not None:

@@ -1,22 +1,39 @@
 """Options of Lina's training side (``parallel.strategy_options``), checked before any process starts.
 
-| option | default | meaning (spec ``papers/lina.md`` §2.2, §2.5, §3) |
-|---|---|---|
-| ``policy`` | lina | ``after_backward`` (one all-reduce after backward), ``ddp_overlap`` (DDP buckets during backward, free overlap: THE baseline), ``fixed`` (DDP buckets released only between MoE layers), ``priority`` (whole buckets, strict priority), ``lina`` (+ partitioned micro-ops), ``lina_pipe`` (+ chunked all-to-all pipelined with the FFN), ``lina_full`` (+ expert packing) |
-| ``partition_bytes`` | 30e6 | S, the all-reduce micro-op size in bytes (one gradient per micro-op) |
-| ``coalesce_bytes`` | 0 | partitioned policies: consecutive gradients of at most this many bytes (on one group) share a micro-op of at most S, copied into one buffer; 0: one gradient per micro-op (the spec's §2.2; coalescing is a departure from it, for the many tiny norm and bias gradients) |
-| ``a2a_chunks`` | 4 | m, all-to-all micro-ops per all-to-all (``lina_pipe``, ``lina_full``) |
-| ``max_inflight`` | 1 | low-priority micro-ops in flight at once |
-| ``drain_inflight`` | 0 | micro-ops in flight at once during the drain after backward, where no all-to-all can arrive (0: ``max_inflight``, the spec's one bound throughout; else at least ``max_inflight``; more overlaps each call's fixed cost with the ops before it) |
-| ``a2a_waits_for_inflight`` | true | an arriving all-to-all waits for the micro-op in flight (non-preemptive; bounded, see :mod:`moelab.strategies.lina.priority`) |
-| ``block_on_combine_backward`` | true | stop launching micro-ops once a MoE layer's combine backward starts |
-| ``stall_ms`` | 0 | the bound of that wait in ms (0: three times the median of the last 16 micro-op times, at least 5 ms) |
-| ``launch_agreement`` | none | ``none``: each rank's scheduler decides alone (the paper's design; its non-preemptive wait is bounded against the cross-rank stall); ``leader``: the first rank of a group decides every micro-op's launch and tells the others by a 1-element broadcast on a control group (no stall, one more small call per micro-op); ``plan``: every rank launches the same micro-ops in the same backward window, planned from the previous step's windows and op durations agreed by two small all-gathers a step (no stall; the first step reduces everything after backward; :mod:`moelab.strategies.lina.priority`) |
-| ``experts_per_device`` | 0 | q, experts packed per rank: EP over blocks of E/q contiguous ranks, each block a full copy, ``expert_dp`` over the copies (0: 2 for ``lina_full``, else 1) |
-| ``launch_jitter_ms`` | 0 | a random per-rank delay before each micro-op launch (robustness runs, spec §5 I7) |
-| ``pack_controller`` | false | ``lina_full`` only: start from ``experts_per_device`` (0: 1) and let :mod:`.packing` double q from measured micro-op times |
-| ``pack_start_step`` / ``pack_every`` | 10 / 4 | the controller's first decision and its period, in steps |
-| ``pack_memory_mb`` | 0 | the controller doubles q only while one rank's expert parameters, gradients and Adam moments fit this (0: no limit) |
+Each option, its default and its meaning (spec ``papers/lina.md`` §2.2, §2.5, §3):
+
+- ``policy`` (default lina): ``after_backward`` (one all-reduce after backward), ``ddp_overlap`` (DDP buckets during
+  backward, free overlap: THE baseline), ``fixed`` (DDP buckets released only between MoE layers), ``priority`` (whole
+  buckets, strict priority), ``lina`` (+ partitioned micro-ops), ``lina_pipe`` (+ chunked all-to-all pipelined with the
+  FFN), ``lina_full`` (+ expert packing)
+- ``partition_bytes`` (default 30e6): S, the all-reduce micro-op size in bytes (one gradient per micro-op)
+- ``coalesce_bytes`` (default 0): partitioned policies: consecutive gradients of at most this many bytes (on one group)
+  share a micro-op of at most S, copied into one buffer; 0: one gradient per micro-op (the spec's §2.2; coalescing is a
+  departure from it, for the many tiny norm and bias gradients)
+- ``a2a_chunks`` (default 4): m, all-to-all micro-ops per all-to-all (``lina_pipe``, ``lina_full``)
+- ``max_inflight`` (default 1): low-priority micro-ops in flight at once
+- ``drain_inflight`` (default 0): micro-ops in flight at once during the drain after backward, where no all-to-all can
+  arrive (0: ``max_inflight``, the spec's one bound throughout; else at least ``max_inflight``; more overlaps each
+  call's fixed cost with the ops before it)
+- ``a2a_waits_for_inflight`` (default true): an arriving all-to-all waits for the micro-op in flight (non-preemptive;
+  bounded, see :mod:`moelab.strategies.lina.priority`)
+- ``block_on_combine_backward`` (default true): stop launching micro-ops once a MoE layer's combine backward starts
+- ``stall_ms`` (default 0): the bound of that wait in ms (0: three times the median of the last 16 micro-op times, at
+  least 5 ms)
+- ``launch_agreement`` (default none): ``none``: each rank's scheduler decides alone (the paper's design; its
+  non-preemptive wait is bounded against the cross-rank stall); ``leader``: the first rank of a group decides every
+  micro-op's launch and tells the others by a 1-element broadcast on a control group (no stall, one more small call per
+  micro-op); ``plan``: every rank launches the same micro-ops in the same backward window, planned from the previous
+  step's windows and op durations agreed by two small all-gathers a step (no stall; the first step reduces everything
+  after backward; :mod:`moelab.strategies.lina.priority`)
+- ``experts_per_device`` (default 0): q, experts packed per rank: EP over blocks of E/q contiguous ranks, each block a
+  full copy, ``expert_dp`` over the copies (0: 2 for ``lina_full``, else 1)
+- ``launch_jitter_ms`` (default 0): a random per-rank delay before each micro-op launch (robustness runs, spec §5 I7)
+- ``pack_controller`` (default false): ``lina_full`` only: start from ``experts_per_device`` (0: 1) and let
+  :mod:`.packing` double q from measured micro-op times
+- ``pack_start_step`` / ``pack_every`` (default 10 / 4): the controller's first decision and its period, in steps
+- ``pack_memory_mb`` (default 0): the controller doubles q only while one rank's expert parameters, gradients and Adam
+  moments fit this (0: no limit)
 """
 from __future__ import annotations
 
@@ -24,11 +41,13 @@ from dataclasses import dataclass, field
 
 from moelab.config import ConfigError
 from moelab.registry import StrategyOptions
+from moelab.strategies.lina.placement import REPLAN_TESTS, ROUNDING
 
 POLICIES = ("after_backward", "ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
 SCHEDULED = ("fixed", "priority", "lina", "lina_pipe", "lina_full")  # policies that run the priority scheduler
 PARTITIONED = ("lina", "lina_pipe", "lina_full")  # micro-ops per gradient instead of DDP buckets
 PIPELINED = ("lina_pipe", "lina_full")
+SERVE_VARIANTS = ("baseline", "ideal", "lina", "lina_no_estimation", "lina_no_finetune")  # Lina's inference, §2.3
 
 
 class LinaOptionError(ConfigError):
@@ -83,11 +102,13 @@ class LinaOptions(StrategyOptions):
             errs.append(f"coalesce_bytes packs the micro-ops of the partitioned policies {PARTITIONED}: policy "
                         f"{self.policy!r} sends DDP buckets")
         if self.pack_start_step < 1 or self.pack_every < 1:
-            errs.append(f"pack_start_step and pack_every must be >= 1 (steps), got {self.pack_start_step}, {self.pack_every}")
+            errs.append(f"pack_start_step and pack_every must be >= 1 (steps), got {self.pack_start_step}, "
+                        f"{self.pack_every}")
         if self.pack_memory_mb < 0:
             errs.append(f"pack_memory_mb must be >= 0 (0: no limit), got {self.pack_memory_mb}")
         if self.pack_controller and self.policy != "lina_full":
-            errs.append(f"pack_controller times lina_full's pipelined micro-ops: set policy='lina_full' (got {self.policy!r})")
+            errs.append("pack_controller times lina_full's pipelined micro-ops: set policy='lina_full' "
+                        f"(got {self.policy!r})")
         return errs
 
     @property
@@ -103,8 +124,9 @@ class LinaOptions(StrategyOptions):
 
     @property
     def holds_pipelined_backward(self) -> bool:
-        """A pipelined layer's backward holds the scheduler (:meth:`moelab.strategies.lina.priority.PriorityScheduler.hold`,
-        built from these options: priority mode, the combine block on, no plan); the simulator prices it."""
+        """A pipelined layer's backward holds the scheduler
+        (:meth:`moelab.strategies.lina.priority.PriorityScheduler.hold`, built from these options: priority mode, the
+        combine block on, no plan); the simulator prices it."""
         return self.pipelined and self.block_on_combine_backward and self.launch_agreement != "plan"
 
     @property
@@ -216,3 +238,58 @@ def _capacity(run_cfg):
     m, moe, t = run_cfg.model, run_cfg.model.moe, run_cfg.train
     return capacity_for(t.batch_size * m.seq_len, moe.num_experts, moe.top_k, moe.capacity_factor,
                         getattr(moe, "min_capacity", 0))
+
+
+@dataclass(frozen=True)
+class LinaServeOptions(StrategyOptions):
+    """Options of Lina's server (``serve.strategy_options`` with ``serve.strategy: lina``; spec §2.3, §4.2):
+    which placement the MoE layers serve with, and Lina's two-phase estimator."""
+
+    strategy = "lina serve"
+    error = LinaOptionError
+
+    # baseline (static EP) | ideal (balanced gate, timing only) | lina | lina_no_estimation | lina_no_finetune
+    variant: str = field(default="baseline", metadata={"choices": SERVE_VARIANTS})
+    path_len: int = 3  # Lp: preceding MoE layers in a path; estimation starts at MoE layer Lp
+    # lina's layers before Lp: static (the paper's slower start) | actual: planned from the actual counts (phase 2
+    # without an estimate)
+    first_layers: str = field(default="static", metadata={"choices": ("static", "actual")})
+    k_est: int = 2  # per-token experts kept from the path distribution
+    k_cmp: int = 2  # top experts compared by phase 2
+    # phase 2 re-plans iff: the top-k_cmp sets differ (the paper's) | load: the kept plan's busiest device exceeds
+    # its estimated load by more than replan_tol
+    replan_test: str = field(default="sets", metadata={"choices": REPLAN_TESTS})
+    replan_tol: float = 0.1  # [choice] with replan_test=load: the busiest load's tolerated excess over the estimate's
+    max_pack: int = 4  # experts per device at most
+    # replicas of an expert wanting n(e) devices: floor (spec [R]) | nearest | balanced (for the busiest device)
+    replica_rounding: str = field(default="floor", metadata={"choices": ROUNDING})
+    profile_batches: int = 4  # training-split batches per rank traced to fit the path table
+
+    def value_errors(self) -> list:
+        errs = [f"{name} must be an integer >= 1, got {v}" for name, v in (
+            ("path_len", self.path_len), ("max_pack", self.max_pack), ("profile_batches", self.profile_batches))
+            if v < 1]
+        if not self.replan_tol >= 0:
+            errs.append(f"replan_tol must be a number >= 0, got {self.replan_tol!r}")
+        return errs
+
+    def run_errors(self, run_cfg) -> list:
+        m, moe, nproc = run_cfg.model, run_cfg.model.moe, run_cfg.parallel.nproc
+        E = moe.num_experts
+        n_moe = m.n_layers if m.moe_every == 1 else m.n_layers // 2
+        errs = []
+        if self.path_len >= n_moe:
+            errs.append(f"path_len={self.path_len} must be below the number of MoE layers ({n_moe})")
+        errs += [f"{name} must lie in 1..num_experts={E}, got {v}" for name, v in (("k_est", self.k_est),
+                                                                                  ("k_cmp", self.k_cmp))
+                 if not 1 <= v <= E]
+        if self.max_pack * nproc < E:
+            errs.append(f"max_pack={self.max_pack} x parallel.nproc={nproc} devices cannot hold {E} experts")
+        if E % nproc:
+            errs.append(f"Lina's server places experts statically one block per rank: num_experts={E} must be "
+                        f"divisible by parallel.nproc={nproc}")
+        if moe.capacity_factor is not None:
+            errs.append("Lina's server computes every token (no drops): set model.moe.capacity_factor to null")
+        if moe.top_k != 1:
+            errs.append(f"Lina's server routes top-1 (its inference gate): set model.moe.top_k=1, got {moe.top_k}")
+        return errs

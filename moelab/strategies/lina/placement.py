@@ -188,8 +188,8 @@ def needs_replan(pop_hat, pop, k: int) -> bool:
 
 
 def load_off(devs, pop_hat, pop, tol: float) -> bool:
-    """Phase 2 by load (``serve.replan_test: load``): re-plan iff the plan made from ``pop_hat`` puts on
-    its busiest device more than ``1 + tol`` times the busiest load the estimate predicted for it (both
+    """Phase 2 by load (``serve.strategy_options.replan_test: load``): re-plan iff the plan made from ``pop_hat``
+    puts on its busiest device more than ``1 + tol`` times the busiest load the estimate predicted for it (both
     normalised to N devices' worth). The set test ignores magnitudes: a plan can keep the right hot
     experts and still balance them badly; a plan as good as its estimate is kept however coarse its
     replicas (a re-plan from the actual counts could not round them finer). An estimate of nothing

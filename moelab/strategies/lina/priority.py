@@ -103,7 +103,8 @@ class PriorityScheduler(Scheduler):
         # wait short protects nothing there; more ops in flight overlap the calls' fixed costs (None: max_inflight)
         self.drain_inflight = max_inflight if drain_inflight is None else drain_inflight
         self.waits_for_inflight, self.block_on_imminent, self.stall_s = waits_for_inflight, block_on_imminent, stall_s
-        self.jitter_s = jitter_s  # a random delay before each launch (robustness tests: order must not depend on timing)
+        # a random delay before each launch (robustness tests: order must not depend on timing)
+        self.jitter_s = jitter_s
         # agreement: {op group: control group over the same ranks}. The op group's first rank (the leader)
         # decides when each op launches, by the rules above, and says so with a 1-element broadcast on the
         # control group; the other members launch it as soon as they hear (a "forced" launch, even during

@@ -33,8 +33,9 @@ micro-op is preceded by its leader's go, a 1-element broadcast on the same strea
 a call's fixed cost each; the leader's gate is priced as every rank's).
 
 A pipelined layer's backward holds the gate from its first chunk's call to its last
-(:attr:`moelab.sim.engine.OpGraph.gate_holds`), as the runtime's :meth:`~moelab.strategies.lina.priority.PriorityScheduler.hold`
-(not under ``launch_agreement: plan``, nor without the combine block).
+(:attr:`moelab.sim.engine.OpGraph.gate_holds`), as the runtime's
+:meth:`~moelab.strategies.lina.priority.PriorityScheduler.hold` (not under ``launch_agreement: plan``, nor without
+the combine block).
 
 ``launch_agreement: plan`` (:mod:`moelab.strategies.lina.sim_windows`): no call gate; each micro-op launches once
 the backward window it is planned in opens (the ones no window holds after the last backward all-to-all), each
@@ -140,7 +141,8 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     moe_done: dict = {}  # "L{i}.gate" (the layer's gate ready point) -> its MoE backward's last ops per rank
     expert_groups = [list(range(pos, N, P)) for pos in range(P)]  # one expert-dp group per block position
     # a packed layer's expert gradients in the runtime's reverse parameter order (b2, b1, w2, w1)
-    expert_sizes = [q * n for n in ([m.d_model, m.d_ff] if moe.expert_bias else []) + [m.d_ff * m.d_model, m.d_model * m.d_ff]]
+    expert_sizes = [q * n for n in ([m.d_model, m.d_ff] if moe.expert_bias else [])
+                                   + [m.d_ff * m.d_model, m.d_model * m.d_ff]]
 
     def moe_backward(ctx, i, j, deps):
         out = bwd(ctx, i, j, deps)
@@ -264,7 +266,8 @@ def planned_windows(ctx, layout, windows, issued, ready_ops, last) -> tuple:
     for name, nbytes in (("shape", 16), ("data", 8 * (2 * len(layout.calls) + len(issued)))):
         last = (g.transfer(f"lina_plan.{name}", ranks,
                            [costs.ring_demand("all_gather", ranks, ctx.topo, ctx.profile, nbytes)], deps=last,
-                           category="scheduler", phase="sync", comm={"op": "all_gather", "group": ranks, "nbytes": nbytes}),)
+                           category="scheduler", phase="sync",
+                           comm={"op": "all_gather", "group": ranks, "nbytes": nbytes}),)
     return last
 
 

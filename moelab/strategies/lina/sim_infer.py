@@ -1,7 +1,7 @@
 """Lina's inference for the simulator: one batch of a serving run priced from routing traces (spec §2.4).
 
 Input: a batch's traces ``[tokens, moe_layers]`` (the expert of every token at every MoE layer, from a
-real model: :func:`moelab.runtime.serve.profile` or a served run's ``routing_traces.npy``) with the
+real model: :meth:`moelab.strategies.lina.server.LinaServer.prepare` or a served run's ``routing_traces.npy``) with the
 rank each token sits on, and the path table fitted on the profiling split. Every (variant, layer)
 plan comes from the same pure functions the runtime runs (:func:`.infer.choose_plan`); the
 replica-aware split is :func:`moelab.strategies.lina.dispatch.route_table`. Per MoE layer the graph holds, on every
@@ -118,11 +118,13 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
                 loads[r] = g.compute(r, f"L{j}.prefetch", swap_s(len(new)),
                                      deps=(plan,), category="swap", layer=j, stream="h2d", swapped=len(new))
                 have[r] = have[r] | set(new)
-        att = [g.compute(r, f"L{j}.attn", ct(costs.attention_flops(int(tok[r]), d, s) + costs.gate_flops(int(tok[r]), d, E))
+        att = [g.compute(r, f"L{j}.attn", ct(costs.attention_flops(int(tok[r]), d, s)
+                                             + costs.gate_flops(int(tok[r]), d, E))
                          + o["host_layer_s"], deps=(last[r],), category="attention", layer=j) for r in ranks]
         nbytes = count_exchange_bytes(E) + (piggyback_bytes(E) if j + 1 < len(plans) and plans[j + 1][4] is not None
                                             else 0)  # with the next layer's estimates (phase 1)
-        cnt = exchanged = g.transfer(f"L{j}.counts", ranks, [costs.ring_demand("all_gather", ranks, topo, profile, nbytes)],
+        cnt = exchanged = g.transfer(f"L{j}.counts", ranks,
+                                     [costs.ring_demand("all_gather", ranks, topo, profile, nbytes)],
                                      deps=att, category="count_exchange", layer=j,
                                      comm={"op": "all_gather", "group": ranks, "nbytes": nbytes})
         p2 = 0.0 if how == "static" else o["o_plan_s"] if (how == "actual" or replanned) else o["o_check_s"]
@@ -173,7 +175,8 @@ def recorded_plans(layer_rows) -> list:
             by.setdefault((r.get("round", 0), r["batch"]), []).append(r)
     out = []
     for (rnd, b), rows in sorted(by.items()):
-        plans = [(load(r["devs"]), r["planned_from"], bool(r["replanned"]), np.asarray(load(r["counts"]), dtype=np.int64),
+        plans = [(load(r["devs"]), r["planned_from"], bool(r["replanned"]),
+                  np.asarray(load(r["counts"]), dtype=np.int64),
                   load(r["p1_devs"]) if isinstance(r.get("p1_devs"), (str, list)) else None)
                  for r in sorted(rows, key=lambda r: r["layer"])]
         out.append((rnd, b, plans))
@@ -244,5 +247,6 @@ def simulate_serving(traces, src, batches, variants, sv, table, profile, topo, s
                          "swaps": int(sum(op.meta.get("swapped", 0) for op in g.ops)),
                          "load_max_over_mean": float(np.median(g.meta["load_max_over_mean"])),
                          "layer_s": span.tolist(),
-                         "layer_a2a_s": a2a.groupby("layer").duration.sum().reindex(span.index, fill_value=0.0).tolist()})
+                         "layer_a2a_s": a2a.groupby("layer").duration.sum()
+                                        .reindex(span.index, fill_value=0.0).tolist()})
     return rows

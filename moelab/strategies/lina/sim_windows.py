@@ -1,9 +1,10 @@
 """``launch_agreement: plan`` in the simulator: the runtime's planned windows on the simulated timeline.
 
-The runtime (:class:`moelab.strategies.lina.priority.PriorityScheduler` with ``plan``) launches, in each backward window,
-the micro-ops planned from the last step: a window runs from the backward's start or a backward all-to-all's
+The runtime (:class:`moelab.strategies.lina.priority.PriorityScheduler` with ``plan``) launches, in each backward
+window, the micro-ops planned from the last step: a window runs from the backward's start or a backward all-to-all's
 end to the next backward all-to-all's arrival; the ranks agree on each window's free time (the least) and each
-micro-op's duration (the most), and :func:`moelab.strategies.lina.priority.plan_windows` fills the windows in FIFO order.
+micro-op's duration (the most), and :func:`moelab.strategies.lina.priority.plan_windows` fills the windows in FIFO
+order.
 A planned op launches once its window opens, the window's call waits for it, the ops no window holds launch after
 the last backward call. A window opens only while no backward call is in flight: none inside a pipelined layer.
 

@@ -83,9 +83,11 @@ def ratio_curves(ws: Sequence[int] = tuple(range(1, 65)), hs: Sequence[int] = (2
     for k in ks:
         for rho in rhos:
             for w in ws:
-                rows.append(dict(axis="w", x=w, k=k, rho=rho, ratio=rho * a2a_compute_ratio(k, h_fixed, w, flops, B_inter)))
+                rows.append(dict(axis="w", x=w, k=k, rho=rho,
+                                 ratio=rho * a2a_compute_ratio(k, h_fixed, w, flops, B_inter)))
             for h in hs:
-                rows.append(dict(axis="h", x=h, k=k, rho=rho, ratio=rho * a2a_compute_ratio(k, h, w_fixed, flops, B_inter)))
+                rows.append(dict(axis="h", x=h, k=k, rho=rho,
+                                 ratio=rho * a2a_compute_ratio(k, h, w_fixed, flops, B_inter)))
     df = pd.DataFrame(rows)
     df.attrs["label"] = (f"SIMULATED (analytic Eq. 6-9): FLOPs {flops:.3g}/s (A100 fp16 peak), B_inter {B_inter:.3g} "
                          f"elements/s (200 Gb/s, fp16), w = {w_fixed} servers / h = {h_fixed} where fixed")
@@ -118,7 +120,8 @@ def table1() -> pd.DataFrame:
         moe_m = int(c["expert"] // 1_000_000)
         rows.append(dict(model=name, layers=m.n_layers, d_model=m.d_model, d_ffn=m.d_ff, experts=m.moe.num_experts,
                          moe_layers=num_moe_layers(m), moe_params_M=moe_m, total_params_M=round(c["total"] / 1e6),
-                         paper_moe_M=moe_p, paper_total_M=total_p, moe_matches=moe_m == moe_p, note=notes.get(name, "")))
+                         paper_moe_M=moe_p, paper_total_M=total_p, moe_matches=moe_m == moe_p,
+                         note=notes.get(name, "")))
     t = pd.DataFrame(rows)
     for c in ("d_model", "d_ffn", "moe_layers", "moe_params_M", "total_params_M", "paper_moe_M"):
         t[c] = t[c].astype("Int64")

@@ -73,7 +73,8 @@ def mixed_radix_keys(cols: torch.Tensor, bases) -> Optional[torch.Tensor]:
 def make_buckets(expert: torch.Tensor, codes: torch.Tensor, num_experts: int,
                  finite: Optional[torch.Tensor] = None, method: str = "auto") -> Buckets:
     """The partition of rows by ``(expert[A], codes[A, L])`` (codes >= 0); rows with
-    ``finite[A] == False`` each alone. ``method``: ``radix`` (int64 key; raises if it does not fit), ``unique`` (rows of key
+    ``finite[A] == False`` each alone. ``method``: ``radix`` (int64 key; raises if it does not fit),
+    ``unique`` (rows of key
     columns) or ``auto`` (radix where it fits)."""
     A = int(expert.numel())
     expert = expert.reshape(-1).to(torch.int64).cpu()
@@ -113,7 +114,8 @@ def centroids(xa: torch.Tensor, b: Buckets) -> torch.Tensor:
     return C / b.size.to(device=xa.device, dtype=xa.dtype).unsqueeze(1)
 
 
-def decompress(ec_out: torch.Tensor, xa: torch.Tensor, C: torch.Tensor, b: Buckets, ec_scale: Optional[float]) -> torch.Tensor:
+def decompress(ec_out: torch.Tensor, xa: torch.Tensor, C: torch.Tensor, b: Buckets,
+               ec_scale: Optional[float]) -> torch.Tensor:
     """Per-row outputs ``[A, d]``: ``E(c) + ec_scale·(x - c)`` (residual error compensation, Eq. 5),
     or ``E(c)`` when ``ec_scale`` is None. Singleton buckets get no residual term (it is zero)."""
     inv = b.inv.to(ec_out.device)

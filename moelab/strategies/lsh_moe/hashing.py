@@ -97,7 +97,8 @@ def spherical(x: torch.Tensor, groups: torch.Tensor, L: int, gen: torch.Generato
             o = inside.T.to(torch.float64) @ inside.to(torch.float64)  # [L, L] rows inside both spheres
             f = 0.5 * (o - n / 4) / (n / 4)
             f.fill_diagonal_(0)
-            piv = piv + (f.unsqueeze(2) * (piv.unsqueeze(1) - piv.unsqueeze(0))).sum(1) / max(L - 1, 1)  # apart if overlapping
+            # apart if overlapping
+            piv = piv + (f.unsqueeze(2) * (piv.unsqueeze(1) - piv.unsqueeze(0))).sum(1) / max(L - 1, 1)
         codes[rows] = (torch.cdist(pts, piv) <= _median_radii(pts, piv)).to(torch.int64)
     return codes
 

@@ -152,7 +152,8 @@ class LSHMoELayer(MoELayer):
         pos = call.pos.to(x.device)
         xa = x.index_select(0, torch.div(pos, k, rounding_mode="floor"))
         alone = b.M == b.A  # every bucket a single row: centroids are the rows, outputs come back as they are
-        in_order = plan.placement is None or plan.placement.is_expert_parallel  # send_pos = arange: centroids are expert-major
+        # send_pos = arange: centroids are expert-major
+        in_order = plan.placement is None or plan.placement.is_expert_parallel
         with _Stage(rec, call.times, "centroid"):
             C = xa if alone else bk.centroids(xa, b)
         send_pos = plan.send_pos.to(x.device)

@@ -2,7 +2,8 @@
 
 | option | default | meaning (spec ``papers/lsh-moe.md``) |
 |---|---|---|
-| ``hash_family`` | cross_polytope | ``cross_polytope`` / ``spherical`` / ``hyperplane`` / ``identity`` / ``constant`` / ``none`` (§2.3; ``none``: the plain EP path, no bucketing) |
+| ``hash_family`` | cross_polytope | ``cross_polytope`` / ``spherical`` / ``hyperplane`` / ``identity`` / ``constant`` /
+  ``none`` (§2.3; ``none``: the plain EP path, no bucketing) |
 | ``num_hashes`` | 6 | L, hash functions AND-combined into one bucket key (§2.3, §6.1) |
 | ``cp_dim`` | 2 | r, the cross-polytope projection dimension (codes in [0, 2r)) [choice §2.3] |
 | ``error_compensation`` | true | add the residual ``x - c`` to the centroid's expert output (Eq. 5) |
@@ -10,8 +11,10 @@
 | ``resample_each_step`` | false | draw new rotations every forward call (else fixed per layer) |
 | ``center_before_hash`` | false | subtract each group's mean before hashing [choice, off for fidelity] |
 | ``sp_refine_iters`` | 0 | spherical hashing: Heo et al.'s pivot refinement iterations |
-| ``eval_mode`` | exact | the forward in evaluation (``model.eval()``): ``exact`` (uncompressed, the headline) or ``compressed`` |
-| ``error_sample`` | 64 | rows per layer call (routed to this rank's own experts) on which the compression error is measured; 0: off |
+| ``eval_mode`` | exact | the forward in evaluation (``model.eval()``): ``exact`` (uncompressed, the headline) or
+  ``compressed`` |
+| ``error_sample`` | 64 | rows per layer call (routed to this rank's own experts) on which the compression error is
+  measured; 0: off |
 """
 from __future__ import annotations
 

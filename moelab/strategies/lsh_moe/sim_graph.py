@@ -75,12 +75,14 @@ def lsh_moe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] 
         share = {("fwd", "before"): 2 * m.d_model * r * L + m.d_model, ("fwd", "after"): 2 * m.d_model,
                  ("bwd", "before"): m.d_model, ("bwd", "after"): 2 * m.d_model}[(phase, where)]
         frac = share / lsh_row_flops(m.d_model, L, r)
-        name = {"before": "hash" if phase == "fwd" else "decompress", "after": "decompress" if phase == "fwd" else "centroid"}
+        name = {"before": "hash" if phase == "fwd" else "decompress",
+                "after": "decompress" if phase == "fwd" else "centroid"}
         return [ctx.g.compute(rk, f"L{i}.lsh.{name[where]}.{phase}", float(rows[j][rk]) * per_row * frac, deps=deps[rk],
                               category="lsh", layer=i, phase=phase) for rk in ctx.ranks]
 
     fwd, bwd = token_stages(routes, expert_rows=work, local_work=local_work)
-    g, _, _ = transformer_iteration_graph(cfg, profile, loads, placement, fwd, bwd, elem_bytes=elem_bytes or elem_bytes_of(cfg),
+    g, _, _ = transformer_iteration_graph(cfg, profile, loads, placement, fwd, bwd,
+                                          elem_bytes=elem_bytes or elem_bytes_of(cfg),
                                           hierarchical_a2a=hierarchical_a2a, count_bytes=16 * E,
                                           meta={"strategy": "lsh_moe", "experts_on_centroids": experts_on_centroids,
                                                 "rho": float(cen.sum() / loads.sum()) if loads.sum() else None,

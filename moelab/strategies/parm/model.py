@@ -48,7 +48,8 @@ class ParmMoELayer(ParmMoE):
         super().__init__(comm, layout, d_model, d_ff, schedule=schedule, gate=cfg.gate,
                          capacity_factor=cfg.capacity_factor, dispatcher=options.dispatcher,
                          baseline_variant=options.baseline_variant, saa_backward=options.saa_backward,
-                         saa_mode=options.saa_mode, activation=cfg.activation, expert_bias=cfg.expert_bias, seed=seed, layer_id=layer_id,
+                         saa_mode=options.saa_mode, activation=cfg.activation, expert_bias=cfg.expert_bias,
+                         seed=seed, layer_id=layer_id,
                          dtype=dtype)
         self.options, self.auto = options, options.schedule == "auto"
         self.choice: dict = {}

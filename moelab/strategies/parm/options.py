@@ -5,11 +5,15 @@
 | ``mp`` | 1 | N_MP, the tensor-parallel degree of the dense parts (MP groups: contiguous blocks) |
 | ``esp`` | 1 | N_ESP, shards per expert (ESP groups: contiguous blocks); N_EP = nproc / esp |
 | ``schedule`` | auto | ``baseline`` (Fig. 3a), ``s1``, ``s2`` (with SAA), ``s2_aas`` (no overlap), ``auto`` (Alg. 1) |
-| ``baseline_variant`` | fig3a | ``fig3a`` (the paper's model of DeepSpeed) or ``ds081`` (DeepSpeed v0.8.1's own special cases, §3) |
-| ``baseline_dedup_grad`` | true | divide the baseline's expert grads by N_MP (it processes every token N_MP times, §2.9) |
+| ``baseline_variant`` | fig3a | ``fig3a`` (the paper's model of DeepSpeed) or ``ds081`` (DeepSpeed v0.8.1's own special
+  cases, §3) |
+| ``baseline_dedup_grad`` | true | divide the baseline's expert grads by N_MP (it processes every token N_MP times,
+  §2.9) |
 | ``dispatcher`` | einsum | ``einsum`` (DeepSpeed's dense mask) or ``index`` (§2.2, P18) |
 | ``saa_backward`` | true | S2's backward gathers through SAA too (the paper describes only the forward) |
-| ``saa_mode`` | raw | SAA forwards the raw partial slices (the paper's kernel and Alg. 1's cost); ``combined`` sums an expert's N_ESP partials before forwarding them (N_ESP x fewer gathered bytes; ``auto`` still prices S2 with the raw SAA line) |
+| ``saa_mode`` | raw | SAA forwards the raw partial slices (the paper's kernel and Alg. 1's cost); ``combined`` sums an
+  expert's N_ESP partials before forwarding them (N_ESP x fewer gathered bytes; ``auto`` still prices S2 with the raw
+  SAA line) |
 | ``allow_cross_node`` | false | let MP/ESP groups span declared nodes (the paper keeps them intra-node) |
 """
 from __future__ import annotations

@@ -109,7 +109,8 @@ def model_steps(layout: ParmLayout, shape: Shape, *, n_layers: int, seq_len: int
                             moe_every=moe_every, moe=SimpleNamespace(num_experts=L.num_experts))
         gate, n_moe = M * L.num_experts, len(moe_layer_ids(m))
         dense = dense_param_count(m) - n_moe * gate - sharded_param_count(m) * (L.n_mp - 1) // L.n_mp
-        plan.append(Step("sync", "dense_grad_allreduce", "all_reduce", DENSE_DP, {"nbytes": dense * b}))  # N_DP = 1: local
+        # N_DP = 1: local
+        plan.append(Step("sync", "dense_grad_allreduce", "all_reduce", DENSE_DP, {"nbytes": dense * b}))
         plan += [Step("sync", "gate_grad_allreduce", "all_reduce", EPESP, {"nbytes": gate * b})] * n_moe
     return plan
 

@@ -50,7 +50,8 @@ class ParmUpdate(Update):
         state = {}
         for n, p in self.model.named_parameters():
             st = self.optimizer.state.get(p, {})
-            state[n] = {"param": p.detach().clone(), "adam": {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}}
+            state[n] = {"param": p.detach().clone(),
+                        "adam": {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}}
         return {"params": state, "choices": [(layer.schedule, layer.choice) for layer in self.model.moe_layers()]}
 
     @torch.no_grad()

@@ -4,7 +4,8 @@
 |---|---|---|
 | ``interval`` | 25 | K: re-place every K iterations (the paper's tuned best; Hecate's M3 sweeps it) |
 | ``window`` | 5 | iterations of global loads the LPT placement is computed from |
-| ``decision`` | cost | ``cost``: apply iff the K-iteration gain (§2.9 model) exceeds the migration; ``always``; ``never`` |
+| ``decision`` | cost | ``cost``: apply iff the K-iteration gain (§2.9 model) exceeds the migration; ``always``;
+  ``never`` |
 | ``cost_profile`` | hecate_A | the cluster whose constants the cost model uses |
 """
 from __future__ import annotations

@@ -76,7 +76,8 @@ class ZeroMoELayer(MoELayer):
              shadowed: Sequence[int] = ()) -> DispatchPlan:
         plan = super().plan(routing, counts, placement, shadowed)
         me = self.comm.rank
-        if any(n for r, n in enumerate(plan.in_rows) if r != me) or any(n for r, n in enumerate(plan.out_rows) if r != me):
+        if (any(n for r, n in enumerate(plan.in_rows) if r != me)
+                or any(n for r, n in enumerate(plan.out_rows) if r != me)):
             raise RuntimeError(f"zero: the plan sends rows off rank {me} ({plan.in_rows}, {plan.out_rows}); "
                                "full replication keeps every row local")
         return plan

@@ -2,10 +2,17 @@
 
 | option | default | meaning |
 |---|---|---|
-| ``stage`` | 3 | 1: optimizer state sharded; 2: + gradients; 3: + parameters (FasterMoE's main baseline). 0: plain data parallelism of the whole model (nothing sharded; the memory reference the stages are compared with) |
-| ``regather_backward`` | True | stage 3: free the full parameters after the forward pass and all-gather them again when backward starts (DeepSpeed/FasterMoE; 3(N-1)/N S bytes per iteration); False: keep them from the forward all-gather until the gradient reduce-scatter (2(N-1)/N S, full parameters resident during the whole forward+backward) |
-| ``grad_collective`` | ``"reduce_scatter"`` | stage 1 only: ``"all_reduce"`` reduces the full gradient on every rank and each keeps its shard (the literal "stage 1 shards only the optimizer state"; 3(N-1)/N S per iteration with the parameter all-gather instead of 2(N-1)/N S). Stage 0 always all-reduces, stages 2-3 always reduce-scatter |
-| ``global_loads`` | True | after each MoE forward, all-gather the per-expert token counts (8 E bytes, *unrecorded* metric traffic like the Trainer's loss all-reduce) so ``last_global_counts`` holds every rank's row (loads metrics, simulator validation). False: only this rank's row, no collective in the layer |
+| ``stage`` | 3 | 1: optimizer state sharded; 2: + gradients; 3: + parameters (FasterMoE's main baseline). 0: plain data
+  parallelism of the whole model (nothing sharded; the memory reference the stages are compared with) |
+| ``regather_backward`` | True | stage 3: free the full parameters after the forward pass and all-gather them again when
+  backward starts (DeepSpeed/FasterMoE; 3(N-1)/N S bytes per iteration); False: keep them from the forward all-gather
+  until the gradient reduce-scatter (2(N-1)/N S, full parameters resident during the whole forward+backward) |
+| ``grad_collective`` | ``"reduce_scatter"`` | stage 1 only: ``"all_reduce"`` reduces the full gradient on every rank
+  and each keeps its shard (the literal "stage 1 shards only the optimizer state"; 3(N-1)/N S per iteration with the
+  parameter all-gather instead of 2(N-1)/N S). Stage 0 always all-reduces, stages 2-3 always reduce-scatter |
+| ``global_loads`` | True | after each MoE forward, all-gather the per-expert token counts (8 E bytes, *unrecorded*
+  metric traffic like the Trainer's loss all-reduce) so ``last_global_counts`` holds every rank's row (loads metrics,
+  simulator validation). False: only this rank's row, no collective in the layer |
 """
 from __future__ import annotations
 

@@ -11,9 +11,11 @@ Per iteration (every collective through the communicator, so bytes are recorded)
 | stage | before forward | after backward (``sync``) | ``step`` | bytes sent per rank over the network |
 |---|---|---|---|---|
 | 0 | - | ``all_reduce`` (full flat grad) | Adam on all of ``full`` | ``2(N-1)/N S`` |
-| 1 | - | ``reduce_scatter`` (or ``all_reduce`` + keep own shard) | Adam on own shard, ``all_gather`` shards into ``full`` | ``2(N-1)/N S`` (``3(N-1)/N S``) |
+| 1 | - | ``reduce_scatter`` (or ``all_reduce`` + keep own shard) | Adam on own shard, ``all_gather`` shards into
+  ``full`` | ``2(N-1)/N S`` (``3(N-1)/N S``) |
 | 2 | - | ``reduce_scatter``; full grads freed | same as 1 | ``2(N-1)/N S`` |
-| 3 | ``all_gather`` into ``full`` | ``reduce_scatter``; full grads and ``full`` freed | Adam on own shard only | ``3(N-1)/N S`` (``2(N-1)/N S`` without ``regather_backward``) |
+| 3 | ``all_gather`` into ``full`` | ``reduce_scatter``; full grads and ``full`` freed | Adam on own shard only |
+  ``3(N-1)/N S`` (``2(N-1)/N S`` without ``regather_backward``) |
 
 (By the pairwise rule of :mod:`moelab.comm.bytes`: an all-gather of a ``S/N`` block sends it to
 each of the ``N-1`` peers, a reduce-scatter of ``S`` sends each peer its ``S/N`` block, an

@@ -282,7 +282,8 @@ def test_real_fig3_routing_and_idle():
 
 
 @pytest.mark.slow
-@pytest.mark.timing  # its R^2 is of wall-clock layer times on emulated links: run alone (0.72 against 0.75 beside a worker)
+# its R^2 is of wall-clock layer times on emulated links: run alone (0.72 against 0.75 beside a worker)
+@pytest.mark.timing
 @pytest.mark.timeout(400)
 def test_real_convergence_and_predictor():
     curves = labelled(E.fig14_convergence(SMOKE))

@@ -18,7 +18,8 @@ NOTEBOOK = REPO / "notebooks" / "fastermoe.ipynb"
 KINDS = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE", "PAPER")
 FIGURES = ("fig03_ep_example", "fig04_popularity", "fig05_roofline", "fig05a_roofline_measured", "fig06_shadow_bytes",
            "fig07_schedule", "fig08a_schedules_real", "fig08b_schedules_sim", "fig09_predictor", "fig10_end_to_end",
-           "fig10a_end_to_end_real", "fig11_shadowing", "fig11a_shadowing_real", "fig12_smart", "fig12a_smart_real", "fig13_breakdown",
+           "fig10a_end_to_end_real", "fig11_shadowing", "fig11a_shadowing_real", "fig12_smart", "fig12a_smart_real",
+           "fig13_breakdown",
            "fig13a_breakdown_real", "fig14_convergence", "paper_vs_moelab")
 TABLES = ("table2_models", "table3_time_to_loss", "table_paper_vs_moelab", "table_fig09_r2", "table_fig10_end_to_end",
           "table_manifest")

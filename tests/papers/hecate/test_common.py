@@ -1,4 +1,5 @@
-"""Hecate's Table 1 counted by the paper's rule (the notebook's smoke execution is in tests/e2e/test_paper_notebooks.py)."""
+"""Hecate's Table 1 counted by the paper's rule (the notebook's smoke execution is in
+tests/e2e/test_paper_notebooks.py)."""
 from __future__ import annotations
 
 

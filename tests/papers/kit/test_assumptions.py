@@ -124,7 +124,8 @@ def test_fig10_and_fig13_name_their_assumptions():
     assert "zero_overlap" in f10.attrs["assumptions"] and "assumes: zero_overlap=0.5" in f10.attrs["label"]
     f13 = E.fig13_breakdown(SMOKE)
     assert "zero_overlap" not in f13.attrs["assumptions"] and "trevor_P" in f13.attrs["assumptions"]
-    assert set(E.fig12_smart(SMOKE).attrs["assumptions"]) == {"t2_noise", "t2_step0", "t2_step_decay"}  # johnny: paper constants + T2
+    # johnny: paper constants + T2
+    assert set(E.fig12_smart(SMOKE).attrs["assumptions"]) == {"t2_noise", "t2_step0", "t2_step_decay"}
 
 
 # ---- sensitivity ----------------------------------------------------------------------------------------------
@@ -159,7 +160,8 @@ def test_fig10_sensitivity_moves_only_with_its_assumption():
                                     - min(p.speedup_low, p.speedup_base, p.speedup_high))
 
 
-@pytest.mark.parametrize("paper", sorted(p.parent.name for p in (project_root() / "experiments").glob("*/assumptions.yaml")))
+@pytest.mark.parametrize("paper", sorted(p.parent.name
+                                         for p in (project_root() / "experiments").glob("*/assumptions.yaml")))
 def test_every_papers_assumptions_file_loads(paper):
     """Each paper's assumptions are valid data (numeric values, a kind, a source): a product may read any of them."""
     a = load_assumptions(paper)

@@ -226,7 +226,8 @@ def test_fastermoe_paper_numbers_against_simulated_fig13():
     assert set(load_numbers("fastermoe")) == set(table.key)
     row = table[(table.key == "breakdown_smart") & (table["product"] == "fig13")].iloc[0]
     assert row.status == "ratio" and row.moelab == pytest.approx(f13[f13.variant == "smart"].speedup.max())
-    assert row.paper == load_numbers("fastermoe")["breakdown_smart"]["value"] and row.ratio == pytest.approx(row.moelab / row.paper)
+    assert (row.paper == load_numbers("fastermoe")["breakdown_smart"]["value"]
+            and row.ratio == pytest.approx(row.moelab / row.paper))
     assert (table[table["product"] != "fig13"].status == "not run").all()
 
 

@@ -169,7 +169,8 @@ def test_report_summarises_each_paper_and_orders_figures_as_its_manifest(tmp_pat
              {"id": "tab1", "title": "never", "products": [
                  {"id": "p4", "cls": "REAL", "status": "not run", "reason": "", "files": []}]},
              {"id": "gpu", "title": "on a GPU", "products": [
-                 {"id": "p5", "cls": "REAL", "status": "skipped", "reason": "no CUDA device (a GPU item)", "files": []}]}]
+                 {"id": "p5", "cls": "REAL", "status": "skipped", "reason": "no CUDA device (a GPU item)",
+                  "files": []}]}]
     (figs / "manifest.json").write_text(json.dumps({"kind": "manifest", "title": "Toy", "spec": "s", "items": items}))
     assert coverage(figs) == {"title": "Toy", "items": 5, "made": 2, "not_reproduced": 1, "missing": 1,
                               "needs_gpu": 1, "products": 5, "products_made": 2}

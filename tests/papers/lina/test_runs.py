@@ -41,7 +41,8 @@ def test_the_packing_controller_times_a_dispatch_micro_op_from_issue_to_finish()
 
     tags = {"iter": 3, "chunk": 0, "a2a": "dispatch"}
     rec = SimpleNamespace(
-        spans=[("experts chunk 0", "expert", 1.0, 1.5, {"iter": 3}), ("experts chunk 0", "expert", 0.0, 9.0, {"iter": 1})],
+        spans=[("experts chunk 0", "expert", 1.0, 1.5, {"iter": 3}),
+               ("experts chunk 0", "expert", 0.0, 9.0, {"iter": 1})],
         comm=[CommRecord("all_to_all", "ep", 0.0, 2.0, dict(tags), t_done=0.25),  # waited late: done at 0.25
               CommRecord("all_to_all", "ep", 0.0, 1.0, {**tags, "chunk": 1}),
               CommRecord("all_to_all", "ep", 0.0, 0.75, {**tags, "iter": 4})])

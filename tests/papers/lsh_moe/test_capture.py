@@ -42,7 +42,8 @@ def test_time_to_equal_perplexity_is_read_where_both_curves_reach_it():
     df = pd.DataFrame(rows)
     s = quality.summary(df).set_index("variant")
     lsh = s.loc["LSH-MoE"]
-    assert not lsh.reached and lsh.equal_ppl == pytest.approx(lsh.final_ppl) and lsh.final_ppl > s.loc["Origin", "final_ppl"]
+    assert (not lsh.reached and lsh.equal_ppl == pytest.approx(lsh.final_ppl)
+            and lsh.final_ppl > s.loc["Origin", "final_ppl"])
     sm_o = quality.smooth([40, 30, 20, 10])
     t_o = quality.first_reach([20, 40, 60, 80], sm_o, lsh.equal_ppl)
     assert lsh.origin_time_to_equal_s == pytest.approx(t_o) and lsh.time_to_equal_s == pytest.approx(40.0)
@@ -66,7 +67,8 @@ def test_fine_tuning_runs_a_config_once_however_many_tables_ask(monkeypatch):
     monkeypatch.setattr(ft, "_rows", lambda cfgs: [dict(acc=c.parallel.strategy_options.get("num_hashes", 6) / 10)
                                                    for c in cfgs])
     monkeypatch.setattr(ft, "_DONE", {})
-    a = ft._run("smoke", [(dict(v="LSH"), "topic", {}, 0, 6, None), (dict(v="L=6"), "topic", {"num_hashes": 6}, 0, 6, None),
+    a = ft._run("smoke", [(dict(v="LSH"), "topic", {}, 0, 6, None),
+                          (dict(v="L=6"), "topic", {"num_hashes": 6}, 0, 6, None),
                           (dict(v="L=2"), "topic", {"num_hashes": 2}, 0, 6, None)])
     assert spawned == [6, 2] and list(a.v) == ["LSH", "L=6", "L=2"] and list(a.acc) == [0.6, 0.6, 0.2]
     b = ft._run("smoke", [(dict(v="again"), "topic", {"num_hashes": 2}, 0, 6, None),

@@ -57,7 +57,8 @@ def _layer_run(rank, world, case, options):
     recs = [(r.op, r.tags.get("phase"), dict(r.bytes)) for r in comm.rec.comm]
     comm.close()  # one spawn runs every case: hand the groups on to the next
     return dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad, eg=eg, recs=recs, S=layer.last_shadowed,
-                counts=layer.last_global_counts, n_param=sum(p[0].numel() for p in layer.expert_params() if p is not None))
+                counts=layer.last_global_counts,
+                n_param=sum(p[0].numel() for p in layer.expert_params() if p is not None))
 
 
 def _run_cases(rank, world, cases):
@@ -130,7 +131,8 @@ CASES = {
     "no-bias": dict(moe=moe(expert_bias=False), tokens=[11, 5, 8, 6], options=dict(shadow_force=[1])),
     "8-experts": dict(moe=moe(num_experts=8), tokens=[10, 10, 10, 10], hot=5, options=dict(shadow_force=[0, 5])),
     "two-micro-batches": dict(moe=moe(), tokens=[9, 12, 5, 8], hot=1, repeat=2, options=dict(shadow_force=[1, 2])),
-    "policy-hot": dict(moe=moe(top_k=1), tokens=[16, 16, 16, 16], hot=1, strength=3.0, options=CHEAP_POLICY, expect=(1,)),
+    "policy-hot": dict(moe=moe(top_k=1), tokens=[16, 16, 16, 16], hot=1, strength=3.0, options=CHEAP_POLICY,
+                       expect=(1,)),
     "policy-balanced": dict(moe=moe(), tokens=[16, 16, 16, 16], options=dict(shadow=True), expect=()),
 }
 

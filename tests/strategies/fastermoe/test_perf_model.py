@@ -86,7 +86,8 @@ def test_compute_is_4_b_h_hff_over_p_exactly():
     assert pm.compute_time(C, h, h_ff, lambda b: P * b / 20) == 4 * 5 * h * h_ff / (P * 5 / 20)
     pred = pm.predict_layer(C, pm.star(2, 1e9, P=P), h, h_ff)
     assert pred.e2e == pytest.approx(3 * pred.T_comp + 4 * pred.T_comm)
-    assert pred.fw == pytest.approx(2 * pred.T_comm + pred.T_comp) and pred.bw == pytest.approx(2 * pred.T_comm + 2 * pred.T_comp)
+    assert (pred.fw == pytest.approx(2 * pred.T_comm + pred.T_comp)
+            and pred.bw == pytest.approx(2 * pred.T_comm + 2 * pred.T_comp))
     assert pm.e2e_time(1, 2, 3, 4) == 3 + 8 + 6 + 4
 
 

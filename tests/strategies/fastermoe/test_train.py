@@ -44,7 +44,8 @@ def test_smart_schedule_with_shadowing_trains_like_ep(ep):
 
 def test_policy_driven_shadowing_trains_like_ep(ep):
     opts = {"shadow": True, "shadow_gpu_flops": 1e5, "shadow_net_bw": 1e12}  # compute-bound: shadow hot experts
-    pol = run_ranks(train_snapshot, 2, {"parallel.strategy": "fastermoe", "parallel.strategy_options": opts}, timeout=120)
+    pol = run_ranks(train_snapshot, 2, {"parallel.strategy": "fastermoe", "parallel.strategy_options": opts},
+                    timeout=120)
     assert pol[0]["shadows"] == pol[1]["shadows"]
     assert any(s for layer in pol[0]["shadows"] for s in layer)  # the policy really shadowed something
     assert_same_training(ep, pol)

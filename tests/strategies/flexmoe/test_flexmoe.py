@@ -154,7 +154,8 @@ def _snapshot(layers, opt):
     for li, layer in enumerate(layers):
         ps = [p for p in layer.experts.stacked() if p is not None]
         for s, e in enumerate(layer.experts.experts):
-            out[(li, e)] = [torch.cat([(p if k is None else opt.state[p][k])[s].detach().reshape(-1) for p in ps]).clone()
+            out[(li, e)] = [torch.cat([(p if k is None else opt.state[p][k])[s].detach().reshape(-1)
+                                       for p in ps]).clone()
                             for k in (None, "exp_avg", "exp_avg_sq")]
     return out
 
@@ -290,7 +291,8 @@ def _train(rank, world, overrides):
     memory = dict(params=u.param_bytes(), dense=storage_bytes(tr.model.dense_parameters()),
                   held=[len(lay.experts.experts) for lay in layers], item=layers[0].experts.w1.element_size(),
                   expert_numel=sum(int(torch.Size(s).numel()) for s in expert_param_shapes(layers[0].experts) if s),
-                  reserved={k: [t.numel() for t in v] for k, v in u.reserved().items()} if hasattr(u, "reserved") else {})
+                  reserved=({k: [t.numel() for t in v] for k, v in u.reserved().items()}
+                            if hasattr(u, "reserved") else {}))
     return dict(losses=losses, experts=experts, dense=dense, plans=tr.plans, made=made, ops=ops, memory=memory,
                 rounds=list(getattr(tr.update, "rounds", [])))
 
@@ -343,7 +345,8 @@ def _assert_slot_budget_held(m, world, r):
 
 def test_without_reserve_only_filled_slots_use_memory_and_training_is_unchanged(single):
     on = run_ranks(_train, 2, {"parallel.strategy": "flexmoe", "parallel.strategy_options": FLEX}, timeout=150)
-    off = run_ranks(_train, 2, {"parallel.strategy": "flexmoe", "parallel.strategy_options": {**FLEX, "reserve": False}},
+    off = run_ranks(_train, 2, {"parallel.strategy": "flexmoe",
+                                "parallel.strategy_options": {**FLEX, "reserve": False}},
                     timeout=150)
     for a, b in zip(on, off):
         assert a["losses"] == b["losses"] and all(torch.equal(x, y) for k in a["experts"]

@@ -316,7 +316,8 @@ def test_plan_pricer_equals_a_full_routing_for_every_plan_it_prices():
     owners = [e // 2 for e in range(E)]
     pr = c.pricer(C)
     plans = [holders_of(owners)] + [
-        tuple(tuple([owners[e]] + sorted(set(rng.choice(N, size=rng.integers(0, N), replace=False).tolist()) - {owners[e]}))
+        tuple(tuple([owners[e]] + sorted(set(rng.choice(N, size=rng.integers(0, N), replace=False).tolist())
+                                         - {owners[e]}))
               for e in range(E)) for _ in range(12)]
     # nested plans (calibration's `best` candidates: one more expert everywhere each time) go from the last plan
     nested = [tuple(tuple(range(N)) if e < k else holders_of(owners)[e] for e in range(E)) for k in range(1, 6)]

@@ -27,7 +27,8 @@ def test_sparse_collectives_beside_attention_and_backward_pay_the_busy_costs(bus
     g = iteration_graph(cfg, prof, synthetic_loads(cfg, seed=3, skew=1.5), holders=holders, owners=owners)
     comm = {o.name: o for o in g.ops if o.kind == "comm"}
     sparse = [o for n, o in comm.items() if ".spag" in n or ".sprs" in n]
-    tokens = [o for n, o in comm.items() if n.split(".", 1)[1] in ("dispatch", "combine", "dispatch.bwd", "combine.bwd")]
+    tokens = [o for n, o in comm.items()
+              if n.split(".", 1)[1] in ("dispatch", "combine", "dispatch.bwd", "combine.bwd")]
     assert len(sparse) == 4 and len(tokens) == 8  # spAG and spRS of both layers; 4 token exchanges a layer
     tok_alpha = tokens[0].duration - 1e-3
     for o in sparse:

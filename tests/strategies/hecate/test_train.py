@@ -23,7 +23,8 @@ VARIANTS = {
     "free_m": {"t": 1, "reshard_interval": 3},  # m profiled from free memory: slots beyond t, calibration fires
     "free_m_best": {"t": 1, "reshard_interval": 3, "calibration_rule": "best"},
 }
-BATCH = {"free_m": 8, "free_m_best": 8}  # enough tokens per rank that a blocking gather of a tiny expert pays (else: BASE's)
+# enough tokens per rank that a blocking gather of a tiny expert pays (else: BASE's)
+BATCH = {"free_m": 8, "free_m_best": 8}
 
 
 def _batch(variant):
@@ -36,7 +37,8 @@ def _train(rank, world, variants):
     torch.set_num_threads(1)
     out = {}
     for name, (opts, over) in variants.items():
-        cfg = RunConfig().with_overrides({**BASE, "parallel.nproc": world, "parallel.strategy": "hecate" if opts is not None else "ep",
+        cfg = RunConfig().with_overrides({**BASE, "parallel.nproc": world,
+                                          "parallel.strategy": "hecate" if opts is not None else "ep",
                                           "parallel.strategy_options": opts or {}, **over}).validate()
         tr = Trainer.build(cfg)
         storage = []
@@ -169,20 +171,24 @@ def test_event_order_spag_beside_attention_sprs_before_attention_backward(runs):
 
 def test_debug_plan_hash_and_bad_options():
     def cfg(**opts):
-        return RunConfig().with_overrides({"parallel.nproc": 2, "model.moe.num_experts": 4, "parallel.strategy": "hecate",
+        return RunConfig().with_overrides({"parallel.nproc": 2, "model.moe.num_experts": 4,
+                                           "parallel.strategy": "hecate",
                                            "parallel.strategy_options": opts})
 
     for opts, msg in [({"t": -1}, "t must be >= 0"), ({"window": 0}, "window must be >= 1"),
-                      ({"assign": "magic"}, "assign must be one of"), ({"calibration_rule": "most"}, "calibration_rule"),
+                      ({"assign": "magic"}, "assign must be one of"),
+                      ({"calibration_rule": "most"}, "calibration_rule"),
                       ({"spag_backend": "ring"}, "spag_backend"),
-                      ({"cost_profile": "nope"}, "cost_profile"), ({"spag_backend": "hier"}, "more than one node|nodes > 1"),
+                      ({"cost_profile": "nope"}, "cost_profile"),
+                      ({"spag_backend": "hier"}, "more than one node|nodes > 1"),
                       ({"spag_backend": "stripe"}, "more than one node|nodes > 1"),
                       ({"materialize": False, "rm": True}, "rm needs materialization"),
                       ({"reshard_interval": -2}, "reshard_interval must be >= 0")]:
         with pytest.raises(ConfigError, match=msg):
             cfg(**opts).validate()
     with pytest.raises(ConfigError, match="not divisible"):
-        RunConfig().with_overrides({"parallel.nproc": 3, "model.moe.num_experts": 4, "parallel.strategy": "hecate"}).validate()
+        RunConfig().with_overrides({"parallel.nproc": 3, "model.moe.num_experts": 4,
+                                    "parallel.strategy": "hecate"}).validate()
     with pytest.raises(ConfigError, match="placement"):
         cfg().with_overrides({"parallel.placement": {0: [0], 1: [0], 2: [1], 3: [1]}}).validate()
     with pytest.raises(ConfigError, match="dispatcher"):

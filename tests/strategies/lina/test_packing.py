@@ -104,7 +104,8 @@ def test_controller_halves_the_block_and_trains_the_model_of_a_run_without_switc
     for r in range(4):
         got = res[r]["ctl"]
         assert got["migrated"] == 2  # one all-to-all per switch
-        assert [m["pack_decision"] for m in got["metrics"] if m["layer"] == 0] == ["halve", "halve", "freeze: no smaller block"]
+        assert ([m["pack_decision"] for m in got["metrics"] if m["layer"] == 0]
+                == ["halve", "halve", "freeze: no smaller block"])
         assert len(got["experts"]) == 2 * 4  # block of 1: every rank holds every expert of both layers
         assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-10)
         assert torch.allclose(got["dense"], ref["dense"], rtol=1e-9, atol=1e-12)

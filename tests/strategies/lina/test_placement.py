@@ -39,7 +39,8 @@ def test_allocation_places_every_expert_within_max_pack_on_exactly_n_devices(E, 
         assert {e for d in devs for e in d} == set(range(E))
         assert all(len(set(d)) == len(d) for d in devs)
         reps = {e: sum(e in d for d in devs) for e in range(E)}
-        if rounding == "balanced":  # replicas chosen for the busiest device: never busier than floor's, or the tolerance
+        if rounding == "balanced":
+            # replicas chosen for the busiest device: never busier than floor's, or the tolerance
             assert busiest(devs, n) <= max(busiest(allocate(n, N, max_pack), n), (1 + BALANCE_TOL) * n.sum() / N) + 1e-9
         elif sum(math.floor(v) for v in n) * (max_pack - 1) + (N - sum(math.floor(v) for v in n)) * max_pack >= E:
             assert all(reps[e] >= math.floor(n[e]) for e in range(E))
@@ -62,7 +63,8 @@ def test_nearest_rounding_replicates_a_hot_experts_fraction():
     floor, nearest = allocate(n, 4, 4), allocate(n, 4, 4, rounding="nearest")
     assert sum(0 in d for d in floor) == 1 and sum(0 in d for d in nearest) == 2
     assert busiest(nearest, n) < busiest(floor, n) == pytest.approx(1.64)
-    assert allocate([1.3, 0.9, 0.9, 0.9], 4, 4, rounding="nearest") == allocate([1.3, 0.9, 0.9, 0.9], 4, 4)  # rounds down
+    # rounds down
+    assert allocate([1.3, 0.9, 0.9, 0.9], 4, 4, rounding="nearest") == allocate([1.3, 0.9, 0.9, 0.9], 4, 4)
     with pytest.raises(ValueError, match="rounding"):
         allocate(n, 4, 4, rounding="ceil")
 

@@ -15,11 +15,12 @@ SERVE = {
     "model.moe.num_experts": 4, "model.moe.top_k": 1, "model.moe.gate": "switch", "model.moe.capacity_factor": None,
     "train.dtype": "float64", "train.batch_size": 2, "train.trace": False,
     "serve.requests": 10, "serve.batch_size": 4, "serve.rate_per_s": 2000.0, "serve.max_wait_ms": 2.0,
-    "serve.path_len": 2, "serve.profile_batches": 2,
+    "serve.strategy": "lina", "serve.strategy_options.path_len": 2, "serve.strategy_options.profile_batches": 2,
 }
 VARIANTS = ("baseline", "lina", "lina_no_estimation", "lina_no_finetune", "ideal")
-LOAD = ("lina_load", "lina", {"serve.replan_test": "load"})  # phase 2 by the kept plan's busiest load
-FIRST = ("lina_first", "lina", {"serve.first_layers": "actual"})  # layers before path_len planned from the counts
+LOAD = ("lina_load", "lina", {"serve.strategy_options.replan_test": "load"})  # phase 2 by the kept plan's busiest load
+# layers before path_len planned from the counts
+FIRST = ("lina_first", "lina", {"serve.strategy_options.first_layers": "actual"})
 
 
 def _serve(rank, world, variants, extra):
@@ -28,8 +29,8 @@ def _serve(rank, world, variants, extra):
     out = {}
     for entry in variants:  # a variant, or (name, variant, its own overrides)
         name, v, own = (entry, entry, {}) if isinstance(entry, str) else entry
-        cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": world, "serve.variant": v, **extra,
-                                          **own}).validate()
+        cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": world, "serve.strategy_options.variant": v,
+                                          **extra, **own}).validate()
         assert not serve_errors(cfg)
         if name != "lina":
             out[name] = run(cfg)
@@ -110,7 +111,8 @@ def test_phase_one_estimates_ride_the_count_exchange_before_the_layer_they_estim
         batches = sorted({int(r["iter"]) for r in rows if int(r["iter"]) >= 0})
         assert batches
         for b in batches:
-            got = [sent(r) for r in rows if int(r["iter"]) == b and r["op"] == "all_gather" and r["phase"] != "serve_io"]
+            got = [sent(r) for r in rows
+                   if int(r["iter"]) == b and r["op"] == "all_gather" and r["phase"] != "serve_io"]
             assert len(got) == L and got[0] > 0, (rank, b, got)
             assert [x / got[0] for x in got] == pytest.approx([w / want[0] for w in want]), (rank, b, got)
 
@@ -149,16 +151,20 @@ def test_malformed_requests_are_rejected_not_fatal(tmp_path):
 
 
 @pytest.mark.parametrize("over,msg", [
-    ({"serve.path_len": 4}, "path_len=4 must be below"),
-    ({"serve.k_est": 5}, "k_est must lie in 1..num_experts"),
-    ({"serve.k_cmp": 0}, "k_cmp must lie in 1..num_experts"),
-    ({"serve.max_pack": 1, "parallel.nproc": 2}, "cannot hold 4 experts"),
+    ({"serve.strategy_options.path_len": 4}, "path_len=4 must be below"),
+    ({"serve.strategy_options.k_est": 5}, "k_est must lie in 1..num_experts"),
+    ({"serve.strategy_options.k_cmp": 0}, "k_cmp must lie in 1..num_experts"),
+    ({"serve.strategy_options.max_pack": 1, "parallel.nproc": 2}, "cannot hold 4 experts"),
     ({"model.moe.capacity_factor": 1.0}, "no drops"),
-    ({"serve.variant": "magic"}, "serve.variant must be one of"),
-    ({"serve.replica_rounding": "ceil"}, "replica_rounding must be"),
-    ({"serve.replan_test": "magic"}, "replan_test must be one of"),
-    ({"serve.replan_tol": -0.1}, "replan_tol must be a number >= 0"),
-    ({"serve.first_layers": "dynamic"}, "first_layers must be static or actual"),
+    ({"serve.strategy_options.variant": "magic"}, "variant must be one of"),
+    ({"serve.strategy_options.replica_rounding": "ceil"}, "replica_rounding must be"),
+    ({"serve.strategy_options.replan_test": "magic"}, "replan_test must be one of"),
+    ({"serve.strategy_options.replan_tol": -0.1}, "replan_tol must be a number >= 0"),
+    ({"serve.strategy_options.first_layers": "dynamic"}, "first_layers must be one of ['static', 'actual']"),
+    ({"serve.strategy_options.magic": 1}, "unknown lina serve option(s) ['magic']"),
+    ({"serve.strategy": None}, "serve.strategy must name a strategy with a server, one of ['lina']"),
+    ({"serve.strategy": "zero"}, "strategy 'zero' has no server"),
+    ({"serve.arrival": "burst"}, "serve.arrival must be 'poisson' or 'closed'"),
 ])
 def test_bad_serve_config_is_reported_before_launch(over, msg):
     cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 4, **over})
@@ -169,8 +175,9 @@ def test_moelab_serve_stores_a_run_with_requests_and_batches(tmp_path):
     from moelab.runtime.launch import SERVE_WORKER, launch
 
     res = launch("experiments/lina/serve.yaml", 2, overrides={"serve.requests": 6, "serve.batch_size": 4,
-                                                               "model.n_layers": 4, "serve.path_len": 2,
-                                                               "serve.profile_batches": 1},
+                                                               "model.n_layers": 4,
+                                                               "serve.strategy_options.path_len": 2,
+                                                               "serve.strategy_options.profile_batches": 1},
                  out_root=str(tmp_path), progress=False, worker=SERVE_WORKER)
     assert sorted(res.requests["id"]) == list(range(6)) and (res.requests["status"] == "served").all()
     assert res.batches["requests"].sum() == 6 and res.summary["iters"] == len(res.batches)
@@ -183,7 +190,7 @@ def test_a_repeated_suite_serves_every_run_in_interleaved_rounds_and_pools_their
     from moelab.papers.lina.runs import _suite_rank
 
     cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 2, "train.iters": 2}).validate().to_dict()
-    runs = {"base": {"serve.variant": "baseline"}, "lina": {"serve.variant": "lina"}}
+    runs = {"base": {"serve.strategy_options.variant": "baseline"}, "lina": {"serve.strategy_options.variant": "lina"}}
     once = run_ranks(_suite_rank, 2, cfg, runs, str(tmp_path / "a"), timeout=300)[0]["serve"]
     twice = run_ranks(_suite_rank, 2, cfg, runs, str(tmp_path / "b"), 2, timeout=300)[0]["serve"]
     assert list(twice) == list(runs)
@@ -204,7 +211,8 @@ def test_an_emulated_suite_is_predicted_from_its_own_records(tmp_path):
     cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 2, "train.iters": 2}).validate().to_dict()
     links = {"emulation.enabled": True, "emulation.intra_bw_GBps": 0.05, "emulation.inter_bw_GBps": 0.01,
              "parallel.topology.nodes": 2}
-    runs = {"base": {"serve.variant": "baseline", **links}, "noest": {"serve.variant": "lina_no_estimation", **links}}
+    runs = {"base": {"serve.strategy_options.variant": "baseline", **links},
+            "noest": {"serve.strategy_options.variant": "lina_no_estimation", **links}}
     su = run_ranks(_suite_rank, 2, cfg, runs, str(tmp_path), timeout=300)[0]
     assert su["call_costs"]["call_s"] >= 0 and su["call_costs"]["sync_s"] >= 0
     free = su["free_links"]

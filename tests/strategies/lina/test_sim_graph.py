@@ -155,7 +155,8 @@ def test_interference_at_gamma_one_is_fair_sharing_bit_for_bit(policy):
     policies with an all-to-all not waiting for the micro-op in flight: the call gate lets it start beside)."""
     cfg = paper_cfg()
     if policy != "ddp_overlap":
-        cfg = cfg.with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6, "a2a_waits_for_inflight": False}})
+        cfg = cfg.with_overrides({"parallel.strategy_options": {"partition_bytes": 4e6,
+                                                                "a2a_waits_for_inflight": False}})
     g = lina_iteration_graph(cfg, get_profile("lina"), synthetic_loads(cfg), policy=policy, elem_bytes=2)
     plain = simulate(g)
     assert _a2a_and_allreduce_overlap(plain)  # the graph exercises the sharing
@@ -192,7 +193,8 @@ def test_gamma_fit_reaches_its_target_median_on_a_small_grid():
     fit = ps.fitted_gamma(grid)
     assert fit["overlapped_ops"] > 0 and fit["reached"] and fit["gamma"] > 1
     alone = ps._alone(*grid)
-    meds = [ps._median_overlapped(ps._slowdowns(g, alone)) for g in (fit["gamma"] - 0.01, fit["gamma"], 2 * fit["gamma"])]
+    meds = [ps._median_overlapped(ps._slowdowns(g, alone))
+            for g in (fit["gamma"] - 0.01, fit["gamma"], 2 * fit["gamma"])]
     assert meds[0] < fit["target_median"] <= meds[1] + 1e-9 < meds[2]
     assert fit["median"] == pytest.approx(fit["target_median"], rel=0.02)
 

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from moelab.comm.topology import Topology
-from moelab.config import ServeConfig
 from moelab.sim.profiles import get_profile
+from moelab.strategies.lina.options import LinaServeOptions
 from moelab.strategies.lina.popularity import PathTable, markov_traces
 from moelab.strategies.lina.sim_infer import InferShape, plans_for_batch, simulate_serving
 
 N, E, L = 16, 16, 6
-SV = ServeConfig(path_len=2, max_pack=4, k_est=2, k_cmp=2)
+SV = LinaServeOptions(path_len=2, max_pack=4, k_est=2, k_cmp=2)
 
 
 def setup(traces, batch=2048):
@@ -48,14 +48,16 @@ def test_skewed_traces_make_lina_faster_than_the_baseline_before_its_overheads()
                {"o_check_s": 0.0, "o_plan_s": 0.0, "h2d_GBps": 1e12}, batch=65536)
     med = {v: np.median([r["batch_s"] for r in rows if r["variant"] == v]) for v in ("baseline", "lina", "ideal")}
     assert med["ideal"] < med["lina"] < med["baseline"]
-    load = {v: np.median([r["load_max_over_mean"] for r in rows if r["variant"] == v]) for v in ("baseline", "lina", "ideal")}
-    assert load["ideal"] == pytest.approx(1.0) and 1.0 < load["lina"] < load["baseline"]  # the placement balances, not fully
+    load = {v: np.median([r["load_max_over_mean"] for r in rows if r["variant"] == v])
+            for v in ("baseline", "lina", "ideal")}
+    # the placement balances, not fully
+    assert load["ideal"] == pytest.approx(1.0) and 1.0 < load["lina"] < load["baseline"]
     assert not any(r["replans"] for r in rows if r["variant"] == "lina_no_finetune")
 
 
 def test_balanced_replicas_leave_the_busiest_device_nearer_the_mean():
-    """serve.replica_rounding "balanced" prices the same batches with replica counts chosen for the busiest
-    device: from the actual counts (lina_no_estimation) its scheduled layers come near the mean."""
+    """serve.strategy_options.replica_rounding "balanced" prices the same batches with replica counts chosen for the
+    busiest device: from the actual counts (lina_no_estimation) its scheduled layers come near the mean."""
     import dataclasses
 
     from moelab.strategies.lina.placement import BALANCE_TOL
@@ -65,8 +67,8 @@ def test_balanced_replicas_leave_the_busiest_device_nearer_the_mean():
     load = {}
     for rounding in ("floor", "balanced"):
         sv = dataclasses.replace(SV, replica_rounding=rounding)
-        rows = simulate_serving(t, src, batches, ("lina_no_estimation",), sv, table, get_profile("lina"), Topology(N, 4),
-                                InferShape())
+        rows = simulate_serving(t, src, batches, ("lina_no_estimation",), sv, table, get_profile("lina"),
+                                Topology(N, 4), InferShape())
         load[rounding] = np.median([r["load_max_over_mean"] for r in rows])
     assert load["balanced"] < min(load["floor"], 1 + 2 * BALANCE_TOL)  # the tolerance, plus whole tokens per replica
 
@@ -131,7 +133,8 @@ def test_batch_size_fit_reaches_table_one_all_to_all_per_layer(monkeypatch):
         fit = ps.fitted_infer_tokens("smoke")
         assert fit["target_s"] == pytest.approx(paper_value("lina", "infer_a2a_16gpu_12L") / 1e3 / 12)
         assert fit["a2a_per_layer_s"] == pytest.approx(fit["target_s"], rel=0.02)
-        assert fit["tokens"] % (8 * 32) == 0 and fit["tokens"] != fit["start_tokens"]  # whole batches of the smoke scale
+        # whole batches of the smoke scale
+        assert fit["tokens"] % (8 * 32) == 0 and fit["tokens"] != fit["start_tokens"]
         assert ps.inference("smoke").attrs["batch_tokens"] == fit["tokens"]
     finally:
         ps.inference.cache_clear(), ps.fitted_infer_tokens.cache_clear()
@@ -140,7 +143,7 @@ def test_batch_size_fit_reaches_table_one_all_to_all_per_layer(monkeypatch):
 def test_which_layers_get_a_plan_and_from_what():
     """Spec §2.3: lina_no_estimation plans every layer from the actual counts (from layer 1, [R]); lina and
     lina_no_finetune keep the static placement before path_len (no full path yet), and lina plans those from
-    the actual counts with serve.first_layers=actual. The simulator and the runtime share the rule."""
+    the actual counts with serve.strategy_options.first_layers=actual. The simulator and the runtime share the rule."""
     import dataclasses
 
     t = markov_traces(2048, L, E, order=1, seed=2)
@@ -219,13 +222,15 @@ def test_host_costs_separate_a_cost_per_layer_from_one_per_expert():
     runs = {}
     for v, rounding in (("baseline", "floor"), ("lina_no_estimation", "balanced")):
         sv = dataclasses.replace(SV, replica_rounding=rounding)
-        rows = [r for b, sel in enumerate(batches) for r in _records(plans_for_batch(t[sel], src[sel], v, sv, table, N, E, 0, b), b)]
+        rows = [r for b, sel in enumerate(batches)
+                for r in _records(plans_for_batch(t[sel], src[sel], v, sv, table, N, E, 0, b), b)]
         guess = predict_served(rows, free, topo, InferShape(), {"o_check_s": 0.0, "expert_launch_s": 0.0,
                                                                  "o_plan_s": 1e-3 if v == "baseline" else 3e-3})
         most = {b: sum(max(len(d) for d in p[0]) for p in plans) for _, b, plans in recorded_plans(rows)}
         runs[v] = {"layers": rows, "batches": [{"batch": b, "batch_s": guess[(0, b)] + 2e-3 * L + 5e-4 * most[b]}
                                                for b in range(len(batches))]}
-    assert len({sum(max(len(d) for d in p[0]) for p in plans) for _, _, plans in recorded_plans(runs["lina_no_estimation"]["layers"])}
+    assert len({sum(max(len(d) for d in p[0]) for p in plans)
+                for _, _, plans in recorded_plans(runs["lina_no_estimation"]["layers"])}
                | {L * E // N}) > 1  # the replicated run holds more experts on its busiest rank: the terms separate
     plan_s = {"baseline": 1e-3, "lina_no_estimation": 3e-3}  # each run's blocking plan, priced as it was timed
     assert _host_costs(runs, prof, topo, InferShape(), None, plan_s) == pytest.approx((2e-3, 5e-4), rel=1e-6)

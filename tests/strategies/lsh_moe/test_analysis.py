@@ -40,7 +40,8 @@ def test_amdahl_and_step_model():
     s_comm = A.speedup(0.01, 0.004, parts, 0.2, experts_on_centroids=False)
     assert s_all > s_comm > 1.0  # computing experts on centroids saves time the paper does not count
     assert A.speedup(0.01, 0.004, parts, 0.2, t_lsh=0.01) < s_all
-    assert A.t_a2a_ext(512, 2, 768, 12, 4, 1e11, 1e9, elem_bytes=2, rho=0.5) == pytest.approx(A.t_a2a(512, 2, 768, 12, 4, 1e11, 1e9))
+    assert (A.t_a2a_ext(512, 2, 768, 12, 4, 1e11, 1e9, elem_bytes=2, rho=0.5)
+            == pytest.approx(A.t_a2a(512, 2, 768, 12, 4, 1e11, 1e9)))
 
 
 def test_table1_counts_and_flags():

@@ -114,7 +114,8 @@ def test_error_compensation_exact_for_identity_plus_constant_not_always_better()
     torch.testing.assert_close(bk.decompress(C + bias, x, C, b, 1.0), x + bias)
     W = torch.randn(16, 16, dtype=torch.float64)
     resid = x - C[b.inv]
-    torch.testing.assert_close(bk.decompress(C @ W, x, C, b, 1.0) - x @ W, resid @ (torch.eye(16, dtype=torch.float64) - W))
+    torch.testing.assert_close(bk.decompress(C @ W, x, C, b, 1.0) - x @ W,
+                               resid @ (torch.eye(16, dtype=torch.float64) - W))
     torch.testing.assert_close(bk.decompress(C @ W, x, C, b, None) - x @ W, -resid @ W)
     zero = torch.zeros(b.M, 16, dtype=torch.float64)  # E = 0: EC adds pure error
     assert bk.decompress(zero, x, C, b, 1.0).norm() > 0 == bk.decompress(zero, x, C, b, None).norm()
@@ -159,7 +160,8 @@ def test_a_non_finite_row_gets_its_own_bucket():
 
 def test_same_seed_same_buckets_on_every_call():
     x, ex = clustered(), torch.arange(96) % 4
-    one = [bk.make_buckets(ex, hs.hash_rows("cross_polytope", x, ex, R=hs.rotations(16, 2, 6, 5, 1)), 4) for _ in range(2)]
+    one = [bk.make_buckets(ex, hs.hash_rows("cross_polytope", x, ex, R=hs.rotations(16, 2, 6, 5, 1)), 4)
+           for _ in range(2)]
     assert torch.equal(one[0].inv, one[1].inv)
     sp = [hs.hash_rows("spherical", x, ex, L=4, gen=torch.Generator().manual_seed(9)) for _ in range(2)]
     assert torch.equal(sp[0], sp[1])

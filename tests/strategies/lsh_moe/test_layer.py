@@ -48,7 +48,8 @@ def _run(rank, world, E, cases, hot):
         gathers = [sum(r.sent_to.values()) for r in comm.rec.comm if r.op == "all_gather"]
         comm.close()  # one spawn runs every case: hand the groups on to the next
         out.append(dict(y=y.detach(), gx=x.grad, gg=layer.gate.wg.weight.grad.clone(), aux=layer.aux_loss.detach(),
-                        eg=expert_grads(layer.experts), idx=layer.last_routing.idx, w=layer.last_routing.weights.detach(),
+                        eg=expert_grads(layer.experts), idx=layer.last_routing.idx,
+                        w=layer.last_routing.weights.detach(),
                         rec=layer.plan_record(), metrics=dict(getattr(layer, "last_metrics", {})), a2a=a2a,
                         gathers=gathers))
     return out
@@ -95,7 +96,8 @@ def reference(world, E, opts, hot):
             out_c = ref.act(c @ w1 + b1) @ w2 + b2
             for p in members:
                 ya = out_c if (ec is None or len(members) == 1) else out_c + ec * (x[p // k] - c)
-                y = y + torch.zeros_like(x).index_put((torch.tensor([p // k]),), (rt.weights[p // k, p % k] * ya).unsqueeze(0))
+                y = y + torch.zeros_like(x).index_put((torch.tensor([p // k]),),
+                                                      (rt.weights[p // k, p % k] * ya).unsqueeze(0))
         total = total + (y * gys[rank]).sum() + rt.aux_loss
         outs.append(y.detach())
     total.backward()
@@ -174,10 +176,12 @@ def test_the_four_all_to_alls_move_centroid_rows_only(runs):
                 bwd = [a for a in g["a2a"] if a[0] == "bwd"]
                 assert len(fwd) == len(bwd) == 2
                 dispatch, combine = fwd
-                for sent, recv in ((dispatch[1], dispatch[2]), (bwd[0][1], bwd[0][2])):  # rows out; grads of their outputs out
+                # rows out; grads of their outputs out
+                for sent, recv in ((dispatch[1], dispatch[2]), (bwd[0][1], bwd[0][2])):
                     assert [sent.get(q, 0) for q in range(world)] == [row * n for n in to]
                     assert [recv.get(q, 0) for q in range(world)] == [row * n for n in frm]
-                for sent, recv in ((combine[1], combine[2]), (bwd[1][1], bwd[1][2])):  # outputs back; grads of the rows back
+                # outputs back; grads of the rows back
+                for sent, recv in ((combine[1], combine[2]), (bwd[1][1], bwd[1][2])):
                     assert [sent.get(q, 0) for q in range(world)] == [row * n for n in frm]
                 m = g["metrics"]
                 assert m["M"] == sum(to) and m["A"] == int(torch.tensor(g["rec"]["counts"])[rank].sum())
@@ -246,7 +250,8 @@ def test_evaluation_is_exact_unless_asked_compressed():
         layer.train()
         outs[mode + "_train"] = layer(x).detach()
     assert torch.equal(outs["exact"], ep) and not torch.allclose(outs["compressed"], ep)
-    assert torch.equal(outs["compressed"], outs["compressed_train"]) and torch.equal(outs["exact_train"], outs["compressed_train"])
+    assert (torch.equal(outs["compressed"], outs["compressed_train"])
+            and torch.equal(outs["exact_train"], outs["compressed_train"]))
 
 
 def _adjoint(rank, world):

@@ -16,12 +16,14 @@ from moelab.strategies.lsh_moe.sim_graph import centroid_counts, lsh_moe_iterati
 
 def prof(**kw):
     base = ClusterProfile(name="t", nodes=2, gpus_per_node=2, gpu="x", peak_flops=1e12, achieved_flops=1e12,
-                          intra_bw_GBps=10.0, intra_latency_us=5.0, inter_bw_GBps=1.0, inter_latency_us=10.0, mem_GB=8.0)
+                          intra_bw_GBps=10.0, intra_latency_us=5.0, inter_bw_GBps=1.0, inter_latency_us=10.0,
+                          mem_GB=8.0)
     return dataclasses.replace(base, **kw)
 
 
 def cfg(**opts):
-    return RunConfig().with_overrides({"parallel.nproc": 4, "parallel.strategy": "lsh_moe", "parallel.strategy_options": opts,
+    return RunConfig().with_overrides({"parallel.nproc": 4, "parallel.strategy": "lsh_moe",
+                                       "parallel.strategy_options": opts,
                                        "model.moe.num_experts": 8, "model.n_layers": 2, "model.d_model": 32,
                                        "model.d_ff": 64, "model.seq_len": 16, "train.batch_size": 4})
 

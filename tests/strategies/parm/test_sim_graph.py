@@ -104,7 +104,8 @@ def test_iteration_bytes_equal_the_real_runs():
     cells = {4: [{"schedule": "baseline", "mp": 2, "esp": 2}, {"schedule": "baseline", "mp": 2, "esp": 2,
                                                                "baseline_variant": "ds081"},
                  {"schedule": "s1", "mp": 4, "esp": 1}, {"schedule": "s2", "mp": 2, "esp": 2},
-                 {"schedule": "s2", "mp": 2, "esp": 2, "saa_mode": "combined"}, {"schedule": "s2_aas", "mp": 1, "esp": 2}],
+                 {"schedule": "s2", "mp": 2, "esp": 2, "saa_mode": "combined"},
+                 {"schedule": "s2_aas", "mp": 1, "esp": 2}],
              8: [{"schedule": "s2", "mp": 4, "esp": 2}, {"schedule": "s1", "mp": 2, "esp": 4}]}
     for P, opts in cells.items():
         cfgs = [RunConfig().with_overrides({**base, "parallel.nproc": P, "model.moe.num_experts": 8 if P == 8 else 4,

@@ -56,7 +56,8 @@ def _train(rank, world, runs):
     for key, opts in runs.items():
         if world % (opts.get("mp", 1) * 1) or key[0] != world:
             continue
-        cfg = RunConfig().with_overrides({**BASE, "parallel.nproc": world, "parallel.strategy_options": opts}).validate()
+        cfg = RunConfig().with_overrides({**BASE, "parallel.nproc": world,
+                                          "parallel.strategy_options": opts}).validate()
         tr = Trainer.build(cfg)
         losses = [row["loss"] for row in tr.run()]
         out[key] = dict(losses=losses, params=_full_params(tr))
@@ -127,7 +128,8 @@ def test_a_parm_run_resumes_bit_for_bit_on_its_layout(tmp_path):
             assert torch.equal(resumed[r]["params"][n], p), (r, n)
             assert torch.equal(resumed[r]["adam"][n], full[r]["adam"][n]), (r, n)
     with pytest.raises(ConfigError, match="holds each rank's own shards"):
-        RunConfig().with_overrides({**BASE, "parallel.nproc": 4, "train.iters": 6, "train.resume_from": str(tmp_path / "s2"),
+        RunConfig().with_overrides({**BASE, "parallel.nproc": 4, "train.iters": 6,
+                                    "train.resume_from": str(tmp_path / "s2"),
                                     "parallel.strategy_options": {**opts, "esp": 1}}).validate()
 
 

@@ -75,11 +75,14 @@ def _train(rank, world, runs):
 
 def test_five_adam_steps_with_a_replacement_equal_the_single_process_run():
     ref = run_ranks(_train, 1, {"ref": {"train.batch_size": 4 * BASE["train.batch_size"]}}, timeout=120)[0]["ref"]
-    runs = {"always": {"parallel.strategy": "smartmoe", "parallel.strategy_options": {"interval": 3, "decision": "always"}},
-            "never": {"parallel.strategy": "smartmoe", "parallel.strategy_options": {"interval": 3, "decision": "never"}}}
+    runs = {"always": {"parallel.strategy": "smartmoe",
+                       "parallel.strategy_options": {"interval": 3, "decision": "always"}},
+            "never": {"parallel.strategy": "smartmoe",
+                      "parallel.strategy_options": {"interval": 3, "decision": "never"}}}
     got = run_ranks(_train, 4, runs, timeout=120)
     for name in runs:
-        torch.testing.assert_close(torch.tensor(got[0][name]["losses"]), torch.tensor(ref["losses"]), rtol=1e-10, atol=0)
+        torch.testing.assert_close(torch.tensor(got[0][name]["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=1e-10, atol=0)
         held = {k: v for r in got for k, v in r[name]["experts"].items()}
         assert set(held) == set(ref["experts"])
         for k, (p, m) in ref["experts"].items():
@@ -92,11 +95,13 @@ def test_five_adam_steps_with_a_replacement_equal_the_single_process_run():
 
 def test_bad_options_fail_before_launch():
     def cfg(opts, **over):
-        return RunConfig().with_overrides({"parallel.nproc": 2, "model.moe.num_experts": 4, "parallel.strategy": "smartmoe",
+        return RunConfig().with_overrides({"parallel.nproc": 2, "model.moe.num_experts": 4,
+                                           "parallel.strategy": "smartmoe",
                                            "parallel.strategy_options": opts, **over})
 
     for opts, over, msg in [({"interval": 0}, {}, "interval must be >= 1"), ({"decision": "maybe"}, {}, "decision"),
-                            ({"cost_profile": "nope"}, {}, "cost_profile"), ({}, {"model.moe.num_experts": 2}, "E/N = 1"),
+                            ({"cost_profile": "nope"}, {}, "cost_profile"),
+                            ({}, {"model.moe.num_experts": 2}, "E/N = 1"),
                             ({}, {"model.moe.dispatcher": "dense"}, "dispatcher"),
                             ({}, {"parallel.placement": {0: [0], 1: [0], 2: [1], 3: [1]}}, "placement")]:
         with pytest.raises(ConfigError, match=msg):

@@ -180,7 +180,8 @@ def _layer_case(rank, world, global_loads):
     ex = layer.experts
     gw = layer.gate.wg.weight.grad
     return dict(y=y.detach(), gx=x.grad, gw=torch.zeros_like(layer.gate.wg.weight) if gw is None else gw,
-                eg=[torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in (ex.w1, ex.b1, ex.w2, ex.b2)], counts=layer.last_global_counts,
+                eg=[torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in (ex.w1, ex.b1, ex.w2, ex.b2)],
+                counts=layer.last_global_counts,
                 recorded=len(comm.rec.comm), record=layer.plan_record(), in_rows=layer.last_plan.in_rows,
                 out_rows=layer.last_plan.out_rows, rows_per_slot=layer.last_plan.rows_per_slot)
 
@@ -208,7 +209,8 @@ def test_layer_matches_reference_without_communication(world):
         assert local == int(counts[rank].sum())
         assert r["in_rows"] == r["out_rows"] == [local if j == rank else 0 for j in range(world)]
         assert r["record"]["counts"] == counts.tolist() and r["record"]["call"] == 0
-        assert all(h[0] == h2 for h, h2 in zip(r["record"]["placement"]["holders"].values(), [0, 0, 1, 1] if world == 2 else [0, 1, 2, 3]))
+        assert all(h[0] == h2 for h, h2 in zip(r["record"]["placement"]["holders"].values(),
+                                               [0, 0, 1, 1] if world == 2 else [0, 1, 2, 3]))
         assert all(len(h) == world for h in r["record"]["placement"]["holders"].values())
     # summed over ranks (what ZeRO's reduce-scatter does), the local grads are the reference's
     torch.testing.assert_close(sum(r["gw"] for r in res), ref.gate.wg.weight.grad, rtol=1e-10, atol=1e-12)
