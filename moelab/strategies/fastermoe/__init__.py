@@ -5,7 +5,8 @@ Pure (no processes): :mod:`.perf_model` (§2.2 and the §2.5 speedup/pipeline mo
 :mod:`.roofline` (§2.3), :mod:`.schedule` (§2.5 step plan), :mod:`.shadow` (§2.4 policy),
 :func:`.topo_gate.topo_route` (§2.6). Runtime: :class:`.layer.FasterMoELayer` (a ``MoELayer``
 subclass) with :mod:`.smart_schedule`; options in :mod:`.options`. Simulator: :mod:`.sim_graph`
-(the same plan priced by ``moelab.sim``); timing helper: :mod:`.bench`.
+(the same plan priced by ``moelab.sim``). Reproduction: :mod:`moelab.papers.fastermoe` (``notebooks/fastermoe.ipynb``;
+its timing helper :mod:`moelab.papers.fastermoe.bench`).
 
 Registered as strategy ``fastermoe``: ``parallel.strategy: fastermoe`` with
 ``parallel.strategy_options`` such as ``{shadow: true}``, ``{smart: true, group_size: 2}``,

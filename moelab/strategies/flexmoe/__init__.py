@@ -4,7 +4,8 @@ Pure: the scheduler (:mod:`moelab.strategies.flexmoe.policy`: slot budget E/N + 
 Shrink / Migrate kept while gain × K > migration cost). Runtime: the core layer on a placement with
 replicas (:class:`.layer.FlexMoELayer` only adds its plan record), driven by :class:`.update.FlexMoEUpdate`
 (scheduling before the forward, :func:`moelab.moe.migrate.migrate_holders` for params + Adam state, one
-all-reduce per replicated expert over its cached replica-set group). Simulator: :mod:`.sim_graph`.
+all-reduce per replicated expert over its cached replica-set group). Plans are priced with the cost model
+Hecate and SmartMoE share (:mod:`moelab.sim.placement_cost`). Simulator: :mod:`.sim_graph`.
 
 Registered as strategy ``flexmoe``: ``parallel.strategy: flexmoe`` with ``parallel.strategy_options``
 such as ``{r: 2, interval: 10, threshold: 1.2, max_steps: 4}`` (:mod:`.options`).

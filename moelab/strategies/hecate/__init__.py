@@ -5,7 +5,8 @@ Pure (no processes): Alg. 1/2, calibration and the load window in :mod:`moelab.s
 §2.9 cost model in :mod:`moelab.sim.placement_cost`; the sparse collectives in
 :mod:`moelab.comm.sparse`; the migration routine in :mod:`moelab.moe.migrate`. Runtime:
 :class:`.layer.HecateMoELayer` (a ``MoELayer`` subclass) driven by :class:`.update.HecateUpdate`;
-options in :mod:`.options`. Simulator: :mod:`.sim_graph` (the same plans priced by ``moelab.sim``).
+options in :mod:`.options`; the replica pool and its materialization autograd boundary in :mod:`.replicas`.
+Simulator: :mod:`.sim_graph` (the same plans priced by ``moelab.sim``).
 Reproduction: :mod:`moelab.papers.hecate` (``notebooks/hecate.ipynb``).
 
 Registered as strategy ``hecate``: ``parallel.strategy: hecate`` with ``parallel.strategy_options``

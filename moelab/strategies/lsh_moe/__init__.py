@@ -4,7 +4,9 @@ Spec: ``shared/papers/lsh-moe.md``.
 Pure (no processes): :mod:`.hashing` (cross-polytope, spherical, hyperplane, identity, constant;
 §2.3) and :mod:`.buckets` (partition, centroids, residual compensation; §2.4, §2.6). Runtime:
 :class:`.layer.LSHMoELayer` (a ``MoELayer`` subclass changing only bucketing, count exchange, plan,
-dispatch/combine). Simulator: :mod:`.sim_graph` (all-to-alls priced on centroid rows).
+dispatch/combine). Simulator: :mod:`.sim_graph` (all-to-alls priced on centroid rows); the analytic side
+(Eq. 6-9, the Amdahl form, Table 1's counts) in :mod:`.analysis`. Reproduction: :mod:`moelab.papers.lsh_moe`
+(``notebooks/lsh_moe.ipynb``).
 
 Registered as strategy ``lsh_moe``: ``parallel.strategy: lsh_moe`` with ``parallel.strategy_options``
 such as ``{hash_family: cross_polytope, num_hashes: 6, cp_dim: 2, error_compensation: true}``.

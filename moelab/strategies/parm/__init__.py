@@ -6,7 +6,9 @@
 - :mod:`.layer`: the MoE layer on real groups: schedules ``baseline`` (Fig. 3a, ``ds081``), ``s1``,
   ``s2`` (SAA, :mod:`moelab.comm.saa`), ``s2_aas`` (§2.5-2.8);
 - :mod:`.perf_model`: the alpha-beta model, Alg. 1 and its closed form (§2.10a, §2.11, §2.13);
-- :mod:`.grid`: the Table III grid, the memory filter, per-schedule token counts and FLOPs.
+- :mod:`.grid`: the Table III grid, the memory filter, per-schedule token counts and FLOPs;
+- :mod:`.plan`: a schedule as data (its ordered collectives and compute), :mod:`.sim_graph`: the same plan
+  priced by the simulator. Reproduction: :mod:`moelab.papers.parm` (``notebooks/parm.ipynb``).
 
 - :mod:`.fits`: alpha-beta fits taken through the door on the live groups; :mod:`.select`: ``auto``;
 - :mod:`.model`, :mod:`.update`: the trainer's view (layer adapter, tensor-parallel dense parts, one

@@ -3,7 +3,8 @@
 Pure: LPT permutation and the cost decision (:mod:`moelab.placement.rebalance`). Runtime: the core layer on the
 current permutation (:class:`.layer.SmartMoELayer` adds its plan record) driven by :class:`.update.SmartMoEUpdate`
 (every K iterations a round; :func:`moelab.moe.migrate.migrate_owners` moves params + Adam state). Simulator and
-paper-scale replay: :mod:`.sim_graph`.
+paper-scale replay: :mod:`.sim_graph`; options
+in :mod:`.options`.
 
 Registered as strategy ``smartmoe``: ``parallel.strategy: smartmoe`` with ``{interval: 25, decision: cost}``.
 """
