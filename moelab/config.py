@@ -74,7 +74,7 @@ class MoEConfig:
     balance_loss_coef: float = at_least(0.01, 0, integer=False)  # weight of the GShard/Switch load-balancing loss
     z_loss_coef: float = at_least(0.0, 0, integer=False)  # weight of the router z-loss mean(logsumexp(logits)^2)
     dispatcher: str = "sparse"  # sparse (count exchange + uneven all-to-all) | dense (capacity-padded, equal splits)
-    activation: str = "gelu"  # expert FFN activation: gelu | relu
+    activation: str = one_of("gelu", ("gelu", "relu"))  # expert FFN activation
     expert_bias: bool = True  # biases in the expert FFN
     kernels: str = "torch"  # torch | triton | auto: router, permute/unpermute, expert GEMMs (moelab.kernels)
 
@@ -88,7 +88,7 @@ class ModelConfig:
     n_layers: int = at_least(2, 1)
     n_heads: int = at_least(4, 1)
     seq_len: int = at_least(64, 1)
-    moe_every: int = 1  # 1: every layer is MoE; 2: every other layer (odd layers)
+    moe_every: int = one_of(1, (1, 2))  # 1: every layer is MoE; 2: every other layer (odd layers)
     # learned: a learned absolute embedding (GPT/RoBERTa) | alibi: no embedding, attention scores biased by
     # -slope_h * |i - j| (Press et al.), which tiny byte-level masked LMs learn from without the long early
     # plateau absolute positions give them (moelab.models.transformer)
@@ -130,7 +130,7 @@ class EmulationConfig:
 @dataclass
 class ParallelConfig:
     nproc: int = at_least(2, 1)  # ranks (processes)
-    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    backend: str = one_of("auto", ("auto", "gloo", "nccl"))  # auto: nccl on GPU, gloo on CPU
     strategy: str = "ep"  # registered strategy name
     strategy_options: dict = field(default_factory=dict)  # options of that strategy (it validates them)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
@@ -149,7 +149,7 @@ class TrainConfig:
     lr: float = at_least(1e-3, 0, integer=False, strict=True)
     seed: int = at_least(0, 0)
     dataset: str = "pydocs"  # pydocs | pytests | pytext (byte-level text of the Python installation) | random
-    dtype: str = "float32"  # float32 | float64
+    dtype: str = one_of("float32", ("float32", "float64"))
     autocast: str = "none"  # none | bf16: forward under torch.autocast(bfloat16), fp32 weights and optimizer
     threads_per_rank: int = at_least(1, 1)
     timeout_s: float = at_least(600.0, 0, integer=False, strict=True)  # the launcher kills the run after this

@@ -21,7 +21,7 @@ from moelab.config import ConfigError, RunConfig
     ({"model.moe.min_capacity": -1}, "model.moe.min_capacity must be >= 0, got -1"),
     ({"model.moe.balance_loss_coef": -0.1}, "model.moe.balance_loss_coef must be >= 0"),
     ({"model.moe.z_loss_coef": -1}, "model.moe.z_loss_coef must be >= 0"),
-    ({"model.moe.activation": "tanh"}, "model.moe.activation must be gelu or relu"),
+    ({"model.moe.activation": "tanh"}, "model.moe.activation must be one of ('gelu', 'relu')"),
     ({"parallel.nproc": 0}, "parallel.nproc must be >= 1, got 0"),
     ({"parallel.topology.nodes": 0}, "parallel.topology.nodes must be >= 1, got 0"),
     ({"parallel.topology.ranks_per_node": 0}, "parallel.topology.ranks_per_node must be >= 1, got 0"),
@@ -91,7 +91,10 @@ def test_each_section_checks_its_own_fields_from_their_metadata():
     assert {"model.moe.num_experts", "model.arch", "train.lr", "emulation.interference_gamma",
             "parallel.topology.nodes"} <= set(ruled)
     for name, md in ruled.items():
-        bad = "magic" if "choices" in md else md["min"] - (0 if md["strict"] else 1)
+        if "choices" in md:  # a value of the field's type outside its choices
+            bad = max(md["choices"]) + 1 if isinstance(md["choices"][0], int) else "magic"
+        else:
+            bad = md["min"] - (0 if md["strict"] else 1)
         errs = field_errors(RunConfig().with_overrides({name: bad}), "")
         assert any(e.startswith(f"{name} must ") for e in errs), (name, errs)
         if "min" in md and not md["strict"]:
