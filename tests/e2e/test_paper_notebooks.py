@@ -32,7 +32,7 @@ def test_parameters_cell_and_scale_files_match(paper):
     declared = pm.inspect_notebook(str(REPO / "notebooks" / f"{paper}.ipynb"))
     for name in ("scale", "out_dir", "png", "seed", "run_real"):
         assert name in declared and declared[name]["help"], name
-    spec = importlib.import_module(f"moelab.strategies.{paper}.experiments").scale_spec
+    spec = importlib.import_module(f"moelab.papers.{paper}").scale_spec
     for scale in ("smoke", "default", "full"):
         params = yaml.safe_load((REPO / "experiments" / paper / f"{scale}.yaml").read_text())
         assert params["scale"] == scale and set(params) <= set(declared), scale

@@ -1,5 +1,5 @@
 """Plotly builders for the FasterMoE figures (paper Figs. 3-14, Table 3), over the frames of
-:mod:`.experiments`.
+:mod:`moelab.papers.fastermoe`.
 
 Every builder takes the required keyword ``label`` (checked by :func:`moelab.viz.figures.labelled`:
 it must start with REAL, EMULATED, SIMULATED, SUBSTITUTE or PAPER), puts it under the title and in

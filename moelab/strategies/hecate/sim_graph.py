@@ -1,5 +1,5 @@
 """Hecate in the simulator: one training iteration priced from the plan the runtime executes (or a replay
-of the same policies at paper scale, :mod:`.experiments.replay`).
+of the same policies at paper scale, :mod:`moelab.papers.hecate.replay`).
 
 Per MoE layer ``j``: tokens go to the final P' (``holders[j]``) by Hecate's rule (LocalityFirst); the
 prefetch gather spAG(P, P'_prefetch) runs on the ``sparse`` stream beside attention_j's forward (the
