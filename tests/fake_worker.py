@@ -105,10 +105,12 @@ def _csv(path, rows):
 
 # ---- helpers for the tests ---------------------------------------------------------------------
 def use_fake_worker(monkeypatch) -> str:
-    """Make this module importable by the ranks; return the name to pass as ``worker=``."""
-    here = str(Path(__file__).resolve().parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-    return "fake_worker"
+    """Make this module importable by the ranks (the repository root on their path, so ``tests`` is a package
+    there: the test folders' names, such as ``comm``, never shadow a library's); return the name to pass as
+    ``worker=``."""
+    root = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    return "tests.fake_worker"
 
 
 def leftover_processes(marker: str) -> list:

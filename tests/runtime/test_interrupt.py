@@ -51,7 +51,7 @@ def test_ctrl_c_stops_every_rank_and_says_so_in_one_line(tmp_path, monkeypatch):
 _LAUNCHER = """
 import sys
 from moelab.runtime.launch import launch
-launch({"train": {"iters": 4}}, 2, out_root=sys.argv[1], worker="fake_worker", progress=False, timeout=300)
+launch({"train": {"iters": 4}}, 2, out_root=sys.argv[1], worker="tests.fake_worker", progress=False, timeout=300)
 """
 
 
@@ -74,7 +74,7 @@ def test_killed_launcher_leaves_no_rank_and_no_folder(tmp_path, monkeypatch):
 # ---- the same through a real Jupyter kernel ---------------------------------------------------------------
 _CELL = """
 from moelab.runtime.launch import launch
-launch({{"train": {{"iters": 4}}}}, 2, out_root={root!r}, worker="fake_worker", timeout=300)
+launch({{"train": {{"iters": 4}}}}, 2, out_root={root!r}, worker="tests.fake_worker", timeout=300)
 """
 
 
