@@ -199,25 +199,3 @@ class ByteCorpus:
 def get_corpus(arch: str, vocab_size: int, dataset: str, max_bytes: int = DEFAULT_MAX_BYTES) -> ByteCorpus:
     """One ByteCorpus per (arch, vocab, dataset) per process."""
     return ByteCorpus(arch=arch, vocab_size=vocab_size, dataset=dataset, max_bytes=max_bytes)
-
-
-def make_batch(cfg, rank: int, world: int, iteration: int) -> dict:
-    """The training loop's single entry point: this rank's batch for ``iteration`` of RunConfig ``cfg``."""
-    m, t = cfg.model, cfg.train
-    if getattr(t, "task", "lm") != "lm":  # span corruption, classification (moelab.models.tasks)
-        from moelab.models.tasks import task_batch
-
-        return task_batch(cfg, rank, world, iteration)
-    corpus = get_corpus(m.arch, m.vocab_size, t.dataset)
-    return corpus.batch(rank, world, iteration, t.batch_size, m.seq_len, t.seed)
-
-
-def make_eval_batch(cfg, rank: int, world: int, index: int) -> dict:
-    """This rank's slice of held-out batch ``index`` (windows training never draws)."""
-    m, t = cfg.model, cfg.train
-    if getattr(t, "task", "lm") != "lm":
-        from moelab.models.tasks import task_batch
-
-        return task_batch(cfg, rank, world, index, split="eval")
-    corpus = get_corpus(m.arch, m.vocab_size, t.dataset)
-    return corpus.batch(rank, world, index, t.batch_size, m.seq_len, t.seed, split="eval")

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from moelab.models.data import get_corpus
 from moelab.models.transformer import IGNORE_INDEX, MoETransformer
 
 TASKS = ("lm", "span", "acceptability", "topic", "paraphrase", "digits")
@@ -218,8 +219,6 @@ def task_batch(cfg, rank: int, world: int, iteration: int, split: str = "train")
     first = (iteration * world + rank) * t.batch_size
     ids = np.arange(first, first + t.batch_size, dtype=np.int64)
     if t.task == "span":
-        from moelab.models.data import get_corpus
-
         corpus = get_corpus("bert", m.vocab_size, t.dataset)
         seqs = corpus.sequences(ids, m.seq_len + 1, t.seed, split)[:, :-1]  # the MLM run's windows
         inputs, targets = np.empty_like(seqs), np.empty_like(seqs)
@@ -321,3 +320,22 @@ def task_errors(cfg) -> list:
         if missing:
             errs.append(missing)
     return errs
+
+
+# ---- every objective's batches: the training loop's single entry point --------------------------------
+def make_batch(cfg, rank: int, world: int, iteration: int) -> dict:
+    """The training loop's single entry point: this rank's batch for ``iteration`` of RunConfig ``cfg``."""
+    m, t = cfg.model, cfg.train
+    if getattr(t, "task", "lm") != "lm":  # span corruption, classification (moelab.models.tasks)
+        return task_batch(cfg, rank, world, iteration)
+    corpus = get_corpus(m.arch, m.vocab_size, t.dataset)
+    return corpus.batch(rank, world, iteration, t.batch_size, m.seq_len, t.seed)
+
+
+def make_eval_batch(cfg, rank: int, world: int, index: int) -> dict:
+    """This rank's slice of held-out batch ``index`` (windows training never draws)."""
+    m, t = cfg.model, cfg.train
+    if getattr(t, "task", "lm") != "lm":
+        return task_batch(cfg, rank, world, index, split="eval")
+    corpus = get_corpus(m.arch, m.vocab_size, t.dataset)
+    return corpus.batch(rank, world, index, t.batch_size, m.seq_len, t.seed, split="eval")

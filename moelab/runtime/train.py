@@ -132,8 +132,7 @@ class Trainer:
         return self.comm.rank
 
     def step(self, it: int) -> dict:
-        from moelab.models.data import make_batch
-        from moelab.models.tasks import CLASSIFICATION
+        from moelab.models.tasks import CLASSIFICATION, make_batch
         from moelab.models.transformer import lm_loss
 
         cfg, comm, model = self.cfg, self.comm, self.model
@@ -201,8 +200,8 @@ class Trainer:
         classification tasks also set ``eval_accuracy`` (top-1, top-2 over the held-out samples)."""
         import torch.nn.functional as F
 
-        from moelab.models.data import IGNORE_INDEX, make_eval_batch
-        from moelab.models.tasks import CLASSIFICATION
+        from moelab.models.data import IGNORE_INDEX
+        from moelab.models.tasks import CLASSIFICATION, make_eval_batch
 
         cfg, comm = self.cfg, self.comm
         layers = self.model.moe_layers()

@@ -2,8 +2,8 @@
 it does to per-rank load, bytes per link class and the time of one MoE layer.
 
 Everything is a plain function over an immutable :class:`ExplorerState`, so tests (and notebooks
-run headless by papermill) need no browser; :func:`build_widget` only wires ipywidgets controls to
-those functions.
+run headless by papermill) need no browser; :func:`moelab.viz.explorer_ui.build_widget` only wires
+ipywidgets controls to those functions.
 
 State = (cluster profile, load trace source, iteration, layer, placement ``expert -> (owner,
 replica, ...)``, model sizes). Trace sources:
@@ -374,15 +374,7 @@ def bytes_figure(ev: dict, *, label: Optional[str] = None):
     return fig
 
 
-def build_widget(state: Optional[ExplorerState] = None, runs=(), profiles=None):
-    """The explorer UI (:class:`moelab.viz.explorer_ui.ExplorerUI`: ``display(ui)`` or ``ui.widget``);
-    ``runs``: run folders offered as load traces."""
-    from moelab.viz.explorer_ui import ExplorerUI
-
-    return ExplorerUI(state or ExplorerState(), runs=runs, profiles=profiles)
-
-
-__all__ = ["ExplorerState", "build_widget", "evaluate", "set_owner", "toggle_replica", "set_replicas",
+__all__ = ["ExplorerState", "evaluate", "set_owner", "toggle_replica", "set_replicas",
            "reset_ep", "edit_placement", "shadow_hottest", "hottest_expert", "placement_of", "mapping", "trace_loads",
            "layer_loads",
            "uniform_sources", "run_global_loads", "replica_sync_bytes", "load_figure", "bytes_figure",

@@ -195,3 +195,9 @@ def _in_kernel() -> bool:
     except ImportError:
         return False
     return get_ipython() is not None
+
+
+def build_widget(state: Optional[ExplorerState] = None, runs=(), profiles=None):
+    """The explorer UI (:class:`ExplorerUI`: ``display(ui)`` or ``ui.widget``);
+    ``runs``: run folders offered as load traces."""
+    return ExplorerUI(state or ExplorerState(), runs=runs, profiles=profiles)

@@ -40,7 +40,7 @@ def test_quickstart_smoke(tmp_path, tmp_path_factory):
 
     smoke = yaml.safe_load((REPO / "experiments" / "quickstart" / "smoke.yaml").read_text())
     runs, figs = shared_runs_root(tmp_path_factory), tmp_path / "figures"
-    # run from an unrelated folder: the notebook finds experiments/ itself (moelab.papers.kit.reproduce.project_path)
+    # run from an unrelated folder: the notebook finds experiments/ itself (moelab.runtime.project.project_path)
     execute(tmp_path / "executed.ipynb", tmp_path, **smoke, out_dir=str(figs), runs_root=str(runs))
 
     (run_dir,) = [d for d in runs.iterdir() if not d.name.startswith(".")]

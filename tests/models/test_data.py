@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from moelab.config import RunConfig
-from moelab.models.data import ByteCorpus, get_corpus, make_batch, stdlib_text
+from moelab.models.data import ByteCorpus, get_corpus, stdlib_text
+from moelab.models.tasks import make_batch
 from moelab.models.traces import KINDS, routing_trace, trace_to_token_choices
 
 torch.set_num_threads(1)

@@ -8,8 +8,17 @@ import pytest
 import torch
 
 from moelab.config import ConfigError, RunConfig
-from moelab.models.data import get_corpus, make_batch, make_eval_batch
-from moelab.models.tasks import TaskTransformer, build_model, shuffle_words, span_corrupt, span_mask, topic_windows
+from moelab.models.data import get_corpus
+from moelab.models.tasks import (
+    TaskTransformer,
+    build_model,
+    make_batch,
+    make_eval_batch,
+    shuffle_words,
+    span_corrupt,
+    span_mask,
+    topic_windows,
+)
 from moelab.models.transformer import MoETransformer
 from moelab.models.vision import digits, image_indices, patchify, train_heldout
 from moelab.runtime.ranks import run_ranks

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moelab.config import RunConfig
-from moelab.models.data import ByteCorpus, make_batch, make_eval_batch
+from moelab.models.data import ByteCorpus
+from moelab.models.tasks import make_batch, make_eval_batch
 from moelab.runtime.ranks import run_ranks
 from moelab.testing import TINY_TRAIN
 

@@ -8,6 +8,7 @@ import torch
 
 from moelab.comm.topology import Topology
 from moelab.viz import explorer as X
+from moelab.viz.explorer_ui import build_widget
 
 torch.set_num_threads(1)
 
@@ -133,7 +134,7 @@ def test_uniform_sources_rule():
 
 
 def test_widget_callbacks_without_a_browser(run_dir):
-    ui = X.build_widget(STATE, runs=[str(run_dir)])
+    ui = build_widget(STATE, runs=[str(run_dir)])
     assert ui.last["max_load"] == X.evaluate(STATE)["max_load"]
     assert set(ui.figures) == {"load", "bytes"}
     assert ui.figures["load"].layout.meta["label"].startswith("SIMULATED")
@@ -167,7 +168,7 @@ def test_widget_callbacks_without_a_browser(run_dir):
     ("3: 5 5", "lists a rank twice"),
 ])
 def test_typed_edit_that_breaks_the_placement_is_refused_and_the_state_kept(text, message):
-    ui = X.build_widget(STATE)
+    ui = build_widget(STATE)
     good = ui.on_edit("3: 5 12; 7: 0")  # a valid edit, then an invalid one
     assert X.mapping(good)[3] == [5, 12] and X.mapping(good)[7] == [0]
     shown = ui.last

@@ -111,7 +111,7 @@ class Assumptions(Mapping):
 
 
 def assumptions_path(paper: str, root: Union[str, Path, None] = None) -> Path:
-    from moelab.papers.kit.reproduce import project_root
+    from moelab.runtime.project import project_root
 
     return project_root(root) / "experiments" / paper / "assumptions.yaml"
 
@@ -148,7 +148,7 @@ def parse_assumptions(raw: Mapping, where: str = "") -> Assumptions:
 
 def load_assumptions(path_or_paper: Union[str, Path], root: Union[str, Path, None] = None) -> Assumptions:
     """The validated assumptions of a file, or of a paper name (``experiments/<paper>/assumptions.yaml``
-    under :func:`moelab.papers.kit.reproduce.project_root`, searched from ``root``)."""
+    under :func:`moelab.runtime.project.project_root`, searched from ``root``)."""
     import yaml
 
     p = Path(path_or_paper)

@@ -40,7 +40,7 @@ class PaperNumbersError(ValueError):
 
 
 def paper_numbers_path(paper: str) -> Path:
-    from moelab.papers.kit.reproduce import project_root
+    from moelab.runtime.project import project_root
 
     return project_root() / "experiments" / paper / "paper.yaml"
 

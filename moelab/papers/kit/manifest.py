@@ -99,7 +99,7 @@ def parse_manifest(data: dict, where: str = "manifest") -> Manifest:
 
 
 def manifest_path(paper: str) -> Path:
-    from moelab.papers.kit.reproduce import project_root
+    from moelab.runtime.project import project_root
 
     return project_root() / "experiments" / paper / "manifest.yaml"
 

@@ -36,13 +36,12 @@ re-executes anyway. The reason — why it ran or why it was skipped — is in th
 Note that re-executing a notebook is not regenerating its data: the quickstart re-plots a stored run
 when ``reuse`` is true; ``-p reuse=false`` regenerates it.
 
-Notebooks find the project root themselves (:func:`project_path`), so they also work opened in
+Notebooks find the project root themselves (:func:`moelab.runtime.project.project_path`), so they also work opened in
 JupyterLab from ``notebooks/`` or run by papermill from any folder.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -53,6 +52,7 @@ from pathlib import Path
 import moelab
 from moelab import __version__
 from moelab.papers.kit.execute import declared_parameters, execute
+from moelab.runtime.project import project_root
 from moelab.runtime.results import stale_version
 
 SCALES = ("smoke", "default", "full")
@@ -63,30 +63,7 @@ class ReproduceError(ValueError):
     """A bad request (unknown notebook, ambiguous parameters): nothing was executed."""
 
 
-# ---- where things are ----------------------------------------------------------------------------
-def _is_root(d: Path) -> bool:
-    return (d / "notebooks").is_dir() and (d / "experiments").is_dir()
-
-
-def project_root(start: str | Path | None = None) -> Path:
-    """The project folder (holding ``notebooks/`` and ``experiments/``): searched upwards from
-    ``start`` (default: the working directory), then the folder above the ``moelab`` package (an
-    editable install), else the working directory."""
-    here = Path(start or os.getcwd()).resolve()
-    for d in (here, *here.parents):
-        if _is_root(d):
-            return d
-    pkg_parent = Path(moelab.__file__).resolve().parent.parent
-    return pkg_parent if _is_root(pkg_parent) else here
-
-
-def project_path(path: str | Path) -> Path:
-    """``path`` if absolute, else relative to :func:`project_root` — for notebook parameters such as
-    ``config``, ``runs_root`` and ``out_dir``, which then mean the same from any working directory."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else project_root() / p
-
-
+# ---- where things are: moelab.runtime.project ---------------------------------------------------
 def notebook_name(path: str | Path) -> str:
     """``notebooks/00_quickstart.ipynb`` -> ``quickstart``."""
     return _NUMBERED.sub("", Path(path).stem)

@@ -18,7 +18,7 @@ SCALES = ("smoke", "default", "full")
 
 
 def scales_path(paper: str) -> Path:
-    from moelab.papers.kit.reproduce import project_root
+    from moelab.runtime.project import project_root
 
     return project_root() / "experiments" / paper / "scales.yaml"
 

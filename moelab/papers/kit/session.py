@@ -38,7 +38,7 @@ class Session:
                  run_real: bool = True, show: bool = True, manifest=None):
         import importlib
 
-        from moelab.papers.kit.reproduce import project_path
+        from moelab.runtime.project import project_path
 
         self.manifest = manifest or load_manifest(paper)
         problems = check_against_manifest(self.manifest)

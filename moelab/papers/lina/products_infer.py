@@ -10,7 +10,7 @@ from moelab.strategies.lina.options import LinaServeOptions
 from moelab.strategies.lina.placement import BALANCE_TOL
 
 from . import figures as F
-from . import frames, paper_scale
+from . import frames, serving_scale
 from .common import P, fired
 from .runs import BALANCED_SUFFIX, FIRST_KEYS, LOAD_KEY, SCHEDULED
 
@@ -83,12 +83,13 @@ def fig16r(ctx):
                                                    "median_speedup_over_baseline": INFER_GAIN,
                                                    "p95_speedup_over_baseline": INFER_GAIN, "a2a_share": INFER_SHARE})
 def fig16s(ctx):
-    raw = paper_scale.inference(ctx.scale.name, ctx.seed)
-    bal = paper_scale.inference(ctx.scale.name, ctx.seed, variants=SCHEDULED, rounding="balanced")
+    raw = serving_scale.inference(ctx.scale.name, ctx.seed)
+    bal = serving_scale.inference(ctx.scale.name, ctx.seed, variants=SCHEDULED, rounding="balanced")
     bal["variant"] = bal.variant + BALANCED_SUFFIX  # the same batches, replica counts for the busiest device
-    load = paper_scale.inference(ctx.scale.name, ctx.seed, variants=("lina",), rounding="balanced", replan_test="load")
+    load = serving_scale.inference(ctx.scale.name, ctx.seed, variants=("lina",), rounding="balanced",
+                                   replan_test="load")
     load["variant"] = LOAD_KEY
-    first = [paper_scale.inference(ctx.scale.name, ctx.seed, variants=("lina",), first_layers="actual",
+    first = [serving_scale.inference(ctx.scale.name, ctx.seed, variants=("lina",), first_layers="actual",
                                    rounding=o.get("serve.strategy_options.replica_rounding", "floor")).assign(variant=k)
              for k, o in FIRST_KEYS.items()]
     attrs, raw = raw.attrs, pd.concat([raw, bal, load, *first], ignore_index=True)
@@ -106,7 +107,7 @@ def fig16s(ctx):
     df.attrs["label"] = raw.attrs["label"]
     long = df.melt(id_vars="variant", value_vars=["median_batch_over_ideal", "p95_batch_over_ideal"])
     sens = _batch_size_sensitivity(ctx)
-    fit = paper_scale.fitted_infer_tokens(ctx.scale.name, ctx.seed)
+    fit = serving_scale.fitted_infer_tokens(ctx.scale.name, ctx.seed)
     return Made(df, figures={"fig16s_inference": F.bars(long, "variant", "value", color="variable", line=1.0,
                                                         label=df.attrs["label"],
                                                         title="Fig. 16: batch time over Ideal, one device per expert")},
@@ -159,11 +160,11 @@ def _batch_size_sensitivity(ctx) -> pd.DataFrame:
     from moelab.papers.kit.assumptions import load_assumptions
 
     a = load_assumptions("lina")["infer_tokens_per_batch"]
-    fit = paper_scale.fitted_infer_tokens(ctx.scale.name, ctx.seed)["tokens"]
+    fit = serving_scale.fitted_infer_tokens(ctx.scale.name, ctx.seed)["tokens"]
     rows = []
     runs = [(tokens, False) for tokens in sorted({a.range[0], a.value, fit, a.range[1]})] + [(fit, True)]
     for tokens, free in runs:
-        df = paper_scale.inference(ctx.scale.name, ctx.seed, None if tokens == fit else tokens, free_scheduling=free)
+        df = serving_scale.inference(ctx.scale.name, ctx.seed, None if tokens == fit else tokens, free_scheduling=free)
         g = df.groupby("variant").batch_s.median()
         kind = "fitted" if tokens == fit else "assumption" if tokens == a.value else "range end"
         rows.append({"tokens_per_batch": df.attrs["batch_tokens"],
@@ -171,7 +172,7 @@ def _batch_size_sensitivity(ctx) -> pd.DataFrame:
                      "lina_median_speedup": g["baseline"] / g["lina"],
                      "ideal_median_speedup": g["baseline"] / g["ideal"]})
     out = pd.DataFrame(rows)
-    out.attrs["label"] = paper_scale.inference(ctx.scale.name, ctx.seed).attrs["label"].split(", each tiled")[0] + \
+    out.attrs["label"] = serving_scale.inference(ctx.scale.name, ctx.seed).attrs["label"].split(", each tiled")[0] + \
         "; each batch tiled to the tokens of the row (the fitted batch and the assumption's range)"
     return out
 
@@ -206,7 +207,7 @@ def fig18r(ctx):
 
 @product(P, "fig17s", needs_real=True, quantities={"p95_layer_speedup": LAYER_P95})
 def fig17s(ctx):
-    df = paper_scale.inference_layers(ctx.scale.name, ctx.seed)
+    df = serving_scale.inference_layers(ctx.scale.name, ctx.seed)
     lina = df[df.variant == "lina"]
     notes = [f"p95 MoE-layer time, baseline over lina: mean {lina.p95_layer_speedup.mean():.2f}x over the "
              f"{len(lina)} MoE layers (the first serve.strategy_options.path_len layers stay static) "
@@ -220,7 +221,7 @@ def fig17s(ctx):
 
 @product(P, "fig18s", needs_real=True, quantities={"a2a_reduction": TAIL_A2A})
 def fig18s(ctx):
-    df = paper_scale.inference_layers(ctx.scale.name, ctx.seed)
+    df = serving_scale.inference_layers(ctx.scale.name, ctx.seed)
     out = df[df.variant == "lina"][["layer", "p95_a2a_s", "a2a_reduction"]].reset_index(drop=True)
     out.attrs["label"] = df.attrs["label"]
     return _tail_a2a(out, "fig18s_tail_a2a", "Fig. 18 (simulated)")
@@ -248,7 +249,7 @@ def table5r(ctx):
 
 @product(P, "table5s", needs_real=True, quantities={"median_over_ideal": INFER, "p95_over_ideal": INFER})
 def table5s(ctx):
-    df = paper_scale.path_length_times(ctx.scale.name, ctx.seed)
+    df = serving_scale.path_length_times(ctx.scale.name, ctx.seed)
     notes = ["the times of Table 5 at one device per expert, from the REAL routing traces (its accuracy and re-plan "
              "share: table5r); a longer path starts Lina later (layer path_len + 1): " + ", ".join(
                  f"Lp {r.path_len}: median {r.median_over_ideal:.2f}x, p95 {r.p95_over_ideal:.2f}x of Ideal"

@@ -27,7 +27,7 @@ def capture(scale, seed: int = 0, trained: bool = True) -> dict:
     "act": activation name, "cfg": the run config (dict), "loss": last training loss, "eval_ppl": held-out
     perplexity on the captured batches}`` (numpy / torch CPU)."""
     from moelab.config import RunConfig
-    from moelab.models.data import make_eval_batch
+    from moelab.models.tasks import make_eval_batch
     from moelab.models.transformer import lm_loss
     from moelab.runtime.train import Trainer
 

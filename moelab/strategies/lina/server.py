@@ -12,8 +12,7 @@ import functools
 import numpy as np
 import torch
 
-from moelab.models.data import make_batch
-from moelab.models.tasks import build_model
+from moelab.models.tasks import build_model, make_batch
 from moelab.runtime.checkpoint import init_from_checkpoint
 from moelab.runtime.train import DTYPES
 from moelab.strategies.lina.infer import LinaServeLayer, ServeContext

@@ -34,7 +34,7 @@ def layer_factory(run_cfg, opts: ParmOptions):
 
 
 def declared_groups(run_cfg) -> dict:
-    from moelab.strategies.parm.model import layout_of
+    from moelab.strategies.parm.options import layout_of
 
     return layout_of(run_cfg, ParmOptions.from_dict(run_cfg.parallel.strategy_options)).groups()
 

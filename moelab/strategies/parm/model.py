@@ -14,18 +14,10 @@ import torch
 from moelab.models.tensor_parallel import shard_dense
 from moelab.strategies.parm import gating
 from moelab.strategies.parm.layer import ParmMoE
-from moelab.strategies.parm.layout import DENSE_DP, MP, ParmLayout
-from moelab.strategies.parm.options import ParmOptions
+from moelab.strategies.parm.layout import DENSE_DP, MP
+from moelab.strategies.parm.options import ParmOptions, layout_of
 
 __all__ = ["ParmMoELayer", "layout_of", "data_shard", "prepare_model", "DENSE_DP"]
-
-
-def layout_of(run_cfg, opts: ParmOptions) -> ParmLayout:
-    from moelab.runtime.train import topology_for
-
-    P = run_cfg.parallel.nproc
-    return ParmLayout(P, opts.mp, opts.esp, run_cfg.model.moe.num_experts, topology_for(run_cfg, P).ranks_per_node,
-                      opts.allow_cross_node)
 
 
 def data_shard(run_cfg, rank: int, world: int) -> tuple:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from moelab.config import ConfigError
 from moelab.registry import StrategyOptions
 from moelab.strategies.parm.gating import DISPATCHERS
-from moelab.strategies.parm.layout import SAA_MODES
+from moelab.strategies.parm.layout import SAA_MODES, ParmLayout
 
 SCHEDULES = ("baseline", "s1", "s2", "s2_aas", "auto")
 
@@ -52,8 +52,6 @@ class ParmOptions(StrategyOptions):
 
     def run_errors(self, run_cfg) -> list:
         """Everything about the run that Parm cannot execute, each naming the option and its values."""
-        from moelab.strategies.parm.model import layout_of
-
         m, moe, p, t = run_cfg.model, run_cfg.model.moe, run_cfg.parallel, run_cfg.train
         errs = list(layout_of(run_cfg, self).errors())
         if m.d_ff % self.esp:
@@ -78,3 +76,12 @@ class ParmOptions(StrategyOptions):
             errs.append(f"parm gates like DeepSpeed: model.moe.gate must be 'switch' (k=1) or 'gshard' (k=2), "
                         f"got {moe.gate!r}")
         return errs
+
+
+def layout_of(run_cfg, opts: ParmOptions) -> ParmLayout:
+    """The rank layout of this run under ``opts`` (its process groups and what it cannot hold)."""
+    from moelab.runtime.train import topology_for
+
+    P = run_cfg.parallel.nproc
+    return ParmLayout(P, opts.mp, opts.esp, run_cfg.model.moe.num_experts, topology_for(run_cfg, P).ranks_per_node,
+                      opts.allow_cross_node)

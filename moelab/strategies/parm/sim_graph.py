@@ -178,8 +178,7 @@ def parm_iteration_graph(cfg, profile, loads=None, placement=None, *, schedule: 
     ``profile`` (:func:`parm_model_graph`; loads do not matter: the buffers are capacity-padded).
     ``auto`` resolves with Alg. 1 on alpha-beta lines fitted to the profile's own collective curves.
     The update's all-reduces are :func:`model_steps`'."""
-    from moelab.strategies.parm.model import layout_of
-    from moelab.strategies.parm.options import ParmOptions
+    from moelab.strategies.parm.options import ParmOptions, layout_of
 
     opts = ParmOptions.from_dict(cfg.parallel.strategy_options)
     lay = layout_of(cfg, opts)

@@ -9,7 +9,7 @@ import yaml
 
 from moelab.papers import fastermoe as E
 from moelab.papers.kit.assumptions import KINDS, AssumptionError, load_assumptions, parse_assumptions
-from moelab.papers.kit.reproduce import project_root
+from moelab.runtime.project import project_root
 from moelab.strategies.fastermoe import perf_model as pm
 
 SMOKE = "smoke"

@@ -123,8 +123,8 @@ def test_batch_size_fit_reaches_table_one_all_to_all_per_layer(monkeypatch):
     (Table 1, 16 GPUs: 102 ms / 12 layers) within 2 %, in whole served batches (synthetic traces stand in for
     the REAL suite here)."""
     from moelab.papers.kit.compare import paper_value
-    from moelab.papers.lina import paper_scale as ps
     from moelab.papers.lina import runs
+    from moelab.papers.lina import serving_scale as ps
 
     traces = markov_traces(4096, 4, 8, order=1, seed=3)
     monkeypatch.setattr(runs, "inference_suite", lambda scale, seed=0: {"traces": traces})
