@@ -261,7 +261,7 @@ def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps
     return {"call_s": max(0.0, statistics.median(walls[2:]) - sync - alone), "sync_s": sync}
 
 
-def transport_cpu_per_byte(comm, group: str = "world", peer_bytes: int = 1 << 19, reps: int = 16) -> float:
+def transport_cpu_per_byte(comm, group: str = "world", peer_bytes: int = 1 << 23, reps: int = 16) -> float:
     """CPU seconds a member spends per byte it sends to or receives from the others, measured on ``comm``'s
     door: the process CPU time (every thread, kernel included) of all-to-alls of ``peer_bytes`` and of
     ``peer_bytes / 8`` to each member, alternated, the slope between their medians over the bytes moved;
