@@ -31,10 +31,11 @@ A strategy is everything a system changes, as data the core reads:
   strategy train a different model on purpose when true (FasterMoE's topology gate), or a predicate
   on the option dict (LSH-MoE: every hash family but identity); such option sets are exempt from the
   equivalences (:meth:`Strategy.changes_model_with`).
-- ``serve``: ``(run_cfg, comm) -> server`` (or ``"module:function"``): the strategy's inference server, which
-  ``moelab serve`` runs when ``serve.strategy`` names it (:mod:`moelab.runtime.serve` says what a server
-  provides); ``serve_options``: its :class:`StrategyOptions` for ``serve.strategy_options``, checked like
-  ``options`` (:meth:`Strategy.bind_serve`). None: the strategy does not serve.
+- ``serve``: ``(run_cfg, comm, options) -> server`` (or ``"module:function"``): the strategy's inference
+  server, which ``moelab serve`` runs when ``serve.strategy`` names it (:mod:`moelab.runtime.serve` says what
+  a server provides); ``serve_options``: its :class:`StrategyOptions` for ``serve.strategy_options``, checked
+  like ``options`` and handed to ``serve`` bound (:meth:`Strategy.bind_serve`; None without them). None: the
+  strategy does not serve.
 
 ``ep`` (the baseline itself) is registered here. Built-in strategies are the subpackages of
 :mod:`moelab.strategies`, each registering the strategy of its own name; one is imported by name on first
@@ -49,6 +50,7 @@ strategy's code is reached through the name at run time, never imported by the c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
@@ -149,8 +151,10 @@ _REGISTRY: dict = {}
 _PACKAGE = "moelab.strategies"  # its subpackages are the built-in strategies, each registering its own name
 
 
+@functools.lru_cache(maxsize=1)
 def _builtin() -> dict:
-    """name -> module of every built-in strategy (the subpackages of :mod:`moelab.strategies`), found on disk."""
+    """name -> module of every built-in strategy (the subpackages of :mod:`moelab.strategies`), found on disk
+    once per process."""
     import pkgutil
 
     spec = importlib.util.find_spec(_PACKAGE)
@@ -176,7 +180,7 @@ class Strategy:
     shared_loads: bool = True
     conformance: tuple = ({},)  # option dicts for the conformance suite
     changes_model: Union[tuple, Callable] = ()  # option names (or a predicate) that change the trained model
-    serve: Union[Callable, str, None] = None  # (run_cfg, comm) -> server (moelab.runtime.serve); None: no server
+    serve: Union[Callable, str, None] = None  # (run_cfg, comm, options) -> server (moelab.runtime.serve)
     serve_options: Optional[type] = None  # StrategyOptions of serve.strategy_options
     doc: str = ""
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
@@ -187,35 +191,33 @@ class Strategy:
             return bool(self.changes_model(dict(opts)))
         return any(opts.get(k) for k in self.changes_model)
 
-    def bind(self, run_cfg):
-        """The run's options, parsed and checked against the run (a ConfigError naming the option)."""
-        given = run_cfg.parallel.strategy_options
-        if self.options is None:
+    def _bind(self, options: Optional[type], section: str, run_cfg):
+        """``section``'s ``strategy_options`` parsed by ``options`` and checked against the run (None without
+        options; a ConfigError naming the option)."""
+        given = getattr(run_cfg, section).strategy_options
+        if options is None:
             if given:
-                raise ConfigError(f"parallel.strategy {self.name!r} takes no strategy_options, got {sorted(given)}")
+                raise ConfigError(f"{section}.strategy {self.name!r} takes no strategy_options, got {sorted(given)}")
             return None
-        opts = self.options.from_dict(given)
+        opts = options.from_dict(given)
         opts.raise_if(opts.run_errors(run_cfg))
         return opts
+
+    def bind(self, run_cfg):
+        """The run's options (``parallel.strategy_options``), parsed and checked against the run."""
+        return self._bind(self.options, "parallel", run_cfg)
 
     def bind_serve(self, run_cfg):
         """The run's serving options (``serve.strategy_options``), parsed and checked against the run."""
-        given = run_cfg.serve.strategy_options
         if self.serve is None:
             raise ConfigError(f"strategy {self.name!r} has no server; serve.strategy must name one of "
                               f"{sorted(serving_strategies())}")
-        if self.serve_options is None:
-            if given:
-                raise ConfigError(f"serve.strategy {self.name!r} takes no strategy_options, got {sorted(given)}")
-            return None
-        opts = self.serve_options.from_dict(given)
-        opts.raise_if(opts.run_errors(run_cfg))
-        return opts
+        return self._bind(self.serve_options, "serve", run_cfg)
 
     def server(self, run_cfg, comm):
-        """This strategy's server for ``run_cfg`` on ``comm`` (:mod:`moelab.runtime.serve`)."""
-        self.bind_serve(run_cfg)
-        return self._resolve("serve", self.serve)(run_cfg, comm)
+        """This strategy's server for ``run_cfg`` on ``comm`` (:mod:`moelab.runtime.serve`), given its bound
+        serving options."""
+        return self._resolve("serve", self.serve)(run_cfg, comm, self.bind_serve(run_cfg))
 
     def layer_class(self, run_cfg):
         """The MoE layer class of this run (options bound), or None for the core layer."""
@@ -253,9 +255,8 @@ def register_strategy(strategy: Strategy) -> Strategy:
 
 def get(name: str) -> Strategy:
     """The registered :class:`Strategy` ``name`` (imports a built-in one on first use)."""
-    builtin = _builtin()
-    if name not in _REGISTRY and name in builtin:
-        importlib.import_module(builtin[name])
+    if name not in _REGISTRY and name in _builtin():
+        importlib.import_module(_builtin()[name])
     try:
         return _REGISTRY[name]
     except KeyError:

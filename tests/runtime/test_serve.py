@@ -31,7 +31,8 @@ class _Bigram(torch.nn.Module):
 
 
 class _ToyServer:
-    def __init__(self, cfg, comm):
+    def __init__(self, cfg, comm, opts):
+        assert opts is None  # the toy declares no serve_options
         self.model, self.calls = _Bigram(cfg.model.vocab_size), []
 
     def prepare(self):
@@ -49,8 +50,8 @@ class _ToyServer:
 SERVERS: list = []
 
 
-def _toy_serve(cfg, comm):
-    SERVERS.append(_ToyServer(cfg, comm))
+def _toy_serve(cfg, comm, opts):
+    SERVERS.append(_ToyServer(cfg, comm, opts))
     return SERVERS[-1]
 
 

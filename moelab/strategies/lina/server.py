@@ -60,6 +60,6 @@ class LinaServer:
         self.ctx.close()
 
 
-def build(cfg, comm) -> LinaServer:
-    """The registered ``serve`` of strategy ``lina``."""
-    return LinaServer(cfg, comm, LinaServeOptions.from_dict(cfg.serve.strategy_options))
+def build(cfg, comm, opts: LinaServeOptions) -> LinaServer:
+    """The registered ``serve`` of strategy ``lina``: ``opts`` are its bound serving options."""
+    return LinaServer(cfg, comm, opts)
