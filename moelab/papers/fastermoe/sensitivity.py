@@ -92,3 +92,20 @@ def fig10_sensitivity(scale, seed: int = 0) -> pd.DataFrame:
                          "paper_speedup (paper.yaml) is a reference only, nothing is tuned toward it")
     df.attrs["assumptions"] = list(dict.fromkeys(df.assumption))
     return df
+
+
+# ---- gap ladders (experiments/fastermoe/ladders.yaml): the headlines at the row's own fidelity ----------------
+def trevor_headline(scale, overrides: tuple = ()) -> float:
+    """FasterMoE over ZeRO-3 on trevor (BERT-Wide), as paper.yaml's ``zero3_speedup_trevor`` row reads it."""
+    return fig10_speedups(scale, 0, overrides, ("trevor",))["trevor"][1]
+
+
+def johnny_headline(scale, overrides: tuple = ()) -> float:
+    """FasterMoE over ZeRO-3 on johnny, the best of its four models (``zero3_speedup_johnny``)."""
+    return fig10_speedups(scale, 0, overrides, ("johnny",))["johnny"][1]
+
+
+def zero2_headline(scale, overrides: tuple = ()) -> float:
+    """FasterMoE over ZeRO-2, the largest over both clusters' models (``zero2_speedup_max``)."""
+    df = fig10_end_to_end(scale, 0, overrides, CLUSTERS)
+    return float(df[df.system == "FasterMoE"].speedup_vs_zero2.max())

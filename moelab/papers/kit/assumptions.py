@@ -10,6 +10,8 @@
       range: [0.0, 0.9]         # optional: the plausible interval a sensitivity table sweeps
       unit: fraction
       note: ...
+      fitted_to: [key, ...]     # fitted: the paper.yaml numbers it was fitted to (their rows become "fit")
+      chosen_from: [key, ...]   # an assumption reasoned from these paper numbers (their rows: "chosen from")
 
 Experiments read values with ``A.value(name)``; figures list the names they depend on
 (``A.for_figure("fig10")``) so a reader sees which numbers are guesses. Loading validates every
@@ -26,7 +28,7 @@ from typing import Iterator, Mapping, Optional, Tuple, Union
 import pandas as pd
 
 KINDS = ("assumption", "fitted", "paper")
-_FIELDS = ("value", "kind", "source", "affects", "range", "unit", "note")
+_FIELDS = ("value", "kind", "source", "affects", "range", "unit", "note", "fitted_to", "chosen_from")
 
 
 class AssumptionError(ValueError):
@@ -43,6 +45,8 @@ class Assumption:
     range: Optional[Tuple[float, float]] = None
     unit: str = ""
     note: str = ""
+    fitted_to: Tuple[str, ...] = ()  # paper.yaml keys this constant was fitted to
+    chosen_from: Tuple[str, ...] = ()  # paper.yaml keys this guess was reasoned from
 
     def check(self, where: str = "") -> "Assumption":
         """Raise :class:`AssumptionError` unless kind, source, value and range are well formed."""
@@ -56,6 +60,8 @@ class Assumption:
             raise AssumptionError(f"{at}: value must be a finite number, got {self.value!r}"
                                   + (" (YAML reads 1e12 as text: write 1.0e+12)"
                                      if isinstance(self.value, str) else ""))
+        if self.fitted_to and self.kind != "fitted":
+            raise AssumptionError(f"{at}: fitted_to is for kind 'fitted' (use chosen_from for a guess)")
         if self.range is not None:
             lo, hi = self.range
             if not lo <= hi:
@@ -104,8 +110,10 @@ class Assumptions(Mapping):
     def frame(self) -> pd.DataFrame:
         rows = [dict(name=a.name, value=a.value, kind=a.kind, unit=a.unit,
                      low=a.range[0] if a.range else None, high=a.range[1] if a.range else None,
-                     affects=", ".join(a.affects), source=a.source, note=a.note) for a in self._d.values()]
-        df = pd.DataFrame(rows, columns=["name", "value", "kind", "unit", "low", "high", "affects", "source", "note"])
+                     affects=", ".join(a.affects), source=a.source, note=a.note,
+                     from_paper=", ".join(a.fitted_to + a.chosen_from)) for a in self._d.values()]
+        df = pd.DataFrame(rows, columns=["name", "value", "kind", "unit", "low", "high", "affects", "source", "note",
+                                         "from_paper"])
         df.attrs["label"] = f"assumptions as data: {self.path}"
         return df
 
@@ -141,9 +149,18 @@ def parse_assumptions(raw: Mapping, where: str = "") -> Assumptions:
         aff = e.get("affects", ())
         aff = (aff,) if isinstance(aff, str) else tuple(aff)
         a = Assumption(name=str(name), value=e["value"], kind=e["kind"], source=e["source"] or "",
-                       affects=aff, range=rng, unit=str(e.get("unit", "")), note=str(e.get("note", "")))
+                       affects=aff, range=rng, unit=str(e.get("unit", "")), note=str(e.get("note", "")),
+                       fitted_to=_keys(e, "fitted_to", where, name), chosen_from=_keys(e, "chosen_from", where, name))
         out[str(name)] = a.check(where)
     return Assumptions(out)
+
+
+def _keys(e: Mapping, field: str, where: str, name) -> Tuple[str, ...]:
+    v = e.get(field, ())
+    v = (v,) if isinstance(v, str) else v
+    if not isinstance(v, (list, tuple)) or not all(isinstance(k, str) for k in v):
+        raise AssumptionError(f"{where}: {name}: {field} must list paper.yaml keys, got {v!r}")
+    return tuple(v)
 
 
 def load_assumptions(path_or_paper: Union[str, Path], root: Union[str, Path, None] = None) -> Assumptions:

@@ -22,6 +22,18 @@ Rules, so that a row never sets two different things side by side:
   ratio, only whether it lies on the same side of ``neutral`` as the paper's;
 - a product that was not made gives a "not run" row; one that was made without a number there (no row
   matches, or only NaN: e.g. a system that never reached the target) a "no value" row.
+
+Circular rows are named, never counted as agreement (the value and ratio stay visible):
+
+- **fit**: an assumption of kind ``fitted`` lists the paper key in ``fitted_to`` (and the product in
+  ``affects``): moelab's number was fitted to this paper number;
+- **chosen from**: a guess lists the key in ``chosen_from``: it was reasoned from this very number;
+- **input**: the moelab source lists paper keys in ``inputs``: its value used the paper's numbers as input.
+
+Each row then gets a ``verdict`` (:data:`VERDICTS`): a SIMULATED ratio within ±25 % *agrees*; one further
+off is *explained* when a gap ladder (:mod:`moelab.papers.kit.ladder`) closes at least 75 % of its log-gap,
+*contradicted* when the paper.yaml entry states moelab's evidence against the claim (``contradicted:``), and
+otherwise *off, no stated cause*. ``headline: true`` marks the claims of a paper's abstract and introduction.
 """
 from __future__ import annotations
 
@@ -32,7 +44,11 @@ from pathlib import Path
 
 REDUCERS = {"max": lambda s: s.max(), "min": lambda s: s.min(), "mean": lambda s: s.mean(),
             "median": lambda s: s.median(), "only": None}
-STATUSES = ("ratio", "trend check", "refused", "no value", "not run")
+STATUSES = ("ratio", "trend check", "fit", "chosen from", "input", "refused", "no value", "not run")
+AGREE = 1.25  # a SIMULATED ratio within [1/AGREE, AGREE] agrees
+EXPLAINED = 0.75  # the share of the log-gap a ladder must close to explain a row
+VERDICTS = ("agrees", "explained", "contradicted", "off, no stated cause", "trend: same side", "trend: other side",
+            "trend: no neutral", "not evidence", "no value")
 
 
 class PaperNumbersError(ValueError):
@@ -75,6 +91,9 @@ def _numbers(file: tuple) -> dict:
                 raise PaperNumbersError(f"{path}: {key}: each moelab source names a product and a column")
             if src.get("reduce", "only") not in REDUCERS:
                 raise PaperNumbersError(f"{path}: {key}: reduce must be one of {sorted(REDUCERS)}")
+            unknown = sorted(set(src.get("inputs") or ()) - set(data["numbers"]))
+            if unknown:
+                raise PaperNumbersError(f"{path}: {key}: inputs names no paper number: {unknown}")
         out[key] = e
     return out
 
@@ -104,12 +123,47 @@ def _reduce(frame, column: str, how: str):
     return float(REDUCERS[how](s))
 
 
-def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict) -> dict:
-    """One row: the paper number ``entry`` against moelab source ``src``."""
+def circularity(paper: str) -> dict:
+    """paper key -> [(status, assumption name, products it affects)] from the paper's assumptions file:
+    the constants fitted to (``fitted_to``) or reasoned from (``chosen_from``) a paper number."""
+    from moelab.papers.kit.assumptions import assumptions_path, load_assumptions
+
+    out: dict = {}
+    if not assumptions_path(paper).is_file():
+        return out
+    for a in load_assumptions(paper).values():
+        for status, keys in (("fit", a.fitted_to), ("chosen from", a.chosen_from)):
+            for k in keys:
+                out.setdefault(k, []).append((status, a.name, a.affects))
+    return out
+
+
+def _circular(key: str, pid: str, src: dict, circ: dict):
+    """(status, why) when this row's moelab value came from the paper number it is compared with."""
+    for status, name, affects in circ.get(key, ()):
+        if not affects or pid in affects:
+            verb = "fitted to" if status == "fit" else "chosen from"
+            return status, f"{status}: moelab's {name} was {verb} this paper number (not evidence)"
+    if src.get("inputs"):
+        return "input", f"input: moelab's value uses the paper's {', '.join(src['inputs'])} (not evidence)"
+    return None
+
+
+def source_id(src: dict) -> str:
+    """A moelab source in one line (product.column[where]:reducer), to name a row in the golden file."""
+    where = ",".join(f"{k}={v}" for k, v in sorted((src.get("where") or {}).items()))
+    return f"{src['product']}.{src['column']}[{where}]:{src.get('reduce', 'only')}"
+
+
+def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict,
+                circularity: dict | None = None) -> dict:
+    """One row: the paper number ``entry`` against moelab source ``src``; ``circularity`` as returned by
+    :func:`circularity`."""
     from moelab.papers.kit.report import label_kind
 
     pid, col = src["product"], src["column"]
-    row = dict(key=key, figure=entry["figure"], quantity=entry["quantity"], unit=entry["unit"],
+    row = dict(key=key, source_id=source_id(src), figure=entry["figure"], quantity=entry["quantity"],
+               unit=entry["unit"],
                paper=float(entry["value"]), paper_at=entry.get("at", ""), moelab=math.nan, moelab_label="",
                product=pid, status="not run", ratio=math.nan, trend="", note=src.get("note", ""),
                paper_source=entry["source"])
@@ -137,7 +191,12 @@ def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict) 
     label = frame.attrs.get("label", "")
     kind = label_kind(label)
     row.update(moelab=v, moelab_label=label)
-    if kind == "SIMULATED":
+    circular = _circular(key, pid, src, circularity or {})
+    if circular:
+        status, why = circular
+        row.update(status=status, ratio=v / row["paper"] if row["paper"] else math.nan,
+                   note=(row["note"] + "; " if row["note"] else "") + why)
+    elif kind == "SIMULATED":
         row.update(status="ratio", ratio=v / row["paper"] if row["paper"] else math.nan)
     else:
         neutral = entry.get("neutral")
@@ -150,21 +209,49 @@ def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict) 
     return row
 
 
-def compare(paper: str, values: dict, products: dict, numbers: dict | None = None):
-    """The paper-vs-moelab frame: one row per (paper number, moelab source), see the module doc."""
+def verdict(row: dict, entry: dict, closed: float | None = None) -> str:
+    """What a row says about the paper's claim (:data:`VERDICTS`); ``closed``: the share of the row's log-gap
+    its ladder closes, if it has one."""
+    st = row["status"]
+    if st in ("fit", "chosen from", "input"):
+        return "not evidence"
+    if st == "trend check":
+        return ("trend: same side" if row["trend"].startswith("same") else
+                "trend: other side" if row["trend"].startswith("other") else "trend: no neutral")
+    if st != "ratio" or not row["ratio"] > 0:
+        return "no value"
+    if 1 / AGREE <= row["ratio"] <= AGREE:
+        return "agrees"
+    if closed is not None and closed >= EXPLAINED:
+        return "explained"
+    if entry.get("contradicted"):
+        return "contradicted"
+    return "off, no stated cause"
+
+
+def compare(paper: str, values: dict, products: dict, numbers: dict | None = None, *, closed: dict | None = None):
+    """The paper-vs-moelab frame: one row per (paper number, moelab source), see the module doc.
+    ``closed``: paper key -> the share of its log-gap a ladder closes (:func:`moelab.papers.kit.ladder.walk`)."""
     import pandas as pd
 
     numbers = load_numbers(paper) if numbers is None else numbers
+    circ = circularity(paper)
+    closed = closed or {}
     rows = []
     for key, e in numbers.items():
         for src in e.get("moelab") or [{}]:
             if not src:  # the paper has it, moelab has nothing to set against it
-                rows.append(dict(key=key, figure=e["figure"], quantity=e["quantity"], unit=e["unit"],
-                                 paper=float(e["value"]), paper_at=e.get("at", ""), moelab=math.nan,
-                                 moelab_label="", product="", status="not run", ratio=math.nan, trend="",
-                                 note=e.get("no_counterpart", "no moelab counterpart"), paper_source=e["source"]))
-                continue
-            rows.append(compare_one(key, e, src, values, products))
+                row = dict(key=key, source_id="", figure=e["figure"], quantity=e["quantity"], unit=e["unit"],
+                           paper=float(e["value"]), paper_at=e.get("at", ""), moelab=math.nan,
+                           moelab_label="", product="", status="not run", ratio=math.nan, trend="",
+                           note=e.get("no_counterpart", "no moelab counterpart"), paper_source=e["source"])
+            else:
+                row = compare_one(key, e, src, values, products, circ)
+            v = verdict(row, e, closed.get(key))
+            row.update(headline=bool(e.get("headline")), verdict=v,
+                       why=e["contradicted"] if v == "contradicted" else
+                       f"gap ladder closes {closed[key]:.0%} of the log-gap" if v == "explained" else "")
+            rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs["label"] = (f"PAPER vs moelab: the paper's numbers from experiments/{paper}/paper.yaml; ratios only "
                          "for SIMULATED values at the paper's scale, trend checks for runs on this machine")

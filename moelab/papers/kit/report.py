@@ -221,16 +221,31 @@ def figure_order(folder: str | Path) -> list[str]:
             if f.get("kind") == "figure"]
 
 
-def paper_vs_moelab_counts(folder: str | Path) -> dict | None:
-    """Rows of ``table_paper_vs_moelab.csv`` by status (ratio, trend check, refused, no value, not run)."""
+def paper_vs_moelab_counts(folder: str | Path, column: str = "status") -> dict | None:
+    """Rows of ``table_paper_vs_moelab.csv`` by ``column``: status (ratio, trend check, fit, chosen from, input,
+    refused, no value, not run) or verdict (agrees, explained, contradicted, off, ...)."""
     path = Path(folder) / "table_paper_vs_moelab.csv"
     if not path.is_file():
         return None
     import pandas as pd
 
     try:
-        return pd.read_csv(path)["status"].value_counts().to_dict()
+        return pd.read_csv(path)[column].value_counts().to_dict()
     except (ValueError, KeyError):
+        return None
+
+
+def headline_verdicts(folder: str | Path) -> dict | None:
+    """The headline claims' rows (``headline: true`` in paper.yaml) by verdict."""
+    path = Path(folder) / "table_paper_vs_moelab.csv"
+    if not path.is_file():
+        return None
+    import pandas as pd
+
+    try:
+        df = pd.read_csv(path)
+        return df[df.headline.astype(bool)]["verdict"].value_counts().to_dict()
+    except (ValueError, KeyError, AttributeError):
         return None
 
 
@@ -304,10 +319,14 @@ def _coverage_cell(c: dict | None) -> str:
             f"<br><span class=muted>{c['products_made']}/{c['products']} products made</span>")
 
 
-def _pvm_cell(counts: dict | None) -> str:
+def _pvm_cell(counts: dict | None, headlines: dict | None = None) -> str:
     if not counts:
         return "<span class=muted>—</span>"
-    return ", ".join(f"{n} {_e(status)}" for status, n in counts.items())
+    cell = ", ".join(f"{n} {_e(status)}" for status, n in counts.items())
+    if headlines:
+        cell += "<br><span class=muted>headline claims: " + ", ".join(
+            f"{n} {_e(v)}" for v, n in headlines.items()) + "</span>"
+    return cell
 
 
 def _params_table(m: dict) -> str:
@@ -368,8 +387,8 @@ def _section(m: dict, out: Path, found: dict) -> str:
     if m.get("error"):
         body.append(f"<h3>Error</h3><pre>{_e(m['error'])}</pre>")
     body.append(_manifest_html(out / fig_rel, base))
-    pvm = [t for t in found["tables"] if t["name"].endswith("table_paper_vs_moelab")]
-    body += [_table_section(t, base) for t in pvm]  # the paper's numbers beside moelab's, before the figures
+    pvm = [t for t in found["tables"] if t["name"].endswith(("table_paper_vs_moelab", "table_gap_ladders"))]
+    body += [_table_section(t, base) for t in pvm]  # the paper's numbers beside moelab's and the ladders first
     if found["figures"]:
         body.append(f"<h3>Figures ({len(found['figures'])})</h3><div class=grid>"
                     + "".join(_figure_card(f, base) for f in found["figures"]) + "</div>")
@@ -404,7 +423,8 @@ def build_index(out: str | Path, session: dict | None = None) -> Path:
         n = len(found[-1]["figures"])
         rows.append(f'<tr><td><a href="#nb-{_e(m.get("name"))}">{_e(m.get("name"))}</a></td>'
                     f"<td>{_status_badges(m)}</td><td>{_e(m.get('scale'))}</td><td>{_fmt_s(m.get('wall_s'))}</td>"
-                    f"<td>{_coverage_cell(coverage(folder))}</td><td>{_pvm_cell(paper_vs_moelab_counts(folder))}</td>"
+                    f"<td>{_coverage_cell(coverage(folder))}</td>"
+                    f"<td>{_pvm_cell(paper_vs_moelab_counts(folder), headline_verdicts(folder))}</td>"
                     f"<td>{n}</td><td>{_e(m.get('reason'))}</td></tr>")
     bad = [m for m in manifests if m.get("status") != "ok"]
     summary = (f"<section><h2>Notebooks</h2><p>{len(manifests) - len(bad)} ok, {len(bad)} failed. Labels: "

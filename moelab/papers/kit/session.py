@@ -53,6 +53,7 @@ class Session:
         self.formats = ("html", "png") if png else ("html",)
         self.show_output = show
         self.status: dict = {}  # product id -> {status, reason, files, seconds, notes}
+        self.ladders = None  # the gap ladders' frame, once finish() walked them
 
     @property
     def values(self) -> dict:
@@ -129,15 +130,20 @@ class Session:
         return df
 
     def finish(self):
-        """Write the paper-vs-moelab table, the manifest (``manifest.json`` + ``table_manifest.csv``) and
-        the run time per product; return the paper-vs-moelab frame."""
+        """Walk the paper's gap ladders, write the paper-vs-moelab table, the manifest (``manifest.json`` +
+        ``table_manifest.csv``) and the run time per product; return the paper-vs-moelab frame."""
         from moelab.papers.kit.compare import compare, compare_figure, paper_numbers_path
+        from moelab.papers.kit.ladder import walk_all
         from moelab.papers.kit.report import record_figure, record_table
         from moelab.runtime.results import atomic_write_json
 
         pvm = None
         if paper_numbers_path(self.manifest.paper).is_file():
-            pvm = compare(self.manifest.paper, self.values, self.products)
+            ladders, closed = walk_all(self.manifest.paper, self.ctx.scale)
+            self.ladders = ladders
+            if len(ladders):
+                record_table(ladders, self.out / "table_gap_ladders", title="Gap ladders", label=ladders.attrs["label"])
+            pvm = compare(self.manifest.paper, self.values, self.products, closed=closed)
             record_table(pvm, self.out / "table_paper_vs_moelab", title="Paper vs moelab", label=pvm.attrs["label"])
             record_figure(compare_figure(pvm), self.out / "paper_vs_moelab", formats=self.formats)
         mf = self.manifest_frame()

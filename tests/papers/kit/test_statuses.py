@@ -1,0 +1,60 @@
+"""Comparison statuses that tell the truth: a value fitted to, reasoned from or computed with the paper number it
+is compared with is named so (fit / chosen from / input), never counted as agreement; every row gets a verdict."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from moelab.papers.kit.assumptions import AssumptionError, parse_assumptions
+from moelab.papers.kit.compare import compare_one, verdict
+from moelab.papers.kit.registry import products
+from tests.papers.kit.test_kit import TOY, _emu, _numbers, _sim
+
+ENTRY = _numbers()["n"]
+
+
+def _row(src, circ=None):
+    reg = products(TOY, "tests.papers.kit.test_kit")
+    values = {"sim": _sim(None).value, "emu": _emu(None).value}
+    return compare_one("n", ENTRY, src, values, reg, circ)
+
+
+SIM = dict(product="sim", column="speedup", reduce="max")
+
+
+def test_a_fitted_value_is_a_fit_not_a_ratio_and_not_evidence():
+    r = _row(SIM, {"n": [("fit", "eta", ("sim",))]})
+    assert r["status"] == "fit" and "eta was fitted to" in r["note"] and r["ratio"] == pytest.approx(3.0 / 2.5)
+    assert verdict(r, ENTRY) == "not evidence"
+    # a fit of another product does not touch this row
+    r = _row(SIM, {"n": [("fit", "eta", ("other_product",))]})
+    assert r["status"] == "ratio" and verdict(r, ENTRY) == "agrees"
+
+
+def test_a_guess_chosen_from_the_number_and_a_paper_input_are_named():
+    assert _row(SIM, {"n": [("chosen from", "t_paper", ())]})["status"] == "chosen from"
+    r = _row({**SIM, "inputs": ["rate"]})
+    assert r["status"] == "input" and "rate" in r["note"] and verdict(r, ENTRY) == "not evidence"
+
+
+def test_verdicts():
+    r = _row(SIM)  # 3.0 vs 2.5: ratio 1.2, within 25 %
+    assert verdict(r, ENTRY) == "agrees"
+    far = dict(r, ratio=2.0)
+    assert verdict(far, ENTRY) == "off, no stated cause"
+    assert verdict(far, ENTRY, closed=0.8) == "explained"
+    assert verdict(far, ENTRY, closed=0.5) == "off, no stated cause"
+    assert verdict(far, {**ENTRY, "contradicted": "the mechanism X shows ..."}) == "contradicted"
+    t = _row(dict(product="emu", column="speedup"))
+    assert t["status"] == "trend check" and verdict(t, ENTRY) == "trend: other side"
+    assert verdict(dict(r, status="no value", ratio=math.nan), ENTRY) == "no value"
+
+
+def test_fitted_to_is_checked_in_the_assumptions_file():
+    ok = {"assumptions": {"eta": dict(value=0.4, kind="fitted", source="fit", fitted_to=["a", "b"], affects=["f"])}}
+    assert parse_assumptions(ok)["eta"].fitted_to == ("a", "b")
+    with pytest.raises(AssumptionError, match="fitted_to is for kind 'fitted'"):
+        parse_assumptions({"assumptions": {"t": dict(value=8, kind="assumption", source="s", fitted_to=["a"])}})
+    with pytest.raises(AssumptionError, match="must list paper.yaml keys"):
+        parse_assumptions({"assumptions": {"t": dict(value=8, kind="assumption", source="s", chosen_from=[3])}})
