@@ -4,6 +4,7 @@ backward all-to-all never slower than the baseline's, infinite bandwidth makes t
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -50,12 +51,49 @@ def test_allreduce_bytes_are_the_same_under_every_policy(results):
         assert b == dense_param_count(cfg.model) * 2, p  # fp16
 
 
-def test_lina_backward_all_to_all_is_never_slower_than_the_baseline(results):
+def test_lina_backward_all_to_all_is_faster_where_the_baseline_overlaps_it(results):
+    """Here the baseline's all-reduces overlap its backward all-to-alls and Lina's priority takes that away (the
+    invariant itself, never slower, is checked on every paper configuration below)."""
     _, res = results
-    base = bwd_a2a_time(res["ddp_overlap"][1])
-    assert bwd_a2a_time(res["lina"][1]) <= base * (1 + 1e-9)
-    assert bwd_a2a_time(res["priority"][1]) <= base * (1 + 1e-9)
-    assert bwd_a2a_time(res["lina"][1]) < base  # it fired: the baseline's overlap slowed it here
+    assert bwd_a2a_time(res["lina"][1]) < bwd_a2a_time(res["ddp_overlap"][1])
+
+
+# Spec §5.15: "Lina's backward a2a time <= baseline's for every config". The configurations: the paper's, as the
+# reproduction prices them (moelab.papers.lina.paper_scale: Table 1's three models x E = 2..16 in PAPER_GRID, on
+# the calibrated profile with the fitted interference gamma, one GPU per expert), each of Lina's policies (the
+# priority scheduler, + partition, + pipelining, + packing: Fig. 14's ablation) against ddp_overlap.
+LINA_POLICIES = ("priority", "lina", "lina_pipe", "lina_full")
+# (policy, layers, E) -> Lina's backward all-to-all time over the baseline's where moelab computes it slower today
+BWD_A2A_SLOWER = {("lina_pipe", 12, 8): 1.0026, ("lina_pipe", 12, 16): 1.0017,
+                  ("lina_full", 12, 8): 1.186, ("lina_full", 24, 8): 1.159, ("lina_full", 36, 8): 1.150}
+
+
+def _paper_params():
+    from moelab.papers.lina.paper_scale import PAPER_GRID
+
+    for policy in LINA_POLICIES:
+        for layers in PAPER_GRID[0]:
+            for E in PAPER_GRID[1]:
+                r = BWD_A2A_SLOWER.get((policy, layers, E))
+                marks = () if r is None else pytest.mark.xfail(strict=True, reason=(
+                    "spec §5.15 does not hold here today, tracked by the Lina-at-paper-scale issue: moelab computes "
+                    f"{policy}'s backward all-to-all at {r:.4g}x ddp_overlap's ({1 / r:.3f}x speedup) at {layers} "
+                    f"layers, E = {E}; when it holds, remove this mark"))
+                yield pytest.param(policy, layers, E, marks=marks, id=f"{policy}-{layers}L-E{E}")
+
+
+@functools.lru_cache(maxsize=None)
+def paper_bwd_a2a(layers: int, E: int, policy: str) -> float:
+    """Backward all-to-all seconds of one paper configuration, as paper_scale.training prices it (SIMULATED)."""
+    from moelab.papers.lina import paper_scale as ps
+
+    return bwd_a2a_time(ps._simulate(ps.paper_config(layers, E, policy)))
+
+
+@pytest.mark.parametrize("policy, layers, E", list(_paper_params()))
+def test_lina_backward_all_to_all_is_never_slower_than_the_baseline_at_every_paper_configuration(policy, layers, E):
+    ratio = paper_bwd_a2a(layers, E, policy) / paper_bwd_a2a(layers, E, "ddp_overlap")
+    assert ratio <= 1 + 1e-9, f"{policy} at {layers} layers, E = {E}: {ratio:.4f}x the baseline's"
 
 
 def test_micro_ops_and_buckets_have_their_sizes(results):
