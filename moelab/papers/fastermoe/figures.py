@@ -51,7 +51,8 @@ def fig3_ep_example(routing, workers, *, label: str,
 def fig4_popularity(shares, *, label: str, title: str = "Fig. 4: expert-selection share over iterations"):
     """One stacked-area panel per trace: each expert's share of the iteration's assignments."""
     traces = list(dict.fromkeys(shares.trace))
-    fig = make_subplots(rows=len(traces), cols=1, subplot_titles=traces, vertical_spacing=0.18)
+    spacing = 0.18  # not a paper number: the gap between panels
+    fig = make_subplots(rows=len(traces), cols=1, subplot_titles=traces, vertical_spacing=spacing)
     for r, t in enumerate(traces, 1):
         g = shares[shares.trace == t]
         for e, ge in g.groupby("expert"):
