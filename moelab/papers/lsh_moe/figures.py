@@ -35,8 +35,10 @@ def pca_scatter(frame, *, label: str, title: str = "Fig. 4: PCA of the all-to-al
 
 
 @labelled
-def rate_vs_L(frame, *, label: str, title: str = "Fig. 7 (middle): compression rate vs number of hash functions"):
-    """rho vs L: one line per (source, family, r); trained tokens solid, controls dotted."""
+def rate_vs_L(frame, *, label: str, title: str = "Fig. 7 (middle): compression rate vs number of hash functions",
+              paper_rate: float | None = None):
+    """rho vs L: one line per (source, family, r); trained tokens solid, controls dotted; ``paper_rate``: the
+    paper's rate at L=6 (paper.yaml ``rate_at_L6``, passed in by the product), drawn as a dashed line."""
     fig = go.Figure()
     keys = frame[["source", "family", "r"]].drop_duplicates().itertuples(index=False)
     for i, (src, fam, r) in enumerate(keys):
@@ -44,7 +46,9 @@ def rate_vs_L(frame, *, label: str, title: str = "Fig. 7 (middle): compression r
         name = f"{src}, {'CP r=' + str(int(r)) if fam == 'cross_polytope' else fam}"
         fig.add_trace(go.Scatter(x=sub.L, y=sub.rho, mode="lines+markers", name=name,
                                  line={"dash": "solid" if src == "trained" else "dot", "color": _c(i)}))
-    fig.add_hline(y=0.2, line_dash="dash", line_color="grey", annotation_text="paper: ~20% at L=6")
+    if paper_rate is not None:
+        fig.add_hline(y=paper_rate, line_dash="dash", line_color="grey",
+                      annotation_text=f"paper: ~{paper_rate:.0%} at L=6")
     fig.update_xaxes(title_text="hash functions L")
     fig.update_yaxes(title_text="compression rate rho (kept fraction)", range=[0, 1.02])
     return finish(fig, title, label, height=480, width=900)

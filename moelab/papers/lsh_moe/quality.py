@@ -116,7 +116,9 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per variant (mean over seeds): final eval perplexity, measured rho, mean step time; whether it reached
     Origin's final (smoothed) perplexity, and after how many iterations and seconds; and the paper's metric,
     time (and iterations) to *equal* perplexity against Origin: to the level both this variant and Origin
-    reach (the higher of the two final smoothed perplexities), interpolated between evaluations."""
+    reach (the higher of the two final smoothed perplexities), interpolated between evaluations
+    (``iters_to_equal`` / ``origin_iters_to_equal``: the iterations each needs to that level, which
+    :func:`moelab.papers.lsh_moe.speed.simulated_time` prices at paper scale)."""
     ev = df.dropna(subset=["eval_ppl"])
     curves = ev.groupby(["variant", "iter"]).agg(ppl=("eval_ppl", "mean"), time_s=("time_s", "mean")).reset_index()
     origin = curves[curves.variant == "Origin"]
@@ -134,6 +136,7 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
                          reached=bool(len(hit)), iters_to_target=int(c.iter.iloc[hit[0]]) + 1 if len(hit) else None,
                          time_to_target_s=float(c.time_s.iloc[hit[0]]) if len(hit) else None,
                          equal_ppl=common, time_to_equal_s=t_v, origin_time_to_equal_s=t_o,
+                         iters_to_equal=i_v, origin_iters_to_equal=i_o,
                          time_speedup_to_target=t_o / t_v if t_v and t_o else None,
                          iters_speedup_to_target=i_o / i_v if i_v and i_o else None))
     out = pd.DataFrame(rows)

@@ -4,17 +4,32 @@ V100 cluster) and Table 3's samples/s (Swin-MoE-L on the A100 cluster).
 One uncompressed EP step and one LSH-MoE step of the same model on balanced loads, the LSH step's
 all-to-alls priced on ``centroid_counts(loads, rho)`` (each group's bounds kept) with its hashing op, at
 two rates: the one measured on the substitute (CP L=6, r=2 on the trained tiny model's rows: Fig. 7
-middle) and the paper's (20% for Table 2, 11.7% for Table 3). Both accountings: experts on centroids
-(what the runtime does) and experts on every token (the paper's analysis, §6.8). Constants: MFU assumed,
-NIC efficiency as fitted in Fig. 3 (on the A100 cluster; reused for the V100 one: an assumption).
+middle; ``rho_source`` "measured on the substitute", the comparison that tests the paper) and the paper's
+own, read from paper.yaml (``rate_at_L6`` for Table 2, ``swin_rate`` for Table 3; ``rho_source``
+"paper (<key>)": a value that takes the paper's number as its input, so never evidence for it). Both
+accountings: experts on centroids (what the runtime does) and experts on every token (the paper's analysis,
+§6.8). Constants: MFU assumed, NIC efficiency as fitted in Fig. 3 (on the A100 cluster; reused for the V100
+one: an assumption).
+
+Fig. 6's *simulated time* (spec §4 Fig. 6 (ii)): :func:`simulated_time` prices each variant's step at paper
+scale (RoBERTa-MoE on lsh_v100, T5-MoE on lsh_a100) at the rate the variant measured in its run, and
+multiplies it by the iterations that run needed to the equal perplexity.
 """
 from __future__ import annotations
 
 import pandas as pd
 
 from moelab.papers.kit.cache import cached
+from moelab.papers.kit.compare import paper_value
 
 from . import rates, share
+
+MEASURED = "measured on the substitute"
+
+
+def paper_rate(key: str) -> tuple:
+    """``(rho_source, rho)`` of the paper's own rate ``key`` of paper.yaml (read there, never typed)."""
+    return f"paper ({key})", paper_value("lsh_moe", key)
 
 
 def step_times(model: str, profile: str, servers: int, tokens_per_gpu: int, rho: float, mfu: float, eta: float) -> dict:
@@ -48,7 +63,7 @@ def table2_speed(scale) -> pd.DataFrame:
     A = share.assumptions()
     rows = []
     for model in ("GPT-MoE-15B", "GPT-MoE-52B"):
-        for which, rho in (("measured on the substitute", measured_rho(scale)), ("paper (~20%)", 0.2)):
+        for which, rho in ((MEASURED, measured_rho(scale)), paper_rate("rate_at_L6")):
             t = step_times(model, "lsh_v100", 2, int(A.value("tokens_per_gpu_glue")), rho, f["mfu"], f["eta"])
             rows.append(dict(model=model, rho_source=which, rho=rho, rho_effective=t["rho_effective"],
                              speedup=t["ep_s"] / t["lsh_s"], speedup_experts_on_tokens=t["ep_s"] / t["lsh_tokens_s"],
@@ -68,7 +83,7 @@ def table3_speed(scale) -> pd.DataFrame:
     A = share.assumptions()
     tokens = int(A.value("tokens_per_gpu_swin"))
     rows = []
-    for which, rho in (("measured on the substitute", measured_rho(scale)), ("paper (11.7%)", 0.117)):
+    for which, rho in ((MEASURED, measured_rho(scale)), paper_rate("swin_rate")):
         t = step_times("Swin-MoE-L", "lsh_a100", 4, tokens, rho, f["mfu"], f["eta"])
         images = t["gpus"] * tokens / 196  # 196 stage-3 tokens per image
         rows.append(dict(rho_source=which, rho=rho, rho_effective=t["rho_effective"],
@@ -78,3 +93,54 @@ def table3_speed(scale) -> pd.DataFrame:
     df.attrs["label"] = (f"SIMULATED lsh_a100 (32 A100, 200 Gb/s): the uniform Swin-MoE-L stand-in, {tokens} "
                          f"tokens per GPU (assumed), MFU {f['mfu']:.2f} assumed, eta_n {f['eta']:.2f} fitted in Fig. 3")
     return df
+
+
+FIG6 = {"lm": ("RoBERTa-MoE", "lsh_v100", 2), "span": ("T5-MoE", "lsh_a100", 4)}  # spec §4 Fig. 6: 16 V100 / 32 A100
+
+
+def fig6_tokens(task: str) -> int:
+    """Tokens per GPU per step of Fig. 6's model (assumptions: the paper gives no batch size)."""
+    A = share.assumptions()
+    return int(A.value("tokens_per_gpu_t5") if task == "span" else A.value("tokens_per_gpu_roberta"))
+
+
+def simulated_time(summary: pd.DataFrame, task: str, scale) -> pd.DataFrame:
+    """Fig. 6's *simulated time* (spec §4 Fig. 6 (ii)) beside the EMULATED one: ``summary``
+    (:func:`moelab.papers.lsh_moe.quality.summary` of the substitute's runs) with, per variant,
+
+    - ``sim_step_s``: one step of the paper's model on the paper's cluster (:data:`FIG6`) priced at the rate
+      the variant measured in its run (Origin: the uncompressed EP step), experts on centroids;
+    - ``sim_time_to_equal_s``: the substitute's iterations to the equal perplexity times ``sim_step_s``
+      (``origin_sim_time_to_equal_s``: Origin's, to the same level);
+    - ``sim_time_speedup_to_target``: their ratio, the paper's metric in simulated time;
+      ``sim_time_speedup_experts_on_tokens``: the same with experts on every token (the paper's accounting).
+
+    The iterations are a tiny substitute's, not the paper model's: the result is a trend check, never a
+    paper-scale ratio."""
+    f = share.fit(scale)
+    model, profile, servers = FIG6[task]
+    tokens = fig6_tokens(task)
+    out = summary.copy()
+    on_c, on_t = [], []
+    for rho in out.rho:
+        t = step_times(model, profile, servers, tokens, min(float(rho), 1.0), f["mfu"], f["eta"])
+        compressed = float(rho) < 1.0
+        on_c.append(t["lsh_s"] if compressed else t["ep_s"])
+        on_t.append(t["lsh_tokens_s"] if compressed else t["ep_s"])
+    o = list(out.variant).index("Origin")
+    t_o, t_o_tok = on_c[o], on_t[o]
+    i_v = pd.to_numeric(out.iters_to_equal, errors="coerce")
+    i_o = pd.to_numeric(out.origin_iters_to_equal, errors="coerce")
+    out["sim_step_s"] = on_c
+    out["sim_time_to_equal_s"] = i_v * out.sim_step_s
+    out["origin_sim_time_to_equal_s"] = i_o * t_o
+    out["sim_time_speedup_to_target"] = out.origin_sim_time_to_equal_s / out.sim_time_to_equal_s
+    out["sim_time_speedup_experts_on_tokens"] = (i_o * t_o_tok) / (i_v * pd.Series(on_t, index=out.index))
+    out.attrs = dict(summary.attrs)
+    out.attrs["sim"] = dict(model=model, profile=profile, gpus=8 * servers, tokens_per_gpu=tokens, mfu=f["mfu"],
+                            eta=f["eta"])
+    out.attrs["label"] = (summary.attrs.get("label", "") + f"; sim_* columns: SIMULATED time = the substitute's "
+                          f"iterations to the equal perplexity x one {model} step on {profile} ({8 * servers} GPUs) "
+                          f"priced at each variant's measured rho ({tokens} tokens per GPU and MFU {f['mfu']:.2f} "
+                          f"assumed, eta_n {f['eta']:.2f} fitted in Fig. 3)")
+    return out

@@ -75,10 +75,14 @@ def implied_share(S: float, rho: float) -> float:
 
 # ---- Table 4 figure ---------------------------------------------------------------------------------------
 def ratio_curves(ws: Sequence[int] = tuple(range(1, 65)), hs: Sequence[int] = (256, 512, 768, 1024, 2048, 4096),
-                 ks: Sequence[int] = (1, 2), rhos: Sequence[float] = (1.0, 0.2, 0.117), *, flops: float = 312e12,
+                 ks: Sequence[int] = (1, 2), rhos: Sequence[float] = (1.0, 0.5, 0.25), *, flops: float = 312e12,
                  B_inter: float = 12.5e9, w_fixed: int = 4, h_fixed: int = 768) -> pd.DataFrame:
     """Eq. 9's all-to-all / compute ratio vs servers ``w`` (at ``h_fixed``) and vs hidden size ``h`` (at
-    ``w_fixed``), for each k, and with the all-to-all volume scaled by rho (the extended model)."""
+    ``w_fixed``), for each k, and with the all-to-all volume scaled by rho (the extended model).
+
+    ``rhos``: the compression rates to draw. The default (uncompressed, half, a quarter) is neutral, no paper's
+    number; a reproduction passes the rates it compares (the LSH-MoE paper's are read from its paper.yaml by
+    ``moelab.papers.lsh_moe``, which this core package must not import)."""
     rows = []
     for k in ks:
         for rho in rhos:

@@ -59,3 +59,9 @@ def test_ratio_curves_frame():
     w = df[(df.axis == "w") & (df.rho == 1.0)].set_index("x").ratio
     assert w[1] == 0 and w[4] > w[2]
     assert df[(df.axis == "w") & (df.rho == 0.2) & (df.x == 4)].ratio.iloc[0] == pytest.approx(0.2 * w[4])
+
+
+def test_ratio_curves_default_rates_are_no_papers():
+    """The core's default rates are neutral (uncompressed, half, a quarter); a paper passes its own."""
+    df = A.ratio_curves(ws=(2,), hs=(768,), ks=(2,))
+    assert sorted(set(df.rho)) == [0.25, 0.5, 1.0]
