@@ -6,6 +6,8 @@
   registered in pyproject.toml's ``[tool.pytest.ini_options] markers``: a new folder without one fails
   collection with a message saying so.
 - The browser tests' screenshots are named at the end of the run (CI log).
+- Under ``MOELAB_UNDER_LOAD`` (``bash scripts/test.sh --under-load``: CPU spinners beside the suite) the
+  ``timing`` tests are skipped, not loosened: their bounds hold for an idle machine only.
 
 Layout: tests/ mirrors the package (tests/<package>/test_<module>.py, tests/strategies/<name>/,
 tests/papers/<paper>/, tests/papers/kit/) plus tests/e2e/ (multi-process runs, notebooks, the browser)
@@ -13,6 +15,7 @@ and tests/benchmarks/ (the scripts of benchmarks/). Every folder is a package (a
 two folders may hold files of the same name; a test imports another test's helpers, and the shared
 helpers here (fake_worker, browser_kit), as ``tests.<folder>.<module>``.
 """
+import os
 from pathlib import Path
 
 import pytest
@@ -38,6 +41,9 @@ def pytest_collection_modifyitems(config, items):
         if name not in registered:
             missing.add(name)
         item.add_marker(getattr(pytest.mark, name))
+        if os.environ.get("MOELAB_UNDER_LOAD") and item.get_closest_marker("timing"):
+            item.add_marker(pytest.mark.skip(reason="a timing bound holds for an idle machine; this run is under load "
+                                                    f"({os.environ['MOELAB_UNDER_LOAD']} CPU spinners)"))
     if missing:
         raise pytest.UsageError(f"test folder marker(s) {sorted(missing)} not registered: add each to "
                                 "pyproject.toml's [tool.pytest.ini_options] markers")

@@ -80,11 +80,14 @@ def alive(pid: int) -> bool:
 
 
 DUMP_WAIT_S = 5.0  # a loaded host may take seconds to answer SIGUSR1
+DUMP_SETTLE_S = 0.2  # a dump whose file has not grown for this long is complete
 
 
 def dump_stacks(side: Path, wait_s: float = DUMP_WAIT_S) -> None:
     """SIGUSR1 every rank (each dumps its stacks into ``logs/rank{r}.stderr``), then wait until every
-    live rank's dump is there, at most ``wait_s``: a fixed pause lost the dumps of a busy host."""
+    live rank's dump is there and complete (its file has stopped growing for :data:`DUMP_SETTLE_S`), at most
+    ``wait_s``: a fixed pause lost the dumps of a busy host, and a dump read while still being written lost
+    its frames."""
     logs = side.parent / "logs"
     waiting = {}
     for rank, pid in rank_pids_by_rank(side).items():
@@ -94,6 +97,17 @@ def dump_stacks(side: Path, wait_s: float = DUMP_WAIT_S) -> None:
         except ProcessLookupError:
             pass
     end = time.monotonic() + wait_s
+    seen: dict = {}  # pid -> (size of its dump file, when that size was first seen)
     while waiting and time.monotonic() < end:
         time.sleep(0.05)
-        waiting = {pid: f for pid, f in waiting.items() if alive(pid) and not STACK_DUMP.search(read_text(f))}
+        now = time.monotonic()
+        for pid, f in list(waiting.items()):
+            text = read_text(f)
+            if not alive(pid):
+                del waiting[pid]
+            elif STACK_DUMP.search(text):
+                size, since = seen.get(pid, (-1, now))
+                if size != len(text):
+                    seen[pid] = (len(text), now)
+                elif now - since >= DUMP_SETTLE_S:
+                    del waiting[pid]

@@ -15,7 +15,14 @@ side, log, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 def slow_dump(*_):
     time.sleep(1.0)  # a loaded host: the dump comes a second after the signal
     log.write_text("Thread 0x00007f (most recent call first):\\n  File fake.py, line 1 in hang\\n")
-signal.signal(signal.SIGUSR1, slow_dump if mode == "slow" else signal.SIG_IGN)
+def chunked_dump(*_):  # the header first, the frames a moment later (faulthandler writes as it walks)
+    with open(log, "a", buffering=1) as f:
+        f.write("Thread 0x00007f (most recent call first):\\n")
+        f.flush()
+        time.sleep(0.1)
+        f.write("  File fake.py, line 1 in hang\\n")
+handlers = {"slow": slow_dump, "chunked": chunked_dump}
+signal.signal(signal.SIGUSR1, handlers.get(mode, signal.SIG_IGN))
 (side / "pid_rank0").write_text(str(os.getpid()))
 time.sleep(60)
 """
@@ -57,3 +64,13 @@ def test_a_rank_that_never_dumps_costs_the_bound_and_a_dead_one_nothing(tmp_path
     t0 = time.monotonic()
     dump_stacks(side, wait_s=30)  # its pid file is still there; the process is gone
     assert time.monotonic() - t0 < 5
+
+
+def test_a_dump_is_read_whole_not_while_it_is_written(tmp_path):
+    proc, side, log = _rank(tmp_path, "chunked")
+    try:
+        dump_stacks(side, wait_s=20)
+        assert "in hang" in log.read_text()  # the frames after the header arrived before dump_stacks returned
+    finally:
+        proc.kill()
+        proc.wait()
