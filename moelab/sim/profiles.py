@@ -72,6 +72,12 @@ class ClusterProfile:
         """The same testbed with another node count (Parm B at 2/4/8 nodes, Hecate at 16/32 GPUs)."""
         return dataclasses.replace(self, nodes=int(nodes))
 
+    def with_efficiency(self, efficiency: float, source: str = "") -> "ClusterProfile":
+        """The same testbed with compute charged at ``efficiency`` of its peak (a reproduction's assumption sets
+        it: the profile's own value is a default); ``source`` says where the value comes from."""
+        return dataclasses.replace(self, achieved_flops=_eff(self.peak_flops, efficiency), sources={
+            **self.sources, "achieved_flops": source or f"{efficiency:g} of peak"})
+
     def bandwidth(self, link_class: str) -> float:
         """Bytes/s of one link of the class (``local`` copies are free: inf)."""
         if link_class == "local":
@@ -179,18 +185,39 @@ TREVOR = ClusterProfile(
         "elem_bytes": "fastermoe.md §2.0: s = 4 (fp32 everywhere)",
     })
 
+# Parm's testbeds: the intra-node link is derived from the paper's one quoted fit (Fig. 6, AG_MP; seconds and
+# seconds per output element, taken at n = 4 ranks: parm.md §2.10(a, b)), kept here once, in ``extra``
+# (moelab.strategies.parm.perf_model.paper_fits reads it there). Compute: the spec's default efficiency, a default
+# only: Parm's reproduction sets it from experiments/parm/assumptions.yaml (compute_efficiency, with_efficiency).
+PARM_EFFICIENCY = 0.5  # parm.md §2.10(c): "eff default 0.5" (no GPU to calibrate it)
+_PARM_A_AG_MP = {"alpha_s": 6.64e-4, "beta_s_per_elem": 5.38e-10}
+_PARM_B_AG_MP = {"alpha_s": 1.09e-4, "beta_s_per_elem": 7.14e-10}
+_PARM_EFF_SOURCE = (f"parm.md §2.10(c): eff default {PARM_EFFICIENCY:g} (Parm's reproduction sets it from "
+                    "experiments/parm/assumptions.yaml compute_efficiency)")
+
+
+def _ag_mp_bw_GBps(fit: dict, elem_bytes: int = 4, n: int = 4) -> float:
+    """parm.md §2.10(b): W_in = ((n-1)/n) * b / beta, the ring AllGather's slope at n ranks."""
+    return (n - 1) / n * elem_bytes / fit["beta_s_per_elem"] / GB
+
+
+def _ag_mp_latency_us(fit: dict, n: int = 4) -> float:
+    """parm.md §2.10(b): alpha_in = alpha / (n-1)."""
+    return fit["alpha_s"] / (n - 1) * 1e6
+
+
 PARM_A = ClusterProfile(
     name="parm_A", nodes=1, gpus_per_node=8, gpu="RTX4090-24GB",
-    peak_flops=82.6e12, achieved_flops=_eff(82.6e12, 0.5),
-    intra_bw_GBps=0.75 * 4 / 5.38e-10 / GB, intra_latency_us=6.64e-4 / 3 * 1e6,
-    inter_bw_GBps=0.75 * 4 / 5.38e-10 / GB, inter_latency_us=6.64e-4 / 3 * 1e6,
+    peak_flops=82.6e12, achieved_flops=_eff(82.6e12, PARM_EFFICIENCY),
+    intra_bw_GBps=_ag_mp_bw_GBps(_PARM_A_AG_MP), intra_latency_us=_ag_mp_latency_us(_PARM_A_AG_MP),
+    inter_bw_GBps=_ag_mp_bw_GBps(_PARM_A_AG_MP), inter_latency_us=_ag_mp_latency_us(_PARM_A_AG_MP),
     allreduce="nccl", mem_GB=24.0, nics_per_node=0, elem_bytes=4,
-    extra={"AG_MP_fit": {"alpha_s": 6.64e-4, "beta_s_per_elem": 5.38e-10}},
+    extra={"AG_MP_fit": _PARM_A_AG_MP},
     sources={
         "allreduce": _NCCL_ALLREDUCE,
         "nodes": "parm.md §4 Table II: one server with 8x RTX 4090 on PCIe 4.0 x16, no network",
         "peak_flops": "parm.md §2.10(c): RTX4090 fp32 82.6 TFLOPS",
-        "achieved_flops": "parm.md §2.10(c): eff default 0.5",
+        "achieved_flops": _PARM_EFF_SOURCE,
         "intra_bw_GBps": "parm.md §2.10(b): W_in = 0.75*4/beta from the Fig. 6 AG_MP fit (about 5.6 GB/s)",
         "intra_latency_us": "parm.md §2.10(b): alpha_in = alpha/3 from the Fig. 6 AG_MP fit",
         "inter_bw_GBps": "single node: no inter-node link (set equal to intra so nothing divides by 0)",
@@ -201,16 +228,16 @@ PARM_A = ClusterProfile(
 
 PARM_B = ClusterProfile(
     name="parm_B", nodes=8, gpus_per_node=4, gpu="RTX2080Ti-11GB",
-    peak_flops=13.4e12, achieved_flops=_eff(13.4e12, 0.5),
-    intra_bw_GBps=0.75 * 4 / 7.14e-10 / GB, intra_latency_us=1.09e-4 / 3 * 1e6,
+    peak_flops=13.4e12, achieved_flops=_eff(13.4e12, PARM_EFFICIENCY),
+    intra_bw_GBps=_ag_mp_bw_GBps(_PARM_B_AG_MP), intra_latency_us=_ag_mp_latency_us(_PARM_B_AG_MP),
     inter_bw_GBps=12.5 * 0.9, inter_latency_us=20.0,
     allreduce="nccl", mem_GB=11.0, nics_per_node=1, elem_bytes=4,
-    extra={"AG_MP_fit": {"alpha_s": 1.09e-4, "beta_s_per_elem": 7.14e-10}},
+    extra={"AG_MP_fit": _PARM_B_AG_MP},
     sources={
         "allreduce": _NCCL_ALLREDUCE,
         "nodes": "parm.md §4 Table II: 8 nodes x 4 RTX 2080Ti on PCIe 3.0 x16 (used at 2, 4, 8 nodes: with_nodes)",
         "peak_flops": "parm.md §2.10(c): 2080Ti fp32 13.4 TFLOPS",
-        "achieved_flops": "parm.md §2.10(c): eff default 0.5",
+        "achieved_flops": _PARM_EFF_SOURCE,
         "intra_bw_GBps": "parm.md §2.10(b): W_in = 0.75*4/beta from the Fig. 6 AG_MP fit (about 4.2 GB/s)",
         "intra_latency_us": "parm.md §2.10(b): alpha_in = alpha/3",
         "inter_bw_GBps": "parm.md §2.10(b): W_nic = 12.5 GB/s x 0.9 (one 100 Gb/s ConnectX-5 per node)",

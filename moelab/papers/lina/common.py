@@ -1,6 +1,7 @@
 """Lina reproduction, shared pieces: the scale spec (sizes in ``experiments/lina/scales.yaml``)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -45,6 +46,37 @@ def scale_spec(scale) -> ScaleSpec:
 
 
 P = "lina"  # the paper id products register under
+
+
+def paper(key: str) -> float:
+    """Lina's own number ``key`` from ``experiments/lina/paper.yaml`` (a note quoting the paper reads it here)."""
+    from moelab.papers.kit.compare import paper_value
+
+    return paper_value(P, key)
+
+
+def assumption(name: str):
+    """The value of ``name`` in ``experiments/lina/assumptions.yaml`` (the file is parsed once per version: the
+    paper-scale configs ask for a dozen values each, hundreds of times per notebook)."""
+    from moelab.papers.kit.assumptions import assumptions_path
+
+    path = assumptions_path(P)
+    st = path.stat()
+    return _assumptions((str(path), st.st_mtime_ns, st.st_size)).value(name)
+
+
+@functools.lru_cache(maxsize=4)
+def _assumptions(file: tuple):
+    from moelab.papers.kit.assumptions import load_assumptions
+
+    return load_assumptions(file[0])
+
+
+def paper_at(key: str) -> str:
+    """Where the paper measured ``key`` (its paper.yaml ``at``)."""
+    from moelab.papers.kit.compare import load_numbers
+
+    return load_numbers(P)[key].get("at", "")
 
 
 def fired(df, col: str, what: str) -> list:

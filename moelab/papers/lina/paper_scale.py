@@ -3,7 +3,7 @@
 Training: :func:`moelab.strategies.lina.sim_graph.lina_iteration_graph` for every policy, the three
 models of Table 1 (12/24/36 layers, h = 512, d_ff = 2048: spec §2.4's back-calculation) and E = 2..16
 with one GPU per expert (the paper's N = E). Sequence length, batch and the capacity factor are not in
-the paper: :data:`ASSUMED` (also ``experiments/lina/assumptions.yaml``). The sequences per GPU, the
+the paper: :func:`assumed` reads them from ``experiments/lina/assumptions.yaml``. The sequences per GPU, the
 intra-node bandwidth and the achieved FLOP rate are FITTED to Table 1's 12-layer row (:func:`calibration`,
 the spec's DES calibration target); Table 1's other rows are then checks. Inference: the trace-driven
 model (:mod:`moelab.strategies.lina.sim_infer`) on real routing traces of the model trained here, on the
@@ -20,20 +20,25 @@ import pandas as pd
 from moelab.config import RunConfig
 from moelab.papers.kit.cache import cached
 
-from .common import scale_spec
+from .common import assumption, scale_spec
 
-ASSUMED = {"seq_len": 512, "batch_per_gpu": 8, "capacity_factor": 1.0, "top_k": 2, "d_model": 512, "d_ff": 2048,
-           "vocab": 32000, "partition_MB": 30.0, "bucket_MB": 25.0, "a2a_chunks": 4, "infer_tokens_per_batch": 65536}
 POLICIES = ("ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
+
+
+def assumed(name: str):
+    """The value of assumption ``name`` in ``experiments/lina/assumptions.yaml`` (the shapes, batch and options the
+    paper does not state, and the paper's own settings moelab prices with)."""
+    return assumption(name)
 
 
 def paper_config(layers: int, E: int, policy: str = "lina", batch_per_gpu=None, **opts) -> RunConfig:
     """One of Table 1's models at E experts on E GPUs; ``batch_per_gpu``: sequences (None: the calibrated)."""
-    a = ASSUMED
+    a = {k: assumed(k) for k in ("d_model", "d_ff", "n_heads", "seq_len", "vocab", "top_k", "capacity_factor",
+                                 "bucket_MB", "partition_MB", "a2a_chunks")}
     batch = calibration()["batch_per_gpu"] if batch_per_gpu is None else batch_per_gpu
     per_node = min(4, E)
     return RunConfig().with_overrides({
-        "model.d_model": a["d_model"], "model.d_ff": a["d_ff"], "model.n_layers": layers, "model.n_heads": 8,
+        "model.d_model": a["d_model"], "model.d_ff": a["d_ff"], "model.n_layers": layers, "model.n_heads": a["n_heads"],
         "model.seq_len": a["seq_len"], "model.vocab_size": a["vocab"], "model.moe.num_experts": E,
         "model.moe.top_k": a["top_k"], "model.moe.dispatcher": "dense",
         "model.moe.capacity_factor": a["capacity_factor"],
@@ -49,7 +54,7 @@ def sim_label(gamma: bool = True) -> str:
          "slowdown)") if gamma else ""
     c = calibration()
     return ("SIMULATED: profile lina (4 nodes x 4 A100-40GB, 100 Gb/s per node), calibrated to Table 1's 12-layer "
-            f"row (FITTED: {c['batch_per_gpu']} sequences of {ASSUMED['seq_len']} per GPU, intra-node "
+            f"row (FITTED: {c['batch_per_gpu']} sequences of {assumed('seq_len')} per GPU, intra-node "
             f"{c['intra_bw_GBps']:.3g} GB/s per GPU, {c['achieved_flops'] / 1e12:.3g} TFLOP/s achieved), "
             f"fp16{g}, assumptions in experiments/lina/assumptions.yaml")
 
@@ -86,7 +91,7 @@ def calibration(rounds: int = 6) -> dict:
     base = get_profile("lina")
     target = {k: paper_value("lina", v) for k, v in CALIBRATION_TARGETS.items()}
     a16, a4 = target["batch_per_gpu"] / 1e3, target["intra_bw_GBps"] / 1e3
-    batch, intra, flops = float(ASSUMED["batch_per_gpu"]), base.intra_bw_GBps, base.achieved_flops
+    batch, intra, flops = float(assumed("batch_per_gpu")), base.intra_bw_GBps, base.achieved_flops
 
     def step(E, b):
         prof = dataclasses.replace(base, intra_bw_GBps=intra, achieved_flops=flops)
@@ -106,7 +111,7 @@ def calibration(rounds: int = 6) -> dict:
     return {"batch_per_gpu": batch, "intra_bw_GBps": intra, "achieved_flops": flops,
             "targets": {CALIBRATION_TARGETS[k]: v for k, v in target.items()},
             "reached": {CALIBRATION_TARGETS[k]: v for k, v in reached.items()},
-            "start": {"batch_per_gpu": ASSUMED["batch_per_gpu"], "intra_bw_GBps": base.intra_bw_GBps,
+            "start": {"batch_per_gpu": assumed("batch_per_gpu"), "intra_bw_GBps": base.intra_bw_GBps,
                       "achieved_flops": base.achieved_flops}}
 
 
@@ -178,7 +183,11 @@ def fitted_gamma(grid=PAPER_GRID, tol: float = 1e-3) -> dict:
     not fitted. gamma stays 1 (fair sharing) when fair sharing alone reaches the target or no op is
     overlapped (``reached`` says whether the fit met its target). The median rises with gamma; the root is
     bracketed by regula falsi with the Illinois step (5 simulations of the grid here, where bisection to the
-    same ``tol`` took 16) and the bracket's upper end is returned: the smallest gamma found to reach it."""
+    same ``tol`` took 16) and the bracket's upper end is returned: the smallest gamma found to reach it. The
+    bracket is the range of ``gamma`` in ``experiments/lina/assumptions.yaml``, whose value only records this
+    fit's result (kind fitted, ``fitted_to`` the median: the paper-vs-moelab row of that number is a fit); every
+    run fits gamma again here."""
+    from moelab.papers.kit.assumptions import load_assumptions
     from moelab.papers.kit.compare import paper_value
 
     target = paper_value("lina", "bwd_a2a_slowdown_median")
@@ -187,7 +196,7 @@ def fitted_gamma(grid=PAPER_GRID, tol: float = 1e-3) -> dict:
     def median(g):
         return _median_overlapped(_slowdowns(g, alone))
 
-    lo, hi = 1.0, 8.0
+    lo, hi = load_assumptions("lina")["gamma"].range  # the bracket: 1 = fair sharing, to a generous upper end
     fair = _slowdowns(lo, alone)
     out = {"target_median": target, "overlapped_ops": int(fair.overlapped.sum())}
     m_lo = _median_overlapped(fair)

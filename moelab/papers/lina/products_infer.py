@@ -11,7 +11,7 @@ from moelab.strategies.lina.placement import BALANCE_TOL
 
 from . import figures as F
 from . import frames, serving_scale
-from .common import P, fired
+from .common import P, fired, paper, paper_at
 from .runs import BALANCED_SUFFIX, FIRST_KEYS, LOAD_KEY, SCHEDULED
 
 INFER_SHARE = Quantity("all-to-all share of the inference batch time (baseline)", "fraction")
@@ -31,7 +31,7 @@ def fig6r(ctx):
     df = frames.popularity_skew(ctx.scale.name, ctx.seed)
     notes = [f"most/least popular expert: training {df.train_max_over_min.median():.2f}x, inference "
              f"{df.infer_max_over_min_median.median():.2f}x (median over layers; "
-             "paper 4.02x at 4 and 5.56x at 16 experts)"]
+             f"paper {paper('popularity_skew_E4'):.2f}x at 4 and {paper('popularity_skew_E16'):.2f}x at 16 experts)"]
     return Made(df, figures={"fig06r_skew": F.bars(df.melt(id_vars="layer", value_vars=["train_max_over_min",
                                                                                         "infer_max_over_min_median"]),
                                                    "layer", "value", color="variable", label=df.attrs["label"],
@@ -45,7 +45,8 @@ def fig9r(ctx):
     df = frames.pattern(ctx.scale.name, ctx.seed)
     df["k'"] = [f"k'={k}" for k in df.k]
     notes = [f"mean share: k'=1 {df[df.k == 1].share.mean():.1%}, k'=2 {df[df.k == 2].share.mean():.1%} "
-             "(paper: 41.94 % and 54.59 %; uniform routing would give k'/E)"]
+             f"(paper: {100 * paper('pattern_k1'):.2f} % and {100 * paper('pattern_k2'):.2f} %; uniform routing would "
+             "give k'/E)"]
     return Made(df, figures={"fig09r_pattern": F.lines(df, "layer", "share", color="k'", label=df.attrs["label"],
                                                        title="Fig. 9 analog: layer-to-layer expert pattern")},
                 tables={"table_fig09r": (df, "Fig. 9 analog: pattern share per layer")}, notes=notes)
@@ -189,7 +190,8 @@ def fig17r(ctx):
 def _tail_a2a(out: pd.DataFrame, stem: str, name: str) -> Made:
     """Fig. 18: the baseline's p95 all-to-all time over Lina's, per MoE layer (``out``: layer, a2a_reduction)."""
     notes = [f"tail all-to-all reduction baseline/lina: mean {out.a2a_reduction.mean():.2f}x, max "
-             f"{out.a2a_reduction.max():.2f}x over layers (paper: average 1.96x, max 2.50x)"]
+             f"{out.a2a_reduction.max():.2f}x over layers (paper: average {paper('tail_a2a_reduction'):.2f}x, max "
+             f"{paper('tail_a2a_reduction_max'):.2f}x)"]
     return Made(out, figures={stem: F.bars(out, "layer", "a2a_reduction", line=1.0, label=out.attrs["label"],
                                            title=f"{name}: p95 all-to-all time, baseline over Lina")},
                 tables={f"table_{stem.split('_')[0]}": (out, f"{name}: tail all-to-all reduction per layer")},
@@ -211,7 +213,7 @@ def fig17s(ctx):
     lina = df[df.variant == "lina"]
     notes = [f"p95 MoE-layer time, baseline over lina: mean {lina.p95_layer_speedup.mean():.2f}x over the "
              f"{len(lina)} MoE layers (the first serve.strategy_options.path_len layers stay static) "
-             "(paper: 1.87x / 1.77x, TXL 8 / 16)"]
+             f"(paper: {paper('layer_p95_E8'):.2f}x / {paper('layer_p95_E16'):.2f}x, TXL 8 / 16)"]
     return Made(df, figures={"fig17s_layer_p95": F.lines(df, "layer", "p95_layer_s", color="variant",
                                                          label=df.attrs["label"],
                                                          title="Fig. 17: p95 MoE-layer time per layer")},
@@ -232,7 +234,8 @@ def fig19r(ctx):
     df = frames.estimation_accuracy(ctx.scale.name, ctx.seed)
     notes = [f"overall estimation accuracy {np.average(df.accuracy, weights=df.instances):.1%}, re-plan rate "
              f"{np.average(df.replan_rate, weights=df.instances):.1%} "
-             "(paper: 58.41 % TXL, 54.16 % BERT-L; 23 % re-plans)"] \
+             f"(paper: {100 * paper('accuracy_txl'):.2f} % TXL, {100 * paper('accuracy_bertl'):.2f} % BERT-L; "
+             f"{100 * paper('replan_rate'):.0f} % re-plans)"] \
         if len(df) else ["no scheduled layer: the path is as long as the model"]
     return Made(df, figures={"fig19r_accuracy": F.bars(df, "layer", "accuracy", label=df.attrs["label"],
                                                        title="Fig. 19 analog: estimation accuracy per layer")},
@@ -247,15 +250,23 @@ def table5r(ctx):
                                                         "re-plans, batch time")})
 
 
+PAPER_PATHS = (1, 3, 6)  # Table 5's path lengths (paper.yaml keys lina_over_ideal_*_Lp<n>)
+
+
 @product(P, "table5s", needs_real=True, quantities={"median_over_ideal": INFER, "p95_over_ideal": INFER})
 def table5s(ctx):
     df = serving_scale.path_length_times(ctx.scale.name, ctx.seed)
     notes = ["the times of Table 5 at one device per expert, from the REAL routing traces (its accuracy and re-plan "
              "share: table5r); a longer path starts Lina later (layer path_len + 1): " + ", ".join(
                  f"Lp {r.path_len}: median {r.median_over_ideal:.2f}x, p95 {r.p95_over_ideal:.2f}x of Ideal"
-                 for r in df.itertuples()) + " (paper, TXL: 1.41/1.32, 1.16/1.04, 1.19/1.11 at Lp 1/3/6)"]
+                 for r in df.itertuples()) + " (paper, TXL: " + ", ".join(
+                 f"{paper(f'lina_over_ideal_median_Lp{n}'):.2f}/{paper(f'lina_over_ideal_p95_Lp{n}'):.2f}"
+                 for n in PAPER_PATHS) + f" at Lp {'/'.join(str(n) for n in PAPER_PATHS)})"]
     return Made(df, tables={"table5s_path_length": (df, "Table 5 (simulated): path length vs batch time over Ideal")},
                 notes=notes)
+
+
+PAPER_TASKS = ("imdb", "twitter", "wmt_fr", "wmt_ru")  # Table 6's tasks (paper.yaml keys generalization_*_<task>)
 
 
 @product(P, "table6d", needs_real=True, quantities={"p95_over_ideal": INFER, "accuracy": ACC})
@@ -263,8 +274,10 @@ def table6d(ctx):
     df = frames.generalization(ctx.scale.name, ctx.seed)
     notes = [f"{r.domain}: p95 {r.p95_over_ideal:.2f}x Ideal, accuracy {r.accuracy:.1%} ({r.instances} estimated "
              f"layer instances)" for r in df.itertuples()]
-    notes.append("paper (Table 6): p95 1.08/1.11/1.04/1.08x of Ideal, accuracy 64.4/62.3/68.8/62.5 % on BERT IMDB, "
-                 "BERT Twitter, T5 WMT-Fr, T5 WMT-Ru")
+    notes.append("paper (Table 6): p95 " + "/".join(f"{paper(f'generalization_p95_{t}'):.2f}" for t in PAPER_TASKS)
+                 + "x of Ideal, accuracy " + "/".join(f"{100 * paper(f'generalization_accuracy_{t}'):.1f}"
+                                                      for t in PAPER_TASKS)
+                 + " % on " + ", ".join(paper_at(f"generalization_accuracy_{t}") for t in PAPER_TASKS))
     notes += fired(df, "instances", "Lina's popularity estimation (no scheduled layer)")
     return Made(df, figures={"table6d_generalization": F.bars(df.melt(id_vars="domain", value_vars=["p95_over_ideal",
                                                                                                    "accuracy"]),

@@ -9,7 +9,7 @@ from moelab.papers.kit.registry import Made, Quantity, product
 from . import figures as F
 from . import frames, paper_scale
 from . import layer_views as LV
-from .common import P, fired
+from .common import P, fired, paper
 from .runs import DEPARTURE_NOTE, policy_runs
 
 STEP = Quantity("training step speedup over DeepSpeed-MoE-style DDP overlap (ddp_overlap)", "x")
@@ -37,13 +37,32 @@ def fig1r(ctx):
                         "table_fig01r_timeline": (tl, "Fig. 1(b): every op of the step")}, notes=notes)
 
 
+PAPER_MODELS = ("txl", "gpt2", "bert2gpt2")  # the paper's three training models, as paper.yaml keys name them
+
+
+def _table1_share_range() -> str:
+    """Table 1's all-to-all shares (training and inference, every model at 4 and 16 GPUs), lowest to highest."""
+    from moelab.papers.kit.compare import load_numbers
+
+    v = [e["value"] for k, e in load_numbers(P).items() if k.startswith(("train_a2a_share_", "infer_a2a_share_"))]
+    return f"{100 * min(v):.0f}-{100 * max(v):.0f} %"
+
+
+def _moe_layer_paper(util: bool = True) -> str:
+    """Figs. 11/12's MoE-layer numbers, as the paper gives them (2 and 8 experts; utilization at 16)."""
+    return (f"paper: forward {paper('moe_fwd_E2'):.2f}x / {paper('moe_fwd_E8'):.2f}x, backward "
+            f"{paper('moe_bwd_E2'):.2f}x / {paper('moe_bwd_E8'):.2f}x at 2 / 8 experts"
+            + (f"; MoE-layer GPU utilization +>={100 * paper('moe_util_gain_E16'):.0f} % at 16" if util else ""))
+
+
 @product(P, "fig4e", needs_real=True,
          quantities={"slowdown": Quantity("backward all-to-all slowdown under overlap", "x")})
 def fig4e(ctx):
     df = frames.bwd_a2a_slowdown(ctx.scale.name, ctx.seed)
     med = df.groupby("policy").slowdown.median()
     notes = ["median backward all-to-all slowdown vs the same call with nothing overlapping it (after_backward): "
-             + ", ".join(f"{k} {v:.2f}x" for k, v in med.items()) + " (paper: median > 1.83x, max 4.14x)"]
+             + ", ".join(f"{k} {v:.2f}x" for k, v in med.items())
+             + f" (paper: median > {paper('bwd_a2a_slowdown_median'):.2f}x, max {paper('bwd_a2a_slowdown_max'):.2f}x)"]
     value = df.groupby("policy").slowdown.agg(["median", "max"]).reset_index()
     value.attrs["label"] = df.attrs["label"]
     return Made(value, figures={"fig04e_slowdown_cdf": F.cdf({k: g.slowdown for k, g in df.groupby("policy")},
@@ -66,14 +85,17 @@ def fig4s(ctx):
     stats = over.groupby("gamma").slowdown.agg(["count", "median", "max"])
     table = stats.reset_index()
     table.attrs["label"] = df.attrs["label"]
-    notes = [f"gamma = {fit['gamma']:.3g} is FITTED (regula falsi over the paper's 3 models x E = 2..16, "
+    models, experts = paper_scale.PAPER_GRID
+    notes = [f"gamma = {fit['gamma']:.3g} is FITTED (regula falsi over the paper's {len(models)} models x E = "
+             f"{min(experts)}..{max(experts)}, "
              f"{fit['overlapped_ops']} overlapped backward all-to-alls) to the paper's median slowdown "
              f"{fit['target_median']:.2f}x: a fit, not a result"
              + ("" if fit["reached"] else " — the fit did NOT reach it"),
              "Fig. 4's population: backward all-to-alls of ddp_overlap during which an all-reduce runs; this scale: "
              + ", ".join(f"gamma {k}: {int(r['count'])} ops, median {r['median']:.2f}x, max {r['max']:.2f}x"
                          for k, r in stats.iterrows())
-             + " (the max is a check, not fitted; paper 4.14x over 1,500 ops)"]
+             + f" (the max is a check, not fitted; paper {paper('bwd_a2a_slowdown_max'):.2f}x over "
+               f"{paper('bwd_a2a_slowdown_ops'):,.0f} ops)"]
     if over.empty:
         notes.append("no backward all-to-all overlaps an all-reduce at this scale: the CDF is empty")
     return Made(df, figures={"fig04s_slowdown_cdf": F.cdf({f"gamma {k}": g.slowdown for k, g in over.groupby("gamma")},
@@ -100,7 +122,7 @@ def fig5e(ctx):
 def fig14e(ctx):
     df = policy_runs(ctx.scale.name, ctx.seed)["summary"]
     notes = [f"a2a share of the ddp_overlap step: {df.set_index('policy').a2a_share['ddp_overlap']:.1%} "
-             "(the paper's Table 1: 26-40 %)", DEPARTURE_NOTE]
+             f"(the paper's Table 1: {_table1_share_range()})", DEPARTURE_NOTE]
     return Made(df, figures={"fig14e_ablation": F.bars(df, "policy", "step_speedup", label=df.attrs["label"], line=1.0,
                                                        title="Fig. 14 analog: step speedup over ddp_overlap "
                                                              "(lina_coalesce departs from the spec)"),
@@ -169,8 +191,7 @@ def fig11_12s(ctx):
     full = df[df.policy == "lina_full"]
     notes = [f"lina_full MoE layers: forward {full.moe_fwd_speedup.min():.2f}-{full.moe_fwd_speedup.max():.2f}x, "
              f"backward {full.moe_bwd_speedup.min():.2f}-{full.moe_bwd_speedup.max():.2f}x over ddp_overlap "
-             "(paper: forward 1.84x / "
-             "1.89x, backward 2.41x / 2.32x at 2 / 8 experts; MoE-layer GPU utilization +>=16 % at 16)"]
+             f"({_moe_layer_paper()})"]
     figs = {f"fig{n}s_moe_{ph}": F.bars(df, "case", f"moe_{ph}_speedup", color="policy", label=df.attrs["label"],
                                         line=1.0,
                                         title=f"Fig. {n}: MoE-layer {name} time speedup over ddp_overlap")
@@ -187,7 +208,7 @@ def fig11_12e(ctx):
     df = LV.layer_times(ctx.scale.name, ctx.seed)
     full = df.set_index("policy").loc["lina_full"]
     notes = [f"lina_full MoE layers over ddp_overlap: forward {full.moe_fwd_speedup:.2f}x, backward "
-             f"{full.moe_bwd_speedup:.2f}x (paper: forward 1.84x / 1.89x, backward 2.41x / 2.32x at 2 / 8 experts); "
+             f"{full.moe_bwd_speedup:.2f}x ({_moe_layer_paper(util=False)}); "
              "a layer's forward runs from its gate to its combine's finish, its backward over its backward all-to-alls"]
     figs = {f"fig{n}e_moe_{ph}": F.bars(df, "policy", f"moe_{ph}_speedup", label=df.attrs["label"], line=1.0,
                                         title=f"Fig. {n} analog: MoE-layer {name} time speedup over ddp_overlap")
@@ -210,7 +231,10 @@ def table3s(ctx):
     out = pd.DataFrame(rows)
     out.attrs["label"] = df.attrs["label"]
     notes = [] if (df.pipelining_eff > 0).any() else ["pipelining did not fire: no compute inside any all-to-all"]
-    notes.append("paper: 33 -> 86 % (q = 4), 36 -> 85 % (q = 2), 34 -> 79 % (q = 2), on average 2.43x")
+    notes.append("paper: " + ", ".join(
+        f"{100 * paper(f'pipe_eff_without_{m}'):.0f} -> {100 * paper(f'pipe_eff_with_{m}'):.0f} % "
+        f"(q = {paper(f'pipe_best_q_{m}'):.0f})" for m in PAPER_MODELS)
+        + f", on average {paper('pipelining_gain'):.2f}x")
     return Made(out, figures={"table3s_pipelining": F.bars(df, "experts_per_gpu", "pipelining_eff", color="layers",
                                                            label=df.attrs["label"],
                                                            title="Table 3: pipelining efficiency vs experts per GPU")},
@@ -233,15 +257,19 @@ def table4s(ctx):
     out.attrs["label"] = paper_scale.sim_label() + "; memory: the simulator's static + activation estimate"
     return Made(out, tables={"table4s_util_mem": (out, "Table 4: compute-busy fraction and peak memory, ddp_overlap "
                                                        "vs lina_full")},
-                notes=["paper (16 experts): GPU utilization 66.2 -> 83.4, 62.3 -> 78.2, 63.5 -> 82.5 % (+17.6 % on "
-                       "average); peak memory +19.5 % for BERT2GPT2, the others offload to DRAM (not modelled)"])
+                notes=["paper (16 experts): GPU utilization " + ", ".join(
+                    f"{100 * paper(f'gpu_util_baseline_{m}'):.1f} -> {100 * paper(f'gpu_util_lina_{m}'):.1f}"
+                    for m in PAPER_MODELS) + f" % (+{100 * paper('utilization_gain'):.1f} % on average); peak memory "
+                    f"+{100 * (paper('memory_ratio') - 1):.1f} % for BERT2GPT2, the others offload to DRAM "
+                    "(not modelled)"])
 
 
 @product(P, "table1e", needs_real=True, quantities={"a2a_share": SHARE})
 def table1e(ctx):
     df = frames.a2a_share(ctx.scale.name, ctx.seed)
     return Made(df, tables={"table1e_a2a_share": (df, "Table 1 analog: all-to-all share of the step on 4 ranks")},
-                notes=["paper (Table 1): 26-40 % of the step, 34.1 % on average, on its 16-GPU testbed"])
+                notes=[f"paper (Table 1): {_table1_share_range()} of the step, {100 * paper('a2a_share'):.1f} % on "
+                       "average, on its 16-GPU testbed"])
 
 
 @product(P, "table3e", needs_real=True, quantities={"pipelining_eff": PIPE, "pipe_gain": PIPE_GAIN})
@@ -273,7 +301,8 @@ def fig2s(ctx):
     return Made(value, figures={"fig02s_layer_fwd": F.timeline(df, label=a["label"],
                                                                title="Fig. 2: one MoE layer's forward on rank 0")},
                 tables={"table_fig02s": (df, "Fig. 2: rank 0's ops in the layer's forward")},
-                notes=[f"all-to-all share of the MoE layer's forward: {a['a2a_share']:.1%} (paper: 74.9 %)"])
+                notes=[f"all-to-all share of the MoE layer's forward: {a['a2a_share']:.1%} "
+                       f"(paper: {100 * paper('layer_a2a_share'):.1f} %)"])
 
 
 @product(P, "fig2e", needs_real=True)
@@ -287,7 +316,7 @@ def fig2e(ctx):
                                                                      "on rank 0")},
                 tables={"table_fig02e": (df, "Fig. 2 analog: rank 0's ops in the layer's forward")},
                 notes=[f"all-to-all share of the MoE layer's forward (gate to combine): {a['a2a_share']:.1%} "
-                       "(paper: 74.9 %)"])
+                       f"(paper: {100 * paper('layer_a2a_share'):.1f} %)"])
 
 
 def _layer_backwards(ctx, fig: int, policies, busiest: bool, real: bool) -> tuple:
@@ -392,7 +421,9 @@ def fig15e(ctx):
              f"{int(best.micro_ops)} micro-ops a step); "
              + ", ".join(f"{r.S_factor:g} x S: {1e3 * r.step_s:.0f} ms, {r.micro_ops} micro-ops"
                          for r in df.itertuples())
-             + " (paper: > 50 MB slower than 30 MB, < 10 MB costly, several optima)"]
+             + f" (paper: > {paper('partition_slow_above_MB'):g} MB slower than "
+               f"{paper_scale.assumed('partition_MB'):g} MB, < {paper('partition_costly_below_MB'):g} MB costly, "
+               "several optima)"]
     whole = df[df.micro_ops == df.micro_ops.min()]
     if len(whole) > 1:
         notes.append(f"from {int(whole.partition_bytes.min())} B on every gradient is one micro-op "
@@ -408,8 +439,9 @@ def fig15e(ctx):
 def gpu_c(ctx):
     from .gpu import gpu_timings
 
-    df = gpu_timings("cuda", d=paper_scale.ASSUMED["d_model"], f=paper_scale.ASSUMED["d_ff"],
-                     seq=paper_scale.ASSUMED["seq_len"], partition_MB=paper_scale.ASSUMED["partition_MB"])
+    a = paper_scale.assumed
+    df = gpu_timings("cuda", d=a("d_model"), f=a("d_ff"), heads=a("n_heads"), seq=a("seq_len"),
+                     partition_MB=a("partition_MB"))
     return Made(df, tables={"table_gpu_c": (df, "§4(c): one GPU's times for Lina's cost model")},
                 notes=["reported beside the model, not fed into the lina profile (calibrated to Table 1); "
                        "one GPU cannot "

@@ -226,8 +226,9 @@ def serve_options(cfg) -> LinaServeOptions:
 def max_pack(s) -> int:
     """Experts a device may hold when serving: the paper's 4 per device at one expert per device (N = E),
     scaled to this world's E / N experts per device, so Lina keeps the paper's room to pack cold experts
-    and replicate hot ones (at max_pack = E / N every device is full and no plan can replicate)."""
-    return 4 * max(1, s.i_experts // WORLD)
+    and replicate hot ones (at max_pack = E / N every device is full and no plan can replicate). The paper's
+    count is Lina's option default (:class:`LinaServeOptions`)."""
+    return LinaServeOptions.max_pack * max(1, s.i_experts // WORLD)
 
 
 def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir, repeat=1):
@@ -331,7 +332,7 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
         out["traces"] = _traces(cfg, d) if dataset == "pydocs" else None  # Figs. 9, Table 2: the main domain
     out["label"] = (f"REAL: {WORLD} gloo ranks, a {s.i_layers}-layer MoE LM (d={s.i_d}, E={s.i_experts}, top-1) "
                     f"trained {s.i_iters} iterations here on {dataset}, served on held-out windows, "
-                    f"max_pack {max_pack(s)} (the paper's 4 at one expert per device, x E/N)")
+                    f"max_pack {max_pack(s)} (the paper's {LinaServeOptions.max_pack} at one expert per device, x E/N)")
     if emulated:
         out["label"] = out["label"].replace("REAL: ", "EMULATED: ", 1) + " over " + links_label(s)
     if rounding != "floor":

@@ -11,7 +11,15 @@ from moelab.papers.lina import runs
 from moelab.strategies.lina.options import LinaServeOptions
 
 from .common import scale_spec
-from .paper_scale import ASSUMED, calibrated_profile
+from .paper_scale import assumed, calibrated_profile
+
+
+def paper_overheads() -> dict:
+    """The inference model's constants (:data:`moelab.strategies.lina.sim_infer.DEFAULT_OVERHEADS`'s names, in
+    seconds and GB/s) from ``experiments/lina/assumptions.yaml``: the paper's measured scheduler costs
+    (``o_check``, ``o_plan``, ms) and the guessed swap bandwidth and per-expert launch cost."""
+    return {"o_check_s": assumed("o_check") / 1e3, "o_plan_s": assumed("o_plan") / 1e3,
+            "h2d_GBps": assumed("h2d_GBps"), "expert_launch_s": assumed("expert_launch_us") / 1e6}
 
 
 @cached
@@ -28,7 +36,7 @@ def fitted_infer_tokens(scale: str, seed: int = 0) -> dict:
         df = inference(scale, seed, tokens, ("baseline",))
         return float(df.a2a_s.mean()) / df.attrs["moe_layers"], df.attrs["batch_tokens"]
 
-    start = ASSUMED["infer_tokens_per_batch"]
+    start = assumed("infer_tokens_per_batch")
     got, _ = per_layer(start)
     tokens = start * target / got
     a2a, used = per_layer(tokens)
@@ -54,7 +62,6 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     from moelab.strategies.lina.popularity import PathTable
     from moelab.strategies.lina.sim_infer import InferShape, simulate_serving
 
-
     s = scale_spec(scale)
     t = np.asarray(runs.inference_suite(scale, seed)["traces"], dtype=np.int64)
     E = s.i_experts
@@ -69,9 +76,10 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     src = np.arange(len(test)) % E
     batches = [np.tile(np.arange(b * real, (b + 1) * real), k) for b in range(n_batches)]
     sv = LinaServeOptions(path_len=Lp, replica_rounding=rounding, replan_test=replan_test, first_layers=first_layers)
+    over = paper_overheads() | ({"o_plan_s": 0.0, "o_check_s": 0.0} if free_scheduling else {})
     rows = simulate_serving(test, src, batches, variants or runs.VARIANTS, sv, table, calibrated_profile(),
-                            Topology(E, min(4, E)), InferShape(),
-                            overheads={"o_plan_s": 0.0, "o_check_s": 0.0} if free_scheduling else None)
+                            Topology(E, min(4, E)), InferShape(d_model=assumed("d_model"), d_ff=assumed("d_ff"),
+                                                                seq_len=assumed("seq_len")), overheads=over)
     out = pd.DataFrame(rows)
     out.attrs.update(batch_tokens=k * real, moe_layers=int(t.shape[1]), label=(
         f"SIMULATED: profile lina (calibrated to Table 1's training row), {E} devices (one per expert), "

@@ -56,3 +56,10 @@ def emulation(s: ScaleSpec):
 def links_label(s: ScaleSpec) -> str:
     return (f"EMULATED links: intra {s.intra_GBps:g} GB/s, inter {s.inter_GBps:g} GB/s per rank, latency "
             f"{s.intra_lat_us:g}/{s.inter_lat_us:g} us")
+
+
+def paper(key: str) -> float:
+    """Parm's own number ``key`` from ``experiments/parm/paper.yaml`` (a note quoting the paper reads it here)."""
+    from moelab.papers.kit.compare import paper_value
+
+    return paper_value("parm", key)

@@ -49,11 +49,9 @@ def notation() -> pd.DataFrame:
 
 
 def testbeds() -> pd.DataFrame:
-    from moelab.sim.profiles import get_profile
-
     rows = []
     for name in ("parm_A", "parm_B"):
-        p = get_profile(name)
+        p = _profile(name)
         for f in ("nodes", "gpus_per_node", "gpu", "peak_flops", "achieved_flops", "intra_bw_GBps", "intra_latency_us",
                   "inter_bw_GBps", "inter_latency_us", "mem_GB", "elem_bytes"):
             rows.append(dict(profile=name, field=f, value=str(getattr(p, f)), source=p.sources.get(f, "")))
@@ -62,10 +60,32 @@ def testbeds() -> pd.DataFrame:
     return df
 
 
-def _profile(name: str, nodes: int):
+def _assumed(name: str):
+    """The value of assumption ``name`` in ``experiments/parm/assumptions.yaml``."""
+    from moelab.papers.kit.assumptions import load_assumptions
+
+    return load_assumptions("parm").value(name)
+
+
+def _profile(name: str, nodes=None):
+    """Testbed ``name`` as Parm's reproduction prices it: at ``nodes`` nodes (None: the profile's), compute at
+    the assumed efficiency (``compute_efficiency``)."""
     from moelab.sim.profiles import get_profile
 
-    return get_profile(name).with_nodes(nodes)
+    p = get_profile(name)
+    eff = _assumed("compute_efficiency")
+    return p.with_nodes(p.nodes if nodes is None else nodes).with_efficiency(
+        eff, f"{eff:g} of peak: compute_efficiency in experiments/parm/assumptions.yaml")
+
+
+def _grid_options() -> dict:
+    """:func:`moelab.strategies.parm.grid.configs`'s unstated k and E_l, from the assumptions file."""
+    return {"k": int(_assumed("top_k")), "experts_per_rank": int(_assumed("experts_per_rank"))}
+
+
+def _experts(opts: dict) -> str:
+    """E as the label states it."""
+    return "E=P/N_ESP" if opts["experts_per_rank"] == 1 else f"E={opts['experts_per_rank']}*P/N_ESP"
 
 
 # ---- the Table III grid, simulated ------------------------------------------------------------------
@@ -82,10 +102,11 @@ def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
 
     stride = scale_spec(scale).grid_stride * (INDEX_STRIDE if dispatcher == "index" else 1)
     reserve = load_assumptions("parm").value("memory_reserve_GiB")
+    opts = _grid_options()
     rows, fits = [], {}
     for setting, (prof_name, nodes, _) in GRID.items():
         prof = _profile(prof_name, nodes)
-        keep, _ = filtered(setting, reserve_GiB=reserve)
+        keep, _ = filtered(setting, reserve_GiB=reserve, **opts)
         for c in keep[::stride]:
             lay = c.layout()
             key = (setting, c.n_mp, c.n_esp)
@@ -103,8 +124,9 @@ def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
     for m in ("s1", "s2", "s2_aas", "parm", "oracle"):
         df[f"{m}_speedup"] = df.baseline_s / df[f"{m}_s"]
     df.attrs["label"] = (f"SIMULATED: parm_A / parm_B (2, 4, 8 nodes), one MoE layer fwd+bwd per kept Table III "
-                         f"configuration{'' if stride == 1 else f' (every {stride}th)'}, k=1, E=P/N_ESP, {dispatcher} "
-                         f"dispatcher, fp32, compute at 0.5 of peak (assumed); Parm = Alg. 1 on alpha-beta lines "
+                         f"configuration{'' if stride == 1 else f' (every {stride}th)'}, k={opts['k']}, "
+                         f"{_experts(opts)}, {dispatcher} dispatcher, fp32, compute at "
+                         f"{_assumed('compute_efficiency'):g} of peak (assumed); Parm = Alg. 1 on alpha-beta lines "
                          f"fitted to the simulator's own collective curves")
     return df
 
@@ -112,16 +134,18 @@ def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
 def grid_counts(scale) -> pd.DataFrame:
     from moelab.papers.kit.assumptions import load_assumptions
 
+    from .common import paper
+
     reserve = load_assumptions("parm").value("memory_reserve_GiB")
     g = sim_grid(scale)
     rows = []
     for setting in GRID:
-        keep, drop = filtered(setting, reserve_GiB=reserve)
+        keep, drop = filtered(setting, reserve_GiB=reserve, **_grid_options())
         rows.append(dict(setting=setting, configs=len(keep) + len(drop), kept=len(keep), dropped=len(drop),
                          simulated=int((g.setting == setting).sum())))
     df = pd.DataFrame(rows)
     df.attrs["label"] = ("SIMULATED: the §2.10d memory model (baseline peak within the GPU memory minus "
-                         f"{reserve:g} GiB); paper: 1296 valid over the four settings")
+                         f"{reserve:g} GiB); paper: {paper('valid_configs'):.0f} valid over the four settings")
     return df
 
 
@@ -189,6 +213,7 @@ def fig7(scale) -> pd.DataFrame:
 def fig6_frame(scale, seed: int = 0) -> tuple:
     """(points and curves, fits): REAL and EMULATED measurements at P=4 (2,2), the paper's AG_MP lines (A, B),
     the simulator's curves on parm_A / parm_B (4 ranks of one node, (2,2))."""
+    from moelab.sim.profiles import get_profile
     from moelab.strategies.parm.layout import ParmLayout
     from moelab.strategies.parm.perf_model import paper_fits
 
@@ -203,7 +228,7 @@ def fig6_frame(scale, seed: int = 0) -> tuple:
         for x in xs:
             rows.append(dict(source=f["source"], name=f["name"], x=x, time_s=np.nan, fit_s=f["alpha"] + f["beta"] * x))
     for tb in ("A", "B"):
-        pf = paper_fits(tb)["AG_MP"]
+        pf = paper_fits(get_profile(f"parm_{tb}"))["AG_MP"]
         a, b = (pf.alpha, pf.beta) if hasattr(pf, "alpha") else (pf["alpha"], pf["beta"])
         for x in [2 ** e for e in range(8, 25, 2)]:
             rows.append(dict(source=f"PAPER testbed {tb}", name="AG_MP", x=x, time_s=np.nan, fit_s=a + b * x))
@@ -232,8 +257,10 @@ TV_MODELS = {"MoE-BERT-Base": dict(seq=512, vocab=30522), "MoE-GPT-2": dict(seq=
 
 @cached
 def table5_sim(scale) -> pd.DataFrame:
-    """Full-size models (12 layers, M=768, H=3072, MoE every other layer, k=1, f=1.2, B=8) on testbed A
-    (P=8, E=2) and B (P=32, E=8), N_MP=N_ESP=4: baseline vs Parm (Alg. 1 per layer shape, model fits)."""
+    """Full-size models (12 layers, M=768, H=3072, MoE every other layer; k, f and B from the assumptions file:
+    ``top_k``, ``table5_capacity_factor``, ``table5_batch``) on testbed A (P=8) and B (P=32), N_MP=N_ESP=4,
+    E = E_l * P / N_ESP (``experts_per_rank``; 2 and 8 at E_l = 1): baseline vs Parm (Alg. 1 per layer shape,
+    model fits)."""
     from moelab.papers.kit.assumptions import load_assumptions
     from moelab.sim import simulate
     from moelab.strategies.parm.layout import ParmLayout
@@ -243,21 +270,25 @@ def table5_sim(scale) -> pd.DataFrame:
 
     A = load_assumptions("parm")
     B = int(A.value("table5_batch"))
+    k, f, e_local = int(A.value("top_k")), A.value("table5_capacity_factor"), int(A.value("experts_per_rank"))
+    n_mp = n_esp = 4
     rows = []
-    for tb, prof_name, nodes, E in (("A", "parm_A", 1, 2), ("B", "parm_B", 8, 8)):
+    for tb, prof_name, nodes in (("A", "parm_A", 1), ("B", "parm_B", 8)):
         prof = _profile(prof_name, nodes)
-        lay = ParmLayout(prof.world_size, 4, 4, E, prof.gpus_per_node)
+        E = e_local * (prof.world_size // n_esp)
+        lay = ParmLayout(prof.world_size, n_mp, n_esp, E, prof.gpus_per_node)
         fits = model_fits(prof, lay)
         for model, m in TV_MODELS.items():
-            shape = Shape(S=B * m["seq"], M=768, H=3072, k=1, f=1.2)
-            pick, _, _ = select(ParmShape(B=B, L=m["seq"], M=768, E=E, k=1, f=1.2, n_mp=4, n_esp=4), fits)
+            shape = Shape(S=B * m["seq"], M=768, H=3072, k=k, f=f)
+            pick, _, _ = select(ParmShape(B=B, L=m["seq"], M=768, E=E, k=k, f=f, n_mp=n_mp, n_esp=n_esp), fits)
             kw = dict(n_layers=12, seq_len=m["seq"], vocab=m["vocab"], d_ff=3072)
             t = {s: simulate(parm_model_graph(prof, lay, shape, schedule=s, **kw)).makespan for s in ("baseline", pick)}
             rows.append(dict(model=model, testbed=tb, P=prof.world_size, E=E, pick=pick,
                              baseline_ms=t["baseline"] * 1e3, parm_ms=t[pick] * 1e3, speedup=t["baseline"] / t[pick]))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = ("SIMULATED: parm_A (8 GPUs) and parm_B (32 GPUs), Megatron TP over MP, fp32, B=8 (assumed), "
-                         "compute at 0.5 of peak (assumed); dense-DP gradient all-reduce included")
+    df.attrs["label"] = (f"SIMULATED: parm_A (8 GPUs) and parm_B (32 GPUs), Megatron TP over MP, fp32, B={B} "
+                         f"(assumed), compute at {A.value('compute_efficiency'):g} of peak (assumed); dense-DP "
+                         "gradient all-reduce included")
     return df
 
 

@@ -8,7 +8,7 @@ from moelab.papers.kit.registry import Made, Quantity, product
 
 from . import figures as F
 from . import frames, paper_scale
-from .common import scale_spec  # noqa: F401 - the Session's scale lookup
+from .common import paper, scale_spec  # noqa: F401 - scale_spec: the Session's scale lookup
 
 P = "parm"
 LAYER_SPEEDUP = "mean MoE-layer speedup over the DeepSpeed-MoE baseline over a cell's configurations"
@@ -33,7 +33,7 @@ def table2(ctx):
 def table3(ctx):
     df = paper_scale.grid_counts(ctx.scale.name)
     notes = [f"{int(df.kept.sum())} of {int(df.configs.sum())} configurations fit in memory over the four settings "
-             f"(the paper: 1296 valid; P7: its exact set cannot be rebuilt)"]
+             f"(the paper: {paper('valid_configs'):.0f} valid; P7: its exact set cannot be rebuilt)"]
     return Made(df, tables={"table3_grid": (df, "Table III: configurations per setting, kept by the memory filter")},
                 notes=notes)
 
@@ -42,7 +42,8 @@ def table3(ctx):
 def fig1(ctx):
     df = paper_scale.fig1_share(ctx.scale.name)
     notes = [f"baseline communication share {df.comm_share.min():.1%} - {df.comm_share.max():.1%} over {len(df)} "
-             f"configurations (paper: 67.92% - 96.02% over 324)"]
+             f"configurations (paper: {paper('comm_share_min'):.2%} - {paper('comm_share_max'):.2%} over "
+             f"{paper('fig1_configs'):.0f})"]
     return Made(df, figures={"fig01_share_sim": F.sorted_share(df, label=df.attrs["label"])},
                 tables={"table_fig01_share": (df, "Fig. 1: per configuration, baseline comm share")}, notes=notes)
 
@@ -164,7 +165,7 @@ def vic(ctx):
 def fig7(ctx):
     df = paper_scale.fig7(ctx.scale.name)
     notes = [f"mean {df.parm_speedup.mean():.2f}x, {df.above_4x.mean():.0%} of {len(df)} configurations above 4x "
-             "(paper: 4.91x, 89%)"]
+             f"(paper: {paper('b32_44_mean'):.2f}x, {paper('b32_44_above4'):.0%})"]
     return Made(df, figures={"fig07_distribution": F.speedup_distribution(df, label=df.attrs["label"])},
                 tables={"table_fig07": (df, "Fig. 7: per configuration, B-32 (4,4)")}, notes=notes)
 

@@ -17,12 +17,16 @@ experts wait for that load, so a plan or a load longer than layer l-1 shows. (Th
 does the same on a loader thread, :meth:`.infer.LinaServeLayer._phase1_issue`: plan and load beside
 layer l-1's dispatch; on a CPU the load is a memory copy.)
 
-Constants (data with sources, :data:`PAPER_OVERHEADS`): ``o_check`` = 1.45 ms and ``o_plan`` = 6.2 ms
-are the paper's measured scheduler costs (§7.3, "Overheads"); ``h2d_GBps`` = 25 [assumption: PCIe 4.0
-x16 effective] for swaps. Compute is the profile's (FLOP model at its achieved rate); ``host_layer_s``
-(0 for the paper) is a REAL serving path's own work per layer and rank beyond that model (the
-interpreter's gate and permutation), which a prediction of a CPU run fits on held-out runs together with
-``expert_launch_s`` (there the interpreter's cost per expert a rank runs).
+Constants (data with sources, :data:`DEFAULT_OVERHEADS`; a caller passes its own in ``overheads``): the
+scheduler's costs ``o_check_s`` and ``o_plan_s`` default to 0 - they are the caller's to state: Lina's
+paper-scale reproduction (:mod:`moelab.papers.lina.serving_scale`) passes the paper's measured costs (§7.3,
+"Overheads") from ``experiments/lina/assumptions.yaml`` (``o_check``, ``o_plan``), a prediction of a REAL
+run times the run's own plans. ``h2d_GBps`` (swaps) and ``expert_launch_s`` default to generic GPU guesses
+(the reproduction passes its assumptions file's ``h2d_GBps`` and ``expert_launch_us``). Compute is the
+profile's (FLOP model at its achieved rate); ``host_layer_s`` (0 for the paper) is a REAL serving path's own
+work per layer and rank beyond that model (the interpreter's gate and permutation), which a prediction of a
+CPU run fits on held-out runs together with ``expert_launch_s`` (there the interpreter's cost per expert a
+rank runs).
 """
 from __future__ import annotations
 
@@ -35,17 +39,22 @@ from moelab.moe.dispatch import count_exchange_bytes
 from moelab.sim.engine import simulate
 from moelab.sim.graphs import new_graph
 
-PAPER_OVERHEADS = {
-    "o_check_s": (1.45e-3, "[paper] Lina §7.3: phase 2 without re-plan, 1.45 ms"),
-    "o_plan_s": (6.2e-3, "[paper] Lina §7.3: one scheduling round, 6.2 ms"),
-    "h2d_GBps": (25.0, "[assumption] PCIe 4.0 x16 effective host-to-device bandwidth for expert swaps"),
-    "expert_launch_s": (20e-6, "[assumption] per-expert kernel launch on the GPU"),
+DEFAULT_OVERHEADS = {  # name -> (default, where the default comes from); ``overheads`` arguments override them
+    "o_check_s": (0.0, "none unless given: phase 2's check without a re-plan is the caller's to state (Lina's "
+                       "reproduction passes the paper's, experiments/lina/assumptions.yaml o_check)"),
+    "o_plan_s": (0.0, "none unless given: one scheduling round is the caller's to state (Lina's reproduction "
+                      "passes the paper's, experiments/lina/assumptions.yaml o_plan)"),
+    "h2d_GBps": (25.0, "[assumption] PCIe 4.0 x16 effective host-to-device bandwidth for expert swaps (Lina's "
+                       "reproduction passes experiments/lina/assumptions.yaml h2d_GBps)"),
+    "expert_launch_s": (20e-6, "[assumption] per-expert kernel launch on the GPU (Lina's reproduction passes "
+                               "experiments/lina/assumptions.yaml expert_launch_us)"),
     "host_layer_s": (0.0, "[paper model] none: T_batch holds the layers' compute and transfers only"),
 }
 
 
 @dataclasses.dataclass
 class InferShape:
+    """A served model's shape; the defaults are generic (Lina's reproduction passes its assumptions file's)."""
     d_model: int = 512
     d_ff: int = 2048
     seq_len: int = 512
@@ -92,7 +101,7 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
     from moelab.strategies.lina.dispatch import route_table
     from moelab.strategies.lina.infer import piggyback_bytes
 
-    o = {k: v[0] for k, v in PAPER_OVERHEADS.items()} | dict(overheads or {})
+    o = {k: v[0] for k, v in DEFAULT_OVERHEADS.items()} | dict(overheads or {})
     N = topo.world_size
     g = new_graph(profile, topo, meta={"profile": profile.name})
     ranks = list(range(N))

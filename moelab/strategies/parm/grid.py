@@ -2,10 +2,11 @@
 
 Grid per setting (A-8, B-8, B-16, B-32): N_MP, N_ESP in {1,2,4}; B in {2,4,8}; L in {512,1024,2048};
 h = H/N_ESP in {1024,2048,4096}; M in {1024,2048,4096} (the default reading of "H/N_ES and M/N_ES", P6;
-``scale_m_with_esp`` gives M = N_ESP*m, the literal one); f in {1.2, 2.4}; k = 1 and E = P/N_ESP (not
-stated; P6). 3^6 * 2 = 1458 configurations per setting. A configuration is kept when the *baseline*
-fits in the GPU's memory minus a reserve (P7: the paper's "1296 valid" cannot be rebuilt; moelab
-reports its own count).
+``scale_m_with_esp`` gives M = N_ESP*m, the literal one); f in {1.2, 2.4}; k and E = E_l * P/N_ESP are not
+stated (P6): ``k`` and ``experts_per_rank`` (E_l) default to 1 here, and Parm's reproduction passes its
+assumptions file's ``top_k`` and ``experts_per_rank``. 3^6 * 2 = 1458 configurations per setting. A
+configuration is kept when the *baseline* fits in the GPU's memory minus a reserve (P7: the paper's count of
+valid configurations cannot be rebuilt; moelab reports its own).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Config:
     h: int  # expert hidden size per shard
     f: float
     k: int = 1
+    e_local: int = 1  # experts per EP rank (E_l)
 
     @property
     def P(self) -> int:
@@ -40,7 +42,7 @@ class Config:
 
     @property
     def E(self) -> int:
-        return self.P // self.n_esp
+        return self.e_local * (self.P // self.n_esp)
 
     def layout(self) -> ParmLayout:
         return ParmLayout(self.P, self.n_mp, self.n_esp, self.E, self.g)
@@ -50,15 +52,17 @@ class Config:
                      dispatcher=dispatcher)
 
 
-def configs(setting: str, scale_m_with_esp: bool = False, k: int = 1) -> list:
-    """Every configuration of one setting, in a fixed order."""
+def configs(setting: str, scale_m_with_esp: bool = False, k: int = 1, experts_per_rank: int = 1) -> list:
+    """Every configuration of one setting, in a fixed order; ``k``: top-k, ``experts_per_rank``: E_l (E = E_l *
+    P / N_ESP); both default to 1 (not stated by the paper: a reproduction passes its assumptions)."""
     prof, nodes, g = SETTINGS[setting]
     out = []
     for n_mp, n_esp, B, L, h, m, f in itertools.product((1, 2, 4), (1, 2, 4), (2, 4, 8), (512, 1024, 2048),
                                                       (1024, 2048, 4096), (1024, 2048, 4096), (1.2, 2.4)):
         if (nodes * g) % n_mp or (nodes * g) % n_esp or g % n_mp or g % n_esp:
             continue
-        out.append(Config(setting, prof, nodes, g, n_mp, n_esp, B, L, m * n_esp if scale_m_with_esp else m, h, f, k))
+        out.append(Config(setting, prof, nodes, g, n_mp, n_esp, B, L, m * n_esp if scale_m_with_esp else m, h, f, k,
+                          experts_per_rank))
     return out
 
 
@@ -89,7 +93,7 @@ def fits_memory(c: Config, mem_GB: float, reserve_GiB: float = 1.5, **kw) -> boo
 
 
 def filtered(setting: str, reserve_GiB: float = 1.5, **kw) -> tuple:
-    """(kept configurations, dropped configurations) of one setting."""
+    """(kept configurations, dropped configurations) of one setting (``kw``: :func:`configs`'s)."""
     from moelab.sim.profiles import get_profile
 
     mem = get_profile(SETTINGS[setting][0]).mem_GB

@@ -44,3 +44,16 @@ def test_each_table_one_target_moves_its_own_constant(fresh, monkeypatch):
     s0 = base["targets"]["train_a2a_share_16gpu_12L"]
     more = ((1 - s0 / 2) / (s0 / 2)) / ((1 - s0) / s0)  # half the share: this much more non-all-to-all time
     assert c["achieved_flops"] == pytest.approx(base["achieved_flops"] / more, rel=0.05)
+
+
+def test_gammas_record_in_the_assumptions_file_is_the_fit_and_marks_its_row():
+    """gamma is fitted at run time to Fig. 4's median (paper_scale.fitted_gamma, its bracket the assumption's
+    range); the assumptions file records the fitted value (kept in step with the code here) and names the paper
+    number it was fitted to, so that number's paper-vs-moelab row reads "fit", not agreement."""
+    from moelab.papers.kit.assumptions import load_assumptions
+
+    g = load_assumptions("lina")["gamma"]
+    assert g.kind == "fitted" and g.fitted_to == ("bwd_a2a_slowdown_median",) and "fig4s" in g.affects
+    fit = ps.fitted_gamma()
+    assert g.range[0] <= fit["gamma"] <= g.range[1] and fit["gamma"] == pytest.approx(g.value, abs=1e-3)
+    assert ("fit", "gamma", g.affects) in compare.circularity("lina")["bwd_a2a_slowdown_median"]

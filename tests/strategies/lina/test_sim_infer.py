@@ -14,6 +14,7 @@ from moelab.strategies.lina.sim_infer import InferShape, plans_for_batch, simula
 
 N, E, L = 16, 16, 6
 SV = LinaServeOptions(path_len=2, max_pack=4, k_est=2, k_cmp=2)
+COSTS = {"o_check_s": 1e-3, "o_plan_s": 5e-3}  # round scheduler costs (the simulator's default is none)
 
 
 def setup(traces, batch=2048):
@@ -26,7 +27,7 @@ def setup(traces, batch=2048):
 def run(traces, variants, overheads=None, batch=2048):
     table, src, batches = setup(traces, batch)
     return simulate_serving(traces, src, batches, variants, SV, table, get_profile("lina"), Topology(N, 4),
-                            InferShape(), overheads=overheads)
+                            InferShape(), overheads=COSTS if overheads is None else overheads)
 
 
 def test_balanced_traces_make_baseline_equal_ideal():
@@ -95,7 +96,7 @@ def test_phase_one_loads_overlap_the_previous_layer_and_phase_two_swaps_block():
     static = static_loaded(N, E, L)
     for v in ("lina_no_finetune", "lina"):
         plans = plans_for_batch(t[:4096], src[:4096], v, SV, table, N, E)
-        g = batch_graph(plans, get_profile("lina"), Topology(N, 4), InferShape(), {"o_check_s": 0.0},
+        g = batch_graph(plans, get_profile("lina"), Topology(N, 4), InferShape(), {**COSTS, "o_check_s": 0.0},
                         [[set(s) for s in layer] for layer in static])
         res = run_graph(g)
         df = res.ops_frame()
@@ -179,13 +180,13 @@ def test_a_served_runs_records_are_priced_as_the_simulator_prices_its_own_plans(
 
     for v in ("lina", "lina_no_estimation", "baseline"):
         want = [r["batch_s"] for r in simulate_serving(t, src, batches, (v,), SV, table, prof, topo, InferShape(),
-                                                        overheads={"o_check_s": 0.0})]
+                                                        overheads={**COSTS, "o_check_s": 0.0})]
         rows = []
         for rnd in (0, 1):
             for b, sel in enumerate(batches):
                 rows += _records(plans_for_batch(t[sel], src[sel], v, SV, table, N, E, 0, b), b, rnd)
         assert [p[:2] for p in recorded_plans(rows)] == [(r, b) for r in (0, 1) for b in range(len(batches))]
-        got = predict_served(rows, prof, topo, InferShape(), {"o_check_s": 0.0})
+        got = predict_served(rows, prof, topo, InferShape(), {**COSTS, "o_check_s": 0.0})
         for rnd in (0, 1):
             assert [got[(rnd, b)] for b in range(len(batches))] == pytest.approx(want, rel=1e-12), v
 
