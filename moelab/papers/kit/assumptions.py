@@ -20,6 +20,7 @@ entry, so a guess cannot slip in without a kind and a source.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,13 +167,22 @@ def _keys(e: Mapping, field: str, where: str, name) -> Tuple[str, ...]:
 def load_assumptions(path_or_paper: Union[str, Path], root: Union[str, Path, None] = None) -> Assumptions:
     """The validated assumptions of a file, or of a paper name (``experiments/<paper>/assumptions.yaml``
     under :func:`moelab.runtime.project.project_root`, searched from ``root``)."""
-    import yaml
 
     p = Path(path_or_paper)
     if p.suffix not in (".yaml", ".yml"):
         p = assumptions_path(str(path_or_paper), root)
     if not p.exists():
         raise FileNotFoundError(f"no assumptions file {p}")
+    st = p.stat()
+    return _load(p, st.st_mtime_ns, st.st_size)  # read again when the file is edited
+
+
+@functools.lru_cache(maxsize=32)
+def _load(p: Path, mtime_ns: int, size: int) -> Assumptions:
+    """One version of a file, parsed once: products ask for assumptions hundreds of times per notebook.
+    Safe to share: :class:`Assumptions` is read-only (``with_values`` makes a copy)."""
+    import yaml
+
     a = parse_assumptions(yaml.safe_load(p.read_text()) or {}, str(p))
     a.path = p
     return a
