@@ -10,7 +10,7 @@ _EXPORTS = {
     "MoETransformer": "transformer", "lm_loss": "transformer", "DenseFFN": "transformer",
     "is_moe_block": "transformer",
     "count_params": "params", "param_bytes_by_category": "params", "PAPER_MODELS": "params",
-    "paper_model": "params", "num_moe_layers": "params", "HECATE_TABLE1_PARAMS_B": "params",
+    "paper_model": "params", "num_moe_layers": "params",
     "ByteCorpus": "data", "make_batch": "data", "make_eval_batch": "data", "get_corpus": "data",
     "stdlib_text": "data",
     "routing_trace": "traces", "trace_to_token_choices": "traces",

@@ -129,9 +129,6 @@ PAPER_MODELS: dict = {
 LSH_TABLE1_PARAMS_M = {"RoBERTa-MoE": (302, 394), "T5-MoE": (8594, 9288), "GPT-MoE-15B": (14507, 14629),
                        "GPT-MoE-52B": (51539, 51740), "Swin-MoE-L": (None, 946)}
 
-# Hecate Table 1 "params" column, in billions (papers/hecate.md §4, invariant 14)
-HECATE_TABLE1_PARAMS_B = {"GPT-MoE-S": 1.84, "GPT-MoE-L": 7.36, "BERT-MoE": 3.27, "BERT-MoE-Deep": 6.54}
-
 
 def paper_model(name: str) -> ModelConfig:
     """A fresh copy of ``PAPER_MODELS[name]`` (safe to edit)."""

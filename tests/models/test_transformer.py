@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from moelab.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig
 from moelab.models.data import ByteCorpus
 from moelab.models.params import (
-    HECATE_TABLE1_PARAMS_B,
     PAPER_MODELS,
     count_params,
     num_moe_layers,
@@ -66,13 +65,13 @@ def build(cfg, seed=0, layer=StandInMoE, dtype=torch.float32):
 # ---- parameter counting -------------------------------------------------------------------------
 
 def test_hecate_table1_identity():
-    """Hecate Table 1 / invariant 14: L*(4E+4)*d^2 rounds to the paper's parameter counts."""
-    for name, billions in HECATE_TABLE1_PARAMS_B.items():
+    """Hecate Table 1 / invariant 14: the "hecate" convention counts L*(4E+4)*d^2 (experts + attention only); that it
+    rounds to the paper's column is tests/papers/hecate/test_common.py's (the paper's numbers live in paper.yaml)."""
+    for name in ("GPT-MoE-S", "GPT-MoE-L", "BERT-MoE", "BERT-MoE-Deep"):
         cfg = PAPER_MODELS[name]
         c = count_params(cfg, convention="hecate")
         d, L, E = cfg.d_model, cfg.n_layers, cfg.moe.num_experts
         assert c["total"] == L * (4 * E + 4) * d * d
-        assert round(c["total"] / 1e9, 2) == billions, name
         assert c["embedding"] == c["gate"] == c["norm"] == 0
 
 

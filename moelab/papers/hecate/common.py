@@ -1,6 +1,7 @@
 """Hecate reproduction, shared pieces: the scale spec (sizes in ``experiments/hecate/scales.yaml``),
 the constants the paper-scale parts guess or fit (``experiments/hecate/assumptions.yaml``), and the
-Table 1 models (``moelab.models.params``: one place for the paper models and their parameter rule)."""
+Table 1 models (``moelab.models.params``: one place for the paper models and their parameter rule; the paper's
+own counts are paper numbers, in ``experiments/hecate/paper.yaml``)."""
 from __future__ import annotations
 
 import functools
@@ -11,11 +12,21 @@ from typing import Optional
 import pandas as pd
 
 from moelab.papers.kit.assumptions import Assumptions, load_assumptions
+from moelab.papers.kit.registry import Quantity
 
 P = "hecate"  # the paper id products register under
 X = "x"  # the unit of a ratio
 SCALES = ("smoke", "default", "full")
 PAPER_MODELS = ("GPT-MoE-S", "GPT-MoE-L", "BERT-MoE", "BERT-MoE-Deep")  # Table 1, in the paper's order
+BASELINES = ("FasterMoE", "SmartMoE", "FlexMoE")  # the paper's state-of-the-art systems (§5 Baselines); EP is the base
+# The abstract's "up to ...x over state-of-the-art MoE training systems" and the introduction's "with
+# re-materialization, up to ...x" (paper.yaml speedup_up_to, rm_speedup_up_to): per row the speedup over the baseline
+# beaten most (the slowest of BASELINES present); the largest over the rows is the paper's best case
+UP_TO = Quantity("end-to-end speedup of Hecate over a state-of-the-art MoE system (best case)", "x")
+RM_UP_TO = Quantity("end-to-end speedup of Hecate-RM over a state-of-the-art MoE system (best case)", "x")
+# Table 1's "params" column: the keys of experiments/hecate/paper.yaml holding the paper's counts
+TABLE1_PARAMS_KEYS = {"GPT-MoE-S": "gpt_moe_s_params", "GPT-MoE-L": "gpt_moe_l_params", "BERT-MoE": "bert_moe_params",
+                      "BERT-MoE-Deep": "bert_moe_deep_params"}
 
 
 @dataclass(frozen=True)
@@ -32,7 +43,8 @@ class ScaleSpec:
     trace_seq: int
     trace_batch: int
     trace_iters: int
-    # REAL/EMULATED runs of the strategies (Figs. 1, 4-6, 8, 9, 11-13, 15a): nodes x ranks_per_node gloo ranks
+    # REAL runs of the strategies (Figs. 1, 4-6, 8, 9, 11-13, 15a): nodes x ranks_per_node gloo ranks on this
+    # machine's loopback, no link emulation (experiments/hecate/scales.yaml says why)
     nodes: int
     ranks_per_node: int
     d: int
@@ -41,9 +53,6 @@ class ScaleSpec:
     seq: int
     batch: int
     iters: int
-    intra_GBps: float  # emulated per-rank links
-    inter_GBps: float
-    latency_us: float
     # SIMULATED paper scale (Figs. 9-15, M1-M3)
     paper_layers: Optional[int]  # MoE layers simulated per model (None: all, as the paper)
     paper_iters: int  # trace iterations priced per configuration
@@ -76,8 +85,9 @@ def table1() -> pd.DataFrame:
     """Table 1 as moelab counts it: the paper's parameter rule (expert FFNs 2·d·2d without biases plus
     4·d² attention per layer; embeddings, norms, gates excluded) evaluated by
     :func:`moelab.models.params.count_params` on moelab's own configs of the four models, beside the
-    closed form L·(4E+4)·d² and the paper's column (labelled)."""
-    from moelab.models.params import HECATE_TABLE1_PARAMS_B, count_params, paper_model
+    closed form L·(4E+4)·d² and the paper's column (labelled, read from ``experiments/hecate/paper.yaml``)."""
+    from moelab.models.params import count_params, paper_model
+    from moelab.papers.kit.compare import paper_value
 
     rows = []
     for name in PAPER_MODELS:
@@ -87,7 +97,7 @@ def table1() -> pd.DataFrame:
         rows.append(dict(model=name, d_model=d, seq_len=m.seq_len, layers=L, experts=E, heads=m.n_heads,
                          vocab=m.vocab_size, params=c["total"], params_B=c["total"] / 1e9,
                          closed_form_B=L * (4 * E + 4) * d * d / 1e9,
-                         paper_params_B=HECATE_TABLE1_PARAMS_B[name],
+                         paper_params_B=paper_value(P, TABLE1_PARAMS_KEYS[name]) / 1e9,
                          expert_MB_fp16=2 * 2 * d * m.d_ff / 1e6))
     t = pd.DataFrame(rows)
     t["matches_paper"] = t.params_B.round(2) == t.paper_params_B

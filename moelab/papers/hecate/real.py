@@ -210,7 +210,8 @@ def event_order(scale="smoke", iteration: int = None, system: str = "Hecate") ->
     df = pd.DataFrame(rows)
     t0 = df.start.min()
     df["start_ms"], df["end_ms"] = 1e3 * (df.start - t0), 1e3 * (df.end - t0)
-    df.attrs["label"] = hec.label + f"; iteration {it}; wall clock (no overlap gain on 2 cores: spec §2.8)"
+    why = "no overlap gain on 2 cores: spec §2.8"  # not a paper number: a section of the spec
+    df.attrs["label"] = hec.label + f"; iteration {it}; wall clock ({why})"
     return df.drop(columns=["start", "end"]).sort_values(["rank", "start_ms"]).reset_index(drop=True)
 
 

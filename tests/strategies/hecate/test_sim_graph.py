@@ -56,17 +56,31 @@ def test_calibration_policy_time_is_compute_before_dispatch():
 
 def test_replay_times_the_calibration_only_when_asked():
     """``time_policy`` adds this host's calibration seconds per layer (``policy_s``, what a REAL run records) and
-    changes no plan; without it the replay is host-independent (no timing key)."""
+    changes no plan; without it the replay is host-independent (no timing key). The graph prices those seconds as
+    they are: one op per rank and timed layer lasting exactly ``policy_s[j]``, and the iteration longer than the
+    untimed plan's by exactly their sum (they sit on every rank's path before dispatch)."""
     import numpy as np
 
-    from moelab.papers.hecate.replay import hecate_plans
+    from moelab.papers.hecate.replay import graph_kwargs, hecate_plans
+    from moelab.sim.engine import simulate
     from moelab.sim.placement_cost import PlacementCost
 
     trace = np.random.default_rng(1).integers(0, 50, size=(4, 2, 4, 8)) * np.array([8, 1, 1, 1, 1, 1, 1, 1])
-    cost = PlacementCost.from_profile(get_profile("hecate_A"), d_model=64, d_ff=128, ranks_per_node=2)
+    prof = get_profile("hecate_A")
+    cost = PlacementCost.from_profile(prof, d_model=64, d_ff=128, ranks_per_node=2)
     kw = dict(t=2, m=2, ranks_per_node=2, cost=cost, calibration_rule="best")
     plain, timed = hecate_plans(trace, **kw), hecate_plans(trace, **kw, time_policy=True)
     assert all("policy_s" not in p for p in plain)
     assert [{k: v for k, v in p.items() if k != "policy_s"} for p in timed] == plain
-    assert all(len(p["policy_s"]) == 2 and min(p["policy_s"]) >= 0 for p in timed)
     assert any(s != "off" for p in plain for s in p["calibration"]) and sum(sum(p["policy_s"]) for p in timed) > 0
+    cfg = RunConfig().with_overrides({"model.d_model": 64, "model.d_ff": 128, "model.n_layers": 2, "model.seq_len": 32,
+                                      "model.moe.num_experts": 8, "parallel.nproc": 4, "parallel.topology.nodes": 2,
+                                      "parallel.strategy": "hecate"})
+    for it, (p, q) in enumerate(zip(plain, timed)):
+        assert len(q["policy_s"]) == 2
+        g = iteration_graph(cfg, prof, trace[it], **graph_kwargs(q))
+        ops = {o.name: o.duration for o in g.ops if ".calibrate_policy." in o.name}
+        assert ops == {f"L{j}.calibrate_policy.{r}": s for j, s in enumerate(q["policy_s"]) if s > 0 for r in range(4)}
+        timed_ops = sum(s > 0 for s in q["policy_s"])
+        grown = simulate(g).makespan - simulate(iteration_graph(cfg, prof, trace[it], **graph_kwargs(p))).makespan
+        assert grown == pytest.approx(sum(q["policy_s"]) + timed_ops * g.op_overhead_s, rel=1e-6, abs=1e-12)

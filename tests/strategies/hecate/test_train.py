@@ -66,7 +66,7 @@ def _train(rank, world, variants):
                 experts[(li, e)] = (torch.cat([p[s].detach().reshape(-1) for p in ex.stacked() if p is not None]),
                                     st["exp_avg"][s].clone())
         dense = torch.cat([p.detach().reshape(-1) for p in tr.model.dense_parameters()])
-        recs = [(r.op, r.tags.get("phase"), r.tags.get("layer"), r.tags.get("iter"), r.t_start, r.t_end)
+        recs = [(r.op, r.tags.get("phase"), r.tags.get("layer"), r.tags.get("iter"), r.t_start, r.t_end, r.t_done)
                 for r in tr.comm.rec.comm]
         spans = [(s[0], s[2], s[3], s[4].get("layer"), s[4].get("phase"), s[4].get("iter")) for s in tr.comm.rec.spans]
         out[name] = dict(losses=losses, experts=experts, dense=dense, plans=tr.plans, storage=storage, recs=recs,
@@ -120,8 +120,35 @@ def test_resharding_moved_experts_and_kept_equal_counts(runs):
         assert per_rank == [2 * 8 // 4] * 4  # L*E/N each, in total over the layers
         assert all(sum(r[variant]["owned"]) == 4 for r in got)
         assert any(p["hecate"]["prefetch"] for p in plans if p["iter"] > 0), variant  # replicas were materialized
-        assert all(p["hecate"]["spag_exposed_s"] >= 0 for p in plans)  # the wait for the gather, for the benchmark
         assert any(p["hecate"]["spag_exposed_s"] > 0 for p in plans if p["hecate"]["prefetch"])
+
+
+def test_spag_exposed_time_is_the_callers_wait_after_attention(runs):
+    """``spag_exposed_s`` (the benchmark's exposed gather) is the caller's wait on its spAG: it contains the comm
+    door's own record of that wait (from the call's completion, or the wait's start if it had finished, to the
+    taking of the result), and it starts only after the layer's attention ended (spAG is hidden behind it), so it
+    ends about when the door took the result. Single-stage backends only: a staged one is waited by its stream
+    thread."""
+    import statistics
+
+    _, got = runs
+    clock = 1e-6  # time.time (the door, the spans) against perf_counter (the layer): nested intervals, one clock rate
+    for variant in [v for v, o in VARIANTS.items() if "spag_backend" not in o]:
+        waits, over = [], []
+        for r in got:
+            v = r[variant]
+            for p in v["plans"]:
+                it, layer, exposed = p["iter"], p["layer"], p["hecate"]["spag_exposed_s"]
+                ag = [x for x in v["recs"] if x[1] == "spag" and x[2] == layer and x[3] == it]
+                if not ag:  # nothing gathered to this rank in this call
+                    continue
+                (_, _, _, _, _, taken, done), = ag
+                attn = [s for s in v["spans"] if s[0] == "attention" and s[3] == layer and s[4] == "fwd" and s[5] == it]
+                assert exposed >= taken - done - clock, (variant, it, layer)  # the door's wait lies inside it
+                waits.append(taken - done)
+                over.append(exposed - (taken - attn[0][2]))  # > 0 only by a preemption after the door's taking
+        assert waits and max(waits) > 2 * clock, variant  # the door saw real waits: the lower bound has teeth
+        assert statistics.median(over) < 0, (variant, sorted(over))  # waited after attention, not from the issue
 
 
 def test_m_from_free_memory_leaves_calibration_room_and_it_fires(runs):
