@@ -193,10 +193,13 @@ class MoETransformer(nn.Module):
         return list(self._moe)
 
     def aux_loss(self) -> torch.Tensor:
-        """Sum of the MoE layers' aux losses from the last forward (0 if there are none)."""
+        """Sum of the MoE layers' aux losses from the last forward (0 if there are none), each balance loss
+        over the global batch (:func:`moelab.moe.layer.global_aux_losses`: with several data-parallel ranks
+        a collective, one all-reduce of the layers' counts; every rank calls it after its forward)."""
+        from moelab.moe.layer import global_aux_losses
+
         total = self.tok_emb.weight.new_zeros(())
-        for m in self._moe:
-            a = getattr(m, "aux_loss", None)
+        for a in global_aux_losses(self._moe):
             if a is not None:
                 total = total + a
         return total

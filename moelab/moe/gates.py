@@ -17,7 +17,9 @@ adds a gate without editing this module. Built in:
 - ``base``: BASE layers' balanced top-1 assignment (auction), weight = sigmoid of the chosen
   logit, no auxiliary loss: :mod:`moelab.moe.base_gate`.
 All add the GShard/Switch balance loss ``E * sum_e mean_prob_e * frac_top1_e`` and the router
-z-loss ``mean(logsumexp(logits)^2)``, each times its coefficient (:func:`finish_routing`).
+z-loss ``mean(logsumexp(logits)^2)``, each times its coefficient (:func:`finish_routing`), over the
+tokens they see (one rank's); training takes the balance loss over the global batch from the
+statistics they keep (``Routing.balance_stats``, :func:`moelab.moe.layer.global_aux_losses`).
 """
 from __future__ import annotations
 

@@ -15,6 +15,11 @@ autograd Functions). The gate rule and the dispatcher are looked up by name in r
 strategy adds one without editing the core. Usable as a drop-in replacement of a Transformer FFN:
 ``y = layer(x)`` for any ``x[..., d_model]``; the auxiliary loss is left in ``layer.aux_loss`` for
 the model to add, and :meth:`MoELayer.plan_record` describes the call's plan as JSON-able data.
+
+``layer.aux_loss`` is this rank's: its gate saw this rank's tokens only (DeepSpeed's per-device
+``l_aux``). What training adds is :func:`global_aux_losses` (through the model's ``aux_loss()``): the
+balance loss over the global batch, so the loss and its gradients do not depend on how the batch is
+split over the ranks (a checkpoint resumes at another EP size with the same losses).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from moelab.moe.dispatch import DISPATCHERS, CountExchange, DispatchPlan
 from moelab.moe.experts import Experts, seeded_generator
 from moelab.moe.gates import Gate
 from moelab.moe.materialize import Materialization, Materializer
-from moelab.moe.routing import Routing
+from moelab.moe.routing import Routing, balance_share
 from moelab.placement import Placement
 
 
@@ -42,6 +47,45 @@ def init_gate_(gate: Gate, seed: int, layer_id: int) -> None:
     w = (torch.rand(gate.wg.weight.shape, generator=g, dtype=torch.float64) * 2 - 1) * bound
     with torch.no_grad():
         gate.wg.weight.copy_(w.to(gate.wg.weight.dtype))
+
+
+def global_aux_losses(layers: Sequence, group: str = "dp") -> list:
+    """The auxiliary loss of each of ``layers``' last forward, with its balance loss taken over the global
+    batch: the tokens of every rank of ``group`` (the ranks that split one batch, over which the
+    data-parallel sync averages the replicated gate's gradients: ``dp`` for every strategy built on
+    :class:`MoELayer`, a packed layer's block included).
+
+    One all-reduce (SUM) of every layer's first-choice counts (int64, ``E`` per layer), then per layer
+    ``balance_loss_coef * balance_share + z_term`` (:func:`moelab.moe.routing.balance_share`): this
+    rank's share, whose mean over the ranks is ``coef * E * sum_e f_e * P_e`` of the global batch and
+    whose gradients, averaged by the sync, are that loss's exactly. The z-loss stays the rank's mean
+    of ``logsumexp^2``, which is the global mean when every rank holds as many tokens (training does).
+    The all-reduce is collective over ``group`` (every rank calls this after the same forward) and is
+    not recorded (nor link-emulated): ``8 E`` bytes per layer that the simulator's iteration graph
+    does not price, kept out of the measured bytes it is compared with.
+
+    A layer keeps its own ``aux_loss`` (this rank's tokens) when it has no balance statistics (a gate
+    without auxiliary loss, a layer not built on :class:`MoELayer`: Parm's), a balance coefficient of 0,
+    or a one-rank ``group`` (its tokens are then the whole batch). Returns one tensor (or None) per layer."""
+    out = [getattr(m, "aux_loss", None) for m in layers]
+    todo: dict = {}  # id(communicator) -> (communicator, [(layer index, stats)]): the same order on every rank
+    for i, m in enumerate(layers):
+        stats = getattr(getattr(m, "last_routing", None), "balance_stats", None)
+        if stats is None or not m.cfg.balance_loss_coef > 0:
+            continue
+        base = getattr(m.comm, "base", m.comm)  # a GroupView's whole world: the batch spans every block
+        if len(base.group_ranks(group)) > 1:
+            todo.setdefault(id(base), (base, []))[1].append((i, stats))
+    for base, items in todo.values():
+        counts = torch.cat([s.top1_counts for _, s in items])
+        with base.rec.paused():
+            base.all_reduce_(counts, group=group)
+        ranks, off = len(base.group_ranks(group)), 0
+        for i, s in items:
+            E = s.top1_counts.numel()
+            out[i] = layers[i].cfg.balance_loss_coef * balance_share(s, counts[off:off + E], ranks) + s.z_term
+            off += E
+    return out
 
 
 class MoELayer(nn.Module):

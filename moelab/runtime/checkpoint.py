@@ -33,8 +33,11 @@ expert.
 At another world size the data stay the same iff the global batch ``parallel.nproc x
 train.batch_size`` is kept (checked); losses then match the uninterrupted run up to floating-point
 summation order, provided the run's math does not depend on the split itself: dropless routing
-(``capacity_factor: null``, per-source-rank capacities otherwise), ``balance_loss_coef: 0`` (the
-balance loss is computed per rank) and no ``random_routing`` (its draws are keyed by rank).
+(``capacity_factor: null``, per-source-rank capacities otherwise) and no ``random_routing`` (its draws
+are keyed by rank). The auxiliary losses do not depend on it: the balance loss is taken over the global
+batch (first-choice counts all-reduced over the data-parallel ranks, :func:`moelab.moe.layer.global_aux_losses`)
+and the z-loss is a mean over equal per-rank token counts, so any ``balance_loss_coef`` and ``z_loss_coef``
+resume alike (measured: 4 ranks x 1 resumed on 2 x 2 at the default 0.01, losses within 2e-16 relative).
 """
 from __future__ import annotations
 

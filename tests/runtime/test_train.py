@@ -1,6 +1,7 @@
 """Training-level equivalences on real gloo ranks (fp64): replicas == EP, EP=1 == EP=N."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moelab.runtime.ranks import run_ranks
@@ -34,10 +35,13 @@ def test_placement_with_replicas_trains_like_ep():
     assert (1, 0) in rep[1]["experts"] or (0, 0) in rep[1]["experts"]
 
 
-def test_ep1_equals_ep4():
-    """One process on the global batch == 4 ranks on its quarters (dropless, no balance loss)."""
-    one = run_ranks(train_snapshot, 1, {"train.batch_size": 4}, timeout=120)[0]
-    four = run_ranks(train_snapshot, 4, {"train.batch_size": 1}, timeout=120)
+@pytest.mark.parametrize("balance", [0.0, 0.01])
+def test_ep1_equals_ep4(balance):
+    """One process on the global batch == 4 ranks on its quarters (dropless), with or without the balance
+    loss (taken over the global batch: :func:`moelab.moe.layer.global_aux_losses`)."""
+    coef = {"model.moe.balance_loss_coef": balance}
+    one = run_ranks(train_snapshot, 1, {**coef, "train.batch_size": 4}, timeout=120)[0]
+    four = run_ranks(train_snapshot, 4, {**coef, "train.batch_size": 1}, timeout=120)
     torch.testing.assert_close(torch.tensor(four[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-10, atol=0)
     e1, e4 = gather_experts([one]), gather_experts(four)
     for key in e1:
