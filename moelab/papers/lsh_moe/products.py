@@ -187,6 +187,10 @@ def table3s(ctx):
              f"({r.speedup_experts_on_tokens:.2f}x with experts on every token); "
              f"the stand-in's absolute samples/s ({r.samples_per_s_origin:.0f}) is not Swin-MoE-L's: compare ratios"
              for r in df.itertuples()]
+    notes += [f"rho {r.rho:.3f}: all-to-all share of the uncompressed step {r.a2a_share_ep:.2f}, Amdahl on the bytes "
+              f"alone {r.amdahl_speedup:.2f}x; the paper's speedup_min would need a share of {r.implied_a2a_share:.2f} "
+              f"or {r.overhead_needed:.0%} of the uncompressed step added (moelab's hashing: {r.hash_share:.2%})"
+              for r in df.itertuples()]
     return Made(df, tables={"table3_speed": (df, "Table 3, samples/s: the Swin-MoE-L stand-in on lsh_a100")},
                 notes=notes)
 

@@ -48,11 +48,18 @@ SETUPS = {"a": (2, 1), "b": (4, 1), "c": (2, 2)}  # setup -> (servers of 8 GPUs,
 
 
 @functools.lru_cache(maxsize=1)
-def assumptions() -> Assumptions:
+def _base_assumptions() -> Assumptions:
     return load_assumptions("lsh_moe", root=Path(__file__).resolve().parent)
 
 
-def model_config(name: str):
+def assumptions(overrides: tuple = ()) -> Assumptions:
+    """LSH-MoE's constants as data; ``overrides``: ``((name, value), ...)`` (hashable, so cached experiments can
+    take it) replaces some values (checked against their ranges), e.g. for a gap ladder's rung."""
+    A = _base_assumptions()
+    return A.with_values(dict(overrides)) if overrides else A
+
+
+def model_config(name: str, overrides: tuple = ()):
     """The Table 1 config (``moelab.models.params``), or the Swin-MoE-L stand-in (the paper gives none):
     a uniform 24-layer transformer at Swin-L's stage-3 width, MoE every other layer, 32 experts, top-2,
     49 tokens per window-sequence (Swin's 7x7 windows)."""
@@ -61,7 +68,7 @@ def model_config(name: str):
 
     if name != "Swin-MoE-L":
         return paper_model(name)
-    A = assumptions()
+    A = assumptions(overrides)
     d = int(A.value("swin_d_model"))
     return ModelConfig(arch="bert", vocab_size=1000, d_model=d, d_ff=4 * d, n_layers=24, n_heads=d // 32, seq_len=49,
                        moe_every=2, moe=MoEConfig(num_experts=32, top_k=2, gate="topk", expert_bias=True))
@@ -72,17 +79,18 @@ TOKENS = {"RoBERTa-MoE": "tokens_per_gpu_roberta", "GPT-MoE-15B": "tokens_per_gp
 
 
 def paper_step(name: str, servers: int, mfu: float, eta: float, *, expert_mult: int = 1, tokens_per_gpu=None,
-               profile: str = "lsh_a100"):
+               profile: str = "lsh_a100", overrides: tuple = ()):
     """``(cfg, profile, loads)`` of one uncompressed step of ``name`` on ``servers`` nodes of ``profile`` at
     (MFU, eta_n): balanced loads (the share at its floor); ``tokens_per_gpu`` defaults to the model's
-    assumption. Fewer experts than GPUs: EP over groups of E GPUs, data parallel across them."""
+    assumption. Fewer experts than GPUs: EP over groups of E GPUs, data parallel across them. ``overrides``: see
+    :func:`assumptions`."""
     from moelab.config import RunConfig
     from moelab.sim.graphs import moe_layer_ids
     from moelab.sim.profiles import get_profile
 
-    m = model_config(name)
+    m = model_config(name, overrides)
     m.moe.num_experts *= expert_mult
-    tokens = int(tokens_per_gpu if tokens_per_gpu is not None else assumptions().value(TOKENS[name]))
+    tokens = int(tokens_per_gpu if tokens_per_gpu is not None else assumptions(overrides).value(TOKENS[name]))
     gpus = min(8 * servers, m.moe.num_experts)
     cfg = RunConfig()
     cfg.model = m
@@ -96,18 +104,23 @@ def paper_step(name: str, servers: int, mfu: float, eta: float, *, expert_mult: 
     return cfg, prof, np.full((len(moe_layer_ids(m)), gpus, E), T * k // E, dtype=np.int64)
 
 
-def a2a_share(name: str, servers: int, expert_mult: int, mfu: float, eta: float) -> float:
+def a2a_share(name: str, servers: int, expert_mult: int, mfu: float, eta: float, overrides: tuple = ()) -> float:
     """All-to-all time / step time of one uncompressed EP iteration on lsh_a100 at (MFU, eta_n)."""
     from moelab.sim import simulate
     from moelab.sim.graphs import ep_iteration_graph
 
-    r = simulate(ep_iteration_graph(*paper_step(name, servers, mfu, eta, expert_mult=expert_mult)))
-    ops = r.ops_frame()
-    return float(ops[ops.category == "a2a"].duration.sum() / r.makespan)
+    return sim_a2a_share(simulate(ep_iteration_graph(*paper_step(name, servers, mfu, eta, expert_mult=expert_mult,
+                                                                   overrides=overrides))))
+
+
+def sim_a2a_share(result) -> float:
+    """All-to-all time / step time of a simulated iteration (the Fig. 3 definition)."""
+    ops = result.ops_frame()
+    return float(ops[ops.category == "a2a"].duration.sum() / result.makespan)
 
 
 @cached
-def fit(scale) -> dict:
+def fit(scale, overrides: tuple = ()) -> dict:
     """eta_n minimising the squared error of Fig. 3(a)'s three shares (read from paper.yaml) at the assumed MFU:
     a log grid over assumptions.yaml's ``eta_n`` range, then a finer one around its best point (``at_edge`` says
     when the best is a grid end). eta_n multiplies the node's stated 200 Gb/s shared by its 8 GPUs (spec §6.12):
@@ -117,11 +130,11 @@ def fit(scale) -> dict:
     equals it within :data:`FIT_RTOL`; a mismatch warns (the record is stale: refit and update
     assumptions.yaml) and Fig. 3's notes say so."""
     s = common.scale_spec(scale)
-    A = assumptions()
+    A = assumptions(overrides)
     mfu = float(A.value("mfu"))
     lo, hi = A["eta_n"].range  # the fit's search interval
     targets = paper_a()
-    err = lambda eta: sum((a2a_share(m, 2, 1, mfu, eta) - p) ** 2 for m, p in targets.items())  # noqa: E731
+    err = lambda eta: sum((a2a_share(m, 2, 1, mfu, eta, overrides) - p) ** 2 for m, p in targets.items())  # noqa: E731
     n = 9 if s.name == "smoke" else 17
     grid = np.geomspace(lo, hi, n)
     errs = [err(e) for e in grid]
@@ -136,6 +149,47 @@ def fit(scale) -> dict:
                       f"experiments/lsh_moe/assumptions.yaml ({recorded:.4g}): update the record", stacklevel=2)
     return dict(mfu=mfu, eta=eta, rmse=float(np.sqrt(ferrs[j] / len(targets))), at_edge=i in (0, n - 1),
                 recorded=recorded, matches_record=matches)
+
+
+BAR_OF = {"GPT-MoE-52B": "GPT-MoE-15B"}
+"""A model without a Fig. 3(a) bar -> the bar it is priced at when ``eta_n_per_model`` is set: Fig. 3 shows no
+GPT-MoE 52B, and says the share stays nearly constant in larger models (Fig. 3(c), twice the experts)."""
+
+
+@cached
+def fit_model(model: str, overrides: tuple = ()) -> dict:
+    """eta_n at which ``model``'s uncompressed step in Fig. 3(a)'s setup (16 GPUs on lsh_a100, the assumed MFU)
+    spends exactly the paper's Fig. 3(a) bar for that model (read from paper.yaml) in all-to-all: bisection in
+    log eta_n over eta_n's range (the share falls as eta_n grows). ``at_edge``: the bar is out of reach in the
+    range (eta_n is then the nearer end). Not moelab's setting: a gap ladder's rung (``eta_n_per_model``)."""
+    A = assumptions(overrides)
+    mfu = float(A.value("mfu"))
+    lo, hi = (float(np.log(v)) for v in A["eta_n"].range)
+    target = paper_a()[model]
+    excess = lambda log_eta: a2a_share(model, 2, 1, mfu, float(np.exp(log_eta)), overrides) - target  # noqa: E731
+    above_at_hi, below_at_lo = excess(hi) > 0, excess(lo) < 0
+    if above_at_hi:
+        lo = hi
+    elif below_at_lo:
+        hi = lo
+    while hi - lo > 1e-7:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
+    eta = float(np.exp(0.5 * (lo + hi)))
+    return dict(model=model, mfu=mfu, eta=eta, target=target, share=a2a_share(model, 2, 1, mfu, eta, overrides),
+                at_edge=bool(above_at_hi or below_at_lo))
+
+
+def constants(scale, model: str, overrides: tuple = ()) -> dict:
+    """``(mfu, eta, eta_source)`` pricing ``model`` at paper scale: the joint fit of Fig. 3(a)'s three bars
+    (:func:`fit`, moelab's setting), or, with the assumption ``eta_n_per_model`` set, eta_n fitted to the model's
+    own bar (:func:`fit_model`; :data:`BAR_OF` for a model without one; a model with neither keeps the joint fit)."""
+    f = fit(scale, overrides)
+    bar = BAR_OF.get(model, model)
+    if not assumptions(overrides).value("eta_n_per_model") or bar not in PAPER_A_KEYS:
+        return dict(mfu=f["mfu"], eta=f["eta"], eta_source="joint fit of Fig. 3(a)")
+    g = fit_model(bar, overrides)
+    return dict(mfu=g["mfu"], eta=g["eta"], eta_source=f"fitted to Fig. 3(a)'s {bar} bar")
 
 
 @cached

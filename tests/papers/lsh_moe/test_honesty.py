@@ -38,7 +38,7 @@ def test_the_fit_targets_are_read_from_paper_yaml():
 def test_speed_tables_price_the_measured_rate_and_the_papers_rate_read_from_paper_yaml(monkeypatch, table, key):
     from moelab.papers.lsh_moe import speed
 
-    monkeypatch.setattr(speed, "measured_rho", lambda scale: 0.3)  # the substitute's rate, without training it
+    monkeypatch.setattr(speed, "measured_rho", lambda scale, overrides=(): 0.3)  # the substitute's rate, untrained
     df = getattr(speed, table).__wrapped__("smoke")
     assert set(df.rho_source) == {speed.MEASURED, f"paper ({key})"}
     assert (df[df.rho_source == speed.MEASURED].rho == 0.3).all()
