@@ -229,9 +229,19 @@ def verdict(row: dict, entry: dict, closed: float | None = None) -> str:
     return "off, no stated cause"
 
 
+def _ladder_share(row: dict, ladder) -> float | None:
+    """The share of this row's log-gap its ladder closes, if the ladder starts from this row's very value (a
+    key with several moelab sources has one ladder, which explains only the row it walks from)."""
+    if ladder is None:
+        return None
+    start, share = ladder
+    return share if math.isclose(start, row["moelab"], rel_tol=1e-9) else None
+
+
 def compare(paper: str, values: dict, products: dict, numbers: dict | None = None, *, closed: dict | None = None):
     """The paper-vs-moelab frame: one row per (paper number, moelab source), see the module doc.
-    ``closed``: paper key -> the share of its log-gap a ladder closes (:func:`moelab.papers.kit.ladder.walk`)."""
+    ``closed``: paper key -> (headline at rung 0, share of the log-gap closed), from
+    :func:`moelab.papers.kit.ladder.walk_all`."""
     import pandas as pd
 
     numbers = load_numbers(paper) if numbers is None else numbers
@@ -247,10 +257,11 @@ def compare(paper: str, values: dict, products: dict, numbers: dict | None = Non
                            note=e.get("no_counterpart", "no moelab counterpart"), paper_source=e["source"])
             else:
                 row = compare_one(key, e, src, values, products, circ)
-            v = verdict(row, e, closed.get(key))
+            share = _ladder_share(row, closed.get(key))
+            v = verdict(row, e, share)
             row.update(headline=bool(e.get("headline")), verdict=v,
                        why=e["contradicted"] if v == "contradicted" else
-                       f"gap ladder closes {closed[key]:.0%} of the log-gap" if v == "explained" else "")
+                       f"gap ladder closes {share:.0%} of the log-gap" if v == "explained" else "")
             rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs["label"] = (f"PAPER vs moelab: the paper's numbers from experiments/{paper}/paper.yaml; ratios only "

@@ -138,7 +138,8 @@ def walk(paper: str, ladder: Ladder, scale):
 
 
 def walk_all(paper: str, scale):
-    """Every ladder of a paper, one frame (empty without a ladders.yaml), and key -> share closed."""
+    """Every ladder of a paper, one frame (empty without a ladders.yaml), and key -> (the headline at rung 0,
+    the share of the log-gap the ladder closes): a ladder explains only the row it starts from."""
     import pandas as pd
 
     ladders = load_ladders(paper)
@@ -150,5 +151,5 @@ def walk_all(paper: str, scale):
     df.attrs["label"] = (f"SIMULATED: {profiles} profiles, scale {getattr(scale, 'name', scale)}; gap ladders of "
                          f"experiments/{paper}/ladders.yaml: each rung sets one assumption to its paper-side value, "
                          "keeping the rungs before it; the paper's numbers are references only")
-    closed = {f.key.iloc[0]: float(f.closed.iloc[-1]) for f in frames}
+    closed = {f.key.iloc[0]: (float(f.headline.iloc[0]), float(f.closed.iloc[-1])) for f in frames}
     return df, closed

@@ -58,3 +58,12 @@ def test_fitted_to_is_checked_in_the_assumptions_file():
         parse_assumptions({"assumptions": {"t": dict(value=8, kind="assumption", source="s", fitted_to=["a"])}})
     with pytest.raises(AssumptionError, match="must list paper.yaml keys"):
         parse_assumptions({"assumptions": {"t": dict(value=8, kind="assumption", source="s", chosen_from=[3])}})
+
+
+def test_a_ladder_explains_only_the_row_it_starts_from():
+    from moelab.papers.kit.compare import _ladder_share
+
+    row = _row(SIM)  # moelab 3.0
+    assert _ladder_share(row, (3.0, 0.8)) == 0.8
+    assert _ladder_share(row, (2.0, 0.8)) is None  # the ladder walks another source's value
+    assert _ladder_share(row, None) is None
