@@ -211,7 +211,9 @@ def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict,
 
 def verdict(row: dict, entry: dict, closed: float | None = None) -> str:
     """What a row says about the paper's claim (:data:`VERDICTS`); ``closed``: the share of the row's log-gap
-    its ladder closes, if it has one."""
+    its ladder closes, if it has one. A ratio near 1 on the other side of the entry's ``neutral`` (moelab finds
+    a slowdown where the paper claims a gain) does not agree; a ladder that overshoots the paper by more than
+    it leaves does not explain."""
     st = row["status"]
     if st in ("fit", "chosen from", "input"):
         return "not evidence"
@@ -220,9 +222,11 @@ def verdict(row: dict, entry: dict, closed: float | None = None) -> str:
                 "trend: other side" if row["trend"].startswith("other") else "trend: no neutral")
     if st != "ratio" or not row["ratio"] > 0:
         return "no value"
-    if 1 / AGREE <= row["ratio"] <= AGREE:
+    neutral = entry.get("neutral")
+    sides_differ = neutral is not None and (row["moelab"] - neutral) * (row["paper"] - neutral) <= 0
+    if 1 / AGREE <= row["ratio"] <= AGREE and not sides_differ:
         return "agrees"
-    if closed is not None and closed >= EXPLAINED:
+    if closed is not None and abs(1 - closed) <= 1 - EXPLAINED:
         return "explained"
     if entry.get("contradicted"):
         return "contradicted"

@@ -45,7 +45,13 @@ def test_verdicts():
     assert verdict(far, ENTRY) == "off, no stated cause"
     assert verdict(far, ENTRY, closed=0.8) == "explained"
     assert verdict(far, ENTRY, closed=0.5) == "off, no stated cause"
+    assert verdict(far, ENTRY, closed=2.6) == "off, no stated cause"  # overshoots far past the paper
+    assert verdict(far, ENTRY, closed=1.2) == "explained"
     assert verdict(far, {**ENTRY, "contradicted": "the mechanism X shows ..."}) == "contradicted"
+    # within 25 % but on the other side of "no effect": moelab finds a slowdown where the paper claims a gain
+    slower = dict(r, moelab=0.9, paper=1.1, ratio=0.9 / 1.1)
+    assert verdict(slower, {**ENTRY, "neutral": 1.0}) == "off, no stated cause"
+    assert verdict(slower, {**ENTRY, "neutral": 1.0, "contradicted": "SAA pays 8 phases"}) == "contradicted"
     t = _row(dict(product="emu", column="speedup"))
     assert t["status"] == "trend check" and verdict(t, ENTRY) == "trend: other side"
     assert verdict(dict(r, status="no value", ratio=math.nan), ENTRY) == "no value"
