@@ -103,6 +103,7 @@ def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
     stride = scale_spec(scale).grid_stride * (INDEX_STRIDE if dispatcher == "index" else 1)
     reserve = load_assumptions("parm").value("memory_reserve_GiB")
     opts = _grid_options()
+    phase_alpha = _assumed("saa_phase_alpha")
     rows, fits = [], {}
     for setting, (prof_name, nodes, _) in GRID.items():
         prof = _profile(prof_name, nodes)
@@ -111,8 +112,9 @@ def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
             lay = c.layout()
             key = (setting, c.n_mp, c.n_esp)
             if key not in fits:
-                fits[key] = model_fits(prof, lay)
-            t = {m: layer_time(prof, lay, c.shape(dispatcher), m) for m in ("baseline", "s1", "s2", "s2_aas")}
+                fits[key] = model_fits(prof, lay, saa_phase_alpha=phase_alpha)
+            t = {m: layer_time(prof, lay, c.shape(dispatcher), m, saa_phase_alpha=phase_alpha)
+                 for m in ("baseline", "s1", "s2", "s2_aas")}
             pick = select(ParmShape(c.B, c.L, c.M, c.E, c.k, c.f, c.n_mp, c.n_esp), fits[key])[0]
             rows.append(dict(dispatcher=dispatcher, setting=setting, testbed=setting[0], P=c.P, n_mp=c.n_mp,
                              n_esp=c.n_esp, B=c.B, L=c.L,
@@ -186,6 +188,44 @@ def vic(scale) -> pd.DataFrame:
     df.attrs["note"] = ("saa_over_aas > 1 means SAA (raw forwarding, the paper's kernel) beats all-to-all-then-"
                         "all-gather; all_beat_baseline is the fraction of N_MP > 1 configurations where both S1 and "
                         "S2 beat the baseline (paper: every case)")
+    return df
+
+
+SAA_SWEEP = (("A-8", 1), ("B-8", 2), ("B-32", 8))  # settings and node counts of the SAA sweep (Table III's)
+
+
+def saa_sweep(scale=None) -> pd.DataFrame:
+    """SAA against all-to-all followed by all-gather (AAS) as the simulator prices them alone, over message sizes:
+    per setting and N_MP (N_ESP = 1), SAA at output ``x`` elements vs A2A_EPESP(x / N_MP) + AG_MP(x), each with its
+    fixed costs (SAA: P phases of one class latency each, scaled by the ``saa_phase_alpha`` assumption; AAS: one
+    latency for the all-to-all, N_MP - 1 ring steps for the all-gather); ``aas_over_saa`` > 1: SAA is faster, as the
+    paper claims (``saa_over_aas``)."""
+    from moelab.strategies.parm.layout import ParmLayout
+
+    from .common import paper
+
+    phase_alpha = _assumed("saa_phase_alpha")
+    rows = []
+    for setting, nodes in SAA_SWEEP:
+        prof_name, _, g = GRID[setting]
+        prof = _profile(prof_name, nodes)
+        P = prof.world_size
+        lat = prof.latency("inter" if nodes > 1 else "intra")
+        for n_mp in (2, 4):
+            lay = ParmLayout(P, n_mp, 1, P, g)
+            for e in range(12, 25, 4):
+                x = 2 ** e
+                saa = sim_curve(prof, lay, "SAA", [x], phase_alpha)[0]
+                a2a = sim_curve(prof, lay, "A2A_EPESP", [x // n_mp])[0]
+                ag = sim_curve(prof, lay, "AG_MP", [x])[0]
+                rows.append(dict(setting=setting, P=P, n_mp=n_mp, x_elems=x, saa_ms=saa * 1e3, a2a_ms=a2a * 1e3,
+                                 ag_ms=ag * 1e3, aas_over_saa=(a2a + ag) / saa,
+                                 saa_fixed_ms=P * lat * phase_alpha * 1e3,
+                                 aas_fixed_ms=(lat + (n_mp - 1) * prof.latency("intra")) * 1e3,
+                                 paper_saa_over_aas=paper("saa_over_aas")))
+    df = pd.DataFrame(rows)
+    df.attrs["label"] = ("SIMULATED: one SAA vs all-to-all then all-gather, alone on parm_A / parm_B, N_ESP = 1; "
+                         f"SAA phase fixed cost {phase_alpha:g} x the class latency (saa_phase_alpha, assumed)")
     return df
 
 
@@ -277,12 +317,13 @@ def table5_sim(scale) -> pd.DataFrame:
         prof = _profile(prof_name, nodes)
         E = e_local * (prof.world_size // n_esp)
         lay = ParmLayout(prof.world_size, n_mp, n_esp, E, prof.gpus_per_node)
-        fits = model_fits(prof, lay)
+        fits = model_fits(prof, lay, saa_phase_alpha=A.value("saa_phase_alpha"))
         for model, m in TV_MODELS.items():
             shape = Shape(S=B * m["seq"], M=768, H=3072, k=k, f=f)
             pick, _, _ = select(ParmShape(B=B, L=m["seq"], M=768, E=E, k=k, f=f, n_mp=n_mp, n_esp=n_esp), fits)
             kw = dict(n_layers=12, seq_len=m["seq"], vocab=m["vocab"], d_ff=3072)
-            t = {s: simulate(parm_model_graph(prof, lay, shape, schedule=s, **kw)).makespan for s in ("baseline", pick)}
+            t = {s: simulate(parm_model_graph(prof, lay, shape, schedule=s, saa_phase_alpha=A.value("saa_phase_alpha"),
+                                              **kw)).makespan for s in ("baseline", pick)}
             rows.append(dict(model=model, testbed=tb, P=prof.world_size, E=E, pick=pick,
                              baseline_ms=t["baseline"] * 1e3, parm_ms=t[pick] * 1e3, speedup=t["baseline"] / t[pick]))
     df = pd.DataFrame(rows)

@@ -154,8 +154,20 @@ VIC = {"parm_speedup_min_config": Quantity("smallest per-configuration MoE-layer
 @product(P, "vic", quantities={"value": ("metric", VIC)})
 def vic(ctx):
     df = paper_scale.vic(ctx.scale.name)
-    return Made(df, tables={"table_vic": (df, "Sec. VI-C: ranges and ratios, SIMULATED over the filtered grid")},
-                notes=[df.attrs.get("note", "")])
+    sw = paper_scale.saa_sweep(ctx.scale.name)
+    lo, hi = sw.aas_over_saa.min(), sw.aas_over_saa.max()
+    big = sw[sw.x_elems == sw.x_elems.max()]
+    notes = [df.attrs.get("note", ""),
+             f"SAA alone vs all-to-all then all-gather (table_vic_saa_sweep): (a2a + AG) / SAA {lo:.2f} - {hi:.2f} "
+             f"over 2^12 - 2^24 elements (paper: {paper('saa_over_aas'):g}x at the layer); at the largest size "
+             f"{big.aas_over_saa.min():.2f} - {big.aas_over_saa.max():.2f}. SAA pays P phase latencies against the "
+             "all-to-all's one and the all-gather's N_MP - 1, and saves bytes only where its halves use different "
+             "links (the all-to-all on the NICs: 32 GPUs) (experiments/parm/README.md)"]
+    return Made(df, tables={"table_vic": (df, "Sec. VI-C: ranges and ratios, SIMULATED over the filtered grid"),
+                            "table_vic_saa_sweep": (sw, "SAA vs all-to-all then all-gather over message sizes, "
+                                                        "SIMULATED alone on parm_A / parm_B, beside the paper's "
+                                                        "claim")},
+                notes=notes)
 
 
 @product(P, "fig7", quantities={"parm_speedup": Quantity("mean MoE-layer speedup of Parm over the DeepSpeed-MoE "

@@ -29,8 +29,17 @@ from moelab.strategies.parm.layout import MP, ParmLayout
 from moelab.strategies.parm.plan import Shape, Step, steps
 
 
-def _build(g, layout: ParmLayout, topo: Topology, profile, plan) -> None:
-    """Append ``plan`` (a list of :class:`~.plan.Step`) to ``g``: each rank's steps in order."""
+def _saa_alpha(demands: list, saa_phase_alpha: float) -> list:
+    """SAA's phase demands with each phase's fixed cost (its link class's latency) scaled by ``saa_phase_alpha``
+    (Parm's assumption of that name: the paper gives no per-phase cost of its two-stream kernel)."""
+    if saa_phase_alpha == 1.0:
+        return demands
+    return [costs.Demand(d.alpha * saa_phase_alpha, d.links) for d in demands]
+
+
+def _build(g, layout: ParmLayout, topo: Topology, profile, plan, saa_phase_alpha: float = 1.0) -> None:
+    """Append ``plan`` (a list of :class:`~.plan.Step`) to ``g``: each rank's steps in order; every SAA phase
+    pays ``saa_phase_alpha`` of its class latency as its fixed cost (:func:`_saa_alpha`)."""
     groups = layout.groups()
     last = {r: None for r in range(layout.world)}
     dep = lambda ranks: tuple(last[r] for r in ranks if last[r] is not None)  # noqa: E731
@@ -49,7 +58,8 @@ def _build(g, layout: ParmLayout, topo: Topology, profile, plan) -> None:
                     args["splits"] = np.tile(np.asarray(args["splits"], dtype=np.float64), (len(inst), 1))
                 if s.op == "saa":  # every MP group: the gather halves of all of them
                     args["sub"] = groups[MP]
-                priced[key] = (args, costs.demands(s.op, inst, topo, profile, **args))
+                d = costs.demands(s.op, inst, topo, profile, **args)
+                priced[key] = (args, _saa_alpha(d, saa_phase_alpha) if s.op == "saa" else d)
             args, demands = priced[key]
             op = g.transfer(f"{s.name}.{s.phase}", inst, demands, deps=dep(inst),
                             category="saa" if s.op == "saa" else "comm",
@@ -59,11 +69,12 @@ def _build(g, layout: ParmLayout, topo: Topology, profile, plan) -> None:
 
 
 def parm_layer_graph(profile, layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a",
-                     saa_backward: bool = True, meta: Optional[dict] = None, saa_mode: str = "raw"):
+                     saa_backward: bool = True, meta: Optional[dict] = None, saa_mode: str = "raw",
+                     saa_phase_alpha: float = 1.0):
     """The op graph of one MoE layer call (forward + backward) of ``schedule`` on ``profile``'s links."""
     topo = Topology(layout.world, layout.ranks_per_node)
     g = new_graph(profile, topo, {"strategy": "parm", "schedule": schedule, "variant": variant, **(meta or {})})
-    _build(g, layout, topo, profile, steps(layout, shape, schedule, variant, saa_backward, saa_mode))
+    _build(g, layout, topo, profile, steps(layout, shape, schedule, variant, saa_backward, saa_mode), saa_phase_alpha)
     return g
 
 
@@ -115,11 +126,12 @@ def model_steps(layout: ParmLayout, shape: Shape, *, n_layers: int, seq_len: int
     return plan
 
 
-def parm_model_graph(profile, layout: ParmLayout, shape: Shape, meta: Optional[dict] = None, **kw):
+def parm_model_graph(profile, layout: ParmLayout, shape: Shape, meta: Optional[dict] = None,
+                     saa_phase_alpha: float = 1.0, **kw):
     """The op graph of one training iteration (:func:`model_steps`)."""
     topo = Topology(layout.world, layout.ranks_per_node)
     g = new_graph(profile, topo, {"strategy": "parm", "model": True, **(meta or {})})
-    _build(g, layout, topo, profile, model_steps(layout, shape, **kw))
+    _build(g, layout, topo, profile, model_steps(layout, shape, **kw), saa_phase_alpha)
     return g
 
 
@@ -132,8 +144,9 @@ def layer_time(profile, layout: ParmLayout, shape: Shape, schedule: str, **kw) -
 
 
 # ---- alpha-beta lines of the simulator's own collectives (what Alg. 1 gets at paper scale) -------------
-def sim_curve(profile, layout, name: str, xs) -> list:
-    """Seconds the simulator gives one collective of ``name`` alone at paper-``x`` elements on ``layout``."""
+def sim_curve(profile, layout, name: str, xs, saa_phase_alpha: float = 1.0) -> list:
+    """Seconds the simulator gives one collective of ``name`` alone at paper-``x`` elements on ``layout``
+    (``saa_phase_alpha``: :func:`_saa_alpha`)."""
     from moelab.strategies.parm.fits import COLLECTIVES
 
     topo = Topology(layout.world, layout.ranks_per_node)
@@ -146,7 +159,8 @@ def sim_curve(profile, layout, name: str, xs) -> list:
             g = new_graph(profile, topo)
             chunk = max(1, int(x) // (layout.n_mp * layout.world)) * b
             world = list(range(layout.world))
-            g.transfer("saa", world, costs.demands("saa", world, topo, profile, nbytes=chunk, sub=groups[MP]))
+            d = costs.demands("saa", world, topo, profile, nbytes=chunk, sub=groups[MP])
+            g.transfer("saa", world, _saa_alpha(d, saa_phase_alpha))
             out.append(simulate(g).makespan)
             continue
         inst = groups[group][0]
@@ -162,14 +176,15 @@ def sim_curve(profile, layout, name: str, xs) -> list:
     return out
 
 
-def model_fits(profile, layout, names=("AG_MP", "A2A_EPESP", "SAA"), exps=range(8, 25, 2)) -> dict:
+def model_fits(profile, layout, names=("AG_MP", "A2A_EPESP", "SAA"), exps=range(8, 25, 2),
+               saa_phase_alpha: float = 1.0) -> dict:
     """alpha-beta lines fitted to the simulator's own curves on ``layout`` (what Alg. 1 gets at paper scale)."""
     xs = [2 ** e for e in exps]
     out = {}
     for name in names:
         if name == "AG_MP" and layout.n_mp == 1 or name == "SAA" and layout.n_mp == 1:
             continue
-        out[name] = fit_alpha_beta(xs, sim_curve(profile, layout, name, xs))
+        out[name] = fit_alpha_beta(xs, sim_curve(profile, layout, name, xs, saa_phase_alpha))
     return out
 
 

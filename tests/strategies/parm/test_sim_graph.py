@@ -118,3 +118,20 @@ def test_iteration_bytes_equal_the_real_runs():
             assert c.metrics["bytes_exact"], (P, o, c.mismatches)
             ops = set(real.comm["op"])
             assert {"all_reduce", "all_to_all"} <= ops and ("saa" in ops) == (o["schedule"] == "s2" and o["mp"] > 1)
+
+
+def test_saa_phase_alpha_scales_only_saas_phase_fixed_costs():
+    """The ``saa_phase_alpha`` assumption: each of SAA's P phases pays that share of its class latency; the
+    all-to-all then all-gather it is compared with (S2-AAS) and the other schedules do not move."""
+    from moelab.strategies.parm.sim_graph import sim_curve
+
+    prof = get_profile("parm_A")
+    lay = ParmLayout(8, 2, 1, 8, 8)
+    lat = prof.latency("intra")
+    full, none = (sim_curve(prof, lay, "SAA", [2 ** 12], a)[0] for a in (1.0, 0.0))
+    assert full - none == pytest.approx(8 * lat, rel=1e-9)  # P = 8 phases, one latency each
+    for sched in ("baseline", "s1", "s2_aas"):
+        assert layer_time(prof, lay, SHAPE, sched, saa_phase_alpha=0.0)["time_s"] == \
+            layer_time(prof, lay, SHAPE, sched)["time_s"]
+    s2, s2_cheap = (layer_time(prof, lay, SHAPE, "s2", saa_phase_alpha=a)["time_s"] for a in (1.0, 0.5))
+    assert s2 - s2_cheap == pytest.approx(2 * 8 * lat * 0.5, rel=1e-6)  # forward and backward SAA
