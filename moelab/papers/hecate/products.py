@@ -76,9 +76,12 @@ def _e2e_product(ctx, cluster, gpus_list, fig_id, title):
     df.attrs["label"] = frames[0].attrs["label"].replace(f"{gpus_list[0]} GPUs, {2 * gpus_list[0]} experts",
                                                           " / ".join(f"{g} GPUs ({2 * g} experts)" for g in gpus_list))
     cols = ["cluster", "gpus", "model", "system", "iter_ms", "moe_ms", "speedup_vs_ep", "speedup_vs_best",
-            "speedup_vs_worst", "note"]
+            "speedup_vs_worst", "t_formula", "T_nonMoE_ms", "bw_GBps", "s_e_MB", "note"]
     notes = [f"{r.system} ({r.model}, {r.gpus} GPUs): {r.note}" for r in df.itertuples()
              if r.system.startswith("Hecate") and r.model == df.model.iloc[0]]
+    rule = "the paper's rule: "  # end_to_end appends t's derivation to each Hecate note
+    notes += [f"Hecate's t ({r.model}, {r.gpus} GPUs), {r.note.split(rule, 1)[1]}" for r in df.itertuples()
+              if r.system == "Hecate" and rule in r.note and r.model != df.model.iloc[0]]
     return df, cols, notes
 
 

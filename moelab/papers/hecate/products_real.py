@@ -167,7 +167,8 @@ def fig1(ctx):
     df = pd.concat(frames, ignore_index=True)
     df.attrs["label"] = ("SIMULATED: hecate_A profile, 16 GPUs, GPT-MoE-S (2 layers), rank 0, "
                          "last replayed iteration of "
-                         "the REAL trace upsampled; Hecate t = t_paper (assumption), m = E (memory does not bind)")
+                         "the REAL trace upsampled; Hecate t from the paper's rule (end_to_end.t_derivation), "
+                         "m = E (memory does not bind)")
     return Made(df, tables={"table_fig01_timeline": (df, "Fig. 1: simulated timeline rows")},
                 figures={"fig01_timeline": F.gantt(df, label=df.attrs["label"],
                                                    title="Fig. 1: one iteration, EP vs FSSDP (simulated, rank 0)")})

@@ -1,0 +1,80 @@
+"""Hecate's overlap degree t at paper scale comes from the paper's rule t = floor(T_nonMoE * bw / s_e) at the
+run's setting; the guess reasoned from Fig. 13 (``t_paper``) only drives its labelled variant, never a headline row."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+
+def _setting(cluster="hecate_A", gpus=16, model="GPT-MoE-S", batch=1):
+    from moelab.papers.hecate.paper_scale import paper_config, paper_profile
+
+    prof = paper_profile(cluster, gpus)
+    return paper_config(model, prof, layers=2, batch=batch), prof
+
+
+@pytest.mark.parametrize("cluster,gpus,model", [("hecate_A", 16, "GPT-MoE-S"), ("hecate_A", 16, "BERT-MoE"),
+                                                ("hecate_B", 32, "GPT-MoE-L")])
+def test_t_derivation_is_the_papers_formula_on_its_own_terms(cluster, gpus, model):
+    from moelab.papers.hecate import end_to_end as EE
+
+    cfg, prof = _setting(cluster, gpus, model)
+    d = EE.t_derivation(cfg, prof)
+    assert d["t"] == min(cfg.model.moe.num_experts,
+                         math.floor(d["T_nonMoE_ms"] * 1e-3 * d["bw_GBps"] * 1e9 / (d["s_e_MB"] * 1e6)))
+    assert d["bw_GBps"] == pytest.approx(prof.inter_bw_GBps)  # the node's NIC (hierarchical spAG)
+    assert d["s_e_MB"] * 1e6 == pytest.approx(2 * 2 * cfg.model.d_model * cfg.model.d_ff)  # fp16, no biases
+    assert EE.overlap_degree(cfg, prof) == d["t"] and f"= {d['t']}" in d["text"]
+
+
+def test_t_grows_with_the_batch_the_attention_it_hides_behind():
+    from moelab.papers.hecate import end_to_end as EE
+
+    ts = [EE.t_derivation(*_setting(batch=b)) for b in (1, 2, 4, 8)]
+    assert [d["t"] for d in ts] == sorted(d["t"] for d in ts)
+    assert ts[-1]["T_nonMoE_ms"] == pytest.approx(8 * ts[0]["T_nonMoE_ms"])
+
+
+def test_headline_hecate_takes_the_formula_and_the_variant_takes_t_paper():
+    from moelab.papers.hecate import end_to_end as EE
+
+    cfg, prof = _setting("hecate_B", 32, "GPT-MoE-S")
+    N, E = prof.world_size, cfg.model.moe.num_experts
+    rng = np.random.default_rng(0)
+    loads = rng.integers(0, 64, size=(2, 2, N, E))
+    t_paper = int(EE.assumptions().value("t_paper"))
+    _, _, note = EE.system_plans("Hecate", cfg, prof, loads, calibration=False)
+    assert note.startswith(f"t={EE.overlap_degree(cfg, prof)},")
+    _, _, note = EE.system_plans(EE.T_CHOSEN, cfg, prof, loads, calibration=False)
+    assert note.startswith(f"t={t_paper},") and f"t = {t_paper}" in EE.T_CHOSEN and "chosen from" in EE.T_CHOSEN
+    # a ladder's override reaches the variant (the assumption is read per run)
+    _, _, note = EE.system_plans(EE.T_CHOSEN, cfg, prof, loads, (("t_paper", 2),), calibration=False)
+    assert note.startswith("t=2,")
+
+
+def test_no_headline_row_reads_the_guess_chosen_from_fig13():
+    """t_paper affects only the products that draw its variant, and every headline row there reads plain "Hecate"."""
+    from moelab.papers.hecate.end_to_end import SYSTEMS, T_CHOSEN
+    from moelab.papers.kit.assumptions import load_assumptions
+    from moelab.papers.kit.compare import load_numbers
+
+    a = load_assumptions("hecate")["t_paper"]
+    assert set(a.affects) == {"fig9", "fig10"} and a.chosen_from == ("hecate_params_over_ep",)
+    assert T_CHOSEN in SYSTEMS
+    for key, e in load_numbers("hecate").items():
+        for src in e.get("moelab") or ():
+            if e.get("headline") and src["product"] in a.affects:
+                assert (src.get("where") or {}).get("system") == "Hecate", (key, src)
+
+
+def test_ladders_name_only_sourced_settings_and_never_t():
+    from moelab.papers.kit.ladder import load_ladders
+
+    lad = load_ladders("hecate")
+    assert {"a16_vs_ep_min", "a16_vs_ep_max", "b_vs_ep_min", "b_vs_ep_max", "speedup_up_to"} <= set(lad)
+    for L in lad.values():
+        assert L.rungs and all(r.source and r.set != "t_paper" for r in L.rungs), L.key
+        mod, fn = L.evaluate.split(":")
+        assert callable(getattr(__import__(mod, fromlist=[fn]), fn))
