@@ -129,19 +129,29 @@ def zero_layer_time(stage: int, m: PaperLayerModel, overlap: Optional[float] = N
     reduce-scatters the gradients (``3 (N-1)/N Sp``); ``Sp = E * 2 h h_ff * 4`` bytes. ``overlap``
     hides that fraction of ``min(compute, comm)`` (DeepSpeed's overlap_comm / prefetch; default: the
     assumption ``zero_overlap``, the least trustworthy number here, spec §6.16). Stages 1 and 2 move the
-    same bytes in this model."""
+    same bytes in this model.
+
+    ``zero12_step_allgather`` (assumptions.yaml; 1 = the spec's per-iteration volume) prices stage 1/2's
+    gradient reduction as the reduce-scatter half of that all-reduce plus the all-gather of the updated
+    parameter partitions; 0 prices the reduce-scatter alone: DeepSpeed's stage 1/2 optimizer all-gathers
+    the partitions in ``step()``, and the AE's DeepSpeed benchmark (``benchmarks/run_ds.py``) times
+    ``model(x)`` and ``model.backward(loss)`` only. Stage 3 gathers inside forward and backward: unchanged."""
     import dataclasses
 
     from moelab.comm import costs
 
-    overlap = assumptions(overrides).value("zero_overlap") if overlap is None else overlap
+    A = assumptions(overrides)
+    overlap = A.value("zero_overlap") if overlap is None else overlap
+    step = A.value("zero12_step_allgather")
+    if step not in (0, 1):
+        raise ValueError(f"zero12_step_allgather is 0 or 1, got {step}")
     prof = dataclasses.replace(sim_profile(m.cluster, overrides), allreduce="ring")  # the spec's volume model: rings
     topo = prof.topology()
     N = prof.world_size
     Sp = m.experts * 2 * m.h * m.h_ff * 4
     Tc = 12.0 * m.tokens * 2 * m.h * m.h_ff / prof.achieved_flops
     if stage in (1, 2):
-        Tm = costs.allreduce_time(Sp, topo, prof)
+        Tm = costs.allreduce_time(Sp, topo, prof) if step else costs.reduce_scatter_time(Sp, topo, prof)
     elif stage == 3:
         Tm = 2 * costs.allgather_time(Sp // N, topo, prof) + costs.reduce_scatter_time(Sp, topo, prof)
     else:
@@ -149,7 +159,7 @@ def zero_layer_time(stage: int, m: PaperLayerModel, overlap: Optional[float] = N
     return Tc + Tm - overlap * min(Tc, Tm)
 
 
-PRICING_ONLY = ("zero_overlap",)  # assumptions that only the analytic ZeRO pricing reads
+PRICING_ONLY = ("zero_overlap", "zero12_step_allgather")  # assumptions that only the analytic ZeRO pricing reads
 
 
 def fig10_end_to_end(scale, seed: int = 0, overrides: tuple = (),

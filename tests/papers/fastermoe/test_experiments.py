@@ -3,6 +3,7 @@ against their definitions, the SIMULATED paper-scale results against the spec's 
 EMULATED suites returning sane, labelled frames."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -172,6 +173,32 @@ def test_paper_scale_breakdown_and_end_to_end():
         L = min(sp.paper_layers, m.layers)
         assert t.loc[m.name, "ZeRO-3"] == pytest.approx(1e3 * L * E.zero_layer_time(3, m))
 
+
+
+def test_zero12_step_allgather_prices_the_aes_timed_region():
+    """``zero12_step_allgather`` = 0 (the AE's run_ds.py times forward + backward, never DeepSpeed's step(),
+    where stage 1/2 all-gather the updated partitions): stage 1/2 move the reduce-scatter only, half of the
+    all-reduce's bytes; stage 3 gathers inside forward / backward and does not move."""
+    from moelab.comm import costs
+
+    A = E.assumptions()
+    assert A.value("zero12_step_allgather") == 1 and "zero12_step_allgather" in E.PRICING_ONLY
+    off = (("zero12_step_allgather", 0),)
+    for m in E.PAPER_LAYER_MODELS.values():
+        Tc = 12.0 * m.tokens * 2 * m.h * m.h_ff / E.sim_profile(m.cluster).achieved_flops
+        base = {st: E.zero_layer_time(st, m, overlap=0.0) for st in (1, 2, 3)}
+        aet = {st: E.zero_layer_time(st, m, overlap=0.0, overrides=off) for st in (1, 2, 3)}
+        assert aet[3] == base[3] and aet[1] == aet[2]
+        prof = dataclasses.replace(E.sim_profile(m.cluster), allreduce="ring")  # zero_layer_time's rings
+        Sp = m.experts * 2 * m.h * m.h_ff * 4
+        assert aet[2] - Tc == pytest.approx(costs.reduce_scatter_time(Sp, prof.topology(), prof))
+        assert (aet[2] - Tc) / (base[2] - Tc) == pytest.approx(0.5, rel=1e-3)  # ring: RS is half the AR
+    with pytest.raises(ValueError, match="0 or 1"):
+        E.zero_layer_time(2, E.PAPER_LAYER_MODELS["GPT-S"], overrides=(("zero12_step_allgather", 0.5),))
+    # only ZeRO-1/2 move: FasterMoE over ZeRO-3 stays, over ZeRO-2 falls
+    b, a = E.fig10_end_to_end(SMOKE), E.fig10_end_to_end(SMOKE, 0, off)
+    fb, fa = b[b.system == "FasterMoE"].set_index("model"), a[a.system == "FasterMoE"].set_index("model")
+    assert (fa.speedup_vs_zero3 == fb.speedup_vs_zero3).all() and (fa.speedup_vs_zero2 < fb.speedup_vs_zero2).all()
 
 def test_fig12_theory_bounds_and_fig11_shadowing():
     f12 = labelled(E.fig12_smart(SMOKE))
