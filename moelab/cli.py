@@ -2,7 +2,7 @@
 
 ``run``/``serve`` on this machine or, with ``--nnodes/--node-rank/--rdzv``, as one node of a cluster
 run; ``slurm`` writes the sbatch script for that; ``runs`` lists stored runs; ``reproduce`` executes
-notebooks.
+notebooks; ``report`` rebuilds their report or writes one paper's section as one file.
 
 Exit codes: 0 success (``run`` prints the run folder), 1 a rank failed or the run timed out
 (the rank and its traceback tail go to stderr), 2 an invalid config or command line.
@@ -67,12 +67,18 @@ def main(argv: list[str] | None = None) -> int:
 
     rep = sub.add_parser("reproduce", help="execute notebooks at a scale with papermill and write an HTML report")
     reproduce.add_arguments(rep)
+    from moelab.papers.kit import report
+
+    rpt = sub.add_parser("report", help="rebuild the HTML report, or write a paper's section as one file or a zip")
+    report.add_arguments(rpt)
 
     args = ap.parse_args(argv)
     if args.cmd == "slurm":
         return _slurm(ap, args)
     if args.cmd == "reproduce":
         return reproduce.main(args)
+    if args.cmd == "report":
+        return report.main(args)
     if args.cmd == "serve":
         from moelab.runtime.launch import SERVE_WORKER
 

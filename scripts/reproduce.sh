@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Fresh machine -> set up and reproduce the papers' figures at the default scale into reports/.
-#   bash scripts/reproduce.sh [--scale smoke|default|full] [NAMES...]
+# Fresh machine -> set up and reproduce the papers' figures at the default scale into reports/: HTML figures
+# loading one reports/assets/plotly-*.min.js, and a PNG and an SVG of each where a Chromium is found.
+#   bash scripts/reproduce.sh [--scale smoke|default|full] [--no-images] [NAMES...]
+# Other options go to `moelab reproduce` as given (moelab reproduce --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

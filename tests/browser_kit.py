@@ -226,7 +226,7 @@ class Notebook:
 def check_report(page, index: Path, drawn: int = 12) -> dict:
     """Open ``index`` (file://) and check it whole: every image loads, every in-page anchor has its target,
     every relative link names an existing file, every linked figure HTML is a plotly page, and ``drawn``
-    of them spread over the report (each a 3-4 MB page) draw their plot without a script error. Returns
+    of them spread over the report (``drawn=None``: all) draw their plot without a script error. Returns
     what was checked; raises AssertionError listing every problem."""
     from urllib.parse import unquote, urlsplit
 
@@ -234,7 +234,7 @@ def check_report(page, index: Path, drawn: int = 12) -> dict:
     page.on("pageerror", lambda e: errors.append(f"script error on {page.url}: {e}"))
     page.goto(index.resolve().as_uri())
     page.wait_for_load_state("load")
-    page.evaluate("() => window.scrollTo(0, document.body.scrollHeight)")  # lazy images load
+    page.evaluate("() => document.querySelectorAll('img[loading=lazy]').forEach(i => { i.loading = 'eager'; })")
     page.wait_for_function("() => Array.from(document.images).every(i => i.complete)", timeout=30_000)
     images = page.evaluate("() => document.images.length")
     broken = page.evaluate("() => Array.from(document.images).filter(i => !i.naturalWidth).map(i => i.src)")
@@ -257,7 +257,7 @@ def check_report(page, index: Path, drawn: int = 12) -> dict:
     shot = screenshot_page(page, "report")
     errors += [f"figure is not a plotly page: {f}" for f in figures
                if "Plotly.newPlot" not in f.read_text(errors="replace")]
-    for fig in figures[::max(1, -(-len(figures) // drawn))]:
+    for fig in figures[::max(1, -(-len(figures) // (drawn or len(figures) or 1)))]:
         page.goto(fig.as_uri())
         try:
             page.locator(".js-plotly-plot .main-svg").first.wait_for(timeout=15_000)
@@ -265,6 +265,37 @@ def check_report(page, index: Path, drawn: int = 12) -> dict:
             errors.append(f"figure does not draw: {fig}")
     assert not errors, "\n".join(errors)
     return {"images": images, "links": len(hrefs), "figures": len(figures), "screenshot": shot}
+
+
+def screenshot_element(locator, name: str) -> Path:
+    """One element of a page (e.g. a table), whole, into the artifacts folder."""
+    path = artifacts_dir() / f"{name}.png"
+    locator.scroll_into_view_if_needed()
+    locator.screenshot(path=str(path))
+    ARTIFACTS.append(path)
+    return path
+
+
+@contextmanager
+def offline(page):
+    """Block every request that would leave the machine (anything but file: and data: URLs) and list them:
+    ``with offline(page) as attempted: ...; assert attempted == []``."""
+    attempted: list[str] = []
+
+    def handle(route):
+        url = route.request.url
+        if url.startswith(("file:", "data:", "blob:", "about:")):
+            return route.continue_()
+        attempted.append(url)
+        return route.abort()
+
+    page.route("**/*", handle)
+    page.context.set_offline(True)
+    try:
+        yield attempted
+    finally:
+        page.context.set_offline(False)
+        page.unroute("**/*")
 
 
 def screenshot_page(page, name: str, max_height: int = 9000) -> Path:

@@ -36,10 +36,37 @@ def labelled(builder):
     return build
 
 
+WIDTH = 1200  # the width (px) titles and labels are wrapped for, when a figure sets none (and its images')
+PX_PER_CHAR = {"title": 9.5, "label": 7.0}  # generous mean glyph widths: 17 px title, the label in <sup>
+
+
+def wrap(text: str, width_px: float, px_per_char: float) -> list[str]:
+    """``text`` in lines that fit ``width_px`` at ``px_per_char``, broken at spaces (and at existing ``<br>``);
+    a word longer than a line stays whole."""
+    import textwrap
+
+    chars = max(20, int(width_px / px_per_char))
+    return [ln for part in text.split("<br>") for ln in
+            (textwrap.wrap(part, chars, break_long_words=False, break_on_hyphens=False) or [part])]
+
+
 def finish(fig: go.Figure, title: str, label: str, **layout) -> go.Figure:
-    """Title with the label underneath (and in ``layout.meta``), one template for every figure."""
-    fig.update_layout(title={"text": f"{title}<br><sup>{label}</sup>"}, template="plotly_white",
-                      meta={"label": label}, **layout)
+    """Title with the label underneath (and in ``layout.meta``), one template for every figure. Both wrap
+    inside the figure's width (``width``, else :data:`WIDTH`); more than two lines hang from the top, the top
+    margin (unless ``margin`` sets one) growing to hold them above the plot and its subplot titles."""
+    room = min(layout.get("width") or WIDTH, WIDTH) - 90  # the title starts 5 % in; a little to spare
+    head = wrap(title, room, PX_PER_CHAR["title"])
+    sub = wrap(label, room, PX_PER_CHAR["label"])
+    text = "<br>".join(head + [f"<sup>{ln}</sup>" for ln in sub])
+    lines = len(head) + len(sub)
+    over = any((a.y or 0) >= 0.99 and a.yref in (None, "paper") for a in fig.layout.annotations or ())  # subplot titles
+    margin = dict(layout.pop("margin", None) or {})
+    title = {"text": text}
+    if lines > 2:  # from the top down, every line 22 px (plotly spaces <sup> lines as title lines)
+        title.update(yref="container", y=1, yanchor="top", pad={"t": 24})
+        margin.setdefault("t", 30 + 22 * lines + (36 if over else 16))
+    fig.update_layout(title=title, template="plotly_white", meta={"label": label},
+                      **({"margin": margin} if margin else {}), **layout)
     return fig
 
 

@@ -93,3 +93,93 @@ def test_report_reads_right_in_a_browser(tmp_path_factory):
         assert "ok" in row and " reproduced, " in row and "not reproducible here" in row, row
         assert "ratio" in row or "trend check" in row or "not run" in row, row  # the paper-vs-moelab column
     assert checked["figures"] >= 2 * len(made), checked
+
+
+def _one_paper_report(tmp_path_factory, paper: str = "parm") -> Path:
+    """A report folder holding ``paper``'s smoke section only: copied from the notebook tests' report when it has
+    one, else made here."""
+    import shutil
+
+    from moelab.papers.kit.report import build_index
+    from moelab.papers.kit.reproduce import reproduce
+
+    one = tmp_path_factory.getbasetemp() / f"report_{paper}"
+    if (one / "index.html").is_file():
+        return one
+    shared = _reports(tmp_path_factory)
+    if (shared / "notebooks" / f"{paper}.run.json").is_file():
+        shutil.copytree(shared / "assets", one / "assets")
+        shutil.copytree(shared / "figures" / paper, one / "figures" / paper)
+        (one / "notebooks").mkdir()
+        for p in (shared / "notebooks").glob(f"{paper}.*"):
+            shutil.copy2(p, one / "notebooks" / p.name)
+        build_index(one)
+    else:
+        batch = reproduce([paper], "smoke", one, log=lambda s: None)
+        assert not batch.failed, batch.outcomes[0].error
+    return one
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_one_paper_report_opens_fast_draws_every_figure_and_travels(tmp_path_factory, tmp_path):
+    """Parm's smoke report: index.html loads in Chromium within 5 s, is small (figures linked, one plotly.js
+    beside them), every figure page draws without a script error; every figure has a PNG and an SVG; the
+    single-file export of the section opens with the network blocked and no request attempted, every figure in it
+    drawn; the comparison table reads one line per number (a screenshot goes to the artifacts)."""
+    import zipfile
+
+    from moelab.papers.kit.report import VERDICT_STYLE, single_file, zip_section
+    from moelab.viz.export import plotlyjs_name
+
+    browser_kit = pytest.importorskip("tests.browser_kit")
+    pytest.importorskip("playwright")
+    if browser_kit.chromium_path() is None:
+        pytest.skip("no chromium executable (README: browser tests)")
+    out = _one_paper_report(tmp_path_factory)
+    index = out / "index.html"
+    figs = out / "figures" / "parm"
+    assert index.stat().st_size < 2_000_000
+    assert [p.name for p in out.rglob("plotly-*.js")] == [plotlyjs_name()]  # one plotly.js in the whole report
+    pages = sorted(figs.glob("*.html"))
+    assert pages and all(p.stat().st_size < 1_000_000 for p in pages)
+    assert all(p.with_suffix(".png").is_file() and p.with_suffix(".svg").is_file() for p in pages), \
+        [p.name for p in pages if not p.with_suffix(".png").is_file()]
+    with browser_kit.chromium(width=1280, height=900) as page:
+        errors: list = []
+        page.on("pageerror", lambda e: errors.append(f"{page.url}: {e}"))
+        page.goto(index.resolve().as_uri(), wait_until="load")
+        load_ms = page.evaluate("() => { const t = performance.getEntriesByType('navigation')[0];"
+                                " return t.loadEventEnd - t.startTime; }")
+        assert load_ms < 5000, f"index.html took {load_ms:.0f} ms to load"
+        table = page.locator("table.pvm").first
+        rows = table.locator("tbody tr")
+        assert rows.count() > 10 and table.locator(".badge").count() == rows.count()
+        heights = rows.evaluate_all("rs => rs.map(r => r.getBoundingClientRect().height)")
+        assert max(heights) < 40, f"a comparison row is {max(heights):.0f} px tall: not one line"  # details closed
+        table.locator("th[data-col='6']").click()  # sort by verdict
+        verdicts = table.locator("tbody tr td:nth-child(7)").all_inner_texts()
+        order = list(VERDICT_STYLE)
+        ranks = [next(i for i, v in enumerate(order) if t == v or t.startswith("not evidence") and v == "not evidence")
+                 for t in verdicts]
+        assert ranks == sorted(ranks), verdicts
+        shot = browser_kit.screenshot_element(table, "report_paper_vs_moelab")
+        assert shot.stat().st_size > 10_000
+        checked = browser_kit.check_report(page, index, drawn=None)  # every figure page draws
+        assert checked["figures"] == len(pages) and checked["images"] >= len(pages)
+
+        one = single_file(out, "parm", tmp_path / "parm.html")
+        with browser_kit.offline(page) as attempted:
+            page.goto(one.as_uri(), wait_until="load")
+            n = page.locator("div.plot").count()
+            page.evaluate("() => window.moelabDrawAll()")
+            page.wait_for_function(f"() => document.querySelectorAll('div.plot .main-svg').length >= {n}",
+                                   timeout=60_000)
+            assert attempted == []
+        assert n == len(pages) and page.locator("table.pvm").count() == 1
+        assert not errors, errors
+    bundle = zip_section(out, "parm", tmp_path / "parm.zip")
+    names = zipfile.ZipFile(bundle).namelist()
+    assert "parm/README.txt" in names and sum(n.endswith(".png") for n in names) == len(pages)
+    assert sum(n.endswith(".csv") for n in names) >= 5

@@ -1,4 +1,5 @@
-"""Figure builders carry their label; export writes self-contained HTML always, PNG when it can."""
+"""Figure builders carry their label and wrap it; export writes HTML loading one shared plotly.js always, PNG when
+it can."""
 import warnings
 
 import pandas as pd
@@ -98,18 +99,29 @@ def test_bytes_by_link_stacks_link_classes(metrics):
     assert list(per_op.data[0].x) == ["all_reduce", "all_to_all"] and list(per_op.data[2].y) == [9, 0]
 
 
-def test_html_export_is_self_contained(tmp_path, metrics):
-    paths = export_figure(loss_curve(metrics, label=LABEL), tmp_path / "figs" / "loss", formats=("html",))
+def test_html_export_loads_one_shared_plotlyjs(tmp_path, metrics):
+    fig = loss_curve(metrics, label=LABEL)
+    paths = export_figure(fig, tmp_path / "figs" / "loss", formats=("html",))
     assert paths == [tmp_path / "figs" / "loss.html"]
     html = paths[0].read_text()
-    assert 'src="https://cdn' not in html and len(html) > 1_000_000 and LABEL in html
+    js = export.plotlyjs_name()
+    assert f'<script src="assets/{js}"' in html and "https://" not in html and LABEL in html
+    assert len(html) < 50_000 and (tmp_path / "figs" / "assets" / js).stat().st_size > 1_000_000
+    export_figure(fig, tmp_path / "figs" / "deeper" / "loss", formats=("html",))  # finds the copy above it
+    assert f'src="../assets/{js}"' in (tmp_path / "figs" / "deeper" / "loss.html").read_text()
+    export_figure(fig, tmp_path / "r" / "figures" / "paper" / "loss", formats=("html",))  # figures/<name>/
+    assert (tmp_path / "r" / "figures" / "assets" / js).is_file()
+    assert sorted(p.name for p in tmp_path.rglob("plotly-*.js")) == [js, js]
+    assert export.read_figure(paths[0])["layout"]["meta"] == {"label": LABEL}
+    inline = export_figure(fig, tmp_path / "alone", formats=("html",), plotlyjs="inline")[0].read_text()
+    assert len(inline) > 1_000_000 and "<script src=" not in inline and export.read_figure(tmp_path / "alone.html")
 
 
 def test_without_chromium_html_is_kept_and_the_warning_comes_once(tmp_path, metrics, monkeypatch):
     monkeypatch.setattr(export, "find_chromium", lambda: None)
     monkeypatch.setattr(export, "_warned", False)
     fig = loss_curve(metrics, label=LABEL)
-    with pytest.warns(RuntimeWarning, match="PNG export skipped: no Chromium found; HTML written"):
+    with pytest.warns(RuntimeWarning, match=r"PNG export skipped: no Chromium found \(apt install chromium"):
         assert export_figure(fig, tmp_path / "a") == [tmp_path / "a.html"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -125,3 +137,42 @@ def test_png_and_svg_export_with_chromium(tmp_path, loads):
     assert [p.name for p in paths] == ["heat.html", "heat.png", "heat.svg"]
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[1].stat().st_size > 5000
     assert "<svg" in paths[2].read_text()[:1000] and "REAL: 2 ranks, gloo" in paths[2].read_text()
+
+
+def test_long_titles_and_labels_wrap_inside_the_width(metrics):
+    from moelab.viz.figures import WIDTH, finish, wrap
+    from tests.viz.figure_checks import title_lines, too_wide
+
+    long = ("SIMULATED: parm_A / parm_B (2, 4, 8 nodes), one MoE layer fwd+bwd per kept Table III configuration "
+            "(every 29th), k=1, E=P/N_ESP, einsum and index dispatchers, fp32, compute at 0.5 of peak (assumed); "
+            "Parm = Alg. 1 on alpha-beta lines fitted to the simulator's own collective curves")
+    fig = loss_curve(metrics, label=long, title="Fig. 7: distribution of Parm's speedup over the baseline, " * 3)
+    lines = title_lines(fig)
+    assert sum(sup for _, sup in lines) >= 2 and sum(not sup for _, sup in lines) >= 2
+    assert " ".join(ln for ln, sup in lines if sup) == long  # wrapped at spaces, nothing lost
+    assert fig.layout.meta["label"] == long and not too_wide(fig)
+    assert fig.layout.margin.t >= 22 * len(lines) and fig.layout.title.yanchor == "top"
+    narrow = finish(loss_curve(metrics, label=LABEL), "t", long, width=600)
+    assert not too_wide(narrow) and len(title_lines(narrow)) > len(lines) - 2
+    short = loss_curve(metrics, label=LABEL)  # one title line and one label line: plotly's own layout
+    assert short.layout.title.text == f"Training loss<br><sup>{LABEL}</sup>" and short.layout.margin.t is None
+    assert finish(loss_curve(metrics, label=LABEL), "t", long, margin={"t": 170}).layout.margin.t == 170
+    assert wrap("a " * 10 + "x" * 50, 200, 10) == ["a " * 9 + "a", "x" * 50]  # a long word stays whole
+    assert WIDTH == 1200
+
+
+def test_smaller_png_is_the_same_image(tmp_path):
+    import struct
+    import zlib
+
+    raw = b"".join(b"\x00" + bytes([x % 256, 0, 0]) * 64 for x in range(64))  # 64x64 RGB, filter 0
+    def chunk(t, b):
+        return struct.pack(">I", len(b)) + t + b + struct.pack(">I", zlib.crc32(t + b))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 64, 64, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw, 0)[:100]) + chunk(b"IDAT", zlib.compress(raw, 0)[100:])
+           + chunk(b"IEND", b""))
+    small = export.smaller_png(png)
+    assert len(small) < len(png) / 4 and small.count(b"IDAT") == 1
+    idat = small[small.index(b"IDAT") + 4:small.index(b"IEND") - 8]
+    assert zlib.decompress(idat) == raw and small.endswith(chunk(b"IEND", b""))
+    assert export.smaller_png(b"not a png") == b"not a png"

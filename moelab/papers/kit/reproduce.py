@@ -18,7 +18,8 @@
    the notebook's defaults, and the report says so;
 3. ``-p NAME=VALUE`` on the command line (values read as YAML scalars: ``-p reuse=false``);
 4. ``out_dir``, always set to ``DIR/figures/<name>`` (absolute), so that what a notebook exports is
-   collected.
+   collected; and ``png``, where the notebook declares it, set to false unless given with ``-p``: the images are
+   written beside the run (below), not by the notebook itself.
 
 **Execution.** Kernel ``python3``, working directory = the project root (the folder holding
 ``notebooks/`` and ``experiments/``), so ``runs/`` and ``figures/`` mean the same for every notebook.
@@ -27,6 +28,12 @@ reason, parameters, times, error tail). A failing notebook is recorded and the n
 command exits 1 if any failed. ``--timeout S`` is a wall-clock limit per notebook: at the deadline
 the kernel is interrupted (SIGINT, so ``moelab.launch`` stops its ranks), and killed 30 s later if it
 has not stopped.
+
+**Files.** Every figure page loads one plotly.js, ``DIR/assets/plotly-<version>.min.js`` (written before the
+first notebook runs, from the installed plotly package: offline). By default a thread beside each notebook's
+run writes a PNG and an SVG of every figure the notebook records (kaleido, one Chromium for the whole call), so
+most of the export overlaps the run; a re-used notebook gets the images it lacks. Without a Chromium one line
+says so and how to get one; ``--no-images`` skips them (and the line).
 
 **Re-use.** A notebook is skipped when its last run into DIR succeeded with the same parameters and
 *started* after the last change to every input: the notebook, its scale file, the ``moelab``
@@ -228,14 +235,14 @@ def _clear(folder: Path) -> None:
 
 def reproduce(names=("all",), scale: str = "default", out: str | Path = "reports", *, force: bool = False,
               timeout: float | None = None, params: dict | None = None, notebooks_dir=None,
-              experiments_dir=None, root=None, log=print) -> Batch:
-    """Execute the named notebooks (or ``all``) at ``scale`` into ``out`` and write ``out/index.html``.
+              experiments_dir=None, root=None, log=print, images: bool = True) -> Batch:
+    """Execute the named notebooks (or ``all``) at ``scale`` into ``out`` and write ``out/index.html``;
+    ``images``: a PNG and an SVG of every figure where a Chromium is found (see the module doc).
 
     Raises :class:`ReproduceError` for a bad request before anything runs; failures inside
     notebooks are recorded in the returned :class:`Batch` instead.
     """
     from moelab.papers.kit.report import build_index
-    from moelab.runtime.results import atomic_write_json
 
     if scale not in SCALES:
         raise ReproduceError(f"unknown scale {scale!r}; scales: {', '.join(SCALES)}")
@@ -260,62 +267,98 @@ def reproduce(names=("all",), scale: str = "default", out: str | Path = "reports
         file_params, params_file = find_parameters(name, scale, ex_dir, nb.stem)
         plans.append((name, nb, file_params, params_file))
 
+    from moelab.viz.export import ASSETS, NO_CHROMIUM, find_chromium, image_session, write_plotlyjs
+
+    write_plotlyjs(out / ASSETS)  # the one plotly.js every figure page of the report loads
+    if images and find_chromium() is None:
+        log(f"images: PNG/SVG skipped, {NO_CHROMIUM}; the HTML figures are written (--no-images: no images, "
+            "no message)")
+        images = False
     start = time.monotonic()
     outcomes = []
-    for i, (name, nb, file_params, params_file) in enumerate(plans, 1):
-        declared = declared_parameters(nb)
-        fig_dir = out / "figures" / name
-        run_params = {**file_params, **(params or {}), "out_dir": str(fig_dir)}
-        executed = out / "notebooks" / f"{nb.stem}.ipynb"
-        manifest_path = out / "notebooks" / f"{nb.stem}.run.json"
-        old = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-        values = [*run_params.values(), *(d["default"] for d in declared.values())]
-        inputs = _inputs(nb, params_file, _literal_values(values), root)
-        reason = staleness(old, executed, run_params, scale, inputs, root, fig_dir, force=force)
-        warnings = []
-        if declared and "out_dir" not in declared:
-            warnings.append("the notebook declares no out_dir parameter: what it exports is not collected")
-        unknown = sorted(k for k in run_params if declared and k not in declared and k != "out_dir")
-        if unknown:
-            warnings.append("parameters the notebook does not declare: " + ", ".join(unknown))
-        if params_file is None:
-            warnings.append(f"no parameters for scale {scale!r} in {_rel(ex_dir, root)}/: notebook defaults")
-        if reason is None:
-            ran_at = old.get("started", "?")
-            old.update(outcome="reused", checked=_now(),
-                       reason=f"up to date: ran at {ran_at}, after the last change to the notebook, "
-                              f"its parameters and the moelab sources")
-            atomic_write_json(manifest_path, old)
-            log(f"[{i}/{len(plans)}] {name}: skipped ({old['reason']})")
-            outcomes.append(Outcome(name, "ok", False, old["reason"], 0.0, manifest=manifest_path,
-                                    warnings=warnings))
-            continue
-        log(f"[{i}/{len(plans)}] {name}: running ({reason}) ...")
-        _clear(fig_dir)
-        executed.parent.mkdir(parents=True, exist_ok=True)
-        started_ts, t0 = time.time(), time.monotonic()
-        status, error = execute(nb, executed, run_params, root, timeout)
-        wall = time.monotonic() - t0
-        manifest = {
-            "name": name, "notebook": _rel(nb, root), "stem": nb.stem, "scale": scale, "status": status,
-            "outcome": "ran", "reason": reason, "started": datetime.fromtimestamp(started_ts, timezone.utc)
-            .isoformat(timespec="seconds"), "started_ts": started_ts, "checked": _now(),
-            "wall_s": round(wall, 2), "parameters": run_params, "parameters_file": _rel(params_file, root)
-            if params_file else None, "declared": declared, "error": error, "warnings": warnings,
-            "executed": _rel(executed, out), "figures_dir": _rel(fig_dir, out), "cwd": str(root),
-            "moelab_version": __version__,
-        }
-        atomic_write_json(manifest_path, manifest)
-        word = "ok" if status == "ok" else status.upper()
-        log(f"[{i}/{len(plans)}] {name}: {word} in {wall:.1f} s")
-        for w in warnings:
-            log(f"    warning: {w}")
-        outcomes.append(Outcome(name, status, True, reason, wall, error, manifest_path, warnings))
-
+    with image_session():
+        for i, plan in enumerate(plans, 1):
+            outcomes.append(_run_one(i, plan, len(plans), out, scale, params, root, ex_dir, force, timeout, log,
+                                     images))
     batch = Batch(out, scale, outcomes, time.monotonic() - start)
     batch.index = build_index(out, session={"scale": scale, "wall_s": batch.wall_s, "names": chosen,
                                             "finished": _now()})
     return batch
+
+
+def _images_line(img, ran: bool) -> str:
+    kinds = "/".join(f.upper() for f in img.formats)
+    if not ran:
+        return f"{len(img.written)} missing image(s) ({kinds}) written in {img.seconds:.1f} s"
+    return (f"{len(img.written)} image(s) ({kinds}) in {img.seconds:.1f} s beside the run, "
+            f"{img.after_s:.1f} s after it")
+
+
+def _run_one(i, plan, total, out, scale, params, root, ex_dir, force, timeout, log, images) -> Outcome:
+    """Run (or re-use) one notebook of the batch; its images beside it."""
+    from moelab.papers.kit.report import Images
+    from moelab.runtime.results import atomic_write_json
+
+    name, nb, file_params, params_file = plan
+    declared = declared_parameters(nb)
+    fig_dir = out / "figures" / name
+    run_params = {**file_params, **(params or {}), "out_dir": str(fig_dir)}
+    if "png" in declared and "png" not in (params or {}):
+        run_params["png"] = False  # the images are written beside the run (or not: --no-images); -p png=true: by it
+    executed = out / "notebooks" / f"{nb.stem}.ipynb"
+    manifest_path = out / "notebooks" / f"{nb.stem}.run.json"
+    old = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    values = [*run_params.values(), *(d["default"] for d in declared.values())]
+    inputs = _inputs(nb, params_file, _literal_values(values), root)
+    reason = staleness(old, executed, run_params, scale, inputs, root, fig_dir, force=force)
+    warnings = []
+    if declared and "out_dir" not in declared:
+        warnings.append("the notebook declares no out_dir parameter: what it exports is not collected")
+    unknown = sorted(k for k in run_params if declared and k not in declared and k != "out_dir")
+    if unknown:
+        warnings.append("parameters the notebook does not declare: " + ", ".join(unknown))
+    if params_file is None:
+        warnings.append(f"no parameters for scale {scale!r} in {_rel(ex_dir, root)}/: notebook defaults")
+    if reason is None:
+        ran_at = old.get("started", "?")
+        old.update(outcome="reused", checked=_now(),
+                   reason=f"up to date: ran at {ran_at}, after the last change to the notebook, "
+                          f"its parameters and the moelab sources")
+        log(f"[{i}/{total}] {name}: skipped ({old['reason']})")
+        if images:
+            img = Images(fig_dir).finish()
+            if img.written:
+                log(f"    {_images_line(img, False)}")
+        atomic_write_json(manifest_path, old)
+        return Outcome(name, "ok", False, old["reason"], 0.0, manifest=manifest_path, warnings=warnings)
+    log(f"[{i}/{total}] {name}: running ({reason}) ...")
+    _clear(fig_dir)
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    started_ts, t0 = time.time(), time.monotonic()
+    img = Images(fig_dir).start() if images else None
+    status, error = execute(nb, executed, run_params, root, timeout)
+    wall = time.monotonic() - t0
+    if img is not None:
+        img.finish()
+    manifest = {
+        "name": name, "notebook": _rel(nb, root), "stem": nb.stem, "scale": scale, "status": status,
+        "outcome": "ran", "reason": reason, "started": datetime.fromtimestamp(started_ts, timezone.utc)
+        .isoformat(timespec="seconds"), "started_ts": started_ts, "checked": _now(),
+        "wall_s": round(wall, 2), "parameters": run_params, "parameters_file": _rel(params_file, root)
+        if params_file else None, "declared": declared, "error": error, "warnings": warnings,
+        "executed": _rel(executed, out), "figures_dir": _rel(fig_dir, out), "cwd": str(root),
+        "moelab_version": __version__,
+        "images": None if img is None else {"files": len(img.written), "seconds": round(img.seconds, 2),
+                                            "after_s": round(img.after_s, 2)},
+    }
+    atomic_write_json(manifest_path, manifest)
+    word = "ok" if status == "ok" else status.upper()
+    log(f"[{i}/{total}] {name}: {word} in {wall:.1f} s")
+    if img is not None:
+        log(f"    {_images_line(img, True)}")
+    for w in warnings:
+        log(f"    warning: {w}")
+    return Outcome(name, status, True, reason, wall, error, manifest_path, warnings)
 
 
 def _literal_values(values: list) -> list:
@@ -339,7 +382,8 @@ Execute notebooks/*.ipynb headless with papermill at a scale and write DIR/index
 
 Parameters: experiments/<name>/<scale>.yaml, or a shared experiments/<group>/<scale>.yaml keyed
 by notebook name (see experiments/README.md), then -p NAME=VALUE; out_dir is set to
-DIR/figures/<name>. Notebooks run with the project root as working directory. A notebook whose
+DIR/figures/<name>. Notebooks run with the project root as working directory. Figures load one
+DIR/assets/plotly-*.min.js; a PNG and an SVG of each are written beside the run unless --no-images. A notebook whose
 last run into DIR is newer than the notebook, its parameters and the moelab sources is skipped
 unless --force. Exit code: 0 all ok, 1 a notebook failed (the others still run), 2 a bad request.
 
@@ -347,6 +391,7 @@ examples:
   moelab reproduce quickstart --scale smoke --out reports
   moelab reproduce all --scale default --out reports --timeout 1800
   moelab reproduce quickstart --force -p reuse=false   # regenerate the run, not only the figures
+  moelab reproduce parm --scale smoke --no-images      # HTML figures only (no Chromium needed)
 """
 
 
@@ -365,6 +410,8 @@ def add_arguments(p) -> None:
                    help="wall-clock seconds per notebook (default: none)")
     p.add_argument("-p", "--param", dest="params", action="append", default=[], metavar="NAME=VALUE",
                    help="set a notebook parameter for every notebook run, repeatable: -p reuse=false")
+    p.add_argument("--no-images", dest="images", action="store_false",
+                   help="no PNG/SVG of the figures (default: both, written beside each run where a Chromium is found)")
     p.add_argument("--notebooks", default=None, metavar="DIR", help="notebooks folder (default: notebooks/)")
     p.add_argument("--experiments", default=None, metavar="DIR",
                    help="parameters folder (default: experiments/)")
@@ -376,7 +423,7 @@ def main(args) -> int:
         params = dict(parse_param(p) for p in args.params)
         batch = reproduce(args.names, args.scale, args.out, force=args.force, timeout=args.timeout,
                           params=params, notebooks_dir=args.notebooks, experiments_dir=args.experiments,
-                          log=lambda s: print(s, flush=True))
+                          log=lambda s: print(s, flush=True), images=getattr(args, "images", True))
     except ReproduceError as e:
         print(f"moelab: {e}", file=sys.stderr)
         return 2

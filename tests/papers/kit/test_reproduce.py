@@ -222,6 +222,14 @@ def test_reproduce_quickstart_smoke(tmp_path, tmp_path_factory):
     assert "experiments/quickstart/smoke.yaml" in page and 'href="notebooks/00_quickstart.ipynb"' in page
     manifest = json.loads((out / "notebooks" / "00_quickstart.run.json").read_text())
     assert manifest["status"] == "ok" and manifest["parameters"]["iters"] == 8
+    from moelab.viz.export import find_chromium, plotlyjs_name
+
+    assert manifest["parameters"]["png"] is False  # the images are written beside the run, not by the notebook
+    if find_chromium() is not None:  # a PNG and an SVG of every figure, by default
+        assert all((figs / f"{s}.png").is_file() and (figs / f"{s}.svg").is_file() for s in stems), stems
+        assert manifest["images"]["files"] == 2 * len(stems) and "image(s) (PNG/SVG)" in r.stdout
+    assert [p.name for p in out.rglob("plotly-*.js")] == [plotlyjs_name()]  # one plotly.js in the report
+    assert len(page) < 2_000_000 and all((figs / f"{s}.html").stat().st_size < 1_000_000 for s in stems)
     assert manifest["parameters"]["out_dir"] == str(figs.resolve()) and manifest["cwd"] == str(REPO)
 
     executed = out / "notebooks" / "00_quickstart.ipynb"
