@@ -17,6 +17,7 @@ import time
 
 from moelab.papers.kit.manifest import NO_CUDA, NOT_REPRODUCED, load_manifest
 from moelab.papers.kit.registry import Context, check_against_manifest, products
+from moelab.viz.export import IMAGE_FORMATS
 
 
 class ProductError(RuntimeError):
@@ -50,7 +51,7 @@ class Session:
         self.ctx = Context(paper, spec, seed, run_real)
         self.out = project_path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.formats = ("html", "png") if png else ("html",)
+        self.formats = ("html", *IMAGE_FORMATS) if png else ("html",)  # png: every static image reproduce writes
         self.show_output = show
         self.status: dict = {}  # product id -> {status, reason, files, seconds, notes}
         self.ladders = None  # the gap ladders' frame, once finish() walked them
