@@ -340,7 +340,7 @@ def load_figure(ev: dict, *, label: Optional[str] = None, baseline: Optional[dic
     """Tokens computed per rank (bars), the mean (dashed), and optionally a baseline's bars (e.g. EP)."""
     import plotly.graph_objects as go
 
-    from moelab.viz.figures import check_label
+    from moelab.viz.figures import check_label, finish
 
     label = check_label(label or ev["label"])
     fig = go.Figure()
@@ -349,29 +349,23 @@ def load_figure(ev: dict, *, label: Optional[str] = None, baseline: Optional[dic
         fig.add_bar(x=list(range(N)), y=baseline["rank_tokens"], name="expert parallelism", marker_color="#c7c7c7")
     fig.add_bar(x=list(range(N)), y=ev["rank_tokens"], name="this placement", marker_color="#4c78a8")
     fig.add_hline(y=ev["mean_load"], line_dash="dash", annotation_text="mean")
-    fig.update_layout(title={"text": f"Tokens computed per rank: max {ev['max_load']}, imbalance "
-                                     f"{ev['imbalance']:.2f}<br><sup>{label}</sup>"},
-                      template="plotly_white", barmode="group", xaxis_title="rank", yaxis_title="tokens",
-                      meta={"label": label})
-    return fig
+    return finish(fig, f"Tokens computed per rank: max {ev['max_load']}, imbalance {ev['imbalance']:.2f}", label,
+                  barmode="group", xaxis_title="rank", yaxis_title="tokens")
 
 
 def bytes_figure(ev: dict, *, label: Optional[str] = None):
     """Bytes each rank sends in the MoE layer (count exchange + 4 all-to-alls), stacked by link class."""
     import plotly.graph_objects as go
 
-    from moelab.viz.figures import LINK_COLOURS, check_label
+    from moelab.viz.figures import LINK_COLOURS, check_label, finish
 
     label = check_label(label or ev["label"])
     fig = go.Figure()
     b = ev["bytes"]
     for c in LINK_CLASSES:
         fig.add_bar(x=list(b.index), y=b[c] / 1e6, name=c, marker_color=LINK_COLOURS.get(c))
-    fig.update_layout(title={"text": f"MoE layer bytes sent per rank (fwd + bwd), layer time "
-                                     f"{ev['layer_time_s'] * 1e3:.2f} ms<br><sup>{label}</sup>"},
-                      template="plotly_white", barmode="stack", xaxis_title="rank", yaxis_title="MB",
-                      meta={"label": label})
-    return fig
+    return finish(fig, f"MoE layer bytes sent per rank (fwd + bwd), layer time {ev['layer_time_s'] * 1e3:.2f} ms",
+                  label, barmode="stack", xaxis_title="rank", yaxis_title="MB")
 
 
 __all__ = ["ExplorerState", "evaluate", "set_owner", "toggle_replica", "set_replicas",

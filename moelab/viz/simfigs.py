@@ -14,7 +14,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-from moelab.viz.figures import check_label
+from moelab.viz.figures import check_label, finish
 
 # one colour per simulator op category, stable across figures
 CATEGORY_COLOURS = {
@@ -26,12 +26,6 @@ CATEGORY_COLOURS = {
 
 def _colour(cat: str, i: int = 0) -> str:
     return CATEGORY_COLOURS.get(cat, qualitative.Dark24[i % len(qualitative.Dark24)])
-
-
-def _finish(fig: go.Figure, title: str, label: str, **layout) -> go.Figure:
-    fig.update_layout(title={"text": f"{title}<br><sup>{label}</sup>"}, template="plotly_white",
-                      meta={"label": label}, **layout)
-    return fig
 
 
 # ---- calibration ----------------------------------------------------------------------------------
@@ -70,8 +64,8 @@ def alpha_beta_fits(calibration, *, label: str, log: bool = True, title: str = "
         fig.add_scatter(x=xs, y=(a + b * xs) * 1e3, mode="lines", line={"color": colour}, legendgroup=op,
                         name=f"{op} fit: {a * 1e6:.0f} us + x / {bw}" + (f" (R^2 {r2:.3f})" if r2 is not None else ""))
     kind = "log" if log else "linear"
-    return _finish(fig, title, label, xaxis={"title": "bytes sent per rank (non-local)", "type": kind},
-                   yaxis={"title": "time (ms)", "type": kind})
+    return finish(fig, title, label, xaxis={"title": "bytes sent per rank (non-local)", "type": kind},
+                  yaxis={"title": "time (ms)", "type": kind})
 
 
 # ---- validation -------------------------------------------------------------------------------------
@@ -108,9 +102,9 @@ def predicted_vs_measured(frame, *, label: str, measured: str = "real_s", predic
             f"{part} only: R^2 = {r2_score(df[f'real_{key}_s'], df[f'sim_{key}_s']):.3f}, median |error| = "
             f"{100 * median_rel_err(df[f'real_{key}_s'], df[f'sim_{key}_s']):.1f}%"
             for part, key in (("compute", "compute"), ("communication", "comm")))
-    return _finish(fig, f"{title}: R^2 = {r2:.3f}, median |error| = {100 * mre:.1f}% ({len(df)} points){split}", label,
-                   xaxis={"title": f"measured ({unit_name})", "range": [0, hi]},
-                   yaxis={"title": f"simulated ({unit_name})", "range": [0, hi], "scaleanchor": "x"})
+    return finish(fig, f"{title}: R^2 = {r2:.3f}, median |error| = {100 * mre:.1f}% ({len(df)} points){split}", label,
+                  xaxis={"title": f"measured ({unit_name})", "range": [0, hi]},
+                  yaxis={"title": f"simulated ({unit_name})", "range": [0, hi], "scaleanchor": "x"})
 
 
 # ---- one simulated iteration ------------------------------------------------------------------------
@@ -132,10 +126,10 @@ def sim_gantt(result, *, label: str, ranks=None, max_ranks: int = 16, title: str
                     name=cat, marker_color=_colour(cat, i), customdata=g["name"],
                     hovertemplate="%{customdata}<br>start %{base:.3f}<br>dur %{x:.3f}<extra>" + cat + "</extra>")
     shown = f" (ranks {ranks[0]}-{ranks[-1]} of {len(all_ranks)})" if len(ranks) < len(all_ranks) else ""
-    return _finish(fig, f"{title}: makespan {result.makespan * unit:.2f} {unit_name}{shown}", label,
-                   barmode="overlay", xaxis_title=f"time ({unit_name})",
-                   yaxis={"categoryorder": "array", "categoryarray": order[::-1]},
-                   height=max(300, 22 * len(order) + 120))
+    return finish(fig, f"{title}: makespan {result.makespan * unit:.2f} {unit_name}{shown}", label,
+                  barmode="overlay", xaxis_title=f"time ({unit_name})",
+                  yaxis={"categoryorder": "array", "categoryarray": order[::-1]},
+                  height=max(300, 22 * len(order) + 120))
 
 
 def critical_path_breakdown(results, *, label: str, by: str = "category", title: str = "Critical-path breakdown",
@@ -159,7 +153,7 @@ def critical_path_breakdown(results, *, label: str, by: str = "category", title:
     totals = [sum(bds[n].values()) * unit for n in names]
     fig.add_scatter(x=names, y=totals, mode="text", text=[f"{t:.2f}" for t in totals], textposition="top center",
                     showlegend=False)
-    return _finish(fig, title, label, barmode="stack", yaxis_title=f"time on the critical path ({unit_name})")
+    return finish(fig, title, label, barmode="stack", yaxis_title=f"time on the critical path ({unit_name})")
 
 
 def bytes_check_table(comparison, *, label: str, title: str = "Bytes: simulated vs measured") -> go.Figure:
@@ -172,7 +166,7 @@ def bytes_check_table(comparison, *, label: str, title: str = "Bytes: simulated 
                           ["yes" if e else "NO" for e in t["equal"]]],
                "fill_color": [["#ffffff" if e else "#f8c4c4" for e in t["equal"]]] * 6}))
     ok = bool(t["equal"].all())
-    return _finish(fig, f"{title}: {'EXACT' if ok else 'MISMATCH'}", label, height=max(300, 24 * len(t) + 120))
+    return finish(fig, f"{title}: {'EXACT' if ok else 'MISMATCH'}", label, height=max(300, 24 * len(t) + 120))
 
 
 __all__ = ["alpha_beta_fits", "predicted_vs_measured", "sim_gantt", "critical_path_breakdown", "bytes_check_table",

@@ -14,45 +14,7 @@ from tests.viz.figure_checks import shared_colours, too_wide
 REPO = Path(__file__).resolve().parents[2]
 
 # (paper, product) -> why its figure fails the colour check, and the fix (in files this test does not own)
-KNOWN = {
-    ("fastermoe", "fig4"): "moelab/papers/fastermoe/figures.py fig4_popularity: marker_color=_c(int(e)) cycles "
-                           "qualitative.Plotly's 10 colours over 16 experts (expert 0 and 10 share blue); use a "
-                           "24-colour palette (qualitative.Dark24) for up to 24 experts",
-    ("fastermoe", "fig5"): "moelab/papers/fastermoe/figures.py fig5_roofline: 'ideal (overlap)' and 'semi-ideal "
-                           "(synchronous)' are both black (dash only differs); draw semi-ideal in grey",
-    ("fastermoe", "fig5a"): "moelab/papers/fastermoe/figures.py fig5_roofline (measured): 'ideal (overlap)' and "
-                            "'semi-ideal (synchronous)' both black; draw semi-ideal in grey",
-    ("fastermoe", "fig9"): "moelab/papers/fastermoe/figures.py fig9_predictor: calibration and evaluation points of "
-                           "one link setting share _c(i) but sit in two legend groups (legendgroup=f'{mode}{split}'); "
-                           "use legendgroup=mode (the symbol tells the split apart)",
-    ("hecate", "fig1r"): "moelab/papers/hecate/figures.py line ~117 (event timeline): marker_color=_c(i) cycles 10 "
-                         "colours over 11 event kinds ('gate' and 'attention.bwd.start' share blue); use "
-                         "qualitative.Dark24 (or moelab.viz.simfigs.CATEGORY_COLOURS)",
-    ("hecate", "fig5"): "moelab/papers/hecate/figures.py line ~117 (event timeline): _c(i) cycles 10 colours over 11 "
-                        "event kinds; use qualitative.Dark24",
-    ("hecate", "fig9"): "moelab/papers/hecate/figures.py speedup_bars line ~54: SYSTEM_COLOURS.get(s.split(' (')[0]) "
-                        "gives 'Hecate (t formula)' Hecate's red; look the full name up first "
-                        "(SYSTEM_COLOURS.get(s) or SYSTEM_COLOURS.get(s.split(' (')[0], _c(i))) and give the variants "
-                        "their own entries, e.g. 'Hecate (t formula)': '#9c2a2a', 'Hecate (sharding only)': "
-                        "'#f4a582', 'Hecate (materialization only)': '#b2182b'",
-    ("hecate", "fig10"): "moelab/papers/hecate/figures.py speedup_bars line ~54: 'Hecate (t formula)' in Hecate's "
-                         "red (the same fix as Fig. 9)",
-    ("hecate", "fig9r"): "moelab/papers/hecate/figures.py line ~188: SYSTEM_COLOURS.get(s.split(' (')[0]) gives "
-                         "'Hecate (sharding only)' and 'Hecate (materialization only)' Hecate's red (fix as Fig. 9)",
-    ("hecate", "fig11r"): "moelab/papers/hecate/figures.py line ~166 (load boxes): the two ablations in Hecate's red "
-                          "(fix as Fig. 9: variant entries in SYSTEM_COLOURS, full name first)",
-    ("hecate", "fig12r"): "moelab/papers/hecate/figures.py line ~199 (bytes by phase): _c(i) cycles 10 colours over 12 "
-                          "phases; use qualitative.Dark24",
-    ("hecate", "fig15a"): "moelab/papers/hecate/figures.py line ~188: the two ablations in Hecate's red (fix as "
-                          "Fig. 9)",
-    ("hecate", "fig15ar"): "moelab/papers/hecate/figures.py line ~188: the two ablations in Hecate's red (fix as "
-                           "Fig. 9)",
-    ("lsh_moe", "fig7m"): "moelab/papers/lsh_moe/figures.py rate_vs_L: color=_c(i) cycles 10 colours over 17 lines "
-                          "('trained, CP r=1' and 'random, CP r=2' share blue); colour by r (one per CP rank, one for "
-                          "spherical), dash by source, legendgroup=f'r={r}'",
-    ("parm", "fig6"): "moelab/papers/parm/figures.py fits: _c(i) cycles 10 colours over 22 (source, collective) "
-                      "lines; colour by collective, dash by source (as now), legendgroup=collective",
-}
+KNOWN: dict = {}
 
 
 def _products() -> list:

@@ -51,13 +51,16 @@ def fig3_ep_example(routing, workers, *, label: str,
 def fig4_popularity(shares, *, label: str, title: str = "Fig. 4: expert-selection share over iterations"):
     """One stacked-area panel per trace: each expert's share of the iteration's assignments."""
     traces = list(dict.fromkeys(shares.trace))
+    experts = sorted(set(int(e) for e in shares.expert))
+    palette = PALETTE if len(experts) <= len(PALETTE) else qualitative.Dark24  # one colour per expert (up to 24)
+    colour = {e: palette[i % len(palette)] for i, e in enumerate(experts)}
     spacing = 0.18  # not a paper number: the gap between panels
     fig = make_subplots(rows=len(traces), cols=1, subplot_titles=traces, vertical_spacing=spacing)
     for r, t in enumerate(traces, 1):
         g = shares[shares.trace == t]
         for e, ge in g.groupby("expert"):
             fig.add_scatter(x=ge.iter, y=ge.share, stackgroup=f"s{r}", mode="lines", line={"width": 0.5},
-                            name=f"expert {e}", legendgroup=f"e{e}", showlegend=r == 1, marker_color=_c(int(e)),
+                            name=f"expert {e}", legendgroup=f"e{e}", showlegend=r == 1, marker_color=colour[int(e)],
                             row=r, col=1)
         fig.update_yaxes(title_text="share", range=[0, 1], row=r, col=1)
         fig.update_xaxes(title_text="iteration", row=r, col=1)
@@ -75,7 +78,7 @@ def fig5_roofline(points, lines, *, label: str, unit: str = "TFLOPs",
     fig.add_scatter(x=lines.rho, y=lines[f"ideal_{unit}"], mode="lines", name="ideal (overlap)",
                     line={"color": "black"})
     fig.add_scatter(x=lines.rho, y=lines[f"semi_ideal_{unit}"], mode="lines", name="semi-ideal (synchronous)",
-                    line={"color": "black", "dash": "dash"})
+                    line={"color": "grey", "dash": "dash"})
     tags = {"EP+shadow": " (1)", "EP+smart": " (2)"}
     for i, (_, p) in enumerate(points.iterrows()):
         fig.add_scatter(x=[p.rho], y=[p[ycol]], mode="markers+text", text=[p["name"] + tags.get(p["name"], "")],
@@ -182,7 +185,7 @@ def fig9_predictor(points, metrics, *, label: str, title: str = "Fig. 9: perform
             for split, g in points[points["mode"] == mode].groupby("split"):
                 fig.add_scatter(x=1e3 * g[meas], y=1e3 * g[pred], mode="markers",
                                 name=f"{kind.get(mode, mode)}, {split}",
-                                legendgroup=f"{mode}{split}", showlegend=c == 1,
+                                legendgroup=mode, showlegend=c == 1,
                                 marker={"color": _c(i), "symbol": symbols.get(split, "circle"), "size": 9},
                                 text=g.point, hovertemplate="%{text}<br>measured %{x:.2f} ms<br>predicted %{y:.2f} ms",
                                 row=1, col=c)

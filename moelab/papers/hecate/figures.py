@@ -11,12 +11,28 @@ from plotly.subplots import make_subplots
 
 from moelab.viz.figures import finish, labelled
 
+from .end_to_end import T_CHOSEN
+
+# one colour per system; Hecate's variants in shades of its red, each its own
 SYSTEM_COLOURS = {"EP": "#4c78a8", "FasterMoE": "#54a24b", "SmartMoE": "#eeca3b", "FlexMoE": "#b279a2",
-                  "FSDP": "#9d755d", "Hecate": "#e45756", "Hecate-RM": "#ff9da6"}
+                  "FSDP": "#9d755d", "Hecate": "#e45756", "Hecate-RM": "#ff9da6", T_CHOSEN: "#9c2a2a",
+                  "Hecate (sharding only)": "#f4a582", "Hecate (materialization only)": "#b2182b"}
 
 
 def _c(i: int) -> str:
     return qualitative.Plotly[i % len(qualitative.Plotly)]
+
+
+def _system_colour(s: str, i: int) -> str:
+    """The system's own colour: its full name first (a variant has its own entry), then the system it varies."""
+    return SYSTEM_COLOURS.get(s) or SYSTEM_COLOURS.get(s.split(" (")[0], _c(i))
+
+
+def _category_colours(cats) -> dict:
+    """One colour per category: plotly's 10 while they suffice, else a 24-colour palette."""
+    cats = list(cats)
+    palette = qualitative.Plotly if len(cats) <= len(qualitative.Plotly) else qualitative.Dark24
+    return {c: palette[i % len(palette)] for i, c in enumerate(cats)}
 
 
 @labelled
@@ -51,7 +67,7 @@ def speedup_bars(frame, *, label: str, title: str, y: str = "speedup_vs_ep", fac
         for i, s in enumerate(systems):
             g = sub[sub.system == s]
             fig.add_bar(x=g.model, y=g[y], name=s, legendgroup=s, showlegend=c == 1,
-                        marker_color=SYSTEM_COLOURS.get(s.split(" (")[0], _c(i)), row=1, col=c)
+                        marker_color=_system_colour(s, i), row=1, col=c)
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
     missing = sorted(set(frame[frame[y].isna()].system))
     fig.update_yaxes(title_text=y_title, row=1, col=1)
@@ -113,8 +129,10 @@ def bytes_per_layer(frame, *, label: str, title: str = "Fig. 4: bytes per MoE la
 def gantt(frame, *, label: str, title: str, row: str = "row"):
     """Horizontal bars ``start_ms .. end_ms`` per ``row``, coloured by ``what``."""
     fig = go.Figure()
-    for i, (what, g) in enumerate(frame.groupby("what", sort=False)):
-        fig.add_bar(y=g[row], x=g.end_ms - g.start_ms, base=g.start_ms, orientation="h", name=what, marker_color=_c(i))
+    colours = _category_colours(dict.fromkeys(frame["what"]))
+    for what, g in frame.groupby("what", sort=False):
+        fig.add_bar(y=g[row], x=g.end_ms - g.start_ms, base=g.start_ms, orientation="h", name=what,
+                    marker_color=colours[what])
     return finish(fig, title, label, barmode="overlay", xaxis_title="ms", height=120 + 28 * frame[row].nunique(),
                   yaxis={"autorange": "reversed"})
 
@@ -163,7 +181,7 @@ def throughput_batch(frame, *, label: str, title: str = "Fig. 14: throughput vs 
     fig = go.Figure()
     for i, (s, g) in enumerate(frame.groupby("system", sort=False)):
         fig.add_scatter(x=g.batch, y=g.tokens_per_s, mode="lines+markers", name=s,
-                        marker_color=SYSTEM_COLOURS.get(s, _c(i)))
+                        marker_color=_system_colour(s, i))
     return finish(fig, title, label, xaxis_title="batch (sequences per GPU)", yaxis_title="tokens / s (all GPUs)")
 
 
@@ -185,7 +203,7 @@ def device_load(frame, *, label: str, title: str = "Fig. 11 (REAL): busiest devi
     for i, s in enumerate(dict.fromkeys(frame.system)):
         g = frame[frame.system == s]
         fig.add_box(x=[f"layer {l}" for l in g.layer], y=g.max_over_mean, name=s,
-                    marker_color=SYSTEM_COLOURS.get(s.split(" (")[0], _c(i)))
+                    marker_color=_system_colour(s, i))
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
     return finish(fig, title, label, boxmode="group", yaxis_title="max / mean tokens per device")
 
@@ -194,7 +212,9 @@ def device_load(frame, *, label: str, title: str = "Fig. 11 (REAL): busiest devi
 def phase_bytes(frame, *, label: str, title: str = "Fig. 12 (REAL): bytes per iteration by phase and system"):
     """Stacked bars: bytes all ranks sent per iteration, one segment per (phase, op)."""
     fig = go.Figure()
-    for i, ph in enumerate(sorted(set(frame.phase))):
+    phases = sorted(set(frame.phase))
+    colours = _category_colours(phases)
+    for ph in phases:
         g = frame[frame.phase == ph]
-        fig.add_bar(x=g.system, y=g.bytes, name=ph, marker_color=_c(i))
+        fig.add_bar(x=g.system, y=g.bytes, name=ph, marker_color=colours[ph])
     return finish(fig, title, label, barmode="stack", yaxis_title="bytes sent per iteration (all ranks)")

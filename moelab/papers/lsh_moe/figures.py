@@ -37,15 +37,27 @@ def pca_scatter(frame, *, label: str, title: str = "Fig. 4: PCA of the all-to-al
 @labelled
 def rate_vs_L(frame, *, label: str, title: str = "Fig. 7 (middle): compression rate vs number of hash functions",
               paper_rate: float | None = None):
-    """rho vs L: one line per (source, family, r); trained tokens solid, controls dotted; ``paper_rate``: the
-    paper's rate at L=6 (paper.yaml ``rate_at_L6``, passed in by the product), drawn as a dashed line."""
+    """rho vs L: one line per (source, family, r), coloured by the hash (one colour and legend group per CP rank
+    r, one for spherical) and dashed by the source (trained tokens solid, each control its own dash);
+    ``paper_rate``: the paper's rate at L=6 (paper.yaml ``rate_at_L6``, passed in by the product), drawn as a
+    dashed grey line."""
     fig = go.Figure()
-    keys = frame[["source", "family", "r"]].drop_duplicates().itertuples(index=False)
-    for i, (src, fam, r) in enumerate(keys):
+    keys = list(frame[["source", "family", "r"]].drop_duplicates().itertuples(index=False))
+    cp = "cross_polytope"
+
+    def hash_of(fam, r):
+        return f"CP r={int(r)}" if fam == cp else fam
+
+    hashes = sorted({(fam != cp, r if fam == cp else 0, hash_of(fam, r)) for _, fam, r in keys})  # CP by r, then others
+    colour = {h: _c(i) for i, (_, _, h) in enumerate(hashes)}
+    sources = list(dict.fromkeys(src for src, _, _ in keys))
+    others = iter(("dot", "dash", "dashdot", "longdash", "longdashdot"))
+    dash = {src: "solid" if src == "trained" else next(others, "dot") for src in sources}
+    for src, fam, r in keys:
         sub = frame[(frame.source == src) & (frame.family == fam) & ((frame.r == r) | (frame.r.isna() & (r != r)))]
-        name = f"{src}, {'CP r=' + str(int(r)) if fam == 'cross_polytope' else fam}"
-        fig.add_trace(go.Scatter(x=sub.L, y=sub.rho, mode="lines+markers", name=name,
-                                 line={"dash": "solid" if src == "trained" else "dot", "color": _c(i)}))
+        h = hash_of(fam, r)
+        fig.add_trace(go.Scatter(x=sub.L, y=sub.rho, mode="lines+markers", name=f"{src}, {h}", legendgroup=h,
+                                 line={"dash": dash[src], "color": colour[h]}))
     if paper_rate is not None:
         fig.add_hline(y=paper_rate, line_dash="dash", line_color="grey",
                       annotation_text=f"paper: ~{paper_rate:.0%} at L=6")

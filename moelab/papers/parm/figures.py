@@ -111,14 +111,26 @@ def sorted_share(frame, *, label: str, col: str = "comm_share",
 
 @labelled
 def fits(frame, *, label: str, title: str = "Fig. 6: collective time vs message size, with alpha-beta fits"):
-    """Points and fitted lines per (source, collective); PAPER rows drawn as dashed lines."""
+    """Points and fitted lines per (source, collective), coloured by the collective (a legend group each) and
+    dashed by the source: measured sources solid (then long dash-dot), PAPER rows dashed (then long dashes),
+    SIMULATED dotted (then dash-dot); measured points in one marker symbol per source."""
     fig = go.Figure()
-    for i, ((src, name), g) in enumerate(frame.groupby(["source", "name"], sort=False)):
-        dash = "dash" if src.startswith("PAPER") else ("dot" if src.startswith("SIMULATED") else None)
+    names = list(dict.fromkeys(frame.name))
+    palette = qualitative.Plotly if len(names) <= len(qualitative.Plotly) else qualitative.Dark24
+    colour = {n: palette[i % len(palette)] for i, n in enumerate(names)}
+    styles = {"PAPER": ["dash", "longdash"], "SIMULATED": ["dot", "dashdot"], "": ["solid", "longdashdot"]}
+    dash, symbol, seen = {}, {}, {k: 0 for k in styles}
+    for src in dict.fromkeys(frame.source):
+        kind = next((k for k in ("PAPER", "SIMULATED") if src.startswith(k)), "")
+        dash[src] = styles[kind][seen[kind] % len(styles[kind])]
+        seen[kind] += 1
+        symbol[src] = ("circle", "square", "diamond", "triangle-up", "cross", "x")[len(symbol) % 6]
+    for (src, name), g in frame.groupby(["source", "name"], sort=False):
         if "time_s" in g and g.time_s.notna().any() and not src.startswith(("PAPER", "SIMULATED")):
-            fig.add_scatter(x=g.x, y=g.time_s * 1e3, mode="markers", name=f"{src}: {name}", marker={"color": _c(i)})
-        fig.add_scatter(x=g.x, y=g.fit_s * 1e3, mode="lines", line={"dash": dash, "color": _c(i)},
-                        name=f"{src}: {name} fit", showlegend=True)
+            fig.add_scatter(x=g.x, y=g.time_s * 1e3, mode="markers", name=f"{src}: {name}", legendgroup=name,
+                            marker={"color": colour[name], "symbol": symbol[src]})
+        fig.add_scatter(x=g.x, y=g.fit_s * 1e3, mode="lines", line={"dash": dash[src], "color": colour[name]},
+                        name=f"{src}: {name} fit", legendgroup=name, showlegend=True)
     return finish(fig, title, label, xaxis={"type": "log", "title": "elements (x as the paper counts)"},
                   yaxis={"type": "log", "title": "ms"}, height=520, width=1000)
 

@@ -194,13 +194,14 @@ def fig7e(ctx):
 @product(P, "table5", needs_real=True, quantities={"speedup": ITER_SPEEDUP})
 def table5(ctx):
     df = paper_scale.table5_real_frame(ctx.scale.name, ctx.seed)
-    return Made(df, figures={"table5_real": F.iteration_bars(df[df.system != "speedup"], label=df.attrs["label"])},
+    return Made(df, figures={"fig_table5_real": F.iteration_bars(df[df.system != "speedup"],
+                                                                 label=df.attrs["label"])},
                 tables={"table5_real": (df, "Table V analog: tiny models on 8 gloo ranks")})
 
 
 @product(P, "table5s", quantities={"speedup": ITER_SPEEDUP})
 def table5s(ctx):
     df = paper_scale.table5_sim(ctx.scale.name)
-    return Made(df, figures={"table5_sim": F.iteration_bars(df.rename(columns={"testbed": "setup"}).melt(
+    return Made(df, figures={"fig_table5_sim": F.iteration_bars(df.rename(columns={"testbed": "setup"}).melt(
         id_vars=["model", "setup"], value_vars=["baseline_ms", "parm_ms"], var_name="system", value_name="iter_ms"),
         label=df.attrs["label"])}, tables={"table5_sim": (df, "Table V: full-size models, SIMULATED")})
