@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rep = sub.add_parser("reproduce", help="execute notebooks at a scale with papermill and write an HTML report")
     reproduce.add_arguments(rep)
-    from moelab.papers.kit import report
+    from moelab.papers.kit import publish
 
     rpt = sub.add_parser("report", help="rebuild the HTML report, or write a paper's section as one file or a zip")
-    report.add_arguments(rpt)
+    publish.add_arguments(rpt)
 
     args = ap.parse_args(argv)
     if args.cmd == "slurm":
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "reproduce":
         return reproduce.main(args)
     if args.cmd == "report":
-        return report.main(args)
+        return publish.main(args)
     if args.cmd == "serve":
         from moelab.runtime.launch import SERVE_WORKER
 

@@ -100,7 +100,7 @@ def _one_paper_report(tmp_path_factory, paper: str = "parm") -> Path:
     one, else made here."""
     import shutil
 
-    from moelab.papers.kit.report import build_index
+    from moelab.papers.kit.page import build_index
     from moelab.papers.kit.reproduce import reproduce
 
     one = tmp_path_factory.getbasetemp() / f"report_{paper}"
@@ -130,7 +130,8 @@ def test_one_paper_report_opens_fast_draws_every_figure_and_travels(tmp_path_fac
     drawn; the comparison table reads one line per number (a screenshot goes to the artifacts)."""
     import zipfile
 
-    from moelab.papers.kit.report import VERDICT_STYLE, single_file, zip_section
+    from moelab.papers.kit.page import VERDICT_STYLE
+    from moelab.papers.kit.publish import single_file, zip_section
     from moelab.viz.export import plotlyjs_name
 
     browser_kit = pytest.importorskip("tests.browser_kit")

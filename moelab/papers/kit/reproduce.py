@@ -242,7 +242,7 @@ def reproduce(names=("all",), scale: str = "default", out: str | Path = "reports
     Raises :class:`ReproduceError` for a bad request before anything runs; failures inside
     notebooks are recorded in the returned :class:`Batch` instead.
     """
-    from moelab.papers.kit.report import build_index
+    from moelab.papers.kit.page import build_index
 
     if scale not in SCALES:
         raise ReproduceError(f"unknown scale {scale!r}; scales: {', '.join(SCALES)}")
@@ -296,7 +296,7 @@ def _images_line(img, ran: bool) -> str:
 
 def _run_one(i, plan, total, out, scale, params, root, ex_dir, force, timeout, log, images) -> Outcome:
     """Run (or re-use) one notebook of the batch; its images beside it."""
-    from moelab.papers.kit.report import Images
+    from moelab.papers.kit.images import Images
     from moelab.runtime.results import atomic_write_json
 
     name, nb, file_params, params_file = plan

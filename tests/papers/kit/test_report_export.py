@@ -12,8 +12,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from moelab.papers.kit import report as R
-from moelab.papers.kit.report import build_index, collect, record_figure, record_table
+from moelab.papers.kit import page as P
+from moelab.papers.kit import publish as R
+from moelab.papers.kit.images import Images
+from moelab.papers.kit.page import build_index
+from moelab.papers.kit.report import collect, record_figure, record_table
 from moelab.viz import export as X
 
 REPO = Path(__file__).resolve().parents[3]
@@ -102,7 +105,7 @@ def test_the_comparison_table_reads_one_line_per_number(tmp_path):
     assert all(LONG in r and "spec §4 Table IV" in r for r in rows[:4])
     assert 'data-col="6"' in pvm and "table.pvm" in page  # sortable, by plain JS in the page
     ranks = [int(re.findall(r'data-k="([^"]*)"', r)[6]) for r in rows]
-    assert ranks == [list(R.VERDICT_STYLE).index(v) for v in _pvm().verdict]
+    assert ranks == [list(P.VERDICT_STYLE).index(v) for v in _pvm().verdict]
     summary = page[page.index("<h2>Notebooks</h2>"):page.index('<section id="nb-toy">')]
     assert "v-ok" in summary and "v-off" in summary  # verdict counts in the summary
     assert (tmp_path / "figures" / "toy" / "table_paper_vs_moelab.csv").read_text() == _pvm().to_csv(index=False)
@@ -111,7 +114,7 @@ def test_the_comparison_table_reads_one_line_per_number(tmp_path):
 def test_every_verdict_of_the_comparison_has_a_style():
     from moelab.papers.kit.compare import VERDICTS
 
-    assert list(R.VERDICT_STYLE) == list(VERDICTS)
+    assert list(P.VERDICT_STYLE) == list(VERDICTS)
 
 
 def test_a_section_as_one_file_and_as_a_zip(tmp_path):
@@ -174,10 +177,10 @@ def test_images_beside_a_run_fill_in_what_is_missing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(X, "export_images", fake)
     (figs / "fig_b.png").write_text("made in the notebook")
-    img = R.Images(figs).finish()
+    img = Images(figs).finish()
     assert sorted(calls) == [(["fig_a", "shared_stem"], ("png", "svg")), (["fig_b"], ("svg",))]
     assert len(img.written) == 5 and img.after_s >= 0
-    assert R.Images(figs).finish().written == []  # nothing left to do
+    assert Images(figs).finish().written == []  # nothing left to do
     assert {".html", ".png", ".svg"} <= set(next(f for f in collect(figs)["figures"] if f["name"] == "fig_a")["files"])
 
 

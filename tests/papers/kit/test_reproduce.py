@@ -16,7 +16,8 @@ import pytest
 
 from moelab import __version__ as VERSION
 from moelab.papers.kit import reproduce as rp
-from moelab.papers.kit.report import build_index, collect, label_kind, record_figure, record_table
+from moelab.papers.kit.page import build_index
+from moelab.papers.kit.report import collect, label_kind, record_figure, record_table
 
 REPO = Path(__file__).resolve().parents[3]
 LABEL = "REAL: 4 ranks, 2 nodes x 2, gloo"
