@@ -31,7 +31,8 @@ Circular rows are named, never counted as agreement (the value and ratio stay vi
 - **input**: the moelab source lists paper keys in ``inputs``: its value used the paper's numbers as input.
 
 Each row then gets a ``verdict`` (:data:`VERDICTS`): a SIMULATED ratio within ±25 % *agrees*; one further
-off is *explained* when a gap ladder (:mod:`moelab.papers.kit.ladder`) closes at least 75 % of its log-gap,
+off is *explained* when its gap ladder (:mod:`moelab.papers.kit.ladder`), walking from this row's value, closes
+at least 75 % of the log-gap and overshoots by no more than 25 %,
 *contradicted* when the paper.yaml entry states moelab's evidence against the claim (``contradicted:``), and
 otherwise *off, no stated cause*. ``headline: true`` marks the claims of a paper's abstract and introduction.
 """
@@ -155,6 +156,13 @@ def source_id(src: dict) -> str:
     return f"{src['product']}.{src['column']}[{where}]:{src.get('reduce', 'only')}"
 
 
+def _not_run(key: str, entry: dict, sid: str, pid: str, note: str) -> dict:
+    """A row with the paper's side filled in and no moelab value (yet)."""
+    return dict(key=key, source_id=sid, figure=entry["figure"], quantity=entry["quantity"], unit=entry["unit"],
+                paper=float(entry["value"]), paper_at=entry.get("at", ""), moelab=math.nan, moelab_label="",
+                product=pid, status="not run", ratio=math.nan, trend="", note=note, paper_source=entry["source"])
+
+
 def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict,
                 circularity: dict | None = None) -> dict:
     """One row: the paper number ``entry`` against moelab source ``src``; ``circularity`` as returned by
@@ -162,11 +170,7 @@ def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict,
     from moelab.papers.kit.report import label_kind
 
     pid, col = src["product"], src["column"]
-    row = dict(key=key, source_id=source_id(src), figure=entry["figure"], quantity=entry["quantity"],
-               unit=entry["unit"],
-               paper=float(entry["value"]), paper_at=entry.get("at", ""), moelab=math.nan, moelab_label="",
-               product=pid, status="not run", ratio=math.nan, trend="", note=src.get("note", ""),
-               paper_source=entry["source"])
+    row = _not_run(key, entry, source_id(src), pid, src.get("note", ""))
     prod = products.get(pid)
     q = prod.quantities.get(col) if prod is not None else None
     if isinstance(q, tuple):  # the column's quantity depends on another column: (that column, {value: Quantity})
@@ -255,10 +259,7 @@ def compare(paper: str, values: dict, products: dict, numbers: dict | None = Non
     for key, e in numbers.items():
         for src in e.get("moelab") or [{}]:
             if not src:  # the paper has it, moelab has nothing to set against it
-                row = dict(key=key, source_id="", figure=e["figure"], quantity=e["quantity"], unit=e["unit"],
-                           paper=float(e["value"]), paper_at=e.get("at", ""), moelab=math.nan,
-                           moelab_label="", product="", status="not run", ratio=math.nan, trend="",
-                           note=e.get("no_counterpart", "no moelab counterpart"), paper_source=e["source"])
+                row = _not_run(key, e, "", "", e.get("no_counterpart", "no moelab counterpart"))
             else:
                 row = compare_one(key, e, src, values, products, circ)
             share = _ladder_share(row, closed.get(key))

@@ -28,6 +28,7 @@ from moelab.papers.kit.report import (
     label_kind,
     load_manifests,
     paper_vs_moelab_counts,
+    read_paper_vs_moelab,
 )
 
 # ---- the page ------------------------------------------------------------------------------------
@@ -319,8 +320,9 @@ def build_index(out: str | Path, session: dict | None = None) -> Path:
         order = {stem: i for i, stem in enumerate(figure_order(folder))}
         found[-1]["figures"].sort(key=lambda f: order.get(f["name"], len(order)))  # stable: the rest as written
         n = len(found[-1]["figures"])
-        pvm = _pvm_cell(paper_vs_moelab_counts(folder), headline_verdicts(folder),
-                        paper_vs_moelab_counts(folder, "verdict"))
+        table = read_paper_vs_moelab(folder)  # read once for the three counts
+        pvm = _pvm_cell(paper_vs_moelab_counts(folder, table=table), headline_verdicts(folder, table),
+                        paper_vs_moelab_counts(folder, "verdict", table=table))
         rows.append(f'<tr><td><a href="#nb-{_e(m.get("name"))}">{_e(m.get("name"))}</a></td>'
                     f"<td>{_status_badges(m)}</td><td>{_e(m.get('scale'))}</td><td>{_fmt_s(m.get('wall_s'))}</td>"
                     f"<td>{_coverage_cell(coverage(folder))}</td>"

@@ -197,32 +197,38 @@ def figure_order(folder: str | Path) -> list[str]:
             if f.get("kind") == "figure"]
 
 
-def paper_vs_moelab_counts(folder: str | Path, column: str = "status") -> dict | None:
+def read_paper_vs_moelab(folder: str | Path):
+    """``table_paper_vs_moelab.csv`` of an output folder as a frame, or None where there is none."""
+    path = Path(folder) / "table_paper_vs_moelab.csv"
+    if not path.is_file():
+        return None
+    import pandas as pd
+
+    try:
+        return pd.read_csv(path)
+    except ValueError:
+        return None
+
+
+def paper_vs_moelab_counts(folder: str | Path, column: str = "status", *, headline_only: bool = False,
+                           table=None) -> dict | None:
     """Rows of ``table_paper_vs_moelab.csv`` by ``column``: status (ratio, trend check, fit, chosen from, input,
-    refused, no value, not run) or verdict (agrees, explained, contradicted, off, ...)."""
-    path = Path(folder) / "table_paper_vs_moelab.csv"
-    if not path.is_file():
+    refused, no value, not run) or verdict (agrees, explained, contradicted, off, ...); ``headline_only``: the
+    headline claims' rows (``headline: true`` in paper.yaml); ``table``: the frame, if already read."""
+    df = read_paper_vs_moelab(folder) if table is None else table
+    if df is None:
         return None
-    import pandas as pd
-
     try:
-        return pd.read_csv(path)[column].value_counts().to_dict()
-    except (ValueError, KeyError):
-        return None
-
-
-def headline_verdicts(folder: str | Path) -> dict | None:
-    """The headline claims' rows (``headline: true`` in paper.yaml) by verdict."""
-    path = Path(folder) / "table_paper_vs_moelab.csv"
-    if not path.is_file():
-        return None
-    import pandas as pd
-
-    try:
-        df = pd.read_csv(path)
-        return df[df.headline.astype(bool)]["verdict"].value_counts().to_dict()
+        if headline_only:
+            df = df[df.headline.astype(bool)]
+        return df[column].value_counts().to_dict()
     except (ValueError, KeyError, AttributeError):
         return None
+
+
+def headline_verdicts(folder: str | Path, table=None) -> dict | None:
+    """The headline claims' rows by verdict."""
+    return paper_vs_moelab_counts(folder, "verdict", headline_only=True, table=table)
 
 
 def load_manifests(out: str | Path) -> list[dict]:
