@@ -1,7 +1,6 @@
 """Lina reproduction, shared pieces: the scale spec (sizes in ``experiments/lina/scales.yaml``)."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 
@@ -56,20 +55,10 @@ def paper(key: str) -> float:
 
 
 def assumption(name: str):
-    """The value of ``name`` in ``experiments/lina/assumptions.yaml`` (the file is parsed once per version: the
-    paper-scale configs ask for a dozen values each, hundreds of times per notebook)."""
-    from moelab.papers.kit.assumptions import assumptions_path
-
-    path = assumptions_path(P)
-    st = path.stat()
-    return _assumptions((str(path), st.st_mtime_ns, st.st_size)).value(name)
-
-
-@functools.lru_cache(maxsize=4)
-def _assumptions(file: tuple):
+    """The value of ``name`` in ``experiments/lina/assumptions.yaml`` (the kit parses the file once per version)."""
     from moelab.papers.kit.assumptions import load_assumptions
 
-    return load_assumptions(file[0])
+    return load_assumptions(P).value(name)
 
 
 def paper_at(key: str) -> str:
