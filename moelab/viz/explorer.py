@@ -1,375 +1,65 @@
-"""The placement explorer: edit which ranks hold which expert and see, through the simulator, what
-it does to per-rank load, bytes per link class and the time of one MoE layer.
+"""The placement explorer: edit which ranks hold which expert and see, through the simulator, what it does
+to per-rank load, bytes per link class, the time of one MoE layer with its replicas' gradient sync, the count
+exchange, the dense update, peak memory per rank and the migration from the previous placement.
 
-Everything is a plain function over an immutable :class:`ExplorerState`, so tests (and notebooks
-run headless by papermill) need no browser; :func:`moelab.viz.explorer_ui.build_widget` only wires
-ipywidgets controls to those functions.
+Everything is a plain function over an immutable :class:`ExplorerState`, so tests (and notebooks run
+headless by papermill) need no browser; :func:`moelab.viz.explorer_ui.build_widget` only wires ipywidgets
+controls to those functions. This module gathers them:
 
-State = (cluster profile, load trace source, iteration, layer, placement ``expert -> (owner,
-replica, ...)``, model sizes). Trace sources:
-
-- ``"synthetic:<kind>"`` with ``seed``: :func:`moelab.models.traces.routing_trace` of that kind
-  (balanced, hot_expert, hot_rank, zipf_drift, zero_rank) on the profile's world. Labelled SYNTHETIC.
-- ``"run:<path>"``: a run folder or its ``loads.csv`` (``iter, layer, expert, tokens``). loads.csv
-  holds GLOBAL tokens per expert, not who sent them, so the explorer **assumes uniform sources**:
-  expert e's ``g`` tokens come ``g // N`` from every source rank, the remainder one each from the
-  lowest ranks. Sources skewed towards one node would change the bytes (not the per-rank compute
-  load); the label says so.
-
-:func:`evaluate` routes the chosen ``[N, E]`` matrix with :meth:`Placement.split_counts` (the
-dispatcher's rule), and simulates one training iteration of a one-MoE-layer model with
-:func:`moelab.sim.graphs.ep_iteration_graph`; the *layer time* is the layer's forward window (gate
-to combine) plus its backward window (combine.bwd to gate.bwd), all ranks. Bytes are that layer's
-count exchange and four all-to-alls, by the shared byte rule. Replica gradient sync is not in the
-simulator's graph yet (see the closing note of the validation work): its bytes are reported apart
-(:func:`replica_sync_bytes`, the runtime's ``sync_replica_grads`` rule) and are not in the time.
+- :mod:`.explorer_state`: the state, its load traces and the pure placement edits;
+- :mod:`.explorer_cost`: :func:`evaluate`, every price from one simulated iteration;
+- :mod:`.explorer_figures`: the figures (tokens, bytes, memory, the experts x ranks grid, A vs B);
+- :mod:`.explorer_policies`: each registered placement policy applied to the current loads;
+- :mod:`.explorer_run`: export to a run config and a REAL run beside the simulated one.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional
-
-import numpy as np
-
-from moelab.comm.topology import LINK_CLASSES
-from moelab.placement import Placement
-
-SYNTHETIC_KINDS = ("hot_expert", "balanced", "hot_rank", "zipf_drift", "zero_rank")
-
-
-@dataclass(frozen=True)
-class ExplorerState:
-    profile: str = "fastermoe_johnny"  # cluster profile (moelab.sim.PROFILES)
-    nodes: Optional[int] = None  # override the profile's node count (None: as published)
-    trace: str = "synthetic:hot_expert"  # "synthetic:<kind>" or "run:<run dir or loads.csv>"
-    seed: int = 0  # synthetic traces: RNG seed
-    iteration: int = 0  # which iteration of the trace
-    layer: int = 0  # which MoE layer of the trace
-    holders: tuple = ()  # holders[e] = (owner, replica, ...); () = expert parallelism
-    num_experts: int = 16  # synthetic traces (a run's loads.csv sets its own)
-    tokens_per_rank: int = 2048  # synthetic traces: tokens per rank per iteration
-    top_k: int = 2
-    d_model: int = 1024
-    d_ff: int = 4096
-    trace_iters: int = 8  # synthetic traces: iterations generated
-    trace_layers: int = 2  # synthetic traces: MoE layers generated
-
-
-# ---- the trace ------------------------------------------------------------------------------------
-def profile_of(state: ExplorerState):
-    from moelab.sim import get_profile
-
-    p = get_profile(state.profile)
-    return p.with_nodes(state.nodes) if state.nodes else p
-
-
-def world_of(state: ExplorerState) -> int:
-    return profile_of(state).world_size
-
-
-def _run_csv(path: str) -> Path:
-    p = Path(path)
-    return p / "loads.csv" if p.is_dir() else p
-
-
-@functools.lru_cache(maxsize=16)
-def _read_run_loads(path: str, mtime: float):
-    import pandas as pd
-
-    df = pd.read_csv(path)
-    missing = {"iter", "layer", "expert", "tokens"} - set(df.columns)
-    if missing:
-        raise ValueError(f"{path}: loads.csv needs columns iter, layer, expert, tokens; missing {sorted(missing)}")
-    iters, layers, E = int(df["iter"].max()) + 1, int(df["layer"].max()) + 1, int(df["expert"].max()) + 1
-    g = np.zeros((iters, layers, E), dtype=np.int64)
-    np.add.at(g, (df["iter"].to_numpy(), df["layer"].to_numpy(), df["expert"].to_numpy()), df["tokens"].to_numpy())
-    return g
-
-
-def uniform_sources(global_counts, world: int) -> np.ndarray:
-    """``[..., E]`` global tokens per expert -> ``[..., N, E]``: each source sends ``g // N``, the
-    remainder one each from the lowest ranks (the documented assumption for loads.csv)."""
-    g = np.asarray(global_counts, dtype=np.int64)
-    base, rem = np.divmod(g, world)
-    out = np.repeat(base[..., None, :], world, axis=-2)
-    out += (np.arange(world)[:, None] < rem[..., None, :]).astype(np.int64)
-    return out
-
-
-def run_global_loads(path: str) -> np.ndarray:
-    """``[iters, layers, E]`` global tokens per expert from a run folder or its loads.csv."""
-    p = _run_csv(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no loads.csv at {p}")
-    return _read_run_loads(str(p), p.stat().st_mtime)
-
-
-@functools.lru_cache(maxsize=32)
-def _synthetic(kind, iters, layers, world, E, T, k, seed):
-    from moelab.models.traces import routing_trace
-
-    return routing_trace(kind, iters, layers, world, E, T, k, seed).numpy()
-
-
-def trace_loads(state: ExplorerState) -> np.ndarray:
-    """The whole trace as ``[iters, layers, N, E]`` on the profile's world."""
-    N = world_of(state)
-    src, _, arg = state.trace.partition(":")
-    if src == "synthetic":
-        if arg not in SYNTHETIC_KINDS:
-            raise ValueError(f"unknown synthetic trace {arg!r}; known: {SYNTHETIC_KINDS}")
-        return _synthetic(arg, state.trace_iters, state.trace_layers, N, state.num_experts,
-                          state.tokens_per_rank, state.top_k, state.seed)
-    if src == "run":
-        return uniform_sources(run_global_loads(arg), N)
-    raise ValueError(f"trace must be 'synthetic:<kind>' or 'run:<path>', got {state.trace!r}")
-
-
-def trace_shape(state: ExplorerState) -> tuple:
-    """(iterations, layers, experts) of the state's trace."""
-    t = trace_loads(state)
-    return t.shape[0], t.shape[1], t.shape[3]
-
-
-def layer_loads(state: ExplorerState) -> np.ndarray:
-    """``[N, E]``: tokens each source routes to each expert at the state's iteration and layer."""
-    t = trace_loads(state)
-    if not (0 <= state.iteration < t.shape[0] and 0 <= state.layer < t.shape[1]):
-        raise ValueError(f"iteration {state.iteration} / layer {state.layer} outside the trace "
-                         f"({t.shape[0]} iterations, {t.shape[1]} layers)")
-    return t[state.iteration, state.layer]
-
-
-def trace_label(state: ExplorerState) -> str:
-    src, _, arg = state.trace.partition(":")
-    if src == "synthetic":
-        return f"loads SYNTHETIC {arg} seed {state.seed}"
-    return f"loads REAL from {_run_csv(arg)} (global per expert; uniform sources assumed)"
-
-
-# ---- placement edits (pure: each returns a new state) ------------------------------------------------
-def ep_holders(num_experts: int, world: int) -> tuple:
-    """Expert parallelism: contiguous blocks, expert e on rank ``e * N // E`` (E/N per rank when divisible)."""
-    return tuple((e * world // num_experts,) for e in range(num_experts))
-
-
-def placement_of(state: ExplorerState) -> Placement:
-    N = world_of(state)
-    E = trace_shape(state)[2]
-    holders = state.holders or ep_holders(E, N)
-    if len(holders) != E:
-        raise ValueError(f"the placement covers {len(holders)} experts, the trace has {E}")
-    return Placement(E, N, tuple(tuple(h) for h in holders))
-
-
-def mapping(state: ExplorerState) -> dict:
-    """``{expert: [owner, replicas...]}`` (the config's ``parallel.placement`` format)."""
-    return placement_of(state).to_mapping()
-
-
-def _with_holders(state: ExplorerState, holders) -> ExplorerState:
-    new = dataclasses.replace(state, holders=tuple(tuple(int(r) for r in h) for h in holders))
-    placement_of(new)  # validate: distinct ranks in range
-    return new
-
-
-def set_owner(state: ExplorerState, expert: int, rank: int) -> ExplorerState:
-    """Make ``rank`` the owner of ``expert``; if it held a replica, the old owner takes its place
-    among the replicas (a swap), otherwise the old owner's copy moves to ``rank``."""
-    h = [list(x) for x in placement_of(state).holders]
-    cur = h[expert]
-    if cur[0] == rank:
-        return state
-    if rank in cur:
-        i = cur.index(rank)
-        cur[0], cur[i] = cur[i], cur[0]
-    else:
-        cur[0] = rank
-    return _with_holders(state, h)
-
-
-def toggle_replica(state: ExplorerState, expert: int, rank: int) -> ExplorerState:
-    """Add a replica of ``expert`` on ``rank``, or remove it if there is one. The owner cannot be
-    toggled off (move it with :func:`set_owner`): ValueError."""
-    h = [list(x) for x in placement_of(state).holders]
-    cur = h[expert]
-    if cur[0] == rank:
-        raise ValueError(f"rank {rank} owns expert {expert}: move the owner with set_owner instead")
-    if rank in cur:
-        cur.remove(rank)
-    else:
-        cur.append(rank)
-    return _with_holders(state, h)
-
-
-def set_replicas(state: ExplorerState, expert: int, ranks) -> ExplorerState:
-    """Replace ``expert``'s replicas by ``ranks`` (the owner is kept, and skipped if listed)."""
-    h = [list(x) for x in placement_of(state).holders]
-    owner = h[expert][0]
-    h[expert] = [owner] + [int(r) for r in dict.fromkeys(ranks) if int(r) != owner]
-    return _with_holders(state, h)
-
-
-def edit_placement(state: ExplorerState, text: str) -> ExplorerState:
-    """Apply typed edits ``"EXPERT: OWNER [REPLICA ...]"``, several separated by ``;`` (``"3: 5 12; 7: 0"``).
-    Anything that is not a valid placement (no owner, a rank outside the world, an unknown expert) is a
-    ValueError saying what is wrong, and the state is not changed."""
-    h = [list(x) for x in placement_of(state).holders]
-    for part in filter(None, (p.strip() for p in text.split(";"))):
-        head, colon, ranks = part.partition(":")
-        try:
-            if not colon:
-                raise ValueError
-            e, listed = int(head), [int(r) for r in ranks.replace(",", " ").split()]
-        except ValueError:
-            raise ValueError(f"cannot read {part!r}: write 'expert: owner [replicas...]', e.g. '3: 5 12'") from None
-        if not 0 <= e < len(h):
-            raise ValueError(f"expert {e} does not exist: experts are 0..{len(h) - 1}")
-        h[e] = listed
-    return _with_holders(state, h)
-
-
-def reset_ep(state: ExplorerState) -> ExplorerState:
-    """Back to plain expert parallelism (no replicas)."""
-    return dataclasses.replace(state, holders=())
-
-
-def hottest_expert(state: ExplorerState) -> int:
-    return int(np.argmax(layer_loads(state).sum(0)))
-
-
-def shadow_hottest(state: ExplorerState) -> ExplorerState:
-    """FasterMoE-style shadowing of the hottest expert: a replica on every rank."""
-    e = hottest_expert(state)
-    return set_replicas(state, e, range(world_of(state)))
-
-
-# ---- evaluation -------------------------------------------------------------------------------------------
-def _sim_config(state: ExplorerState, E: int, T: int):
-    from moelab.config import RunConfig
-    from moelab.sim import config_for_profile
-
-    return config_for_profile(RunConfig(), profile_of(state), **{
-        "model.n_layers": 1, "model.moe_every": 1, "model.d_model": state.d_model, "model.d_ff": state.d_ff,
-        "model.n_heads": 1, "model.moe.num_experts": E, "model.moe.top_k": state.top_k,
-        "model.seq_len": max(T, 1), "train.batch_size": 1})
-
-
-def replica_sync_bytes(placement: Placement, topo, param_bytes: int):
-    """Bytes per rank and link class the runtime's ``sync_replica_grads`` sends for one MoE layer:
-    each replica sends its gradient to the owner, the owner sends the sum back to each replica."""
-    import pandas as pd
-
-    from moelab.comm.bytes import by_link_class
-
-    out = np.zeros((placement.world_size, len(LINK_CLASSES)), dtype=np.int64)
-    for h in placement.holders:
-        owner = h[0]
-        for r in h[1:]:
-            for src, dst in ((r, owner), (owner, r)):
-                cls = by_link_class(topo, src, {dst: param_bytes})
-                out[src] += [cls[c] for c in LINK_CLASSES]
-    return pd.DataFrame(out, columns=list(LINK_CLASSES)).rename_axis("rank")
-
-
-def evaluate(state: ExplorerState) -> dict:
-    """Per-rank load, bytes per link class per rank and the simulated time of one MoE layer.
-
-    Returns a dict: ``placement``, ``loads`` ([N, E] input), ``route`` ([src, dst] tokens),
-    ``rank_tokens`` (tokens each rank's experts compute), ``max_load``, ``mean_load``,
-    ``imbalance`` (max / mean), ``bytes`` (DataFrame rank x local/intra/inter: the layer's count
-    exchange + 4 all-to-alls, forward and backward), ``replica_sync_bytes`` (not simulated),
-    ``layer_time_s``, ``fwd_s``, ``bwd_s``, ``breakdown`` (critical path of the whole one-layer
-    iteration), ``result`` (the SimResult), ``profile``, ``label``.
-    """
-    import pandas as pd
-
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import ep_iteration_graph, expert_param_count, graph_bytes, route_matrix, topology_of
-
-    prof = profile_of(state)
-    L = layer_loads(state)
-    N, E = L.shape
-    pl = placement_of(state)
-    T = int(round(L.sum() / (state.top_k * N))) if L.sum() else 1
-    cfg = _sim_config(state, E, T)
-    route = route_matrix(pl, L)
-    g = ep_iteration_graph(cfg, prof, L[None], pl, elem_bytes=prof.elem_bytes)
-    res = simulate(g)
-    ops = res.ops_frame()
-    topo = topology_of(cfg)
-
-    def window(first, last):
-        a = ops[ops.name == first]["start"].min()
-        b = ops[ops.name == last]["end"].max()
-        return float(b - a)
-
-    fwd, bwd = window("L0.gate.fwd", "L0.combine"), window("L0.combine.bwd", "L0.gate.bwd")
-    gb = graph_bytes(g, topo, categories={"a2a", "count_exchange"})
-    byts = pd.DataFrame([[gb[r][c] for c in LINK_CLASSES] for r in range(N)],
-                        columns=list(LINK_CLASSES)).rename_axis("rank")
-    rank_tokens = route.sum(0)
-    mean = float(rank_tokens.mean())
-    return dict(placement=pl, loads=L, route=route, rank_tokens=rank_tokens, max_load=int(rank_tokens.max()),
-                mean_load=mean, imbalance=float(rank_tokens.max() / mean) if mean else 1.0, bytes=byts,
-                replica_sync_bytes=replica_sync_bytes(pl, topo, expert_param_count(cfg.model) * prof.elem_bytes),
-                layer_time_s=fwd + bwd, fwd_s=fwd, bwd_s=bwd, breakdown=res.breakdown(), result=res, profile=prof,
-                label=label_of(state))
-
-
-def label_of(state: ExplorerState) -> str:
-    p = profile_of(state)
-    return f"SIMULATED: {p.name} ({p.nodes} x {p.gpus_per_node}), {trace_label(state)}"
-
-
-def summary_text(ev: dict) -> str:
-    pl = ev["placement"]
-    b = ev["bytes"].sum()
-    return (f"layer time {ev['layer_time_s'] * 1e3:.2f} ms (fwd {ev['fwd_s'] * 1e3:.2f}, bwd {ev['bwd_s'] * 1e3:.2f}); "
-            f"max/mean tokens per rank {ev['max_load']}/{ev['mean_load']:.0f} (imbalance {ev['imbalance']:.2f}); "
-            f"bytes intra {b['intra'] / 1e6:.1f} MB, inter {b['inter'] / 1e6:.1f} MB; "
-            f"{pl.num_replicas} replica(s), replica grad sync {ev['replica_sync_bytes'].values.sum() / 1e6:.1f} MB "
-            "(not simulated)")
-
-
-# ---- figures ------------------------------------------------------------------------------------------------
-def load_figure(ev: dict, *, label: Optional[str] = None, baseline: Optional[dict] = None):
-    """Tokens computed per rank (bars), the mean (dashed), and optionally a baseline's bars (e.g. EP)."""
-    import plotly.graph_objects as go
-
-    from moelab.viz.figures import check_label, finish
-
-    label = check_label(label or ev["label"])
-    fig = go.Figure()
-    N = len(ev["rank_tokens"])
-    if baseline is not None:
-        fig.add_bar(x=list(range(N)), y=baseline["rank_tokens"], name="expert parallelism", marker_color="#c7c7c7")
-    fig.add_bar(x=list(range(N)), y=ev["rank_tokens"], name="this placement", marker_color="#4c78a8")
-    fig.add_hline(y=ev["mean_load"], line_dash="dash", annotation_text="mean")
-    return finish(fig, f"Tokens computed per rank: max {ev['max_load']}, imbalance {ev['imbalance']:.2f}", label,
-                  barmode="group", xaxis_title="rank", yaxis_title="tokens")
-
-
-def bytes_figure(ev: dict, *, label: Optional[str] = None):
-    """Bytes each rank sends in the MoE layer (count exchange + 4 all-to-alls), stacked by link class."""
-    import plotly.graph_objects as go
-
-    from moelab.viz.figures import LINK_COLOURS, check_label, finish
-
-    label = check_label(label or ev["label"])
-    fig = go.Figure()
-    b = ev["bytes"]
-    for c in LINK_CLASSES:
-        fig.add_bar(x=list(b.index), y=b[c] / 1e6, name=c, marker_color=LINK_COLOURS.get(c))
-    return finish(fig, f"MoE layer bytes sent per rank (fwd + bwd), layer time {ev['layer_time_s'] * 1e3:.2f} ms",
-                  label, barmode="stack", xaxis_title="rank", yaxis_title="MB")
-
-
-__all__ = ["ExplorerState", "evaluate", "set_owner", "toggle_replica", "set_replicas",
+from moelab.viz.explorer_cost import (
+    MEMORY_CATEGORIES,
+    check_fits,
+    evaluate,
+    label_of,
+    replica_sync_bytes,
+    sim_config,
+    summary_text,
+)
+from moelab.viz.explorer_figures import (
+    ab_figure,
+    ab_table,
+    bytes_figure,
+    expert_rank_tokens,
+    grid_arrays,
+    grid_figure,
+    load_figure,
+    memory_figure,
+)
+from moelab.viz.explorer_state import (
+    SYNTHETIC_KINDS,
+    ExplorerState,
+    edit_placement,
+    ep_holders,
+    hottest_expert,
+    layer_loads,
+    mapping,
+    placement_of,
+    profile_of,
+    reset_ep,
+    run_global_loads,
+    set_owner,
+    set_replicas,
+    shadow_hottest,
+    toggle_replica,
+    trace_label,
+    trace_loads,
+    trace_shape,
+    uniform_sources,
+    with_holders,
+    world_of,
+)
+
+__all__ = ["ExplorerState", "evaluate", "check_fits", "set_owner", "toggle_replica", "set_replicas", "with_holders",
            "reset_ep", "edit_placement", "shadow_hottest", "hottest_expert", "placement_of", "mapping", "trace_loads",
-           "layer_loads",
+           "trace_shape", "trace_label", "layer_loads", "profile_of", "world_of", "sim_config",
            "uniform_sources", "run_global_loads", "replica_sync_bytes", "load_figure", "bytes_figure",
-           "summary_text", "label_of", "ep_holders", "SYNTHETIC_KINDS"]
+           "memory_figure", "grid_figure", "grid_arrays", "expert_rank_tokens", "ab_table", "ab_figure",
+           "summary_text", "label_of", "ep_holders", "SYNTHETIC_KINDS", "MEMORY_CATEGORIES"]

@@ -1,18 +1,33 @@
 """The placement explorer's widget: ipywidgets controls over the pure functions of
-:mod:`moelab.viz.explorer` (every control calls one of them; nothing here computes a result)."""
+:mod:`moelab.viz.explorer` (every control calls one of them; nothing here computes a result).
+
+The grid editor is a plotly ``FigureWidget`` heatmap (experts x ranks) listening to clicks: plotly is
+already the figures' library, a heatmap of 256 x 64 cells is one trace that plotly.js draws on a canvas-like
+SVG image in well under a second, its click events arrive in the kernel through ``anywidget`` (plotly's
+own widget transport since plotly 6), and an update sends only the changed ``z`` array. A click toggles a
+holder (mode "toggle holder") or makes the clicked rank the owner (mode "set owner": the row action); the
+text edit stays for exact input. Figures are sized to the notebook's width (no fixed pixel widths).
+"""
 from __future__ import annotations
 
 import dataclasses
 import html
+import time
 from typing import Optional
 
 from moelab.viz.explorer import (
     SYNTHETIC_KINDS,
     ExplorerState,
+    ab_figure,
+    ab_table,
     bytes_figure,
+    check_fits,
     edit_placement,
     evaluate,
+    grid_arrays,
+    grid_figure,
     load_figure,
+    memory_figure,
     placement_of,
     reset_ep,
     set_owner,
@@ -23,6 +38,10 @@ from moelab.viz.explorer import (
     trace_shape,
     world_of,
 )
+from moelab.viz.explorer_policies import POLICIES, apply_policy
+
+LIST_MAX_EXPERTS = 32  # up to this many experts the per-expert owner / replica list is shown too
+MODES = ("toggle holder", "set owner")
 
 
 class ExplorerUI:
@@ -35,54 +54,82 @@ class ExplorerUI:
         from moelab.sim import PROFILES
 
         self.state = state
+        self.pinned: Optional[ExplorerState] = None
         self._quiet = False
         self.last: Optional[dict] = None
         self.figures: dict = {}
         self.error: Optional[str] = None
+        self.redraw_s: Optional[float] = None  # the kernel's time of the latest refresh (evaluate + figures)
         profiles = list(profiles or sorted(n for n, p in PROFILES.items() if p.world_size <= 64))
         if state.profile not in profiles:
             profiles.insert(0, state.profile)
         traces = [f"synthetic:{k}" for k in SYNTHETIC_KINDS] + [f"run:{r}" for r in runs]
         if state.trace not in traces:
             traces.append(state.trace)
+        full = w.Layout(width="100%")
         self.profile = w.Dropdown(options=profiles, value=state.profile, description="profile")
-        self.trace = w.Dropdown(options=traces, value=state.trace, description="loads",
-                                layout=w.Layout(width="420px"))
-        self.seed = w.IntText(value=state.seed, description="seed", layout=w.Layout(width="160px"))
+        self.nodes = w.BoundedIntText(value=state.nodes or 0, min=0, max=512, description="nodes",
+                                      tooltip="0: as published", layout=w.Layout(width="150px"))
+        self.trace = w.Dropdown(options=traces, value=state.trace, description="loads", layout=w.Layout(width="380px"))
+        self.seed = w.IntText(value=state.seed, description="seed", layout=w.Layout(width="150px"))
         self.iteration = w.IntSlider(value=state.iteration, min=0, max=0, description="iteration")
         self.layer = w.IntSlider(value=state.layer, min=0, max=0, description="layer")
         self.reset = w.Button(description="reset to EP", icon="undo")
         self.shadow = w.Button(description="shadow hottest", tooltip="replicate the hottest expert on every rank")
+        self.policy_buttons = {name: w.Button(description=name, tooltip=doc) for name, (_, doc) in POLICIES.items()}
         self.edit = w.Text(description="edit", placeholder="expert: owner replicas…; e.g. 3: 5 12 (Enter)",
-                           continuous_update=False, layout=w.Layout(width="420px"))
-        self.summary = w.HTML()
-        self.load_out, self.bytes_out = w.Output(), w.Output()
+                           continuous_update=False, layout=w.Layout(width="100%", max_width="640px"))
+        self.mode = w.ToggleButtons(options=MODES, value=MODES[0], description="click")
+        self.colour = w.ToggleButtons(options=("tokens", "holders"), value="tokens", description="colour")
+        self.pin = w.Button(description="pin as A", icon="thumb-tack", tooltip="keep this placement to compare")
+        self.unpin = w.Button(description="clear A")
+        self.summary = w.HTML(layout=full)
+        self.ab = w.HTML(layout=full)
+        half = w.Layout(width="50%", min_width="0")
+        self.load_out, self.bytes_out = w.Output(layout=half), w.Output(layout=half)
+        self.grid = None  # the FigureWidget, built on the first refresh (needs anywidget)
+        self.grid_box = w.Box(layout=full)
+        self.live: dict = {}  # key -> FigureWidget of the figures updated in place (memory, A vs B)
+        self.memory_box, self.ab_box = w.Box(layout=half), w.Box(layout=half)
         self.experts_box = w.VBox()
         self.owner: list = []
         self.replicas: list = []
         self.profile.observe(lambda ch: self.on_profile(ch["new"]), names="value")
+        self.nodes.observe(lambda ch: self.on_nodes(ch["new"]), names="value")
         self.trace.observe(lambda ch: self.on_trace(ch["new"]), names="value")
         self.seed.observe(lambda ch: self.on_seed(ch["new"]), names="value")
         self.iteration.observe(lambda ch: self.on_iteration(ch["new"]), names="value")
         self.layer.observe(lambda ch: self.on_layer(ch["new"]), names="value")
         self.reset.on_click(lambda _: self.on_reset())
         self.shadow.on_click(lambda _: self.on_shadow())
+        for name, b in self.policy_buttons.items():
+            b.on_click(lambda _, name=name: self.on_policy(name))
         self.edit.observe(lambda ch: self.on_edit(ch["new"]), names="value")
+        self.colour.observe(lambda ch: self.refresh(), names="value")
+        self.pin.on_click(lambda _: self.on_pin())
+        self.unpin.on_click(lambda _: self.on_unpin())
+        wrap = w.Layout(flex_flow="row wrap", width="100%")
         self.widget = w.VBox([
-            w.HBox([self.profile, self.trace, self.seed]),
-            w.HBox([self.iteration, self.layer, self.reset, self.shadow]), self.edit,
-            self.summary, w.HBox([self.load_out, self.bytes_out]),
-            w.HTML("<b>placement</b>: owner and replica ranks of each expert"), self.experts_box])
+            w.HBox([self.profile, self.nodes, self.trace, self.seed], layout=wrap),
+            w.HBox([self.iteration, self.layer], layout=wrap),
+            w.HBox([self.reset, self.shadow, *self.policy_buttons.values()], layout=wrap),
+            w.HBox([self.mode, self.colour], layout=wrap), self.edit,
+            self.summary, self.grid_box, w.HBox([self.load_out, self.bytes_out], layout=full),
+            w.HBox([self.pin, self.unpin], layout=wrap), self.ab, w.HBox([self.memory_box, self.ab_box], layout=full),
+            self.experts_box], layout=full)
         self._sync_controls(rebuild=True)
         self.refresh()
 
     # ---- callbacks: each applies a pure function, then refreshes ----
     def apply(self, fn, *args) -> ExplorerState:
+        """``fn(state, *args)``: the new state if it is a valid placement that fits memory, else the
+        message and the last valid state kept."""
         if self._quiet:
             return self.state
         try:
-            self.state = fn(self.state, *args)
-            self.error = None
+            new = fn(self.state, *args)
+            check_fits(evaluate(new))
+            self.state, self.error = new, None
         except (ValueError, KeyError, FileNotFoundError) as e:
             self.error = str(e)
         self._sync_controls()
@@ -98,6 +145,12 @@ class ExplorerUI:
     def on_toggle(self, e: int, r: int):
         return self.apply(toggle_replica, e, r)
 
+    def on_cell(self, e: int, r: int):
+        """A click on the grid's cell (expert ``e``, rank ``r``), by the click mode."""
+        if self.mode.value == "set owner":
+            return self.on_owner(e, r)
+        return self.on_toggle(e, r)
+
     def on_edit(self, text: str):
         return self.apply(edit_placement, text) if text.strip() else self.state
 
@@ -107,11 +160,25 @@ class ExplorerUI:
     def on_shadow(self):
         return self.apply(shadow_hottest)
 
+    def on_policy(self, name: str):
+        return self.apply(apply_policy, name)
+
+    def on_pin(self):
+        self.pinned = self.state
+        return self.refresh()
+
+    def on_unpin(self):
+        self.pinned = None
+        return self.refresh()
+
     def on_profile(self, name: str):
-        return self._replace(profile=name, nodes=None, holders=(), iteration=0, layer=0)
+        return self._replace(profile=name, nodes=None, holders=(), moved_from=(), iteration=0, layer=0)
+
+    def on_nodes(self, nodes: int):
+        return self._replace(nodes=int(nodes) or None, holders=(), moved_from=())
 
     def on_trace(self, trace: str):
-        return self._replace(trace=trace, holders=(), iteration=0, layer=0)
+        return self._replace(trace=trace, holders=(), moved_from=(), iteration=0, layer=0)
 
     def on_seed(self, seed: int):
         return self.apply(lambda s: dataclasses.replace(s, seed=int(seed)))
@@ -146,8 +213,12 @@ class ExplorerUI:
             iters, layers, E = trace_shape(s)
             N = world_of(s)
             self.profile.value, self.trace.value, self.seed.value = s.profile, s.trace, s.seed
+            self.nodes.value = s.nodes or 0
             self.iteration.max, self.layer.max = iters - 1, layers - 1
             self.iteration.value, self.layer.value = s.iteration, s.layer
+            if E > LIST_MAX_EXPERTS:  # the grid alone: hundreds of list rows would not be usable
+                self.owner, self.replicas, self.experts_box.children = [], [], ()
+                return
             if rebuild or len(self.owner) != E or (self.owner and len(self.owner[0].options) != N):
                 self.owner, self.replicas, rows = [], [], []
                 for e in range(E):
@@ -159,30 +230,94 @@ class ExplorerUI:
                     self.owner.append(o)
                     self.replicas.append(rp)
                     rows.append(w.HBox([o, rp]))
-                self.experts_box.children = rows
+                self.experts_box.children = [w.HTML("<b>placement</b>: owner and replica ranks of each expert"), *rows]
             for e, h in enumerate(placement_of(s).holders):
                 self.owner[e].value = h[0]
                 self.replicas[e].value = tuple(h[1:])
         finally:
             self._quiet = False
 
+    def _grid(self, ev: dict):
+        """Build the grid's FigureWidget (new shape) or update its cells in place."""
+        import plotly.graph_objects as go
+
+        fig = grid_figure(ev, colour=self.colour.value)
+        self.figures["grid"] = fig
+        try:
+            shape = self.grid.data[0].z.shape if self.grid is not None else None
+        except AttributeError:
+            shape = None
+        z, text = grid_arrays(ev, self.colour.value)
+        if self.grid is None or shape != z.shape:
+            try:
+                self.grid = go.FigureWidget(fig)
+            except ImportError:  # plotly's widget needs anywidget: the list and the text edit still work
+                self.grid = None
+                return
+            self.grid.data[0].on_click(self._clicked)
+            self.grid_box.children = (self.grid,)
+            return
+        with self.grid.batch_update():
+            self.grid.data[0].z, self.grid.data[0].text = z, text
+            self.grid.data[0].colorscale, self.grid.data[0].showscale = fig.data[0].colorscale, fig.data[0].showscale
+            self.grid.layout.title = fig.layout.title
+
+    def _live(self, key: str, box, fig) -> None:
+        """Show ``fig`` in ``box`` as a FigureWidget, updated in place when its traces keep their kinds."""
+        import plotly.graph_objects as go
+
+        fig.update_layout(width=None, height=420, autosize=True)
+        fw = self.live.get(key)
+        if fw is not None and [t.type for t in fw.data] == [t.type for t in fig.data]:
+            with fw.batch_update():
+                for old, new in zip(fw.data, fig.data):
+                    old.update(new.to_plotly_json())
+                fw.layout = fig.layout
+            return
+        try:
+            fw = go.FigureWidget(fig)
+        except ImportError:  # no anywidget: the figure is still in self.figures
+            return
+        self.live[key] = fw
+        box.children = (fw,)
+
+    def _clicked(self, trace, points, selector):
+        for x, y in zip(points.xs, points.ys):
+            self.on_cell(int(y), int(x))
+
     def refresh(self) -> dict:
-        """Evaluate the current state; update the summary and redraw both figures (``self.figures``)."""
+        """Evaluate the current state; update the summary, the grid and every figure (``self.figures``)."""
+        t0 = time.perf_counter()
         ev = evaluate(self.state)
         base = evaluate(reset_ep(self.state)) if self.state.holders else None
         self.last = ev
         err = (f"<br><span style='color:#c00'>{html.escape(self.error, quote=False)} "
                "(kept the last valid placement)</span>" if self.error else "")
-        self.summary.value = f"<b>{ev['label']}</b><br>{summary_text(ev)}{err}"
-        self.figures = {"load": load_figure(ev, baseline=base), "bytes": bytes_figure(ev)}
+        warn = ("" if ev["fits_memory"] else
+                "<br><span style='color:#c00'>this placement does not fit memory (export refuses it)</span>")
+        self.summary.value = f"<b>{ev['label']}</b><br>{summary_text(ev)}{err}{warn}"
+        self.figures.update(load=load_figure(ev, baseline=base), bytes=bytes_figure(ev), memory=memory_figure(ev))
+        self._grid(ev)
+        self._live("memory", self.memory_box, self.figures["memory"])
+        if self.pinned is not None:
+            a = evaluate(self.pinned)
+            self.figures["ab"] = ab_figure(a, ev)
+            self._live("ab", self.ab_box, self.figures["ab"])
+            self.ab.value = ("<b>A (pinned) vs B (current)</b>" +
+                             ab_table(a, ev).to_html(float_format=lambda v: f"{v:.3f}", classes="moelab-ab"))
+        else:
+            self.figures.pop("ab", None)
+            self.ab_box.children, self.live["ab"] = (), None
+            self.ab.value = "<i>pin a placement as A to compare it with the one you edit (B)</i>"
         if _in_kernel():  # outside a kernel (tests, scripts) an Output area would just print the figure
             import plotly.graph_objects as go
             from IPython.display import display
 
-            for out, fig in ((self.load_out, self.figures["load"]), (self.bytes_out, self.figures["bytes"])):
+            for out, key in ((self.load_out, "load"), (self.bytes_out, "bytes")):
                 out.clear_output(wait=True)
-                with out:  # two side by side: each a fixed half of a notebook's width
-                    display(go.Figure(fig).update_layout(width=560, height=420))
+                with out:  # each half of the notebook's width: autosize, no fixed pixels
+                    display(go.Figure(self.figures[key]).update_layout(width=None, height=420, autosize=True))
+        self.redraw_s = time.perf_counter() - t0
         return ev
 
     def _repr_mimebundle_(self, **kw):

@@ -1,0 +1,132 @@
+"""Every price the explorer shows comes from the simulator: the replicas' gradient sync equals the simulator's
+graph for the same placement, the count exchange and the dense update are that graph's ops, peak memory
+follows the holders (a replica costs its parameters, gradients and Adam state), the migration is the bytes
+moe/migrate.py moves, and a placement that does not fit memory is refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moelab.comm.topology import LINK_CLASSES
+from moelab.moe.migrate import copies_between
+from moelab.sim.engine import simulate
+from moelab.sim.graphs import ep_iteration_graph, expert_param_count, graph_bytes, topology_of
+from moelab.sim.migration import migration_matrix, migration_row_bytes, migration_time
+from moelab.viz import explorer as X
+from moelab.viz.explorer_policies import POLICIES, apply_policy
+
+STATE = X.ExplorerState(profile="fastermoe_johnny", trace="synthetic:hot_expert", num_experts=16,
+                        tokens_per_rank=512, d_model=64, d_ff=128, trace_iters=2, trace_layers=1)
+
+
+def _graph(state):
+    """The simulator's own graph of the state's placement, built here without the explorer."""
+    L = X.layer_loads(state)
+    N, E = L.shape
+    cfg = X.sim_config(state, E, int(round(L.sum() / (state.top_k * N))))
+    prof = X.profile_of(state)
+    g = ep_iteration_graph(cfg, prof, L[None], X.placement_of(state), elem_bytes=prof.elem_bytes)
+    return cfg, g, simulate(g)
+
+
+def test_replica_sync_equals_the_simulators_graph_for_the_same_placement():
+    s = X.toggle_replica(X.toggle_replica(STATE, 0, 9), 0, 3)  # one replica across nodes, one inside
+    ev = X.evaluate(s)
+    cfg, g, res = _graph(s)
+    ops = res.ops_frame()
+    sync = ops[ops.category == "replica_sync"]
+    assert len(sync) == 4  # two replicas x (grad to owner, sum back)
+    assert ev["replica_sync_s"] == pytest.approx(float(sync.end.max() - sync.start.min()), rel=1e-12)
+    gb = graph_bytes(g, topology_of(cfg), categories={"replica_sync"})
+    assert ev["replica_sync_bytes"].to_numpy().tolist() == [[gb[r][c] for c in LINK_CLASSES] for r in range(16)]
+    # and the runtime's rule by hand agrees: 2 replicas x 2 directions x one expert's parameters
+    p_bytes = expert_param_count(cfg.model) * X.profile_of(s).elem_bytes
+    by_hand = X.replica_sync_bytes(ev["placement"], topology_of(cfg), p_bytes)
+    assert np.array_equal(by_hand.to_numpy(), ev["replica_sync_bytes"].to_numpy())
+    sync_b = ev["replica_sync_bytes"].sum()
+    assert sync_b["inter"] == 2 * p_bytes and sync_b["intra"] == 2 * p_bytes
+    assert ev["layer_time_s"] == ev["fwd_s"] + ev["bwd_s"] + ev["replica_sync_s"]
+    assert X.evaluate(STATE)["replica_sync_s"] == 0.0  # EP: no replica, no sync
+
+
+def test_count_exchange_dense_update_and_iteration_are_the_graphs_ops():
+    ev = X.evaluate(STATE)
+    _, _, res = _graph(STATE)
+    ops = res.ops_frame()
+    assert ev["count_exchange_s"] == pytest.approx(float(ops[ops.name == "L0.counts"].duration.iloc[0]), rel=1e-12)
+    assert ev["dense_update_s"] == pytest.approx(float(ops[ops.name == "dense_grads.allreduce"].duration.iloc[0]),
+                                                 rel=1e-12)
+    assert ev["count_exchange_s"] > 0 and ev["dense_update_s"] > 0
+    assert ev["iteration_s"] == pytest.approx(res.makespan, rel=1e-12)
+    assert "not simulated" not in X.summary_text(ev)
+
+
+def test_peak_memory_counts_a_replicas_parameters_gradients_and_optimizer_state():
+    ev0 = X.evaluate(STATE)
+    ev1 = X.evaluate(X.toggle_replica(STATE, 0, 9))
+    eb = X.profile_of(STATE).elem_bytes
+    numel = 2 * 64 * 128 + 64 + 128
+    d = ev1["memory"] - ev0["memory"]
+    assert d.loc[9, "params"] == numel * eb and d.loc[9, "grads"] == numel * eb
+    assert d.loc[9, "optimizer"] == 2 * numel * 4  # Adam's two fp32 moments
+    assert (d.drop(index=9)[["params", "grads", "optimizer"]] == 0).all().all()
+    assert ev1["memory"]["total"].max() <= ev1["memory_limit"] and ev1["fits_memory"]
+
+
+def test_a_placement_that_does_not_fit_memory_is_refused_and_the_widget_keeps_the_last_valid():
+    from moelab.viz.explorer_ui import build_widget
+
+    big = X.ExplorerState(profile="fastermoe_johnny", num_experts=16, tokens_per_rank=64, d_model=8192, d_ff=32768,
+                          trace_iters=1, trace_layers=1)  # one 537M-parameter expert per 16 GB GPU
+    assert X.evaluate(big)["fits_memory"]
+    over = X.toggle_replica(big, 0, 1)
+    ev = X.evaluate(over)
+    assert not ev["fits_memory"]
+    with pytest.raises(ValueError, match="does not fit memory: rank"):
+        X.check_fits(ev)
+    ui = build_widget(big)
+    ui.on_toggle(0, 1)
+    assert ui.state is big and "does not fit memory" in ui.error and "kept the last valid" in ui.summary.value
+
+
+def test_migration_is_the_bytes_migrate_moves_and_their_all_to_all():
+    s = X.set_owner(STATE, 3, 12)  # expert 3 moves from rank 3 (node 0) to rank 12 (node 1)
+    s = X.toggle_replica(s, 0, 9)  # then a replica of expert 0 on rank 9: priced from the previous placement
+    ev = X.evaluate(s)
+    prev = X.placement_of(X.set_owner(STATE, 3, 12)).holders
+    assert copies_between(prev, ev["placement"].holders) == [(0, 0, 9)]
+    cfg, _, _ = _graph(s)
+    prof = X.profile_of(s)
+    row = migration_row_bytes(expert_param_count(cfg.model), prof.elem_bytes)
+    want = migration_matrix(prev, ev["placement"].holders, 16, row)
+    assert np.array_equal(ev["migration_bytes"], want) and want[0, 9] == row and want.sum() == row
+    assert ev["experts_moved"] == 1
+    assert ev["migration_s"] > 0
+    assert ev["migration_s"] == pytest.approx(migration_time(want, prof, prof.topology()), rel=1e-12)
+    back = X.evaluate(X.reset_ep(s))  # back to EP: expert 3 copied back to rank 3; dropped copies cost nothing
+    assert back["experts_moved"] == 1 and back["migration_bytes"][12, 3] == row
+    assert X.evaluate(STATE)["experts_moved"] == 0  # nothing edited yet
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_registered_policy_gives_a_valid_placement_from_the_current_loads(name):
+    s = apply_policy(STATE, name)
+    ev = X.evaluate(s)
+    assert ev["placement"].num_experts == 16 and ev["fits_memory"]
+    assert s.moved_from == X.placement_of(STATE).holders  # its migration is priced from where we were
+    assert ev["rank_tokens"].sum() == X.evaluate(STATE)["rank_tokens"].sum()  # every token still computed
+
+
+def test_policies_do_what_their_papers_say_on_a_hot_expert():
+    hot = X.hottest_expert(STATE)
+    base = X.evaluate(STATE)
+    fm = X.evaluate(apply_policy(STATE, "FasterMoE shadowing"))
+    assert len(fm["placement"].holders[hot]) == 16  # the shadowed expert is on every rank
+    lina = X.evaluate(apply_policy(STATE, "Lina popularity"))
+    assert len(lina["placement"].holders[hot]) > 1 and lina["max_load"] < base["max_load"]
+    flex = X.evaluate(apply_policy(STATE, "FlexMoE"))
+    assert flex["max_load"] < base["max_load"]  # Expand steps on the hot expert
+    smart = apply_policy(STATE, "SmartMoE")
+    assert X.placement_of(smart).is_trivial  # a permutation: owners only
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        apply_policy(STATE, "nope")

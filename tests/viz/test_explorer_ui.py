@@ -1,0 +1,103 @@
+"""The explorer widget without a browser: the grid editor's clicks (toggle a holder, set an owner), the policy
+buttons, A vs B, the node count, and a 256-expert x 64-rank grid."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from moelab.viz import explorer as X
+from moelab.viz.explorer_policies import POLICIES
+from moelab.viz.explorer_ui import build_widget
+
+torch.set_num_threads(1)
+pytest.importorskip("anywidget")
+
+STATE = X.ExplorerState(profile="fastermoe_johnny", trace="synthetic:hot_expert", num_experts=64,
+                        tokens_per_rank=512, d_model=64, d_ff=128, trace_iters=2, trace_layers=1)
+
+
+def click(ui, e, r):
+    """What plotly's click on the grid's cell (x = rank r, y = expert e) hands the widget."""
+    ui._clicked(ui.grid.data[0], SimpleNamespace(xs=[r], ys=[e], point_inds=[(e, r)]), None)
+
+
+def test_grid_clicks_toggle_holders_and_set_owners():
+    ui = build_widget(STATE)
+    assert ui.grid.data[0].z.shape == (64, 16) and ui.owner == []  # 64 experts: the grid alone, no list rows
+    hot = X.hottest_expert(STATE)
+    owner = X.placement_of(STATE).owner(hot)
+    click(ui, hot, 12)  # toggle: a replica on rank 12
+    assert X.mapping(ui.state)[hot] == [owner, 12]
+    want = X.evaluate(X.toggle_replica(STATE, hot, 12))
+    assert ui.last["layer_time_s"] == want["layer_time_s"]
+    assert f"{want['layer_time_s'] * 1e3:.2f} ms" in ui.summary.value
+    z = np.asarray(ui.grid.data[0].z)
+    toks = X.expert_rank_tokens(want["placement"], want["loads"])
+    assert z[hot, 12] == toks[hot, 12] > 0 and np.isnan(z[hot, 5 if owner != 5 else 6])  # redrawn in place
+    click(ui, hot, 12)  # again: removed
+    assert X.mapping(ui.state)[hot] == [owner]
+    click(ui, hot, owner)  # the owner cannot be toggled off: a message, the placement kept
+    assert "owns" in ui.error and X.mapping(ui.state)[hot] == [owner]
+    ui.mode.value = "set owner"
+    click(ui, 5, 9)
+    assert X.mapping(ui.state)[5] == [9] and ui.error is None
+    ui.colour.value = "holders"
+    z = np.asarray(ui.grid.data[0].z)
+    assert z[5, 9] == 2 and np.nansum(z) == 2 * 64  # owners only: one 2 per row
+
+
+def test_policy_buttons_apply_each_policy_to_the_current_loads():
+    ui = build_widget(STATE)
+    assert set(ui.policy_buttons) == set(POLICIES)
+    for name, button in ui.policy_buttons.items():
+        before = ui.state
+        button.click()
+        if ui.error is None:
+            assert ui.state.moved_from == X.placement_of(before).holders
+            assert f"{ui.last['layer_time_s'] * 1e3:.2f} ms" in ui.summary.value
+        else:  # a policy that does not apply here says why and keeps the placement
+            assert ui.state is before
+    ui.reset.click()
+    ui.policy_buttons["FasterMoE shadowing"].click()
+    assert len(X.mapping(ui.state)[X.hottest_expert(STATE)]) == 16
+
+
+def test_a_vs_b_shows_both_and_the_deltas():
+    ui = build_widget(STATE)
+    assert "pin a placement" in ui.ab.value and "ab" not in ui.figures
+    ui.pin.click()
+    a = ui.state
+    ui.policy_buttons["Lina popularity"].click()
+    b = ui.state
+    table = X.ab_table(X.evaluate(a), X.evaluate(b))
+    assert table.loc["layer time (ms)", "B - A"] == pytest.approx(
+        (X.evaluate(b)["layer_time_s"] - X.evaluate(a)["layer_time_s"]) * 1e3)
+    assert "A (pinned) vs B (current)" in ui.ab.value and f"{table.loc['layer time (ms)', 'B - A']:.3f}" in ui.ab.value
+    assert [t.name for t in ui.live["ab"].data] == ["A (pinned)", "B (current)"]
+    assert list(ui.live["ab"].data[1].y) == list(X.evaluate(b)["rank_tokens"])
+    ui.unpin.click()
+    assert "ab" not in ui.figures and ui.ab_box.children == ()
+
+
+def test_nodes_scale_the_cluster():
+    ui = build_widget(STATE)
+    ui.nodes.value = 4  # johnny's 8-GPU nodes, four of them
+    assert X.world_of(ui.state) == 32 and ui.grid.data[0].z.shape == (64, 32)
+    ui.nodes.value = 0
+    assert X.world_of(ui.state) == 16
+
+
+def test_256_experts_on_64_ranks():
+    s = X.ExplorerState(profile="fastermoe_johnny", nodes=8, num_experts=256, tokens_per_rank=1024,
+                        d_model=256, d_ff=512, trace_iters=1, trace_layers=1)
+    ui = build_widget(s)
+    assert ui.grid.data[0].z.shape == (256, 64)
+    t = time.perf_counter()
+    click(ui, X.hottest_expert(s), 63)
+    took = time.perf_counter() - t
+    assert len(X.mapping(ui.state)[X.hottest_expert(s)]) == 2
+    print(f"256 x 64: a click re-evaluated and redrew in {took:.2f} s (kernel side)")
