@@ -5,20 +5,20 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
-from moelab.papers.kit.images import Images
-from moelab.papers.kit.page import (
-    _CSS,
-    _SORT_JS,
-    _badge,
-    _e,
-    _figures_rel,
-    _fmt_s,
-    _manifest_html,
-    _params_table,
-    _table_section,
-    build_index,
+from moelab.papers.kit.html import (
+    CSS,
+    PAGE_JS,
+    badge,
+    esc,
+    fmt_s,
+    kinds_legend,
+    manifest_html,
+    params_table,
+    table_section,
 )
-from moelab.papers.kit.report import FIGURE_EXTS, KINDS, _paper_manifest, collect, figure_order, load_manifests
+from moelab.papers.kit.images import Images
+from moelab.papers.kit.page import build_index, figures_rel
+from moelab.papers.kit.report import FIGURE_EXTS, _paper_manifest, collect, figure_order, load_manifests
 
 
 # ---- a paper's section as one file, and its files as one zip --------------------------------------------
@@ -32,7 +32,7 @@ def find_section(out: str | Path, name: str) -> tuple[dict, Path]:
     out = Path(out)
     for m in load_manifests(out):
         if m.get("name") == name:
-            return m, out / _figures_rel(m)
+            return m, out / figures_rel(m)
     folder = out / "figures" / name
     if folder.is_dir():
         return {"name": name, "figures_dir": f"figures/{name}"}, folder
@@ -73,8 +73,8 @@ def _figure_block(f: dict, folder: Path, ident: str) -> str:
 
     from moelab.viz.export import figure_json, read_figure
 
-    head = (f'<div class=fig><p class=t>{_e(f["title"])}</p><p class=l>{_badge(f["kind"], f["kind"])}'
-            f'{_e(f["label"] or "no label: say what this shows")}</p>')
+    head = (f'<div class=fig><p class=t>{esc(f["title"])}</p><p class=l>{badge(f["kind"], f["kind"])}'
+            f'{esc(f["label"] or "no label: say what this shows")}</p>')
     spec = read_figure(folder / f["files"][".html"]) if ".html" in f["files"] else None
     if spec is not None:
         lay = spec.get("layout") or {}
@@ -84,8 +84,8 @@ def _figure_block(f: dict, folder: Path, ident: str) -> str:
                 f'<script type="application/json" id="d-{ident}">{figure_json(spec)}</script></div>')
     if ".png" in f["files"]:
         data = base64.b64encode((folder / f["files"][".png"]).read_bytes()).decode()
-        return f'{head}<img id="{ident}" alt="{_e(f["title"])}" src="data:image/png;base64,{data}"></div>'
-    return f'{head}<p class=warn id="{ident}">no figure data in {_e(f["name"])} (re-run the notebook)</p></div>'
+        return f'{head}<img id="{ident}" alt="{esc(f["title"])}" src="data:image/png;base64,{data}"></div>'
+    return f'{head}<p class=warn id="{ident}">no figure data in {esc(f["name"])} (re-run the notebook)</p></div>'
 
 
 def single_file(out: str | Path, name: str, path: str | Path) -> Path:
@@ -110,25 +110,23 @@ def single_file(out: str | Path, name: str, path: str | Path) -> Path:
     title = mf.get("title") or name
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     sub = (f"moelab {__version__} · section {name} of {Path(out).resolve()} · scale {m.get('scale', '?')} · "
-           f"run time {_fmt_s(m.get('wall_s'))} · written {now}")
-    body = [f"<section><p>{' '.join(_badge(k, k) for k in KINDS)} REAL: measured on real processes; EMULATED: "
-            "real processes with emulated links; SIMULATED: the simulator at a cluster profile; SUBSTITUTE: a "
-            "stand-in for what the paper used; PAPER: the paper's own numbers.</p>",
-            _manifest_html(folder, "", link=link)]
-    body += [_table_section(t, None, tids[t["name"]]) for t in pvm]
+           f"run time {fmt_s(m.get('wall_s'))} · written {now}")
+    body = [f"<section><p>{kinds_legend()}</p>",
+            manifest_html(folder, "", link=link)]
+    body += [table_section(t, None, tids[t["name"]]) for t in pvm]
     body.append(f"<h3>Figures ({len(found['figures'])})</h3>"
                 + "".join(_figure_block(f, folder, ids[f["name"]]) for f in found["figures"]))
-    body += [_table_section(t, None, tids[t["name"]]) for t in rest]
+    body += [table_section(t, None, tids[t["name"]]) for t in rest]
     if m.get("declared") or m.get("parameters"):
-        body.append(f"<h3>Parameters</h3>{_params_table(m)}")
+        body.append(f"<h3>Parameters</h3>{params_table(m)}")
     body.append("</section>")
     js = plotlyjs_source().read_text(encoding="utf-8")
-    page = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{_e(title)}: moelab</title>"
-            f"<meta name=viewport content='width=device-width,initial-scale=1'><style>{_CSS}"
+    page = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{esc(title)}: moelab</title>"
+            f"<meta name=viewport content='width=device-width,initial-scale=1'><style>{CSS}"
             ".fig{margin:18px 0;border-top:1px solid #e4e7eb;padding-top:10px}.fig .t{font-weight:600;margin:0}"
             ".fig .l{font-size:12.5px;color:#52606d;margin:4px 0}.fig img{max-width:100%}</style>"
-            f"<script>{js}</script></head><body><header><h1>{_e(title)}</h1><p>{_e(sub)}</p></header><main>"
-            + "\n".join(body) + f"</main><script>{_SORT_JS}{_DRAW_JS}</script></body></html>\n")
+            f"<script>{js}</script></head><body><header><h1>{esc(title)}</h1><p>{esc(sub)}</p></header><main>"
+            + "\n".join(body) + f"</main><script>{PAGE_JS}{_DRAW_JS}</script></body></html>\n")
     return atomic_write_text(path, page)
 
 
@@ -202,7 +200,7 @@ def main(args) -> int:
         return 2
     try:
         sections = [find_section(out, args.name)] if args.name else [
-            (m, out / _figures_rel(m)) for m in load_manifests(out)]
+            (m, out / figures_rel(m)) for m in load_manifests(out)]
     except SectionError as e:
         print(f"moelab: {e}", file=sys.stderr)
         return 2

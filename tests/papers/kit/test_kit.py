@@ -167,9 +167,9 @@ def test_session_records_skips_and_rejects_a_mislabelled_product(tmp_path):
     mf = pd.read_csv(tmp_path / "table_manifest.csv")
     assert mf.set_index("item").loc["fig1", "status"] == "not reproduced"
     # the report shows the manifest with a link to each product's file and the reason for the rest
-    from moelab.papers.kit.page import _manifest_html
+    from moelab.papers.kit.html import manifest_html
 
-    html = _manifest_html(tmp_path, "figures/toy/")
+    html = manifest_html(tmp_path, "figures/toy/")
     assert 'href="figures/toy/table_sim.csv"' in html and "schematic" in html and "run_real=False" in html
 
 
