@@ -60,27 +60,34 @@ def testbeds() -> pd.DataFrame:
     return df
 
 
-def _assumed(name: str):
-    """The value of assumption ``name`` in ``experiments/parm/assumptions.yaml``."""
+def _assumed(name: str, overrides: tuple = ()):
+    """The value of assumption ``name`` in ``experiments/parm/assumptions.yaml``, or in ``overrides`` (a gap
+    ladder's ``((name, value), ...)``, each checked against the assumption's range)."""
     from moelab.papers.kit.assumptions import load_assumptions
 
-    return load_assumptions("parm").value(name)
+    a = load_assumptions("parm")
+    return (a.with_values(dict(overrides)) if overrides else a).value(name)
 
 
-def _profile(name: str, nodes=None):
+def headline_dispatcher(overrides: tuple = ()) -> str:
+    """The dispatcher of the headline rows: DeepSpeed's dense ``einsum`` unless ``dense_dispatch`` is 0 (``index``)."""
+    return "einsum" if _assumed("dense_dispatch", overrides) else "index"
+
+
+def _profile(name: str, nodes=None, overrides: tuple = ()):
     """Testbed ``name`` as Parm's reproduction prices it: at ``nodes`` nodes (None: the profile's), compute at
     the assumed efficiency (``compute_efficiency``)."""
     from moelab.sim.profiles import get_profile
 
     p = get_profile(name)
-    eff = _assumed("compute_efficiency")
+    eff = _assumed("compute_efficiency", overrides)
     return p.with_nodes(p.nodes if nodes is None else nodes).with_efficiency(
         eff, f"{eff:g} of peak: compute_efficiency in experiments/parm/assumptions.yaml")
 
 
-def _grid_options() -> dict:
+def _grid_options(overrides: tuple = ()) -> dict:
     """:func:`moelab.strategies.parm.grid.configs`'s unstated k and E_l, from the assumptions file."""
-    return {"k": int(_assumed("top_k")), "experts_per_rank": int(_assumed("experts_per_rank"))}
+    return {"k": int(_assumed("top_k", overrides)), "experts_per_rank": int(_assumed("experts_per_rank", overrides))}
 
 
 def _experts(opts: dict) -> str:
@@ -93,20 +100,22 @@ INDEX_STRIDE = 4  # the index dispatcher's grid is sampled 4x more sparsely (a c
 
 
 @cached
-def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
-    """Every kept configuration (every ``grid_stride``-th at small scales; the ``index`` dispatcher 4x
-    sparser) with its simulated layer times."""
-    from moelab.papers.kit.assumptions import load_assumptions
+def sim_grid(scale, dispatcher: str | None = None, overrides: tuple = ()) -> pd.DataFrame:
+    """Every kept configuration (every ``grid_stride``-th at small scales; the dispatcher that is not the headline's
+    (:func:`headline_dispatcher`; None: that one) 4x sparser) with its simulated layer times; ``overrides``: a gap
+    ladder's assumption values."""
     from moelab.strategies.parm.perf_model import ParmShape, select
     from moelab.strategies.parm.sim_graph import layer_time
 
-    stride = scale_spec(scale).grid_stride * (INDEX_STRIDE if dispatcher == "index" else 1)
-    reserve = load_assumptions("parm").value("memory_reserve_GiB")
-    opts = _grid_options()
-    phase_alpha = _assumed("saa_phase_alpha")
+    head = headline_dispatcher(overrides)
+    dispatcher = dispatcher or head
+    stride = scale_spec(scale).grid_stride * (INDEX_STRIDE if dispatcher != head else 1)
+    reserve = _assumed("memory_reserve_GiB", overrides)
+    opts = _grid_options(overrides)
+    phase_alpha = _assumed("saa_phase_alpha", overrides)
     rows, fits = [], {}
     for setting, (prof_name, nodes, _) in GRID.items():
-        prof = _profile(prof_name, nodes)
+        prof = _profile(prof_name, nodes, overrides)
         keep, _ = filtered(setting, reserve_GiB=reserve, **opts)
         for c in keep[::stride]:
             lay = c.layout()
@@ -128,8 +137,8 @@ def sim_grid(scale, dispatcher: str = "einsum") -> pd.DataFrame:
     df.attrs["label"] = (f"SIMULATED: parm_A / parm_B (2, 4, 8 nodes), one MoE layer fwd+bwd per kept Table III "
                          f"configuration{'' if stride == 1 else f' (every {stride}th)'}, k={opts['k']}, "
                          f"{_experts(opts)}, {dispatcher} dispatcher, fp32, compute at "
-                         f"{_assumed('compute_efficiency'):g} of peak (assumed); Parm = Alg. 1 on alpha-beta lines "
-                         f"fitted to the simulator's own collective curves")
+                         f"{_assumed('compute_efficiency', overrides):g} of peak (assumed); Parm = Alg. 1 on "
+                         f"alpha-beta lines fitted to the simulator's own collective curves")
     return df
 
 
@@ -151,23 +160,28 @@ def grid_counts(scale) -> pd.DataFrame:
     return df
 
 
-def table4(scale) -> pd.DataFrame:
-    """Cell means per setting; both dispatchers (``einsum`` the paper's, ``index`` sparser: P18)."""
-    g = pd.concat([sim_grid(scale), sim_grid(scale, "index")], ignore_index=True)
+def table4(scale, overrides: tuple = (), check: bool = True) -> pd.DataFrame:
+    """Cell means per setting; the headline dispatcher (:func:`headline_dispatcher`: DeepSpeed's ``einsum``) and,
+    with ``check``, the other one, sampled 4x more sparsely (P18)."""
+    head = headline_dispatcher(overrides)
+    other = "index" if head == "einsum" else "einsum"
+    g = pd.concat([sim_grid(scale, None, overrides)] + ([sim_grid(scale, other, overrides)] if check else []),
+                  ignore_index=True)
     g = g[(g.n_mp > 1) & (g.n_esp > 1)]
     g = g.assign(right=(g.pick == np.where(g.s1_s <= g.s2_s, "s1", "s2")))
     df = g.groupby(["dispatcher", "setting", "n_mp", "n_esp"], sort=False).agg(
         configs=("right", "size"), s1_speedup=("s1_speedup", "mean"), s2_speedup=("s2_speedup", "mean"),
         aas_speedup=("s2_aas_speedup", "mean"), parm_speedup=("parm_speedup", "mean"),
         oracle_speedup=("oracle_speedup", "mean"), selection_accuracy=("right", "mean")).reset_index()
-    df.attrs["label"] = sim_grid(scale).attrs["label"].replace("einsum dispatcher", "einsum and index dispatchers")
+    df.attrs["label"] = sim_grid(scale, None, overrides).attrs["label"].replace(
+        f"{head} dispatcher", f"{head} and {other} dispatchers" if check else f"{head} dispatcher")
     return df
 
 
-def vic(scale) -> pd.DataFrame:
-    g = sim_grid(scale)
-    t4 = table4(scale)
-    t4 = t4[t4.dispatcher == "einsum"]
+def vic(scale, overrides: tuple = (), check: bool = True) -> pd.DataFrame:
+    g = sim_grid(scale, None, overrides)
+    t4 = table4(scale, overrides, check)
+    t4 = t4[t4.dispatcher == headline_dispatcher(overrides)]
     multi = g[(g.n_mp > 1) | (g.n_esp > 1)]
     rows = []
     for tb in ("A", "B"):
@@ -184,7 +198,7 @@ def vic(scale) -> pd.DataFrame:
     rows.append(dict(metric="parm_speedup_min_config", testbed="A+B", value=float(multi.parm_speedup.min())))
     rows.append(dict(metric="parm_cell_mean_max", testbed="A+B", value=float(t4.parm_speedup.max())))
     df = pd.DataFrame(rows)
-    df.attrs["label"] = sim_grid(scale).attrs["label"]
+    df.attrs["label"] = sim_grid(scale, None, overrides).attrs["label"]
     df.attrs["note"] = ("saa_over_aas > 1 means SAA (raw forwarding, the paper's kernel) beats all-to-all-then-"
                         "all-gather; all_beat_baseline is the fraction of N_MP > 1 configurations where both S1 and "
                         "S2 beat the baseline (paper: every case)")
@@ -296,40 +310,40 @@ TV_MODELS = {"MoE-BERT-Base": dict(seq=512, vocab=30522), "MoE-GPT-2": dict(seq=
 
 
 @cached
-def table5_sim(scale) -> pd.DataFrame:
+def table5_sim(scale, overrides: tuple = ()) -> pd.DataFrame:
     """Full-size models (12 layers, M=768, H=3072, MoE every other layer; k, f and B from the assumptions file:
     ``top_k``, ``table5_capacity_factor``, ``table5_batch``) on testbed A (P=8) and B (P=32), N_MP=N_ESP=4,
     E = E_l * P / N_ESP (``experts_per_rank``; 2 and 8 at E_l = 1): baseline vs Parm (Alg. 1 per layer shape,
-    model fits)."""
-    from moelab.papers.kit.assumptions import load_assumptions
+    model fits), with the headline dispatcher (:func:`headline_dispatcher`); ``overrides``: a gap ladder's."""
     from moelab.sim import simulate
     from moelab.strategies.parm.layout import ParmLayout
     from moelab.strategies.parm.perf_model import ParmShape, select
     from moelab.strategies.parm.plan import Shape
     from moelab.strategies.parm.sim_graph import parm_model_graph
 
-    A = load_assumptions("parm")
-    B = int(A.value("table5_batch"))
-    k, f, e_local = int(A.value("top_k")), A.value("table5_capacity_factor"), int(A.value("experts_per_rank"))
+    A = lambda name: _assumed(name, overrides)  # noqa: E731
+    B = int(A("table5_batch"))
+    k, f, e_local = int(A("top_k")), A("table5_capacity_factor"), int(A("experts_per_rank"))
+    disp = headline_dispatcher(overrides)
     n_mp = n_esp = 4
     rows = []
     for tb, prof_name, nodes in (("A", "parm_A", 1), ("B", "parm_B", 8)):
-        prof = _profile(prof_name, nodes)
+        prof = _profile(prof_name, nodes, overrides)
         E = e_local * (prof.world_size // n_esp)
         lay = ParmLayout(prof.world_size, n_mp, n_esp, E, prof.gpus_per_node)
-        fits = model_fits(prof, lay, saa_phase_alpha=A.value("saa_phase_alpha"))
+        fits = model_fits(prof, lay, saa_phase_alpha=A("saa_phase_alpha"))
         for model, m in TV_MODELS.items():
-            shape = Shape(S=B * m["seq"], M=768, H=3072, k=k, f=f)
+            shape = Shape(S=B * m["seq"], M=768, H=3072, k=k, f=f, dispatcher=disp)
             pick, _, _ = select(ParmShape(B=B, L=m["seq"], M=768, E=E, k=k, f=f, n_mp=n_mp, n_esp=n_esp), fits)
             kw = dict(n_layers=12, seq_len=m["seq"], vocab=m["vocab"], d_ff=3072)
-            t = {s: simulate(parm_model_graph(prof, lay, shape, schedule=s, saa_phase_alpha=A.value("saa_phase_alpha"),
+            t = {s: simulate(parm_model_graph(prof, lay, shape, schedule=s, saa_phase_alpha=A("saa_phase_alpha"),
                                               **kw)).makespan for s in ("baseline", pick)}
             rows.append(dict(model=model, testbed=tb, P=prof.world_size, E=E, pick=pick,
                              baseline_ms=t["baseline"] * 1e3, parm_ms=t[pick] * 1e3, speedup=t["baseline"] / t[pick]))
     df = pd.DataFrame(rows)
     df.attrs["label"] = (f"SIMULATED: parm_A (8 GPUs) and parm_B (32 GPUs), Megatron TP over MP, fp32, B={B} "
-                         f"(assumed), compute at {A.value('compute_efficiency'):g} of peak (assumed); dense-DP "
-                         "gradient all-reduce included")
+                         f"(assumed), compute at {A('compute_efficiency'):g} of peak (assumed), {disp} "
+                         "dispatcher; dense-DP gradient all-reduce included")
     return df
 
 
