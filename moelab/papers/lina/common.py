@@ -1,6 +1,8 @@
 """Lina reproduction, shared pieces: the scale spec (sizes in ``experiments/lina/scales.yaml``)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 
@@ -54,11 +56,55 @@ def paper(key: str) -> float:
     return paper_value(P, key)
 
 
+_OVERRIDES: ContextVar[tuple] = ContextVar("lina_assumption_overrides", default=())
+
+
 def assumption(name: str):
-    """The value of ``name`` in ``experiments/lina/assumptions.yaml`` (the kit parses the file once per version)."""
+    """The value of ``name`` in ``experiments/lina/assumptions.yaml`` (the kit parses the file once per version),
+    or its override where :func:`overriding` set one (a gap ladder's rung, a sensitivity sweep)."""
     from moelab.papers.kit.assumptions import load_assumptions
 
-    return load_assumptions(P).value(name)
+    a, over = load_assumptions(P), dict(_OVERRIDES.get())
+    return (a.with_values({name: over[name]}) if name in over else a).value(name)
+
+
+@contextmanager
+def overriding(overrides: tuple):
+    """Within the block, :func:`assumption` reads ``overrides`` (``((name, value), ...)``, each checked against the
+    assumption's stated range) over the file's values; :func:`cached` results are kept apart per override set."""
+    from moelab.papers.kit.assumptions import load_assumptions
+
+    load_assumptions(P).with_values(dict(overrides))  # a name not in the file or a value out of range is refused
+    token = _OVERRIDES.set(tuple(overrides))
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def cached(fn):
+    """The kit's result cache (:func:`moelab.papers.kit.cache.cached`), keyed also by the overrides in force, so a
+    ladder's rung never reads a result priced with other assumptions (and computes it with them in force)."""
+    import functools
+    import inspect
+
+    from moelab.papers.kit.cache import cached as kit_cached
+
+    sig = inspect.signature(fn)
+
+    @kit_cached
+    def memo(overrides: tuple, arguments: tuple):
+        with overriding(overrides):
+            return fn(**dict(arguments))
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        bound = sig.bind(*args, **kw)
+        bound.apply_defaults()
+        return memo(_OVERRIDES.get(), tuple(bound.arguments.items()))
+
+    wrapper.cache_clear = memo.cache_clear
+    return wrapper
 
 
 def paper_at(key: str) -> str:

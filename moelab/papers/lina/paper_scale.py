@@ -18,9 +18,8 @@ import numpy as np
 import pandas as pd
 
 from moelab.config import RunConfig
-from moelab.papers.kit.cache import cached
 
-from .common import assumption, scale_spec
+from .common import assumption, cached, scale_spec
 
 POLICIES = ("ddp_overlap", "fixed", "priority", "lina", "lina_pipe", "lina_full")
 
@@ -35,6 +34,8 @@ def paper_config(layers: int, E: int, policy: str = "lina", batch_per_gpu=None, 
     """One of Table 1's models at E experts on E GPUs; ``batch_per_gpu``: sequences (None: the calibrated)."""
     a = {k: assumed(k) for k in ("d_model", "d_ff", "n_heads", "seq_len", "vocab", "top_k", "capacity_factor",
                                  "bucket_MB", "partition_MB", "a2a_chunks")}
+    # whole numbers (a ladder rung hands a float)
+    a.update({k: int(a[k]) for k in ("d_model", "d_ff", "n_heads", "seq_len", "vocab", "top_k", "a2a_chunks")})
     batch = calibration()["batch_per_gpu"] if batch_per_gpu is None else batch_per_gpu
     per_node = min(4, E)
     return RunConfig().with_overrides({

@@ -6,8 +6,8 @@ import pandas as pd
 
 from moelab.papers.kit.registry import Made, Quantity, product
 
+from . import contention, frames, paper_scale
 from . import figures as F
-from . import frames, paper_scale
 from . import layer_views as LV
 from .common import P, fired, paper
 from .runs import DEPARTURE_NOTE, policy_runs
@@ -98,11 +98,15 @@ def fig4s(ctx):
                f"{paper('bwd_a2a_slowdown_ops'):,.0f} ops)"]
     if over.empty:
         notes.append("no backward all-to-all overlaps an all-reduce at this scale: the CDF is empty")
+    cont = contention.baseline_contention()
+    notes += contention.notes(cont)
     return Made(df, figures={"fig04s_slowdown_cdf": F.cdf({f"gamma {k}": g.slowdown for k, g in over.groupby("gamma")},
                                                           label=df.attrs["label"], xtitle="slowdown (x)",
                                                           title="Fig. 4: backward all-to-all slowdown "
                                                                 "under all-reduce")},
-                tables={"table_fig04s": (table, "Fig. 4: slowdown of overlapped backward all-to-alls")},
+                tables={"table_fig04s": (table, "Fig. 4: slowdown of overlapped backward all-to-alls"),
+                        "table_fig04s_contention": (cont, "Figs. 2 and 4: the baseline's contention per paper "
+                                                          "configuration, beside the paper's numbers")},
                 notes=notes)
 
 
