@@ -17,6 +17,7 @@ the migration (:mod:`moelab.viz.explorer_cost`) is priced from the previous plac
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -32,6 +33,7 @@ SYNTHETIC_KINDS = ("hot_expert", "balanced", "hot_rank", "zipf_drift", "zero_ran
 class ExplorerState:
     profile: str = "fastermoe_johnny"  # cluster profile (moelab.sim.PROFILES)
     nodes: Optional[int] = None  # override the profile's node count (None: as published)
+    gpus_per_node: Optional[int] = None  # override its GPUs per node (None: as published; e.g. 2 x 2 for a local run)
     trace: str = "synthetic:hot_expert"  # "synthetic:<kind>" or "run:<run dir or loads.csv>"
     seed: int = 0  # synthetic traces: RNG seed
     iteration: int = 0  # which iteration of the trace
@@ -52,7 +54,13 @@ def profile_of(state: ExplorerState):
     from moelab.sim import get_profile
 
     p = get_profile(state.profile)
-    return p.with_nodes(state.nodes) if state.nodes else p
+    p = p.with_nodes(state.nodes) if state.nodes else p
+    if state.gpus_per_node:
+        if state.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {state.gpus_per_node}")
+        g = int(state.gpus_per_node)  # the node's NICs keep attaching to equal contiguous blocks of GPUs
+        p = dataclasses.replace(p, gpus_per_node=g, nics_per_node=math.gcd(p.nics_per_node, g) or p.nics_per_node)
+    return p
 
 
 def world_of(state: ExplorerState) -> int:

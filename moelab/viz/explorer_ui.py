@@ -48,10 +48,12 @@ class ExplorerUI:
     """ipywidgets over the pure functions above. ``state`` is the current :class:`ExplorerState`;
     every control calls one of ``on_*`` (plain methods: tests call them, or set a control's value)."""
 
-    def __init__(self, state: ExplorerState, runs=(), profiles=None):
+    def __init__(self, state: ExplorerState, runs=(), profiles=None, runs_root: str = "runs",
+                 export_path: str = "explorer_run.yaml"):
         import ipywidgets as w
 
         from moelab.sim import PROFILES
+        from moelab.viz.explorer_panel import RunPanel
 
         self.state = state
         self.pinned: Optional[ExplorerState] = None
@@ -70,6 +72,8 @@ class ExplorerUI:
         self.profile = w.Dropdown(options=profiles, value=state.profile, description="profile")
         self.nodes = w.BoundedIntText(value=state.nodes or 0, min=0, max=512, description="nodes",
                                       tooltip="0: as published", layout=w.Layout(width="150px"))
+        self.gpus = w.BoundedIntText(value=state.gpus_per_node or 0, min=0, max=64, description="GPUs/node",
+                                     tooltip="0: as published", layout=w.Layout(width="170px"))
         self.trace = w.Dropdown(options=traces, value=state.trace, description="loads", layout=w.Layout(width="380px"))
         self.seed = w.IntText(value=state.seed, description="seed", layout=w.Layout(width="150px"))
         self.iteration = w.IntSlider(value=state.iteration, min=0, max=0, description="iteration")
@@ -96,6 +100,7 @@ class ExplorerUI:
         self.replicas: list = []
         self.profile.observe(lambda ch: self.on_profile(ch["new"]), names="value")
         self.nodes.observe(lambda ch: self.on_nodes(ch["new"]), names="value")
+        self.gpus.observe(lambda ch: self.on_gpus(ch["new"]), names="value")
         self.trace.observe(lambda ch: self.on_trace(ch["new"]), names="value")
         self.seed.observe(lambda ch: self.on_seed(ch["new"]), names="value")
         self.iteration.observe(lambda ch: self.on_iteration(ch["new"]), names="value")
@@ -108,15 +113,17 @@ class ExplorerUI:
         self.colour.observe(lambda ch: self.refresh(), names="value")
         self.pin.on_click(lambda _: self.on_pin())
         self.unpin.on_click(lambda _: self.on_unpin())
+        self.run_panel = RunPanel(self, export_path, runs_root)
         wrap = w.Layout(flex_flow="row wrap", width="100%")
         self.widget = w.VBox([
-            w.HBox([self.profile, self.nodes, self.trace, self.seed], layout=wrap),
+            w.HBox([self.profile, self.nodes, self.gpus, self.trace, self.seed], layout=wrap),
             w.HBox([self.iteration, self.layer], layout=wrap),
             w.HBox([self.reset, self.shadow, *self.policy_buttons.values()], layout=wrap),
             w.HBox([self.mode, self.colour], layout=wrap), self.edit,
             self.summary, self.grid_box, w.HBox([self.load_out, self.bytes_out], layout=full),
             w.HBox([self.pin, self.unpin], layout=wrap), self.ab, w.HBox([self.memory_box, self.ab_box], layout=full),
-            self.experts_box], layout=full)
+            w.HTML("<b>from drawing to run</b>: export a run config, or run it on this machine's ranks"),
+            self.run_panel.widget, self.experts_box], layout=full)
         self._sync_controls(rebuild=True)
         self.refresh()
 
@@ -177,6 +184,9 @@ class ExplorerUI:
     def on_nodes(self, nodes: int):
         return self._replace(nodes=int(nodes) or None, holders=(), moved_from=())
 
+    def on_gpus(self, gpus: int):
+        return self._replace(gpus_per_node=int(gpus) or None, holders=(), moved_from=())
+
     def on_trace(self, trace: str):
         return self._replace(trace=trace, holders=(), moved_from=(), iteration=0, layer=0)
 
@@ -213,7 +223,7 @@ class ExplorerUI:
             iters, layers, E = trace_shape(s)
             N = world_of(s)
             self.profile.value, self.trace.value, self.seed.value = s.profile, s.trace, s.seed
-            self.nodes.value = s.nodes or 0
+            self.nodes.value, self.gpus.value = s.nodes or 0, s.gpus_per_node or 0
             self.iteration.max, self.layer.max = iters - 1, layers - 1
             self.iteration.value, self.layer.value = s.iteration, s.layer
             if E > LIST_MAX_EXPERTS:  # the grid alone: hundreds of list rows would not be usable
@@ -332,7 +342,9 @@ def _in_kernel() -> bool:
     return get_ipython() is not None
 
 
-def build_widget(state: Optional[ExplorerState] = None, runs=(), profiles=None):
-    """The explorer UI (:class:`ExplorerUI`: ``display(ui)`` or ``ui.widget``);
-    ``runs``: run folders offered as load traces."""
-    return ExplorerUI(state or ExplorerState(), runs=runs, profiles=profiles)
+def build_widget(state: Optional[ExplorerState] = None, runs=(), profiles=None, runs_root: str = "runs",
+                 export_path: str = "explorer_run.yaml"):
+    """The explorer UI (:class:`ExplorerUI`: ``display(ui)`` or ``ui.widget``); ``runs``: run folders offered
+    as load traces; ``runs_root``: where its run button stores runs; ``export_path``: the config it writes."""
+    return ExplorerUI(state or ExplorerState(), runs=runs, profiles=profiles, runs_root=runs_root,
+                      export_path=export_path)
