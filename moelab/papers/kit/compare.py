@@ -19,7 +19,9 @@ Rules, so that a row never sets two different things side by side:
   quantity or unit is **refused** (the row says why, no ratio);
 - a SIMULATED moelab value (the paper's cluster, priced) gets the ratio moelab / paper;
 - a REAL, EMULATED or SUBSTITUTE value (a CPU box, not the paper's scale) is a **trend check**: no
-  ratio, only whether it lies on the same side of ``neutral`` as the paper's;
+  ratio, only whether it lies on the same side of ``neutral`` as the paper's; so is a SIMULATED value whose
+  source says ``trend: <why>`` (moelab prices a coarser quantity, e.g. one value per model where the paper's
+  number is one task's cell);
 - a product that was not made gives a "not run" row; one that was made without a number there (no row
   matches, or only NaN: e.g. a system that never reached the target) a "no value" row.
 
@@ -32,7 +34,7 @@ Circular rows are named, never counted as agreement (the value and ratio stay vi
 
 Each row then gets a ``verdict`` (:data:`VERDICTS`): a SIMULATED ratio within ±25 % *agrees*; one further
 off is *explained* when its gap ladder (:mod:`moelab.papers.kit.ladder`), walking from this row's value, closes
-at least 75 % of the log-gap and overshoots by no more than 25 %,
+at least 75 % of the log-gap and overshoots by no more than 25 %, or ends where a direct row would agree,
 *contradicted* when the paper.yaml entry states moelab's evidence against the claim (``contradicted:``), and
 otherwise *off, no stated cause*. ``headline: true`` marks the claims of a paper's abstract and introduction.
 """
@@ -90,6 +92,8 @@ def _numbers(file: tuple) -> dict:
         for src in e.get("moelab") or []:
             if not {"product", "column"} <= set(src):
                 raise PaperNumbersError(f"{path}: {key}: each moelab source names a product and a column")
+            if "trend" in src and not str(src["trend"]).strip():
+                raise PaperNumbersError(f"{path}: {key}: a trend-only source says why (trend: <reason>)")
             if src.get("reduce", "only") not in REDUCERS:
                 raise PaperNumbersError(f"{path}: {key}: reduce must be one of {sorted(REDUCERS)}")
             unknown = sorted(set(src.get("inputs") or ()) - set(data["numbers"]))
@@ -200,11 +204,13 @@ def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict,
         status, why = circular
         row.update(status=status, ratio=v / row["paper"] if row["paper"] else math.nan,
                    note=(row["note"] + "; " if row["note"] else "") + why)
-    elif kind == "SIMULATED":
+    elif kind == "SIMULATED" and not src.get("trend"):
         row.update(status="ratio", ratio=v / row["paper"] if row["paper"] else math.nan)
     else:
         neutral = entry.get("neutral")
         row["status"] = "trend check"
+        if src.get("trend"):  # SIMULATED, but not the paper's quantity: the source says why
+            row["note"] = (row["note"] + "; " if row["note"] else "") + f"trend check only: {src['trend']}"
         if neutral is not None:
             same = (v - neutral) * (row["paper"] - neutral) > 0
             row["trend"] = f"{'same' if same else 'other'} side of {neutral:g} as the paper"
@@ -230,11 +236,22 @@ def verdict(row: dict, entry: dict, closed: float | None = None) -> str:
     sides_differ = neutral is not None and (row["moelab"] - neutral) * (row["paper"] - neutral) <= 0
     if 1 / AGREE <= row["ratio"] <= AGREE and not sides_differ:
         return "agrees"
-    if closed is not None and abs(1 - closed) <= 1 - EXPLAINED:
+    if closed is not None and (abs(1 - closed) <= 1 - EXPLAINED or _ends_agreeing(row, entry, closed)):
         return "explained"
     if entry.get("contradicted"):
         return "contradicted"
     return "off, no stated cause"
+
+
+def _ends_agreeing(row: dict, entry: dict, closed: float) -> bool:
+    """Whether the ladder's last rung, ``ratio ** (1 - closed)`` of the paper, would itself agree (within ±25 %,
+    on the paper's side of ``neutral``): the standard a direct row is held to. Without it a ladder from 3× that
+    ends 20 % off would explain and one from 1.45× that ends 11 % off would not."""
+    end_ratio = row["ratio"] ** (1 - closed)
+    neutral = entry.get("neutral")
+    end = row["paper"] * end_ratio
+    same_side = neutral is None or (end - neutral) * (row["paper"] - neutral) > 0
+    return 1 / AGREE <= end_ratio <= AGREE and same_side
 
 
 def _ladder_share(row: dict, ladder) -> float | None:
@@ -266,7 +283,8 @@ def compare(paper: str, values: dict, products: dict, numbers: dict | None = Non
             v = verdict(row, e, share)
             row.update(headline=bool(e.get("headline")), verdict=v,
                        why=e["contradicted"] if v == "contradicted" else
-                       f"gap ladder closes {share:.0%} of the log-gap" if v == "explained" else "")
+                       f"gap ladder closes {share:.0%} of the log-gap and ends at "
+                       f"{row['ratio'] ** (1 - share):.2f}x the paper" if v == "explained" else "")
             rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs["label"] = (f"PAPER vs moelab: the paper's numbers from experiments/{paper}/paper.yaml; ratios only "

@@ -4,7 +4,7 @@ A headline row that is off by more than ±25 % is a finding only with its cause.
 setting to the paper's stated setting, one named assumption or mechanism per rung, and recomputes the headline
 after each (SIMULATED, cumulative: rung *i* keeps rungs 1..i-1). Each rung says how much of the log-gap
 ``log(moelab) - log(paper)`` it closes; a ladder that ends within 25 % of the log-gap either side of the paper
-(closes 75-125 %) explains the row it starts from
+(closes 75-125 %), or where a direct row would agree (within ±25 %), explains the row it starts from
 (:func:`moelab.papers.kit.compare.verdict`).
 
 Rungs are data, in ``experiments/<paper>/ladders.yaml``::

@@ -47,6 +47,11 @@ def test_verdicts():
     assert verdict(far, ENTRY, closed=0.5) == "off, no stated cause"
     assert verdict(far, ENTRY, closed=2.6) == "off, no stated cause"  # overshoots far past the paper
     assert verdict(far, ENTRY, closed=1.2) == "explained"
+    # a small gap: closing 69 % of it leaves 1.46 ** 0.31 = 1.12, where a direct row would agree
+    near = dict(r, moelab=1.46 * r["paper"], ratio=1.46)
+    assert verdict(near, ENTRY, closed=0.69) == "explained"
+    assert verdict(near, ENTRY, closed=0.3) == "off, no stated cause"  # ends at 1.30: still off
+    assert verdict(near, {**ENTRY, "neutral": 1.0}, closed=3.0) == "off, no stated cause"  # ends below 1/1.25
     assert verdict(far, {**ENTRY, "contradicted": "the mechanism X shows ..."}) == "contradicted"
     # within 25 % but on the other side of "no effect": moelab finds a slowdown where the paper claims a gain
     slower = dict(r, moelab=0.9, paper=1.1, ratio=0.9 / 1.1)
@@ -54,6 +59,9 @@ def test_verdicts():
     assert verdict(slower, {**ENTRY, "neutral": 1.0, "contradicted": "SAA pays 8 phases"}) == "contradicted"
     t = _row(dict(product="emu", column="speedup"))
     assert t["status"] == "trend check" and verdict(t, ENTRY) == "trend: other side"
+    # a SIMULATED value of a coarser quantity, flagged by its source: a trend check that says why
+    t = _row({**SIM, "trend": "one value per model, the paper's is one task"})
+    assert t["status"] == "trend check" and "one task" in t["note"] and t["ratio"] != t["ratio"]
     assert verdict(dict(r, status="no value", ratio=math.nan), ENTRY) == "no value"
 
 

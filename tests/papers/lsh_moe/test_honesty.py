@@ -50,11 +50,19 @@ def test_paper_yaml_marks_headlines_and_the_rows_that_take_the_papers_rate_as_in
 
     n = load_numbers("lsh_moe")
     assert {k for k, e in n.items() if e.get("headline")} == {
-        "a2a_share_avg", "a2a_share_max", "speedup_min", "speedup_max", "glue_speed_min", "glue_speed_max"}
+        "a2a_share_avg", "a2a_share_max", "speedup_min", "speedup_max", "glue_speed_min", "glue_speed_max",
+        "glue_speed_15b", "glue_speed_52b"}
     for key, rate in (("speedup_min", "swin_rate"), ("glue_speed_min", "rate_at_L6"), ("glue_speed_max", "rate_at_L6")):
         by_source = {src["where"]["rho_source"]: src for src in n[key]["moelab"]}
         assert set(by_source) == {speed.MEASURED, f"paper ({rate})"}
         assert by_source[f"paper ({rate})"].get("inputs") == [rate] and not by_source[speed.MEASURED].get("inputs")
+    # Table 2's extremes are single tasks' cells; moelab prices one setting per model: trend checks, the ratio is
+    # carried per model, at the model's Speed column mean
+    for key in ("glue_speed_min", "glue_speed_max"):
+        assert all(src.get("trend") for src in n[key]["moelab"] if not src.get("inputs"))
+    for key, model in (("glue_speed_15b", "GPT-MoE-15B"), ("glue_speed_52b", "GPT-MoE-52B")):
+        (src,) = n[key]["moelab"]
+        assert src["where"] == {"rho_source": speed.MEASURED, "model": model} and not src.get("trend")
     for key in ("speedup_max", "time_to_ppl_t5"):
         assert {src["column"] for src in n[key]["moelab"]} == {"time_speedup_to_target", "sim_time_speedup_to_target"}
     assert "run_real=False" in n["speedup_max"]["note"]
