@@ -54,11 +54,13 @@ from moelab.viz.explorer_state import (
     trace_shape,
     uniform_sources,
     with_holders,
+    with_preset,
     world_of,
 )
 
 __all__ = ["ExplorerState", "evaluate", "check_fits", "set_owner", "toggle_replica", "set_replicas", "with_holders",
-           "reset_ep", "edit_placement", "shadow_hottest", "hottest_expert", "placement_of", "mapping", "trace_loads",
+           "with_preset", "reset_ep", "edit_placement", "shadow_hottest", "hottest_expert", "placement_of", "mapping",
+           "trace_loads",
            "trace_shape", "trace_label", "layer_loads", "profile_of", "world_of", "sim_config",
            "uniform_sources", "run_global_loads", "replica_sync_bytes", "load_figure", "bytes_figure",
            "memory_figure", "grid_figure", "grid_arrays", "expert_rank_tokens", "ab_table", "ab_figure",

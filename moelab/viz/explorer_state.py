@@ -5,6 +5,9 @@ replica, ...)``, model sizes). Trace sources:
 
 - ``"synthetic:<kind>"`` with ``seed``: :func:`moelab.models.traces.routing_trace` of that kind
   (balanced, hot_expert, hot_rank, zipf_drift, zero_rank) on the profile's world. Labelled SYNTHETIC.
+- ``"preset:<name>"``: a real model's MoE shape (:mod:`moelab.models.presets`: experts, top-k, d_model,
+  d_ff, set by :func:`with_preset`) with SYNTHETIC loads, a Zipf(``skew``) popularity over a random expert
+  order per layer (:func:`moelab.sim.graphs.synthetic_loads`), one draw per iteration.
 - ``"run:<path>"``: a run folder or its ``loads.csv`` (``iter, layer, expert, tokens``). loads.csv
   holds GLOBAL tokens per expert, not who sent them, so the explorer **assumes uniform sources**:
   expert e's ``g`` tokens come ``g // N`` from every source rank, the remainder one each from the
@@ -46,6 +49,7 @@ class ExplorerState:
     d_ff: int = 4096
     trace_iters: int = 8  # synthetic traces: iterations generated
     trace_layers: int = 2  # synthetic traces: MoE layers generated
+    skew: float = 1.0  # "preset:<name>" traces: the Zipf exponent of expert popularity (0 = uniform)
     moved_from: tuple = ()  # the holders this placement was edited from (migration priced from them); () none
 
 
@@ -122,7 +126,42 @@ def trace_loads(state: ExplorerState) -> np.ndarray:
                           state.tokens_per_rank, state.top_k, state.seed)
     if src == "run":
         return uniform_sources(run_global_loads(arg), N)
-    raise ValueError(f"trace must be 'synthetic:<kind>' or 'run:<path>', got {state.trace!r}")
+    if src == "preset":
+        _preset(arg)
+        return _zipf(state.trace_iters, state.trace_layers, N, state.num_experts, state.tokens_per_rank,
+                     state.top_k, state.seed, float(state.skew))
+    raise ValueError(f"trace must be 'synthetic:<kind>', 'preset:<name>' or 'run:<path>', got {state.trace!r}")
+
+
+def _preset(name: str):
+    from moelab.config import ConfigError
+    from moelab.models.presets import preset
+
+    try:
+        return preset(name)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+
+
+@functools.lru_cache(maxsize=32)
+def _zipf(iters, layers, world, E, T, k, seed, skew):
+    from moelab.config import RunConfig
+    from moelab.sim.graphs import synthetic_loads
+
+    if skew < 0:
+        raise ValueError(f"skew must be >= 0, got {skew}")
+    cfg = RunConfig().with_overrides({"parallel.nproc": world, "parallel.topology.nodes": 1, "model.n_layers": layers,
+                                      "model.moe_every": 1, "model.moe.num_experts": E, "model.moe.top_k": k,
+                                      "model.seq_len": T, "train.batch_size": 1})
+    return np.stack([synthetic_loads(cfg, seed=seed + it, skew=skew) for it in range(iters)])
+
+
+def with_preset(state: ExplorerState, name: str) -> ExplorerState:
+    """Loads on a real model's MoE shape: experts, top-k, d_model and d_ff from the preset, placement back to EP."""
+    v = {k: val for k, (val, _) in _preset(name).fields.items()}
+    return dataclasses.replace(state, trace=f"preset:{name}", num_experts=v["model.moe.num_experts"],
+                               top_k=v["model.moe.top_k"], d_model=v["model.d_model"], d_ff=v["model.d_ff"],
+                               holders=(), moved_from=(), iteration=0, layer=0)
 
 
 def trace_shape(state: ExplorerState) -> tuple:
@@ -144,6 +183,8 @@ def trace_label(state: ExplorerState) -> str:
     src, _, arg = state.trace.partition(":")
     if src == "synthetic":
         return f"loads SYNTHETIC {arg} seed {state.seed}"
+    if src == "preset":
+        return f"loads SYNTHETIC Zipf(skew {state.skew:g}) seed {state.seed} on the {_preset(arg).label}"
     return f"loads REAL from {_run_csv(arg)} (global per expert; uniform sources assumed)"
 
 

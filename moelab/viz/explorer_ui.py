@@ -36,6 +36,7 @@ from moelab.viz.explorer import (
     summary_text,
     toggle_replica,
     trace_shape,
+    with_preset,
     world_of,
 )
 from moelab.viz.explorer_policies import POLICIES, apply_policy
@@ -65,7 +66,10 @@ class ExplorerUI:
         profiles = list(profiles or sorted(n for n, p in PROFILES.items() if p.world_size <= 64))
         if state.profile not in profiles:
             profiles.insert(0, state.profile)
-        traces = [f"synthetic:{k}" for k in SYNTHETIC_KINDS] + [f"run:{r}" for r in runs]
+        from moelab.models.presets import PRESETS
+
+        traces = ([f"synthetic:{k}" for k in SYNTHETIC_KINDS] + [f"preset:{n}" for n in sorted(PRESETS)]
+                  + [f"run:{r}" for r in runs])
         if state.trace not in traces:
             traces.append(state.trace)
         full = w.Layout(width="100%")
@@ -76,6 +80,8 @@ class ExplorerUI:
                                      tooltip="0: as published", layout=w.Layout(width="170px"))
         self.trace = w.Dropdown(options=traces, value=state.trace, description="loads", layout=w.Layout(width="380px"))
         self.seed = w.IntText(value=state.seed, description="seed", layout=w.Layout(width="150px"))
+        self.skew = w.FloatSlider(value=state.skew, min=0.0, max=3.0, step=0.1, description="skew",
+                                  continuous_update=False, tooltip="preset loads: Zipf exponent of expert popularity")
         self.iteration = w.IntSlider(value=state.iteration, min=0, max=0, description="iteration")
         self.layer = w.IntSlider(value=state.layer, min=0, max=0, description="layer")
         self.reset = w.Button(description="reset to EP", icon="undo")
@@ -103,6 +109,7 @@ class ExplorerUI:
         self.gpus.observe(lambda ch: self.on_gpus(ch["new"]), names="value")
         self.trace.observe(lambda ch: self.on_trace(ch["new"]), names="value")
         self.seed.observe(lambda ch: self.on_seed(ch["new"]), names="value")
+        self.skew.observe(lambda ch: self.on_skew(ch["new"]), names="value")
         self.iteration.observe(lambda ch: self.on_iteration(ch["new"]), names="value")
         self.layer.observe(lambda ch: self.on_layer(ch["new"]), names="value")
         self.reset.on_click(lambda _: self.on_reset())
@@ -117,7 +124,7 @@ class ExplorerUI:
         wrap = w.Layout(flex_flow="row wrap", width="100%")
         self.widget = w.VBox([
             w.HBox([self.profile, self.nodes, self.gpus, self.trace, self.seed], layout=wrap),
-            w.HBox([self.iteration, self.layer], layout=wrap),
+            w.HBox([self.iteration, self.layer, self.skew], layout=wrap),
             w.HBox([self.reset, self.shadow, *self.policy_buttons.values()], layout=wrap),
             w.HBox([self.mode, self.colour], layout=wrap), self.edit,
             self.summary, self.grid_box, w.HBox([self.load_out, self.bytes_out], layout=full),
@@ -188,7 +195,13 @@ class ExplorerUI:
         return self._replace(gpus_per_node=int(gpus) or None, holders=(), moved_from=())
 
     def on_trace(self, trace: str):
+        src, _, name = trace.partition(":")
+        if src == "preset":  # the model's MoE shape comes with its loads
+            return self._replace(lambda s: with_preset(s, name))
         return self._replace(trace=trace, holders=(), moved_from=(), iteration=0, layer=0)
+
+    def on_skew(self, skew: float):
+        return self._replace(skew=float(skew), holders=(), moved_from=())
 
     def on_seed(self, seed: int):
         return self.apply(lambda s: dataclasses.replace(s, seed=int(seed)))
@@ -199,12 +212,13 @@ class ExplorerUI:
     def on_layer(self, layer: int):
         return self.apply(lambda s: dataclasses.replace(s, layer=int(layer)))
 
-    def _replace(self, **kw):
+    def _replace(self, fn=None, **kw):
+        """A new cluster or loads (``fn(state)``, or fields ``kw``): the placement starts again from EP."""
         if self._quiet:
             return self.state
         old = self.state
         try:
-            new = dataclasses.replace(old, **kw)
+            new = fn(old) if fn is not None else dataclasses.replace(old, **kw)
             trace_shape(new)
             self.state, self.error = new, None
         except (ValueError, KeyError, FileNotFoundError) as e:
@@ -223,6 +237,7 @@ class ExplorerUI:
             iters, layers, E = trace_shape(s)
             N = world_of(s)
             self.profile.value, self.trace.value, self.seed.value = s.profile, s.trace, s.seed
+            self.skew.value, self.skew.disabled = s.skew, not s.trace.startswith("preset:")
             self.nodes.value, self.gpus.value = s.nodes or 0, s.gpus_per_node or 0
             self.iteration.max, self.layer.max = iters - 1, layers - 1
             self.iteration.value, self.layer.value = s.iteration, s.layer

@@ -101,3 +101,19 @@ def test_256_experts_on_64_ranks():
     took = time.perf_counter() - t
     assert len(X.mapping(ui.state)[X.hottest_expert(s)]) == 2
     print(f"256 x 64: a click re-evaluated and redrew in {took:.2f} s (kernel side)")
+
+
+def test_loads_from_a_real_models_shape_with_a_skew():
+    ui = build_widget(STATE)
+    ui.nodes.value = 4  # 32 ranks
+    ui.trace.value = "preset:qwen3_30b_a3b"
+    s = ui.state
+    assert (s.num_experts, s.top_k, s.d_model, s.d_ff) == (128, 8, 2048, 768) and ui.error is None
+    assert "Qwen3-30B-A3B MoE shape" in ui.last["label"] and "SYNTHETIC Zipf(skew 1)" in ui.last["label"]
+    assert ui.grid.data[0].z.shape == (128, 32) and not ui.skew.disabled
+    flat = ui.on_skew(0.0)
+    steep = ui.on_skew(2.0)
+    L0, L2 = X.layer_loads(flat).sum(0), X.layer_loads(steep).sum(0)
+    assert L0.sum() == L2.sum() == 32 * s.tokens_per_rank * 8  # every token's k choices, whatever the skew
+    assert L2.max() / L2.mean() > L0.max() / L0.mean() + 1  # a steeper Zipf: a hotter expert
+    assert X.evaluate(steep)["imbalance"] > X.evaluate(flat)["imbalance"]
