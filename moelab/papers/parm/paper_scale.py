@@ -90,6 +90,13 @@ def _grid_options(overrides: tuple = ()) -> dict:
     return {"k": int(_assumed("top_k", overrides)), "experts_per_rank": int(_assumed("experts_per_rank", overrides))}
 
 
+def _saa_options(overrides: tuple = ()) -> dict:
+    """How the simulator prices SAA at paper scale: its per-phase fixed cost and its streams (the assumptions file's
+    ``saa_phase_alpha`` and ``saa_streams``)."""
+    return {"saa_phase_alpha": _assumed("saa_phase_alpha", overrides),
+            "saa_streams": int(_assumed("saa_streams", overrides))}
+
+
 def _experts(opts: dict) -> str:
     """E as the label states it."""
     return "E=P/N_ESP" if opts["experts_per_rank"] == 1 else f"E={opts['experts_per_rank']}*P/N_ESP"
@@ -112,7 +119,7 @@ def sim_grid(scale, dispatcher: str | None = None, overrides: tuple = ()) -> pd.
     stride = scale_spec(scale).grid_stride * (INDEX_STRIDE if dispatcher != head else 1)
     reserve = _assumed("memory_reserve_GiB", overrides)
     opts = _grid_options(overrides)
-    phase_alpha = _assumed("saa_phase_alpha", overrides)
+    saa = _saa_options(overrides)
     rows, fits = [], {}
     for setting, (prof_name, nodes, _) in GRID.items():
         prof = _profile(prof_name, nodes, overrides)
@@ -121,8 +128,8 @@ def sim_grid(scale, dispatcher: str | None = None, overrides: tuple = ()) -> pd.
             lay = c.layout()
             key = (setting, c.n_mp, c.n_esp)
             if key not in fits:
-                fits[key] = model_fits(prof, lay, saa_phase_alpha=phase_alpha)
-            t = {m: layer_time(prof, lay, c.shape(dispatcher), m, saa_phase_alpha=phase_alpha)
+                fits[key] = model_fits(prof, lay, **saa)
+            t = {m: layer_time(prof, lay, c.shape(dispatcher), m, **saa)
                  for m in ("baseline", "s1", "s2", "s2_aas")}
             pick = select(ParmShape(c.B, c.L, c.M, c.E, c.k, c.f, c.n_mp, c.n_esp), fits[key])[0]
             rows.append(dict(dispatcher=dispatcher, setting=setting, testbed=setting[0], P=c.P, n_mp=c.n_mp,
@@ -218,7 +225,8 @@ def saa_sweep(scale=None) -> pd.DataFrame:
 
     from .common import paper
 
-    phase_alpha = _assumed("saa_phase_alpha")
+    phase_alpha, streams = _assumed("saa_phase_alpha"), int(_assumed("saa_streams"))
+    how = "on two streams as the paper's kernel runs it" if streams == 2 else "phase by phase"
     rows = []
     for setting, nodes in SAA_SWEEP:
         prof_name, _, g = GRID[setting]
@@ -229,7 +237,7 @@ def saa_sweep(scale=None) -> pd.DataFrame:
             lay = ParmLayout(P, n_mp, 1, P, g)
             for e in range(12, 25, 4):
                 x = 2 ** e
-                saa = sim_curve(prof, lay, "SAA", [x], phase_alpha)[0]
+                saa = sim_curve(prof, lay, "SAA", [x], phase_alpha, streams)[0]
                 a2a = sim_curve(prof, lay, "A2A_EPESP", [x // n_mp])[0]
                 ag = sim_curve(prof, lay, "AG_MP", [x])[0]
                 rows.append(dict(setting=setting, P=P, n_mp=n_mp, x_elems=x, saa_ms=saa * 1e3, a2a_ms=a2a * 1e3,
@@ -239,7 +247,8 @@ def saa_sweep(scale=None) -> pd.DataFrame:
                                  paper_saa_over_aas=paper("saa_over_aas")))
     df = pd.DataFrame(rows)
     df.attrs["label"] = ("SIMULATED: one SAA vs all-to-all then all-gather, alone on parm_A / parm_B, N_ESP = 1; "
-                         f"SAA phase fixed cost {phase_alpha:g} x the class latency (saa_phase_alpha, assumed)")
+                         f"SAA phase fixed cost {phase_alpha:g} x the class latency (saa_phase_alpha, assumed), "
+                         f"{how} (saa_streams)")
     return df
 
 
@@ -331,13 +340,14 @@ def table5_sim(scale, overrides: tuple = ()) -> pd.DataFrame:
         prof = _profile(prof_name, nodes, overrides)
         E = e_local * (prof.world_size // n_esp)
         lay = ParmLayout(prof.world_size, n_mp, n_esp, E, prof.gpus_per_node)
-        fits = model_fits(prof, lay, saa_phase_alpha=A("saa_phase_alpha"))
+        saa = _saa_options(overrides)
+        fits = model_fits(prof, lay, **saa)
         for model, m in TV_MODELS.items():
             shape = Shape(S=B * m["seq"], M=768, H=3072, k=k, f=f, dispatcher=disp)
             pick, _, _ = select(ParmShape(B=B, L=m["seq"], M=768, E=E, k=k, f=f, n_mp=n_mp, n_esp=n_esp), fits)
             kw = dict(n_layers=12, seq_len=m["seq"], vocab=m["vocab"], d_ff=3072)
-            t = {s: simulate(parm_model_graph(prof, lay, shape, schedule=s, saa_phase_alpha=A("saa_phase_alpha"),
-                                              **kw)).makespan for s in ("baseline", pick)}
+            t = {s: simulate(parm_model_graph(prof, lay, shape, schedule=s, **saa, **kw)).makespan
+                 for s in ("baseline", pick)}
             rows.append(dict(model=model, testbed=tb, P=prof.world_size, E=E, pick=pick,
                              baseline_ms=t["baseline"] * 1e3, parm_ms=t[pick] * 1e3, speedup=t["baseline"] / t[pick]))
     df = pd.DataFrame(rows)

@@ -6,7 +6,9 @@ from the same plan the runtime executes (:mod:`.plan`), so simulated bytes are t
 - SAA is priced as its P phases (the collective's own ``phases`` rule, :mod:`moelab.comm.saa`), each
   an exchange of the all-to-all half (one chunk to rank ``(r+i)%P``) together with the gather half
   (the chunk or, ``saa_mode: combined``, the ESP sum completed in the phase before, to every MP
-  peer): halves on different link classes overlap, halves on the same link share it;
+  peer): halves on different link classes overlap, halves on the same link share it. ``saa_streams=1``
+  is moelab's runtime (a phase ends when both halves are done); ``saa_streams=2`` is the paper's kernel
+  (:func:`_saa_kernel`: the halves on two streams, the all-to-all never waiting for the gather);
 - compute from the §2.10c FLOPs at the profile's achieved throughput (the einsum dispatcher's
   quadratic cost included); no compute/communication overlap, as the paper's schedules have none;
 - no count exchange (the buffers are capacity-padded).
@@ -37,9 +39,62 @@ def _saa_alpha(demands: list, saa_phase_alpha: float) -> list:
     return [costs.Demand(d.alpha * saa_phase_alpha, d.links) for d in demands]
 
 
-def _build(g, layout: ParmLayout, topo: Topology, profile, plan, saa_phase_alpha: float = 1.0) -> None:
+def _saa_kernel(g, name: str, group: list, topo: Topology, profile, args: dict, deps: tuple, phase_alpha: float,
+                comm: dict, phase: str):
+    """SAA as the paper's kernel runs it (github.com/Fragile-azalea/Parm, commit 5e0bc31,
+    ``test_overlap_alltoall_and_allgather/src/custom_kernel.cpp``): one host call enqueues the all-to-all's rounds
+    1..P-1 back to back on one NCCL stream and the gather's rounds on a second; gather round i waits (a CUDA event)
+    for all-to-all round i-1, the all-to-all never waits for the gather, and the last gather round follows the last
+    all-to-all round on the first stream. Each round is a grouped ncclSend/ncclRecv and pays ``phase_alpha`` of its
+    class latency (all-to-all: the group's class, gather: the MP sub-group's); concurrent rounds share links.
+    Returns the op that ends the call."""
+    from moelab.comm.costs import alltoall_demands
+    from moelab.comm.saa import forward_phases, sub_groups
+
+    P, nb, c = len(group), int(args["nbytes"]), int(args.get("combine", 1))
+    idx = {r: i for i, r in enumerate(group)}
+    subs = sub_groups(args["sub"])
+    peers = {r: [p for p in next((q for q in subs if r in q), []) if p != r] for r in group}
+    fwd = {r: forward_phases(P, c, idx[r]) for r in group}
+    lat = lambda ranks: profile.latency("intra" if len({topo.node_of(r) for r in ranks}) == 1 else "inter")  # noqa: E731
+    a_lat = lat(group) * phase_alpha
+    g_lat = max((lat([r, *peers[r]]) for r in group if peers[r]), default=0.0) * phase_alpha
+    first, a_prev, g_prev, g_last = [True], None, None, None
+
+    def add(label, matrix, alpha, on, after):
+        d = alltoall_demands(matrix, group, topo, profile, False)[0]
+        rec = comm if first[0] else None
+        first[0] = False
+        return g.transfer(f"{name}.{label}", group, [costs.Demand(alpha, d.links)], deps=after, stream=on,
+                          category="saa", comm=rec, phase=phase, phased=True)
+
+    for i in range(1, P + 1):
+        m = np.zeros((P, P), dtype=np.int64)
+        for r in group:
+            if i in fwd[r]:
+                for p in peers[r]:
+                    m[idx[r], idx[p]] += nb
+        if m.any():
+            if i < P:  # on the second stream, after all-to-all round i-1 (round 0: the local copy)
+                after = tuple(x for x in (a_prev, g_prev) if x is not None) or deps
+                g_prev = add(f"gather#{i}", m, g_lat, "comm.saa", after)
+            else:  # the kernel's last round, on the first stream
+                g_last = add(f"gather#{i}", m, g_lat, "comm", (a_prev,) if a_prev is not None else deps)
+        if i < P:
+            m = np.zeros((P, P), dtype=np.int64)
+            for r in group:
+                m[idx[r], idx[group[(idx[r] + i) % P]]] = nb
+            a_prev = add(f"a2a#{i}", m, a_lat, "comm", (a_prev,) if a_prev is not None else deps)
+    ends = tuple(x for x in (a_prev, g_prev, g_last) if x is not None)
+    return g.add(f"{name}.end", group, stream="comm", duration=0.0, deps=ends, category="saa", kind="comm",
+                 phase=phase)
+
+
+def _build(g, layout: ParmLayout, topo: Topology, profile, plan, saa_phase_alpha: float = 1.0,
+           saa_streams: int = 1) -> None:
     """Append ``plan`` (a list of :class:`~.plan.Step`) to ``g``: each rank's steps in order; every SAA phase
-    pays ``saa_phase_alpha`` of its class latency as its fixed cost (:func:`_saa_alpha`)."""
+    pays ``saa_phase_alpha`` of its class latency as its fixed cost (:func:`_saa_alpha`); ``saa_streams``: 1 =
+    moelab's runtime SAA (phase by phase), 2 = the paper's two-stream kernel (:func:`_saa_kernel`)."""
     groups = layout.groups()
     last = {r: None for r in range(layout.world)}
     dep = lambda ranks: tuple(last[r] for r in ranks if last[r] is not None)  # noqa: E731
@@ -61,6 +116,12 @@ def _build(g, layout: ParmLayout, topo: Topology, profile, plan, saa_phase_alpha
                 d = costs.demands(s.op, inst, topo, profile, **args)
                 priced[key] = (args, _saa_alpha(d, saa_phase_alpha) if s.op == "saa" else d)
             args, demands = priced[key]
+            if s.op == "saa" and saa_streams == 2:
+                op = _saa_kernel(g, f"{s.name}.{s.phase}", list(inst), topo, profile, args, dep(inst), saa_phase_alpha,
+                                 {"op": s.op, "group": list(inst), **args}, s.phase)
+                for r in inst:
+                    last[r] = op
+                continue
             op = g.transfer(f"{s.name}.{s.phase}", inst, demands, deps=dep(inst),
                             category="saa" if s.op == "saa" else "comm",
                             comm={"op": s.op, "group": list(inst), **args}, phase=s.phase, phased=s.op == "saa")
@@ -70,11 +131,12 @@ def _build(g, layout: ParmLayout, topo: Topology, profile, plan, saa_phase_alpha
 
 def parm_layer_graph(profile, layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a",
                      saa_backward: bool = True, meta: Optional[dict] = None, saa_mode: str = "raw",
-                     saa_phase_alpha: float = 1.0):
+                     saa_phase_alpha: float = 1.0, saa_streams: int = 1):
     """The op graph of one MoE layer call (forward + backward) of ``schedule`` on ``profile``'s links."""
     topo = Topology(layout.world, layout.ranks_per_node)
     g = new_graph(profile, topo, {"strategy": "parm", "schedule": schedule, "variant": variant, **(meta or {})})
-    _build(g, layout, topo, profile, steps(layout, shape, schedule, variant, saa_backward, saa_mode), saa_phase_alpha)
+    _build(g, layout, topo, profile, steps(layout, shape, schedule, variant, saa_backward, saa_mode), saa_phase_alpha,
+           saa_streams)
     return g
 
 
@@ -127,11 +189,11 @@ def model_steps(layout: ParmLayout, shape: Shape, *, n_layers: int, seq_len: int
 
 
 def parm_model_graph(profile, layout: ParmLayout, shape: Shape, meta: Optional[dict] = None,
-                     saa_phase_alpha: float = 1.0, **kw):
+                     saa_phase_alpha: float = 1.0, saa_streams: int = 1, **kw):
     """The op graph of one training iteration (:func:`model_steps`)."""
     topo = Topology(layout.world, layout.ranks_per_node)
     g = new_graph(profile, topo, {"strategy": "parm", "model": True, **(meta or {})})
-    _build(g, layout, topo, profile, model_steps(layout, shape, **kw), saa_phase_alpha)
+    _build(g, layout, topo, profile, model_steps(layout, shape, **kw), saa_phase_alpha, saa_streams)
     return g
 
 
@@ -144,9 +206,9 @@ def layer_time(profile, layout: ParmLayout, shape: Shape, schedule: str, **kw) -
 
 
 # ---- alpha-beta lines of the simulator's own collectives (what Alg. 1 gets at paper scale) -------------
-def sim_curve(profile, layout, name: str, xs, saa_phase_alpha: float = 1.0) -> list:
+def sim_curve(profile, layout, name: str, xs, saa_phase_alpha: float = 1.0, saa_streams: int = 1) -> list:
     """Seconds the simulator gives one collective of ``name`` alone at paper-``x`` elements on ``layout``
-    (``saa_phase_alpha``: :func:`_saa_alpha`)."""
+    (``saa_phase_alpha``: :func:`_saa_alpha`; ``saa_streams``: :func:`_build`)."""
     from moelab.strategies.parm.fits import COLLECTIVES
 
     topo = Topology(layout.world, layout.ranks_per_node)
@@ -159,8 +221,12 @@ def sim_curve(profile, layout, name: str, xs, saa_phase_alpha: float = 1.0) -> l
             g = new_graph(profile, topo)
             chunk = max(1, int(x) // (layout.n_mp * layout.world)) * b
             world = list(range(layout.world))
-            d = costs.demands("saa", world, topo, profile, nbytes=chunk, sub=groups[MP])
-            g.transfer("saa", world, _saa_alpha(d, saa_phase_alpha))
+            if saa_streams == 2:
+                _saa_kernel(g, "saa", world, topo, profile, {"nbytes": chunk, "sub": groups[MP]}, (), saa_phase_alpha,
+                            {"op": "saa", "group": world}, "fwd")
+            else:
+                d = costs.demands("saa", world, topo, profile, nbytes=chunk, sub=groups[MP])
+                g.transfer("saa", world, _saa_alpha(d, saa_phase_alpha))
             out.append(simulate(g).makespan)
             continue
         inst = groups[group][0]
@@ -177,14 +243,14 @@ def sim_curve(profile, layout, name: str, xs, saa_phase_alpha: float = 1.0) -> l
 
 
 def model_fits(profile, layout, names=("AG_MP", "A2A_EPESP", "SAA"), exps=range(8, 25, 2),
-               saa_phase_alpha: float = 1.0) -> dict:
+               saa_phase_alpha: float = 1.0, saa_streams: int = 1) -> dict:
     """alpha-beta lines fitted to the simulator's own curves on ``layout`` (what Alg. 1 gets at paper scale)."""
     xs = [2 ** e for e in exps]
     out = {}
     for name in names:
         if name == "AG_MP" and layout.n_mp == 1 or name == "SAA" and layout.n_mp == 1:
             continue
-        out[name] = fit_alpha_beta(xs, sim_curve(profile, layout, name, xs, saa_phase_alpha))
+        out[name] = fit_alpha_beta(xs, sim_curve(profile, layout, name, xs, saa_phase_alpha, saa_streams))
     return out
 
 
