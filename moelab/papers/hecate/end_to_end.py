@@ -6,9 +6,9 @@ EP (none), FasterMoE (its shadow policy runs inside its graph, on the iteration'
 smart schedule), Hecate (:func:`.replay.hecate_plans`), SmartMoE and FlexMoE (their replays, when those
 strategies exist in this checkout). The overlap degree t is the paper's ⌊T_nonMoE · bw / s_e⌋ with
 T_nonMoE = the profile's attention forward time and bw = the node's NIC (hierarchical spAG, spec §2.3);
-m = E: memory does not bind at batch 1. Spec §2.3's m = free / (L · (param + grad bytes of an expert)) is in the
-tens for every Table 1 model on a 32 GB V100 (a rough estimate: GPT-MoE-L, the largest, ~50 with EP's model states
-and Megatron's activation estimate subtracted), so, as in a REAL run where m is profiled from free memory,
+m = spec §2.3's free / (L · (param + grad bytes of an expert)) (:func:`memory_budget`; capped at E), at least E for
+every Table 1 model at batch 1 (GPT-MoE-L, the largest, 46 on a 32 GB V100), so it binds nothing there and, as in a
+REAL run where m is profiled from free memory,
 calibration (§2.4) may add any replica whose blocking gather its cost model prices below the layer time it saves;
 each system's note says how many it accepted. Every Hecate run takes t from the paper's rule at the paper's setting
 (:func:`t_derivation`: T_nonMoE = the attention forward of the run's batch on the profile's GPU, bw = the node's
@@ -29,6 +29,15 @@ from .replay import graph_kwargs, hecate_plans
 # the variant that takes t = t_paper (a guess reasoned from Fig. 13's parameter memory, not the paper's rule)
 T_CHOSEN = f"Hecate (t = {int(assumptions().value('t_paper'))}, chosen from Fig. 13)"
 SYSTEMS = ("EP", "FasterMoE", "SmartMoE", "FlexMoE", "Hecate", T_CHOSEN)
+# How the paper-scale Hecate moves an expert across nodes (moelab.comm.sparse): ``stripe``, each crossing cut over
+# the node's G ranks and so over all of its NICs, as t is sized (bw = the node's NIC bandwidth, t_derivation) and as
+# the §2.9 cost model that prices calibration assumes (PlacementCost.nic_Bps, per node). The paper's NCCL broadcasts
+# split a buffer over channels and NICs the same way. ``hier`` (what these runs took before issue 64) sends a crossing
+# over the owner's one NIC: on hecate_B (4 NICs per node) a quarter of the bandwidth t was sized on, so the
+# GPT models' t = 1 gather there could not hide (9.6 ms of spAG on GPT-MoE-L's critical path, 2 layers). Left as in
+# moelab, not the paper: a crossing to H other nodes leaves the owner's node H times (a star from the owner), where
+# NCCL's ring broadcast sends it out of each node once.
+SPAG_BACKEND = "stripe"
 
 
 def hecate_cost(cfg, profile):
@@ -55,6 +64,24 @@ def t_derivation(cfg, profile) -> dict:
                                 f"s_e {cost.expert_bytes / 1e6:.2f} MB) = {t}"))
 
 
+def memory_budget(cfg, profile) -> dict:
+    """m of spec §2.3 at ``cfg``'s setting: m = ⌊free / (L · (param + grad bytes of an expert))⌋ with free = the
+    GPU's memory less EP's model states (:func:`.memory.state_bytes`: fp16 params and grads, fp32 Adam) and the
+    activations of the batch (Megatron's per-layer estimate without recomputation, s·b·h·(34 + 5·a·s/h) bytes,
+    Korthikanti et al. 2022, an assumption: the paper states neither its activation memory nor m), capped at E.
+    At batch 1 it is at least E for every Table 1 model on both clusters, so it binds nothing there."""
+    from moelab.models.params import paper_model
+
+    from .memory import BYTES, state_bytes
+
+    m, N = paper_model(cfg.name), profile.world_size  # the Table 1 model at full depth (cfg may simulate fewer layers)
+    E, b, s, h = cfg.model.moe.num_experts, cfg.train.batch_size, m.seq_len, m.d_model
+    act = m.n_layers * s * b * h * (34 + 5 * m.n_heads * s / h)
+    free = max(0.0, profile.mem_GB * 1e9 - state_bytes(m, N, E)["total"] - act)
+    per = m.n_layers * (BYTES["param"] + BYTES["grad"]) * 2 * h * m.d_ff
+    return dict(m=min(E, int(free // per)), m_uncapped=int(free // per), free_GB=free / 1e9, act_GB=act / 1e9)
+
+
 def overlap_degree(cfg, profile) -> int:
     """t of the paper's formula on the profile (spec §2.3, §6.3; :func:`t_derivation`)."""
     return t_derivation(cfg, profile)["t"]
@@ -78,8 +105,8 @@ def system_plans(system: str, cfg, profile, loads, overrides: tuple = (), **heca
         if t is None:
             t = int(assumptions(overrides).value("t_paper")) if system == T_CHOSEN else overlap_degree(cfg, profile)
         m = hecate_kw.pop("m", None)
-        m = cfg.model.moe.num_experts if m is None else m  # memory does not bind at batch 1 (module docstring)
-        hecate_kw.setdefault("backend", "hier")  # spec §2.2/§6.17: the paper's NCCL broadcasts cross a NIC once
+        m = memory_budget(cfg, profile)["m"] if m is None else m  # spec §2.3's m; >= E at batch 1 (binds nothing)
+        hecate_kw.setdefault("backend", SPAG_BACKEND)
         hecate_kw.setdefault("rm", "RM" in system)
         if "sharding only" in system:
             hecate_kw.setdefault("materialize", False)
@@ -155,12 +182,14 @@ def end_to_end(scale="smoke", cluster: str = "hecate_A", gpus: int = 16, models:
     sp = scale_spec(scale)
     prof = paper_profile(cluster, gpus)
     batch = int(assumptions(overrides).value("batch_per_gpu"))
+    skew = float(assumptions(overrides).value("trace_skew"))
     rows = []
     for model in models:
-        loads = paper_loads(sp.name, model, cluster, gpus, seed)
+        loads = paper_loads(sp.name, model, cluster, gpus, seed, skew=skew)
         cfg = paper_config(model, prof, layers=loads.shape[1], batch=batch)
         td = t_derivation(cfg, prof)
-        derived = dict(t_formula=td["t"], T_nonMoE_ms=td["T_nonMoE_ms"], bw_GBps=td["bw_GBps"], s_e_MB=td["s_e_MB"])
+        derived = dict(t_formula=td["t"], T_nonMoE_ms=td["T_nonMoE_ms"], bw_GBps=td["bw_GBps"], s_e_MB=td["s_e_MB"],
+                       m_budget=memory_budget(cfg, prof)["m"])
         for system in systems:
             got = system_plans(system, cfg, prof, loads, overrides,
                                **dict(hecate if system.startswith("Hecate") else ()))

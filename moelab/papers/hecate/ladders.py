@@ -70,3 +70,10 @@ def t_table(scale, overrides: tuple = ()):
         rows.append(df[df.system == "Hecate"][["cluster", "gpus", "model", "t_formula", "T_nonMoE_ms", "bw_GBps",
                                                "s_e_MB"]])
     return pd.concat(rows, ignore_index=True)
+
+
+def m2_flexmoe_speedup(scale, overrides: tuple = ()) -> float:
+    """``m2_flexmoe_speedup``: FlexMoE over EP with 4x EP's expert memory (r = 6), GPT-MoE-S, cluster A."""
+    from .motivation import m2
+
+    return float(m2(_name(scale), rs=(6,), overrides=tuple(overrides)).speedup.iloc[0])

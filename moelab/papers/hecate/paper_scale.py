@@ -44,10 +44,12 @@ def paper_profile(cluster: str, gpus: int):
 
 
 @cached
-def paper_loads(scale, model: str, cluster: str, gpus: int, seed: int = 0, iters=None, layers=None) -> np.ndarray:
+def paper_loads(scale, model: str, cluster: str, gpus: int, seed: int = 0, iters=None, layers=None,
+                skew: float = 1.0) -> np.ndarray:
     """``[iters, layers, gpus, 2*gpus]``: the REAL trace with ``2*gpus`` experts (its layers cycled to the
     model's depth, or ``layers``), its first ``iters`` iterations (default: the scale's ``paper_iters + 1``),
-    upsampled to ``gpus`` sources of ``seq_len`` tokens each (batch 1)."""
+    upsampled to ``gpus`` sources of ``seq_len`` tokens each (batch 1); ``skew`` != 1: a SUBSTITUTE trace, the
+    shares sharpened (:func:`.trace.upsample`)."""
     from moelab.models.params import paper_model
 
     sp = scale_spec(scale)
@@ -56,7 +58,7 @@ def paper_loads(scale, model: str, cluster: str, gpus: int, seed: int = 0, iters
     tr = real_trace(sp.name, experts=2 * gpus)
     tr = tr[:iters or sp.paper_iters + 1]
     tr = tr[:, [l % tr.shape[1] for l in range(L)]]  # the trace's layers, cycled over the model's
-    return upsample(tr, gpus, m.seq_len, seed=seed)
+    return upsample(tr, gpus, m.seq_len, seed=seed, skew=skew)
 
 
 def simulate_iterations(cfg, profile, loads, plans=None, elem_bytes: int = 2) -> list:

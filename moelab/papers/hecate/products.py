@@ -221,7 +221,6 @@ def fig15b(ctx):
     "rm_total_over_ep": Quantity("peak memory (params + grads + optimizer) of Hecate-RM over EP", X)})
 def fig13(ctx):
     """Peak model-state memory per device (activations excluded, :mod:`.memory`) on the plans the replays produced."""
-    import numpy as np
     import pandas as pd
 
     from moelab.models.params import paper_model
@@ -251,13 +250,18 @@ def fig13(ctx):
     df["flexmoe_over_hecate"] = df.total_GB["FlexMoE"] / df.total_GB["Hecate"]
     df["hecate_params_over_ep"] = df.param_GB["Hecate"] / df.param_GB["EP"]
     df["hecate_total_over_ep"] = df.total_GB["Hecate"] / df.total_GB["EP"]
-    extra = df.param_GB["Hecate"] - df.param_GB["EP"]
-    df["rm_param_cut"] = (df.param_GB["Hecate"] - df.param_GB["Hecate-RM"]) / extra if extra > 0 else np.nan
+    # RM's cut of the materialized parameter memory: live replicas in 2 layers instead of all L, the same fraction at
+    # any replica count; where the replay held none (t = 0 and no calibration accepted) it is priced per replica
+    one = {k: state_bytes(m, N, E, replicas=max(reps, 1), **kw)["param"] for k, kw in (("all", {}),
+                                                                                   ("rm", {"live_layers": 2}))}
+    ep_param = state_bytes(m, N, E)["param"]
+    df["rm_param_cut"] = (one["all"] - one["rm"]) / (one["all"] - ep_param)
     df["rm_total_over_ep"] = df.total_GB["Hecate-RM"] / df.total_GB["EP"]
     df = df.reset_index()
     df.attrs["label"] = (f"SIMULATED: {cluster}, {gpus} GPUs, {model} (all {m.n_layers} layers); "
-                         "replica counts from the "
-                         "replayed Hecate plans; byte factors fp16 params/grads, 12 B/param optimizer (spec §6.19)")
+                         f"replica counts from the replayed Hecate plans (at most {reps} per layer per device"
+                         f"{': Hecate materialized nothing, so rm_param_cut is priced per replica' if not reps else ''}"
+                         "); byte factors fp16 params/grads, 12 B/param optimizer (spec §6.19)")
     return Made(df, tables={"table_fig13_memory": (df, "Fig. 13: peak model-state memory per device")},
                 figures={"fig13_memory": F.memory_bars(df, label=df.attrs["label"])})
 

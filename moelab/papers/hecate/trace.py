@@ -69,11 +69,14 @@ def imbalance_summary(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def upsample(trace: np.ndarray, sources: int, tokens: int, k: int = 2, seed: int = 0) -> np.ndarray:
+def upsample(trace: np.ndarray, sources: int, tokens: int, k: int = 2, seed: int = 0, skew: float = 1.0) -> np.ndarray:
     """``[iters, layers, sources, E]``: per (iteration, layer) each of ``sources`` ranks draws its
     ``k * tokens`` assignments multinomially from the measured global load shares (iid data shards,
     spec §4 step 3; the per-token "k distinct experts" cap is not enforced: at paper token counts no
-    expert comes near ``tokens`` per source); deterministic in ``seed``."""
+    expert comes near ``tokens`` per source); deterministic in ``seed``.
+
+    ``skew``: the shares raised to this power and renormalized (1: the measured shares as they are; > 1 a
+    SUBSTITUTE trace, sharper than the measured one with the same ranking and drift: :func:`skew_for`)."""
     trace = np.asarray(trace, dtype=np.int64)
     iters, layers, _, E = trace.shape
     rng = np.random.default_rng(seed)
@@ -82,5 +85,8 @@ def upsample(trace: np.ndarray, sources: int, tokens: int, k: int = 2, seed: int
     for i in range(iters):
         for l in range(layers):
             p = G[i, l] / G[i, l].sum() if G[i, l].sum() else np.full(E, 1.0 / E)
+            if skew != 1.0:
+                p = p ** float(skew)
+                p = p / p.sum()
             out[i, l] = rng.multinomial(k * tokens, p, size=sources)
     return out

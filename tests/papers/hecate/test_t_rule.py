@@ -78,3 +78,68 @@ def test_ladders_name_only_sourced_settings_and_never_t():
         assert L.rungs and all(r.source and r.set != "t_paper" for r in L.rungs), L.key
         mod, fn = L.evaluate.split(":")
         assert callable(getattr(__import__(mod, fromlist=[fn]), fn))
+
+
+@pytest.mark.parametrize("cluster,gpus", [("hecate_A", 16), ("hecate_B", 32)])
+def test_a_crossing_expert_moves_at_the_node_bandwidth_t_is_sized_on(cluster, gpus):
+    """Hecate's paper-scale gather sends one expert to another node at the bandwidth its t is sized on (the node's
+    NICs together, t_derivation's bw), not over one NIC of the owner: on hecate_B (4 NICs per node) ``hier`` takes
+    4x as long, ``stripe`` (the backend the runs take) the node's time."""
+    from moelab.papers.hecate import end_to_end as EE
+    from moelab.sim.engine import simulate
+    from moelab.sim.graphs import iteration_graph
+
+    cfg, prof = _setting(cluster, gpus, "GPT-MoE-S")
+    cfg = cfg.with_overrides({"parallel.strategy": "hecate"})
+    N, E, G = prof.world_size, cfg.model.moe.num_experts, prof.gpus_per_node
+    loads = np.full((2, N, E), 64, dtype=np.int64)
+    owners = [[e // (E // N) for e in range(E)]] * 2
+    P = [tuple((o,) for o in row) for row in owners]
+    hold = [P[0], P[1][:1] + ((P[1][1][0], G),) + P[1][2:]]  # layer 1: expert 1 (rank 0) to rank G, the next node
+    d = EE.t_derivation(cfg, prof)
+    want = d["s_e_MB"] * 1e6 / (d["bw_GBps"] * 1e9)
+
+    def spag_s(backend):
+        res = simulate(iteration_graph(cfg, prof, loads, None, elem_bytes=prof.elem_bytes, owners=owners,
+                                       holders=hold, prefetch=hold, backend=backend))
+        ops = res.ops_frame()
+        o = ops[(ops.category == "spag") & (ops.phase == "fwd")]
+        return float(o.end.max() - o.start.min())
+
+    assert EE.SPAG_BACKEND == "stripe"
+    got = spag_s(EE.SPAG_BACKEND)
+    assert want <= got < 1.25 * want + 3 * (prof.inter_latency_us + prof.intra_latency_us) * 1e-6
+    if prof.nics_per_node > 1:  # one NIC of the owner: a quarter of the bandwidth t counts on
+        assert spag_s("hier") > 0.9 * prof.nics_per_node * want
+
+
+def test_memory_budget_is_the_specs_m_and_binds_only_where_the_batch_fills_the_gpu():
+    from moelab.papers.hecate import end_to_end as EE
+
+    for model in ("GPT-MoE-S", "GPT-MoE-L", "BERT-MoE", "BERT-MoE-Deep"):
+        cfg, prof = _setting("hecate_A", 16, model)
+        mb = EE.memory_budget(cfg, prof)
+        assert mb["m"] == min(cfg.model.moe.num_experts, mb["m_uncapped"])
+        assert mb["m"] == cfg.model.moe.num_experts  # batch 1: memory binds nothing
+    ms = [EE.memory_budget(*_setting("hecate_B", 32, "GPT-MoE-L", batch=b))["m_uncapped"] for b in (1, 2, 5)]
+    assert ms == sorted(ms, reverse=True) and ms[-1] < ms[0]
+    cfg, prof = _setting("hecate_B", 32, "GPT-MoE-L", batch=5)
+    assert EE.memory_budget(cfg, prof)["m"] < cfg.model.moe.num_experts  # the activations of 5 sequences bind it
+    loads = np.random.default_rng(0).integers(0, 64, size=(2, 2, prof.world_size, cfg.model.moe.num_experts))
+    _, _, note = EE.system_plans("Hecate", cfg, prof, loads, calibration=False)
+    assert f"m={EE.memory_budget(cfg, prof)['m']};" in note
+
+
+def test_skew_one_is_the_measured_trace_and_a_larger_one_sharpens_the_same_ranking():
+    from moelab.papers.hecate.trace import upsample
+
+    rng = np.random.default_rng(1)
+    tr = rng.integers(1, 50, size=(3, 2, 4, 16))
+    base = upsample(tr, 8, 512, seed=3)
+    assert np.array_equal(upsample(tr, 8, 512, seed=3, skew=1.0), base)
+    sharp = upsample(tr, 8, 512, seed=3, skew=3.0)
+    assert sharp.sum() == base.sum()  # the same tokens, only their spread changes
+    share = lambda x: x.sum(2).max(-1) / x.sum((2, 3))  # noqa: E731  the hottest expert's share per (iter, layer)
+    assert (share(sharp) > share(base)).all()
+    G = tr.sum(2)
+    assert (G.argmax(-1) == sharp.sum(2).argmax(-1)).all()  # the measured hottest expert stays the hottest
