@@ -108,4 +108,6 @@ def notes(df: pd.DataFrame) -> list:
             f"the all-reduce would have to be {df.allreduce_needed_for_median.min():.1f}-"
             f"{df.allreduce_needed_for_median.max():.1f}x as long for Fig. 4's median on every backward all-to-all; "
             "any schedule of the same bytes (no packing, no pipelining) wins at most "
-            f"{df.bound_step_speedup.max():.3f}x on the step (paper: +priority 1.24x, +partition 1.36-1.42x)"]
+            f"{df.bound_step_speedup.max():.3f}x on the step (paper: +priority "
+            f"{paper('ablation_priority_emulated'):.2f}x, "
+            f"+partition {paper('ablation_partition_E4'):.2f}-{paper('ablation_partition_E16'):.2f}x)"]
