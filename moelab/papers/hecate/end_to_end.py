@@ -5,7 +5,7 @@ priced per iteration by each system's simulator graph, the plans coming from eac
 EP (none), FasterMoE (its shadow policy runs inside its graph, on the iteration's exact loads, with the
 smart schedule), Hecate (:func:`.replay.hecate_plans`), SmartMoE and FlexMoE (their replays, when those
 strategies exist in this checkout). The overlap degree t is the paper's ⌊T_nonMoE · bw / s_e⌋ with
-T_nonMoE = the profile's attention forward time and bw = the node's NIC (hierarchical spAG, spec §2.3);
+T_nonMoE = the profile's attention forward time and bw = the node's NICs (:data:`SPAG_BACKEND`, spec §2.3);
 m = spec §2.3's free / (L · (param + grad bytes of an expert)) (:func:`memory_budget`; capped at E), at least E for
 every Table 1 model at batch 1 (GPT-MoE-L, the largest, 46 on a 32 GB V100), so it binds nothing there and, as in a
 REAL run where m is profiled from free memory,
@@ -210,7 +210,8 @@ def end_to_end(scale="smoke", cluster: str = "hecate_A", gpus: int = 16, models:
     out["speedup_vs_ep"] = ep.iter_ms.reindex(out.model).to_numpy() / out.iter_ms
     out["moe_speedup_vs_ep"] = ep.moe_ms.reindex(out.model).to_numpy() / out.moe_ms
     out.attrs["label"] = frame_label(cluster, f"{gpus} GPUs, {2 * gpus} experts, batch {batch} sequence(s) per GPU, "
-                                              "Hecate's t from the paper's rule (t_formula), "
+                                              "Hecate's t from the paper's rule (t_formula), m from spec §2.3's "
+                                              f"memory budget (m_budget), spAG backend {SPAG_BACKEND}, "
                                               f"{sp.paper_iters} iterations per point "
                                               "(SUBSTITUTE loads: tiny-model trace)")
     return out

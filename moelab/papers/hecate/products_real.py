@@ -334,4 +334,5 @@ def m3(ctx):
                                                         title="M3: SmartMoE total time relative to the best interval")},
                 notes=[f"K={r.interval}: {r.note}" for r in df.itertuples()]
                 + ([] if df.replacements.sum()
-                   else ["no re-placement was applied at any K: SmartMoE's policy did not fire"]))
+                   else ["no re-placement was applied at any K: SmartMoE's policy did not fire "
+                         f"({df.reason.iloc[0]})"]))
