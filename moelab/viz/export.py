@@ -12,7 +12,8 @@ nothing else (4.8 MB each).
 **Images.** kaleido 1.x renders with a Chrome/Chromium it does not ship. Without one the HTML is still
 written and a single warning (:data:`NO_CHROMIUM`) says what was skipped and how to get it, so a headless
 batch run without Chromium degrades instead of failing. :func:`image_session` keeps one Chromium open for
-many exports (starting one costs seconds); :func:`export_images` renders a batch of figures in it.
+many exports (starting one costs seconds; :mod:`moelab.viz.chromium` keeps its page loaded between images and
+runs it at the lowest CPU priority); :func:`export_images` renders a batch of figures in it.
 """
 from __future__ import annotations
 
@@ -35,8 +36,7 @@ IMAGE_WIDTH, IMAGE_HEIGHT = 1200, 600  # an image's size when the figure sets no
 NO_CHROMIUM = ("no Chromium found (apt install chromium, or set BROWSER_PATH to a Chrome/Chromium; "
                "plotly_get_chrome downloads one)")
 _warned = False
-_server_open = False
-_broken: str | None = None  # why images stopped for this process
+_chromium = None  # the renderer of this process (moelab.viz.chromium.Chromium), opened on first use
 _DATA = re.compile(r'<script type="application/json" id="fig-data">(.*?)</script>', re.S)
 
 
@@ -164,19 +164,30 @@ def _warn_no_chromium(what: str) -> None:
         _warned = True
 
 
-def _server(start: bool) -> bool:
-    """Open (``start``) or close kaleido's sync server: one Chromium for every image until closed."""
-    global _server_open
-    import kaleido
+def _renderer():
+    """The process's :class:`moelab.viz.chromium.Chromium` (one browser for every image until closed), started
+    if none is open."""
+    global _chromium
+    if _chromium is None:
+        import atexit
 
-    if start and not _server_open:
-        kaleido.start_sync_server(mathjax=False, silence_warnings=True)  # mathjax=False: no CDN, offline
-        _server_open = True
-    elif not start and _server_open:
-        if not _broken:  # a server that stopped answering would not answer this either
-            kaleido.stop_sync_server(silence_warnings=True)
-        _server_open = False
-    return _server_open
+        from moelab.viz.chromium import Chromium
+
+        _chromium = Chromium()
+        atexit.register(_close_renderer)  # no browser outlives the process
+    return _chromium
+
+
+def renderer_cpu_s() -> float:
+    """The CPU seconds this process's Chromium has used on images so far (0.0 when none is open)."""
+    return _chromium.cpu_s() if _chromium is not None else 0.0
+
+
+def _close_renderer() -> None:
+    global _chromium
+    if _chromium is not None:
+        _chromium.close()
+        _chromium = None
 
 
 @contextmanager
@@ -189,38 +200,12 @@ def image_session():
         yield False
         return
     os.environ.setdefault("BROWSER_PATH", browser)  # where kaleido looks first
-    opened = not _server_open
+    opened = _chromium is None
     try:
         yield True
     finally:
-        if opened and _server_open:
-            _server(False)
-
-
-def _render(specs: list, timeout: float):
-    """kaleido's batch render in the sync server, on a thread with a deadline: a Chromium that never answers
-    (the server's thread died starting it) is reported, not waited for forever."""
-    import threading
-
-    import kaleido
-
-    global _broken
-    out: dict = {}
-
-    def call():
-        try:
-            _server(True)
-            out["errors"] = kaleido.write_fig_from_object_sync(specs)
-        except Exception as e:  # noqa: BLE001 - reported by the caller with the figures it concerns
-            out["errors"] = (e,)
-
-    t = threading.Thread(target=call, daemon=True, name="moelab-images")
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        _broken = f"Chromium did not render {len(specs)} image(s) in {timeout:.0f} s"
-        return (TimeoutError(_broken),)
-    return out.get("errors") or ()
+        if opened:
+            _close_renderer()
 
 
 def smaller_png(data: bytes) -> bytes:
@@ -267,7 +252,7 @@ def export_images(jobs, formats=IMAGE_FORMATS) -> list[Path]:
     if find_chromium() is None:
         _warn_no_chromium("/".join(formats).upper())
         return []
-    if _broken:
+    if _chromium is not None and _chromium.broken:  # it stopped answering: the HTML is written, no images
         return []
     specs, final = [], []
     for fig, stem in jobs:
@@ -279,7 +264,7 @@ def export_images(jobs, formats=IMAGE_FORMATS) -> list[Path]:
                 "format": fmt, "width": lay.get("width") or IMAGE_WIDTH, "height": lay.get("height") or IMAGE_HEIGHT}})
             final.append((part, Path(f"{stem}.{fmt}")))
     os.environ.setdefault("BROWSER_PATH", find_chromium())  # where kaleido looks first
-    errors = _render(specs, timeout=120 + 10 * len(specs))
+    errors = _renderer().render(specs, timeout=120 + 10 * len(specs))
     written = []
     for part, path in final:
         if part.is_file() and part.stat().st_size:

@@ -1,5 +1,6 @@
 """Static images beside a run: the PNG and SVG of every figure recorded into a folder, exported on a thread while
-the notebook runs (``moelab reproduce``) or afterwards (``moelab report --images``)."""
+the notebook runs (``moelab reproduce``) or afterwards (``moelab report --images``), in the one Chromium of
+:func:`moelab.viz.export.image_session` (:mod:`moelab.viz.chromium`: kept warm, lowest CPU priority)."""
 from __future__ import annotations
 
 import json
@@ -13,14 +14,15 @@ from moelab.papers.kit.report import _is_plotly_page
 class Images:
     """PNG and SVG of every figure recorded into ``folder`` (its ``<stem>.json`` sidecar, written after the
     page): :meth:`start` exports on a thread while the notebook runs, :meth:`finish` waits for it and exports
-    the rest. ``seconds`` is the time spent exporting, ``after_s`` the part after the notebook ended."""
+    the rest. ``seconds`` is the time spent exporting, ``after_s`` the part after the notebook ended, ``cpu_s``
+    the CPU time the browser spent on these images (a number the machine's load does not change much)."""
 
     def __init__(self, folder: Path, formats=None, poll_s: float = 2.0):
         from moelab.viz.export import IMAGE_FORMATS
 
         self.folder, self.formats, self.poll_s = Path(folder), tuple(formats or IMAGE_FORMATS), poll_s
         self.written: list[Path] = []
-        self.seconds = self.after_s = 0.0
+        self.seconds = self.after_s = self.cpu_s = 0.0
         self._tried: set = set()
         self._stop = None
         self._thread = None
@@ -45,12 +47,12 @@ class Images:
 
     def export(self) -> int:
         """One pass: every pending figure, in one Chromium call per set of missing formats."""
-        from moelab.viz.export import export_images, read_figure
+        from moelab.viz.export import export_images, read_figure, renderer_cpu_s
 
         jobs = self.pending()
         if not jobs:
             return 0
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), renderer_cpu_s()
         by_formats: dict = {}
         for missing, stem in jobs:
             self._tried.add(stem)
@@ -63,6 +65,7 @@ class Images:
             self.written += made
             n += len(made)
         self.seconds += time.monotonic() - t0
+        self.cpu_s += max(renderer_cpu_s() - cpu0, 0.0)  # a browser (re)opened here counts from 0
         return n
 
     def _loop(self) -> None:

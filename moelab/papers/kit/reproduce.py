@@ -31,8 +31,9 @@ has not stopped.
 
 **Files.** Every figure page loads one plotly.js, ``DIR/assets/plotly-<version>.min.js`` (written before the
 first notebook runs, from the installed plotly package: offline). By default a thread beside each notebook's
-run writes a PNG and an SVG of every figure the notebook records (kaleido, one Chromium for the whole call), so
-most of the export overlaps the run; a re-used notebook gets the images it lacks. Without a Chromium one line
+run writes a PNG and an SVG of every figure the notebook records (kaleido, one Chromium for the whole call, its
+page kept loaded between images and its processes at the lowest CPU priority: :mod:`moelab.viz.chromium`), so the
+export takes the cycles the notebook leaves; a re-used notebook gets the images it lacks. Without a Chromium one line
 says so and how to get one; ``--no-images`` skips them (and the line).
 
 **Re-use.** A notebook is skipped when its last run into DIR succeeded with the same parameters and
@@ -289,9 +290,9 @@ def reproduce(names=("all",), scale: str = "default", out: str | Path = "reports
 def _images_line(img, ran: bool) -> str:
     kinds = "/".join(f.upper() for f in img.formats)
     if not ran:
-        return f"{len(img.written)} missing image(s) ({kinds}) written in {img.seconds:.1f} s"
-    return (f"{len(img.written)} image(s) ({kinds}) in {img.seconds:.1f} s beside the run, "
-            f"{img.after_s:.1f} s after it")
+        return f"{len(img.written)} missing image(s) ({kinds}) written in {img.seconds:.1f} s ({img.cpu_s:.1f} s CPU)"
+    return (f"{len(img.written)} image(s) ({kinds}) in {img.seconds:.1f} s beside the run "
+            f"({img.cpu_s:.1f} s of the browser's CPU), {img.after_s:.1f} s after it")
 
 
 def _run_one(i, plan, total, out, scale, params, root, ex_dir, force, timeout, log, images) -> Outcome:
@@ -349,7 +350,7 @@ def _run_one(i, plan, total, out, scale, params, root, ex_dir, force, timeout, l
         "executed": _rel(executed, out), "figures_dir": _rel(fig_dir, out), "cwd": str(root),
         "moelab_version": __version__,
         "images": None if img is None else {"files": len(img.written), "seconds": round(img.seconds, 2),
-                                            "after_s": round(img.after_s, 2)},
+                                            "after_s": round(img.after_s, 2), "cpu_s": round(img.cpu_s, 2)},
     }
     atomic_write_json(manifest_path, manifest)
     word = "ok" if status == "ok" else status.upper()

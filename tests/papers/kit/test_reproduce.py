@@ -229,6 +229,7 @@ def test_reproduce_quickstart_smoke(tmp_path, tmp_path_factory):
     if find_chromium() is not None:  # a PNG and an SVG of every figure, by default
         assert all((figs / f"{s}.png").is_file() and (figs / f"{s}.svg").is_file() for s in stems), stems
         assert manifest["images"]["files"] == 2 * len(stems) and "image(s) (PNG/SVG)" in r.stdout
+        assert manifest["images"]["cpu_s"] > 0 and "of the browser's CPU" in r.stdout
     assert [p.name for p in out.rglob("plotly-*.js")] == [plotlyjs_name()]  # one plotly.js in the report
     assert len(page) < 2_000_000 and all((figs / f"{s}.html").stat().st_size < 1_000_000 for s in stems)
     assert manifest["parameters"]["out_dir"] == str(figs.resolve()) and manifest["cwd"] == str(REPO)
