@@ -90,11 +90,13 @@ def _grid_options(overrides: tuple = ()) -> dict:
     return {"k": int(_assumed("top_k", overrides)), "experts_per_rank": int(_assumed("experts_per_rank", overrides))}
 
 
-def _saa_options(overrides: tuple = ()) -> dict:
-    """How the simulator prices SAA at paper scale: its per-phase fixed cost and its streams (the assumptions file's
-    ``saa_phase_alpha`` and ``saa_streams``)."""
-    return {"saa_phase_alpha": _assumed("saa_phase_alpha", overrides),
-            "saa_streams": int(_assumed("saa_streams", overrides))}
+def _saa_options(overrides: tuple = (), testbed: str = "A") -> dict:
+    """How the simulator prices SAA at paper scale on ``testbed``: its streams, and per round either the measured
+    latency of one NCCL round there (``saa_round_us_A`` / ``_B``, with the paper's two-stream kernel) or
+    ``saa_phase_alpha`` of the class latency (phase by phase)."""
+    streams = int(_assumed("saa_streams", overrides))
+    return {"saa_phase_alpha": _assumed("saa_phase_alpha", overrides), "saa_streams": streams,
+            "saa_round_s": _assumed(f"saa_round_us_{testbed}", overrides) * 1e-6 if streams == 2 else None}
 
 
 def _experts(opts: dict) -> str:
@@ -119,10 +121,10 @@ def sim_grid(scale, dispatcher: str | None = None, overrides: tuple = ()) -> pd.
     stride = scale_spec(scale).grid_stride * (INDEX_STRIDE if dispatcher != head else 1)
     reserve = _assumed("memory_reserve_GiB", overrides)
     opts = _grid_options(overrides)
-    saa = _saa_options(overrides)
     rows, fits = [], {}
     for setting, (prof_name, nodes, _) in GRID.items():
         prof = _profile(prof_name, nodes, overrides)
+        saa = _saa_options(overrides, setting[0])
         keep, _ = filtered(setting, reserve_GiB=reserve, **opts)
         for c in keep[::stride]:
             lay = c.layout()
@@ -218,37 +220,38 @@ SAA_SWEEP = (("A-8", 1), ("B-8", 2), ("B-32", 8))  # settings and node counts of
 def saa_sweep(scale=None) -> pd.DataFrame:
     """SAA against all-to-all followed by all-gather (AAS) as the simulator prices them alone, over message sizes:
     per setting and N_MP (N_ESP = 1), SAA at output ``x`` elements vs A2A_EPESP(x / N_MP) + AG_MP(x), each with its
-    fixed costs (SAA: P phases of one class latency each, scaled by the ``saa_phase_alpha`` assumption; AAS: one
-    latency for the all-to-all, N_MP - 1 ring steps for the all-gather); ``aas_over_saa`` > 1: SAA is faster, as the
-    paper claims (``saa_over_aas``)."""
+    fixed costs (SAA as :func:`_saa_options` prices it; AAS: one class latency for the all-to-all, N_MP - 1 ring
+    steps for the all-gather); ``aas_over_saa`` > 1: SAA is faster, as the paper claims (``saa_over_aas``).
+    ``saa_fixed_ms``: SAA alone at the smallest size (its fixed costs)."""
     from moelab.strategies.parm.layout import ParmLayout
 
     from .common import paper
 
-    phase_alpha, streams = _assumed("saa_phase_alpha"), int(_assumed("saa_streams"))
-    how = "on two streams as the paper's kernel runs it" if streams == 2 else "phase by phase"
-    rows = []
+    rows, how = [], ""
     for setting, nodes in SAA_SWEEP:
         prof_name, _, g = GRID[setting]
         prof = _profile(prof_name, nodes)
+        opts = _saa_options((), setting[0])
+        how = ("the paper's two-stream kernel, one class latency per call and saa_round_us_A / _B per round"
+               if opts["saa_streams"] == 2 else
+               f"phase by phase, {opts['saa_phase_alpha']:g} x the class latency per phase (saa_phase_alpha)")
         P = prof.world_size
         lat = prof.latency("inter" if nodes > 1 else "intra")
         for n_mp in (2, 4):
             lay = ParmLayout(P, n_mp, 1, P, g)
+            fixed = sim_curve(prof, lay, "SAA", [1], **opts)[0]
             for e in range(12, 25, 4):
                 x = 2 ** e
-                saa = sim_curve(prof, lay, "SAA", [x], phase_alpha, streams)[0]
+                saa = sim_curve(prof, lay, "SAA", [x], **opts)[0]
                 a2a = sim_curve(prof, lay, "A2A_EPESP", [x // n_mp])[0]
                 ag = sim_curve(prof, lay, "AG_MP", [x])[0]
                 rows.append(dict(setting=setting, P=P, n_mp=n_mp, x_elems=x, saa_ms=saa * 1e3, a2a_ms=a2a * 1e3,
-                                 ag_ms=ag * 1e3, aas_over_saa=(a2a + ag) / saa,
-                                 saa_fixed_ms=P * lat * phase_alpha * 1e3,
+                                 ag_ms=ag * 1e3, aas_over_saa=(a2a + ag) / saa, saa_fixed_ms=fixed * 1e3,
                                  aas_fixed_ms=(lat + (n_mp - 1) * prof.latency("intra")) * 1e3,
                                  paper_saa_over_aas=paper("saa_over_aas")))
     df = pd.DataFrame(rows)
     df.attrs["label"] = ("SIMULATED: one SAA vs all-to-all then all-gather, alone on parm_A / parm_B, N_ESP = 1; "
-                         f"SAA phase fixed cost {phase_alpha:g} x the class latency (saa_phase_alpha, assumed), "
-                         f"{how} (saa_streams)")
+                         f"SAA as {how} (assumptions)")
     return df
 
 
@@ -340,7 +343,7 @@ def table5_sim(scale, overrides: tuple = ()) -> pd.DataFrame:
         prof = _profile(prof_name, nodes, overrides)
         E = e_local * (prof.world_size // n_esp)
         lay = ParmLayout(prof.world_size, n_mp, n_esp, E, prof.gpus_per_node)
-        saa = _saa_options(overrides)
+        saa = _saa_options(overrides, tb)
         fits = model_fits(prof, lay, **saa)
         for model, m in TV_MODELS.items():
             shape = Shape(S=B * m["seq"], M=768, H=3072, k=k, f=f, dispatcher=disp)

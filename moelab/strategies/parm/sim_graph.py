@@ -40,14 +40,15 @@ def _saa_alpha(demands: list, saa_phase_alpha: float) -> list:
 
 
 def _saa_kernel(g, name: str, group: list, topo: Topology, profile, args: dict, deps: tuple, phase_alpha: float,
-                comm: dict, phase: str):
+                comm: dict, phase: str, round_s: Optional[float] = None):
     """SAA as the paper's kernel runs it (github.com/Fragile-azalea/Parm, commit 5e0bc31,
     ``test_overlap_alltoall_and_allgather/src/custom_kernel.cpp``): one host call enqueues the all-to-all's rounds
     1..P-1 back to back on one NCCL stream and the gather's rounds on a second; gather round i waits (a CUDA event)
     for all-to-all round i-1, the all-to-all never waits for the gather, and the last gather round follows the last
     all-to-all round on the first stream. Each round is a grouped ncclSend/ncclRecv and pays ``phase_alpha`` of its
-    class latency (all-to-all: the group's class, gather: the MP sub-group's); concurrent rounds share links.
-    Returns the op that ends the call."""
+    class latency (all-to-all: the group's class, gather: the MP sub-group's), or, with ``round_s``, the call pays
+    one class latency (what an all-to-all call pays: the host call) and each round ``round_s`` seconds (a round's
+    device-side latency); concurrent rounds share links. Returns the op that ends the call."""
     from moelab.comm.costs import alltoall_demands
     from moelab.comm.saa import forward_phases, sub_groups
 
@@ -59,6 +60,10 @@ def _saa_kernel(g, name: str, group: list, topo: Topology, profile, args: dict, 
     lat = lambda ranks: profile.latency("intra" if len({topo.node_of(r) for r in ranks}) == 1 else "inter")  # noqa: E731
     a_lat = lat(group) * phase_alpha
     g_lat = max((lat([r, *peers[r]]) for r in group if peers[r]), default=0.0) * phase_alpha
+    if round_s is not None:
+        a_lat = g_lat = round_s
+        deps = (g.add(f"{name}.call", group, stream="comm", duration=lat(group), deps=deps, category="saa", kind="comm",
+                      phase=phase),)
     first, a_prev, g_prev, g_last = [True], None, None, None
 
     def add(label, matrix, alpha, on, after):
@@ -91,10 +96,11 @@ def _saa_kernel(g, name: str, group: list, topo: Topology, profile, args: dict, 
 
 
 def _build(g, layout: ParmLayout, topo: Topology, profile, plan, saa_phase_alpha: float = 1.0,
-           saa_streams: int = 1) -> None:
+           saa_streams: int = 1, saa_round_s: Optional[float] = None) -> None:
     """Append ``plan`` (a list of :class:`~.plan.Step`) to ``g``: each rank's steps in order; every SAA phase
     pays ``saa_phase_alpha`` of its class latency as its fixed cost (:func:`_saa_alpha`); ``saa_streams``: 1 =
-    moelab's runtime SAA (phase by phase), 2 = the paper's two-stream kernel (:func:`_saa_kernel`)."""
+    moelab's runtime SAA (phase by phase), 2 = the paper's two-stream kernel (:func:`_saa_kernel`, with
+    ``saa_round_s``: its per-round latency)."""
     groups = layout.groups()
     last = {r: None for r in range(layout.world)}
     dep = lambda ranks: tuple(last[r] for r in ranks if last[r] is not None)  # noqa: E731
@@ -118,7 +124,7 @@ def _build(g, layout: ParmLayout, topo: Topology, profile, plan, saa_phase_alpha
             args, demands = priced[key]
             if s.op == "saa" and saa_streams == 2:
                 op = _saa_kernel(g, f"{s.name}.{s.phase}", list(inst), topo, profile, args, dep(inst), saa_phase_alpha,
-                                 {"op": s.op, "group": list(inst), **args}, s.phase)
+                                 {"op": s.op, "group": list(inst), **args}, s.phase, saa_round_s)
                 for r in inst:
                     last[r] = op
                 continue
@@ -131,12 +137,12 @@ def _build(g, layout: ParmLayout, topo: Topology, profile, plan, saa_phase_alpha
 
 def parm_layer_graph(profile, layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a",
                      saa_backward: bool = True, meta: Optional[dict] = None, saa_mode: str = "raw",
-                     saa_phase_alpha: float = 1.0, saa_streams: int = 1):
+                     saa_phase_alpha: float = 1.0, saa_streams: int = 1, saa_round_s: Optional[float] = None):
     """The op graph of one MoE layer call (forward + backward) of ``schedule`` on ``profile``'s links."""
     topo = Topology(layout.world, layout.ranks_per_node)
     g = new_graph(profile, topo, {"strategy": "parm", "schedule": schedule, "variant": variant, **(meta or {})})
     _build(g, layout, topo, profile, steps(layout, shape, schedule, variant, saa_backward, saa_mode), saa_phase_alpha,
-           saa_streams)
+           saa_streams, saa_round_s)
     return g
 
 
@@ -189,11 +195,11 @@ def model_steps(layout: ParmLayout, shape: Shape, *, n_layers: int, seq_len: int
 
 
 def parm_model_graph(profile, layout: ParmLayout, shape: Shape, meta: Optional[dict] = None,
-                     saa_phase_alpha: float = 1.0, saa_streams: int = 1, **kw):
+                     saa_phase_alpha: float = 1.0, saa_streams: int = 1, saa_round_s: Optional[float] = None, **kw):
     """The op graph of one training iteration (:func:`model_steps`)."""
     topo = Topology(layout.world, layout.ranks_per_node)
     g = new_graph(profile, topo, {"strategy": "parm", "model": True, **(meta or {})})
-    _build(g, layout, topo, profile, model_steps(layout, shape, **kw), saa_phase_alpha, saa_streams)
+    _build(g, layout, topo, profile, model_steps(layout, shape, **kw), saa_phase_alpha, saa_streams, saa_round_s)
     return g
 
 
@@ -206,7 +212,8 @@ def layer_time(profile, layout: ParmLayout, shape: Shape, schedule: str, **kw) -
 
 
 # ---- alpha-beta lines of the simulator's own collectives (what Alg. 1 gets at paper scale) -------------
-def sim_curve(profile, layout, name: str, xs, saa_phase_alpha: float = 1.0, saa_streams: int = 1) -> list:
+def sim_curve(profile, layout, name: str, xs, saa_phase_alpha: float = 1.0, saa_streams: int = 1,
+              saa_round_s: Optional[float] = None) -> list:
     """Seconds the simulator gives one collective of ``name`` alone at paper-``x`` elements on ``layout``
     (``saa_phase_alpha``: :func:`_saa_alpha`; ``saa_streams``: :func:`_build`)."""
     from moelab.strategies.parm.fits import COLLECTIVES
@@ -223,7 +230,7 @@ def sim_curve(profile, layout, name: str, xs, saa_phase_alpha: float = 1.0, saa_
             world = list(range(layout.world))
             if saa_streams == 2:
                 _saa_kernel(g, "saa", world, topo, profile, {"nbytes": chunk, "sub": groups[MP]}, (), saa_phase_alpha,
-                            {"op": "saa", "group": world}, "fwd")
+                            {"op": "saa", "group": world}, "fwd", saa_round_s)
             else:
                 d = costs.demands("saa", world, topo, profile, nbytes=chunk, sub=groups[MP])
                 g.transfer("saa", world, _saa_alpha(d, saa_phase_alpha))
@@ -243,14 +250,14 @@ def sim_curve(profile, layout, name: str, xs, saa_phase_alpha: float = 1.0, saa_
 
 
 def model_fits(profile, layout, names=("AG_MP", "A2A_EPESP", "SAA"), exps=range(8, 25, 2),
-               saa_phase_alpha: float = 1.0, saa_streams: int = 1) -> dict:
+               saa_phase_alpha: float = 1.0, saa_streams: int = 1, saa_round_s: Optional[float] = None) -> dict:
     """alpha-beta lines fitted to the simulator's own curves on ``layout`` (what Alg. 1 gets at paper scale)."""
     xs = [2 ** e for e in exps]
     out = {}
     for name in names:
         if name == "AG_MP" and layout.n_mp == 1 or name == "SAA" and layout.n_mp == 1:
             continue
-        out[name] = fit_alpha_beta(xs, sim_curve(profile, layout, name, xs, saa_phase_alpha, saa_streams))
+        out[name] = fit_alpha_beta(xs, sim_curve(profile, layout, name, xs, saa_phase_alpha, saa_streams, saa_round_s))
     return out
 
 

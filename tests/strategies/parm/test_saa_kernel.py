@@ -65,11 +65,26 @@ def test_the_all_to_all_never_waits_for_the_gather():
 
 
 def test_paper_scale_takes_its_saa_schedule_from_the_assumptions():
+    from moelab.papers.kit.assumptions import load_assumptions
     from moelab.papers.parm.paper_scale import _saa_options
 
-    assert _saa_options()["saa_streams"] == 2
-    assert _saa_options((("saa_streams", 1),))["saa_streams"] == 1
+    a = load_assumptions("parm")
+    for tb in ("A", "B"):
+        o = _saa_options((), tb)
+        assert o["saa_streams"] == 2 and o["saa_round_s"] == pytest.approx(a.value(f"saa_round_us_{tb}") * 1e-6)
+    assert _saa_options((("saa_streams", 1),))["saa_round_s"] is None
     prof = get_profile("parm_B").with_nodes(2)
     lay = ParmLayout(8, 2, 2, 4, 4)
     t1, t2 = (layer_time(prof, lay, BIG, "s2", saa_streams=s)["time_s"] for s in (1, 2))
     assert t1 != t2
+
+
+def test_the_kernel_pays_one_call_and_a_latency_per_round():
+    """With ``round_s`` the call pays one class latency (the host call) and each round ``round_s``: at a tiny size the
+    all-to-all chain's P - 1 rounds and the call bound the time from below, and a slower round slows it."""
+    prof = get_profile("parm_B").with_nodes(2)
+    lay = ParmLayout(8, 2, 1, 8, 4)
+    t = {r: sim_curve(prof, lay, "SAA", [8], 1.0, 2, r)[0] for r in (10e-6, 40e-6)}
+    call = prof.latency("inter")
+    assert t[10e-6] >= call + 7 * 10e-6 and t[40e-6] >= call + 7 * 40e-6
+    assert t[40e-6] > t[10e-6]
