@@ -25,11 +25,6 @@ def speedup_max_cell(scale, overrides: tuple = ()) -> float:
     return float(_vic(scale, overrides, "parm_cell_mean_max", "A+B").value.iloc[0])
 
 
-def saa_over_aas(scale, overrides: tuple = ()) -> float:
-    """``saa_over_aas``: S2-AAS time over S2 (SAA) time, the mean of the two testbeds' grid means."""
-    return float(_vic(scale, overrides, "saa_over_aas").value.mean())
-
-
 def table5_about3x(scale, overrides: tuple = ()) -> float:
     """``table5_about3x``: the mean of Table V's four SIMULATED speedups (two models on two testbeds)."""
     return float(paper_scale.table5_sim(_name(scale), tuple(overrides)).speedup.mean())

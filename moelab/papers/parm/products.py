@@ -160,9 +160,10 @@ def vic(ctx):
     notes = [df.attrs.get("note", ""),
              f"SAA alone vs all-to-all then all-gather (table_vic_saa_sweep): (a2a + AG) / SAA {lo:.2f} - {hi:.2f} "
              f"over 2^12 - 2^24 elements (paper: {paper('saa_over_aas'):g}x at the layer); at the largest size "
-             f"{big.aas_over_saa.min():.2f} - {big.aas_over_saa.max():.2f}. SAA pays P phase latencies against the "
-             "all-to-all's one and the all-gather's N_MP - 1, and saves bytes only where its halves use different "
-             "links (the all-to-all on the NICs: 32 GPUs) (experiments/parm/README.md)"]
+             f"{big.aas_over_saa.min():.2f} - {big.aas_over_saa.max():.2f}. SAA, as the paper's kernel runs it, pays "
+             "one call and P serial rounds against the all-to-all's one call and the all-gather's N_MP - 1 ring steps, "
+             "saves bytes only where its halves use different links (the all-to-all on the NICs: 32 GPUs), and "
+             "forwards raw chunks: with N_ESP > 1 its gather moves N_ESP x AAS's (experiments/parm/README.md)"]
     return Made(df, tables={"table_vic": (df, "Sec. VI-C: ranges and ratios, SIMULATED over the filtered grid"),
                             "table_vic_saa_sweep": (sw, "SAA vs all-to-all then all-gather over message sizes, "
                                                         "SIMULATED alone on parm_A / parm_B, beside the paper's "
