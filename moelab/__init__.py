@@ -5,7 +5,20 @@ simulator that prices the same plans, and notebooks that rebuild the papers' fig
 """
 __version__ = "0.1.0"
 
-from moelab.config import ConfigError, RunConfig  # noqa: E402
+from moelab.config import ConfigError, RunConfig, install_preflight  # noqa: E402
+
+
+def _preflight(cfg) -> list:
+    """The owners' checks of a config (:func:`moelab.runtime.preflight.owner_errors`), installed as
+    ``RunConfig.validate()``'s pre-flight step: the package root wires the runtime into the config layer, which
+    may not import it. Imported on first use: the pre-flight reaches torch and the registries, and
+    ``import moelab`` stays light."""
+    from moelab.runtime.preflight import owner_errors
+
+    return owner_errors(cfg)
+
+
+install_preflight(_preflight)
 
 
 def launch(config=None, nproc=None, **overrides):

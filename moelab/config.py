@@ -59,24 +59,48 @@ def field_errors(section, prefix: str) -> list:
         else:
             err = _field_error(prefix + f.name, f, v)
             errs += [err] if err else []
-    return errs + list(getattr(section, "own_errors", lambda: [])())
+    if errs:  # a section's own cross-field rules read its fields: only once they hold
+        return errs
+    return list(getattr(section, "own_errors", lambda: [])())
+
+
+# ---- the pre-flight seam ----------------------------------------------------------------------------
+# Checks that need another package (the registries of strategies, gates and dispatchers, the hardware, the
+# checkpoints, the process groups) live with their owners and run as one pre-flight step,
+# :func:`moelab.runtime.preflight.owner_errors`. This module, the lowest layer, does not import it: the package
+# root installs it here (``moelab/__init__.py``), so every ``RunConfig.validate()`` runs it.
+PREFLIGHT: list = []  # steps ``cfg -> [message]``, run by validate() once every field holds
+
+
+def install_preflight(step) -> None:
+    """Make ``step(cfg) -> [message]`` the pre-flight of :meth:`RunConfig.validate` (replacing any)."""
+    PREFLIGHT[:] = [step]
 
 
 @dataclass
 class MoEConfig:
     num_experts: int = at_least(8, 1)  # experts per MoE layer (global)
     top_k: int = 2  # experts per token, 1..num_experts (gshard: 2, switch/base: 1)
-    gate: str = "topk"  # topk (renormalized top-k softmax) | gshard (top-2) | switch (top-1) | base (balanced top-1)
+    # a registered gate (moelab.moe.gates, which checks what each needs): topk (renormalized top-k softmax) |
+    # gshard (top-2) | switch (top-1) | base (balanced top-1)
+    gate: str = "topk"
     # None = dropless; else capacity = ceil(k*cf*T/E) per source rank
     capacity_factor: Optional[float] = at_least(None, 0, integer=False, strict=True, note=" (or null for dropless)")
     min_capacity: int = at_least(0, 0)  # lower bound of the per-expert capacity
     random_routing: bool = False  # gshard: drop the 2nd expert when 2*p2 < U(0,1)
     balance_loss_coef: float = at_least(0.01, 0, integer=False)  # weight of the GShard/Switch load-balancing loss
     z_loss_coef: float = at_least(0.0, 0, integer=False)  # weight of the router z-loss mean(logsumexp(logits)^2)
+    # a registered dispatcher (moelab.moe.dispatch, which checks what each needs):
     dispatcher: str = "sparse"  # sparse (count exchange + uneven all-to-all) | dense (capacity-padded, equal splits)
     activation: str = one_of("gelu", ("gelu", "relu"))  # expert FFN activation
     expert_bias: bool = True  # biases in the expert FFN
     kernels: str = "torch"  # torch | triton | auto: router, permute/unpermute, expert GEMMs (moelab.kernels)
+
+    def own_errors(self) -> list:
+        k, E = self.top_k, self.num_experts
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= max(E, 1):
+            return [f"model.moe.top_k must be an integer in 1..model.moe.num_experts={E}, got {k!r}"]
+        return []
 
 
 @dataclass
@@ -96,11 +120,12 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def own_errors(self) -> list:
-        """bert reserves one id for [MASK]: its vocabulary needs 3 ids at least."""
-        v = self.vocab_size
-        if self.arch == "bert" and isinstance(v, int) and not isinstance(v, bool) and v == 2:
-            return [f"model.vocab_size must be >= 3, got {v!r}"]
-        return []
+        """bert reserves one id for [MASK]: its vocabulary needs 3 ids at least; heads split d_model evenly."""
+        errs = [f"model.vocab_size must be >= 3, got {self.vocab_size!r}"] \
+            if self.arch == "bert" and self.vocab_size == 2 else []
+        if self.d_model % self.n_heads != 0:
+            errs.append(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
+        return errs
 
 
 @dataclass
@@ -141,6 +166,14 @@ class ParallelConfig:
     # ddp_overlap: bucket size in MiB (PyTorch DDP's default)
     bucket_mb: float = at_least(25.0, 0, integer=False, strict=True)
 
+    def own_errors(self) -> list:
+        """The declared topology holds exactly ``nproc`` ranks."""
+        topo = self.topology
+        rpn = topo.ranks_per_node if topo.ranks_per_node is not None else self.nproc // topo.nodes
+        if rpn < 1 or topo.nodes * rpn != self.nproc:
+            return [f"topology {topo.nodes} nodes x {topo.ranks_per_node or '?'} ranks does not fit nproc={self.nproc}"]
+        return []
+
 
 @dataclass
 class TrainConfig:
@@ -178,15 +211,18 @@ class ServeConfig:
     """Inference serving (``moelab serve``, :mod:`moelab.runtime.serve`): what every server has - requests,
     arrivals, batching - and the strategy whose server answers them. The server's own settings are its
     ``strategy_options``, declared and checked by that strategy (``Strategy.serve_options``: a placement
-    variant, an estimator), before any process starts (:func:`moelab.runtime.preflight.serve_errors`)."""
+    variant, an estimator), before any process starts (:func:`moelab.runtime.preflight.serve_errors`); the
+    numbers here check themselves (field metadata) with every other section."""
 
     strategy: Optional[str] = None  # the registered strategy whose server answers (one declaring ``serve``)
     strategy_options: dict = field(default_factory=dict)  # that server's options (its ``serve_options``)
-    requests: int = 32  # requests drawn (held-out windows of model.seq_len tokens)
-    arrival: str = "poisson"  # poisson (rate_per_s) | closed (batch_size clients, each sends again once served)
-    rate_per_s: float = 100.0
-    batch_size: int = 8  # B: sequences per batch over all ranks
-    max_wait_ms: float = 10.0  # a batch leaves when full or when its first request waited this long
+    requests: int = at_least(32, 1)  # requests drawn (held-out windows of model.seq_len tokens)
+    # poisson (rate_per_s) | closed (batch_size clients, each sends again once served)
+    arrival: str = one_of("poisson", ("poisson", "closed"))
+    rate_per_s: float = at_least(100.0, 0, integer=False, strict=True)
+    batch_size: int = at_least(8, 1)  # B: sequences per batch over all ranks
+    # a batch leaves when full or when its first request waited this long
+    max_wait_ms: float = at_least(10.0, 0, integer=False, strict=True)
     requests_file: Optional[str] = None  # CSV id,arrival_s,text instead of drawn requests; malformed rows rejected
 
     # Settings older versions kept on this section itself, with their defaults then: a stored run's config still
@@ -281,12 +317,20 @@ class RunConfig:
         return "_".join(str(x).replace("_", "-") for x in parts) + "_" + self.short_hash()
 
     # ---- validation ----------------------------------------------------------------------------
-    def validate(self) -> "RunConfig":
-        """Raise ConfigError for a config that cannot work (:mod:`moelab.runtime.preflight`, every complaint at
-        once). Cheap; runs before any process starts."""
-        from moelab.runtime.preflight import config_errors
+    def own_errors(self) -> list:
+        """Rules across sections: the faulty rank is one of the run's."""
+        t, n = self.train, self.parallel.nproc
+        if t.fault_rank is not None and not 0 <= t.fault_rank < n:
+            return [f"train.fault_rank={t.fault_rank} is not a rank of nproc={n}"]
+        return []
 
-        errs = config_errors(self)
+    def validate(self) -> "RunConfig":
+        """Raise ConfigError for a config that cannot work, every complaint at once: each section's fields
+        (:func:`field_errors`); once they hold, the owners' checks (the :data:`PREFLIGHT` step,
+        :func:`moelab.runtime.preflight.owner_errors`). Cheap; runs before any process starts."""
+        errs = field_errors(self, "")
+        for step in PREFLIGHT if not errs else ():  # later checks divide by the fields' numbers
+            errs += step(self)
         if errs:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
         return self

@@ -288,6 +288,19 @@ def get_update(name: str):
     return get(name).update
 
 
+def strategy_errors(cfg) -> list:
+    """``parallel.strategy`` is known and binds its options to the run (the strategy checks them; binding
+    imports it, so the gates and dispatchers it registers exist afterwards)."""
+    name = cfg.parallel.strategy
+    if name not in known_strategies():
+        return [f"parallel.strategy {name!r} is unknown; known: {sorted(known_strategies())}"]
+    try:
+        get(name).bind(cfg)
+    except Exception as e:  # noqa: BLE001 - any complaint becomes a clear config error
+        return [f"parallel.strategy_options for {name!r}: {e}"]
+    return []
+
+
 def get_groups(cfg) -> dict:
     """The process groups ``cfg``'s strategy declares, ``{group: [[ranks of one instance], ...]}``
     (``{}`` for none): each a partition of the ranks, checked before launch

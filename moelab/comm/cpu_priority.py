@@ -53,6 +53,11 @@ UNAVAILABLE = ("needs Linux's SCHED_IDLE and the right to leave it (CAP_SYS_NICE
                "this host lacks one of them")
 
 
+def yield_errors(cfg) -> list:
+    """``emulation.compute_yields`` needs what :func:`available` probes for."""
+    return ["emulation.compute_yields " + UNAVAILABLE] if cfg.emulation.compute_yields and not available() else []
+
+
 def resolve(mode: str) -> bool:
     """A command line's ``on`` / ``off`` / ``auto`` (on where :func:`available`) as the config's bool."""
     if mode not in ("on", "off", "auto"):

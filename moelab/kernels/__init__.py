@@ -59,6 +59,19 @@ def triton_error(device: str = "cuda") -> str | None:
     return None
 
 
+def kernel_errors(moe, device: str) -> list:
+    """``model.moe.kernels`` (of a :class:`moelab.config.MoEConfig`) names a selector, and Triton can run on the
+    ranks' ``device`` and route the config's top-k (checked before any process starts)."""
+    if moe.kernels not in KINDS:
+        return [f"model.moe.kernels must be one of {KINDS}, got {moe.kernels!r}"]
+    if moe.kernels != "triton":
+        return []
+    errs = [f"model.moe.kernels=triton routes top-k up to {MAX_TOP_K}, got model.moe.top_k={moe.top_k}"] \
+        if moe.top_k > MAX_TOP_K else []
+    why = triton_error(device)
+    return errs + ([why] if why else [])
+
+
 def select(kind: str, device: str = "cpu") -> str:
     """``torch`` or ``triton`` for ``kind`` on ``device``; KernelUnavailable / ValueError when it cannot be."""
     if kind not in KINDS:

@@ -56,6 +56,12 @@ IGNORE_INDEX = -100
 HELDOUT_DIVISOR = 32  # 1/32 of the windows are held out for evaluation
 
 
+def dataset_errors(cfg) -> list:
+    """``train.dataset`` names one of :data:`DATASETS`."""
+    d = cfg.train.dataset
+    return [] if d in DATASETS else [f"train.dataset must be one of {DATASETS}, got {d!r}"]
+
+
 @functools.lru_cache(maxsize=4)
 def stdlib_text(max_bytes: int = DEFAULT_MAX_BYTES, domain: str = "pydocs") -> bytes:
     """The first ``max_bytes`` of the stdlib's text files of ``domain`` (:data:`TEXT_DOMAINS`; sorted

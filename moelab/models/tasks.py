@@ -285,7 +285,7 @@ def build_model(cfg, **kw) -> MoETransformer:
 
 
 def task_errors(cfg) -> list:
-    """Why ``cfg``'s task options cannot work (empty: they can). Called by RunConfig.validate."""
+    """Why ``cfg``'s task options cannot work (empty: they can). Part of the pre-flight (moelab.runtime.preflight)."""
     m, t = cfg.model, cfg.train
     if t.task not in TASKS:
         return [f"train.task must be one of {TASKS}, got {t.task!r}"]

@@ -34,12 +34,23 @@ DISPATCHERS: dict = {}
 
 
 def register_dispatcher(name: str, cls=None):
-    """Register a dispatcher class ``cls(comm, placement)`` as ``cfg.dispatcher = name`` (also a decorator)."""
+    """Register a dispatcher class ``cls(comm, placement)`` as ``cfg.dispatcher = name`` (also a decorator). The
+    class may say what it asks of the run: ``needs(run_cfg) -> [message]`` (a static method), checked before any
+    process starts (:func:`dispatcher_errors`)."""
     def deco(c):
         DISPATCHERS[name] = c
         return c
 
     return deco(cls) if cls is not None else deco
+
+
+def dispatcher_errors(cfg) -> list:
+    """``model.moe.dispatcher`` names a registered dispatcher, and the run gives it what it needs."""
+    name = cfg.model.moe.dispatcher
+    if name not in DISPATCHERS:
+        return [f"model.moe.dispatcher must be one of {tuple(sorted(DISPATCHERS))}, got {name!r}"]
+    needs = getattr(DISPATCHERS[name], "needs", None)
+    return needs(cfg) if needs is not None else []
 
 
 @dataclass
@@ -263,6 +274,15 @@ class SparseDispatcher:
 
 @register_dispatcher("dense")
 class DenseDispatcher:
+    @staticmethod
+    def needs(cfg) -> list:
+        """A capacity to pad to, and plain expert parallelism (every rank the same experts, no replica)."""
+        errs = [] if cfg.model.moe.capacity_factor is not None else [
+            "the dense dispatcher pads to a capacity: set model.moe.capacity_factor"]
+        if cfg.parallel.placement is not None:
+            errs.append("the dense (DeepSpeed-style) dispatcher supports plain expert parallelism only")
+        return errs
+
     def __init__(self, comm: Communicator, placement: Placement):
         if not placement.is_trivial:
             raise ValueError("the dense (DeepSpeed-style) dispatcher supports plain expert parallelism only")

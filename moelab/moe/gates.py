@@ -35,15 +35,42 @@ from moelab.moe.base_gate import base_route
 from moelab.moe.routing import Routing, capacity_for, capacity_locations, finish_routing  # noqa: F401 (re-exported)
 
 GATES: dict = {}
+GATE_NEEDS: dict = {}  # name -> needs(run_cfg) -> [message]: what the gate asks of the run (top-k, batch)
 
 
-def register_gate(name: str, rule: Optional[Callable] = None):
-    """Register ``rule(gate, x, logits, rng) -> Routing`` as ``cfg.gate = name`` (also a decorator)."""
+def register_gate(name: str, rule: Optional[Callable] = None, *, needs: Optional[Callable] = None):
+    """Register ``rule(gate, x, logits, rng) -> Routing`` as ``cfg.gate = name`` (also a decorator);
+    ``needs(run_cfg) -> [message]`` says what the gate asks of the run (checked before any process starts)."""
     def deco(f):
         GATES[name] = f
+        GATE_NEEDS[name] = needs or (lambda cfg: [])
         return f
 
     return deco(rule) if rule is not None else deco
+
+
+def gate_errors(cfg) -> list:
+    """``model.moe.gate`` names a registered gate, and the run gives it what it needs."""
+    gate = cfg.model.moe.gate
+    if gate not in GATES:
+        return [f"model.moe.gate must be one of {tuple(sorted(GATES))}, got {gate!r}"]
+    return GATE_NEEDS[gate](cfg)
+
+
+def _top(k: int, name: str) -> Callable:
+    """``needs`` of a gate that routes exactly ``k`` experts per token."""
+    return lambda cfg: [] if cfg.model.moe.top_k == k else [
+        f"model.moe.gate={name!r} is a top-{k} gate: set model.moe.top_k={k}"]
+
+
+def _balanced_needs(cfg) -> list:
+    """BASE layers assign every expert exactly T/E of a rank's T tokens, one expert each."""
+    moe, T = cfg.model.moe, cfg.train.batch_size * cfg.model.seq_len
+    if moe.top_k != 1 or T % max(moe.num_experts, 1):
+        return [f"model.moe.gate='base' is a balanced top-1 gate (every expert gets exactly T/E of a rank's "
+                f"T = train.batch_size * model.seq_len = {T} tokens): set model.moe.top_k=1 (got {moe.top_k}) "
+                f"and make T divisible by num_experts={moe.num_experts}"]
+    return []
 
 
 @register_gate("topk")
@@ -59,14 +86,14 @@ def topk_rule(gate, x, logits, rng) -> Routing:
     return finish_routing(logits, idx, torch.softmax(vals, dim=-1), gate.cfg)
 
 
-@register_gate("switch")
+@register_gate("switch", needs=_top(1, "switch"))
 def switch_rule(gate, x, logits, rng) -> Routing:
     probs = torch.softmax(logits, dim=-1)
     idx = probs.argmax(dim=-1, keepdim=True)
     return finish_routing(logits, idx, probs.gather(1, idx), gate.cfg)
 
 
-@register_gate("gshard")
+@register_gate("gshard", needs=_top(2, "gshard"))
 def gshard_rule(gate, x, logits, rng) -> Routing:
     probs = torch.softmax(logits, dim=-1)
     i1 = probs.argmax(dim=-1)
@@ -80,7 +107,7 @@ def gshard_rule(gate, x, logits, rng) -> Routing:
     return finish_routing(logits, idx, weights, gate.cfg, renormalize=True)
 
 
-register_gate("base", lambda gate, x, logits, rng: base_route(gate, x, logits))
+register_gate("base", lambda gate, x, logits, rng: base_route(gate, x, logits), needs=_balanced_needs)
 
 
 class Gate(nn.Module):

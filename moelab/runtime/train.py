@@ -36,6 +36,7 @@ from moelab.comm.door import Communicator, Recorder
 from moelab.comm.topology import LINK_CLASSES, Topology
 from moelab.config import RunConfig
 from moelab.placement import Placement
+from moelab.registry import get, get_groups, get_strategy, get_update, known_strategies
 
 if TYPE_CHECKING:
     from moelab.runtime.update import Update
@@ -48,6 +49,24 @@ def placement_for(cfg: RunConfig, world: int) -> Placement:
     if cfg.parallel.placement is None:
         return Placement.expert_parallel(E, world)
     return Placement.from_mapping(cfg.parallel.placement, E, world)
+
+
+def placement_errors(cfg: RunConfig) -> list:
+    """What :func:`placement_for` needs: plain expert parallelism puts the same number of experts on every rank
+    (unless the strategy checks the count against its own layout: Parm's N_EP | E); a declared placement is a
+    valid mapping of the experts onto the ranks."""
+    moe, p = cfg.model.moe, cfg.parallel
+    if p.placement is not None:
+        try:
+            Placement.from_mapping(p.placement, moe.num_experts, p.nproc)
+        except ValueError as e:
+            return [f"parallel.placement: {e}"]
+        return []
+    own_layout = p.strategy in known_strategies() and get(p.strategy).own_expert_layout
+    if moe.num_experts % p.nproc != 0 and not own_layout:
+        return [f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.nproc={p.nproc}: "
+                "expert parallelism needs the same number of experts on every rank"]
+    return []
 
 
 def topology_for(cfg: RunConfig, world: int) -> Topology:
@@ -99,11 +118,8 @@ class Trainer:
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        from moelab.registry import get_groups
         comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank), groups=get_groups(cfg))
         dtype = DTYPES[cfg.train.dtype]
-        from moelab.registry import get, get_strategy
-
         factory = get_strategy(cfg.parallel.strategy)
         strategy = get(cfg.parallel.strategy)
         placement = None if strategy.own_expert_layout else placement_for(cfg, world)  # Parm places by its layout
@@ -113,7 +129,6 @@ class Trainer:
         model.to(device)
         if cfg.train.init_from is not None:  # fine-tune: parameters only, before any update shards them
             init_from_checkpoint(model, cfg.train.init_from)
-        from moelab.registry import get_update
         from moelab.runtime.update import GRAD_SYNCS
 
         if strategy.prepare_model is not None:  # e.g. Parm's tensor-parallel dense parts

@@ -38,6 +38,7 @@ import contextlib
 import torch
 
 from moelab.moe.sync import sync_dense_grads, sync_packed_grads, sync_replica_grads
+from moelab.registry import get_update, known_strategies
 from moelab.runtime.memory import MemoryMeter, storage_bytes
 
 
@@ -245,3 +246,23 @@ class OverlappedDataParallelUpdate(DataParallelUpdate):
 
 
 GRAD_SYNCS = {"after_backward": DataParallelUpdate, "ddp_overlap": OverlappedDataParallelUpdate}
+
+
+def update_errors(cfg) -> list:
+    """``parallel.grad_sync`` names a data-parallel update (:data:`GRAD_SYNCS`, the one list of them); a strategy
+    that brings its own update leaves it at the default, and checkpoints only with an update that saves its
+    state."""
+    p, t = cfg.parallel, cfg.train
+    if p.grad_sync not in GRAD_SYNCS:
+        return [f"parallel.grad_sync must be one of {tuple(GRAD_SYNCS)}, got {p.grad_sync!r}"]
+    if p.strategy not in known_strategies() or p.strategy == "ep" or get_update(p.strategy) is None:
+        return []
+    errs = []
+    if p.grad_sync != "after_backward":
+        errs.append(f"parallel.grad_sync={p.grad_sync!r} chooses the data-parallel update; strategy "
+                    f"{p.strategy!r} brings its own gradient sync: leave it at 'after_backward'")
+    if (t.checkpoint_every or t.resume_from) and not vars(get_update(p.strategy)).get("checkpoint_ready"):
+        errs.append(f"train.checkpoint_every / train.resume_from: checkpoints cover the data-parallel "
+                    f"updates and the strategies whose update saves its own state; strategy "
+                    f"{p.strategy!r} brings its own update, not yet checkpointed")
+    return errs

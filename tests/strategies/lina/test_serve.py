@@ -164,7 +164,9 @@ def test_malformed_requests_are_rejected_not_fatal(tmp_path):
     ({"serve.strategy_options.magic": 1}, "unknown lina serve option(s) ['magic']"),
     ({"serve.strategy": None}, "serve.strategy must name a strategy with a server, one of ['lina']"),
     ({"serve.strategy": "zero"}, "strategy 'zero' has no server"),
-    ({"serve.arrival": "burst"}, "serve.arrival must be 'poisson' or 'closed'"),
+    ({"serve.arrival": "burst"}, "serve.arrival must be one of ('poisson', 'closed'), got 'burst'"),
+    ({"serve.requests": 0}, "serve.requests must be >= 1, got 0"),
+    ({"serve.max_wait_ms": 0.0}, "serve.max_wait_ms must be > 0, got 0.0"),
 ])
 def test_bad_serve_config_is_reported_before_launch(over, msg):
     cfg = RunConfig().with_overrides({**SERVE, "parallel.nproc": 4, **over})
