@@ -50,6 +50,18 @@ def by_link_class(topo: Topology, me: int, per_peer: dict) -> dict:
     return acc
 
 
+def sent_bytes(op: str, group: Sequence[int], topo: Topology, nbytes: int = 0,
+               splits=None, root: Optional[int] = None) -> int:
+    """The most non-local bytes any member sends, by the byte rule (the calibrator's x, and the cost model's for
+    a fitted op)."""
+    best = 0
+    for i, me in enumerate(group):
+        row = None if splits is None else list(np.asarray(splits)[i])
+        cls = by_link_class(topo, me, peer_bytes(op, group, me, nbytes, splits=row, root=root))
+        best = max(best, cls["intra"] + cls["inter"])
+    return best
+
+
 def moved_bytes(comm: dict) -> dict:
     """Per member of a call (a simulator op's ``comm`` record: op, group, nbytes or splits, ...): the bytes it
     sends to and receives from the other members, summed: what a host copies through its transport for it."""

@@ -10,7 +10,10 @@ price or account it:
   (:meth:`moelab.comm.door.Communicator.port_flows`): ``"ring"`` (the simulator's rings),
   ``"chain"`` (the simulator's pipelined chain from the root: broadcast, reduce) or ``"direct"``
   (per link class, own port, sent out / received in).
-- ``demands``: the simulator's link demands (:mod:`moelab.comm.costs`), one per phase.
+- ``demands``: the simulator's link demands, one per phase. The built-in collectives leave it None: the cost
+  model prices them itself (:data:`moelab.comm.costs.BUILT_IN_DEMANDS`), and reads their byte rule here for its
+  fits (:func:`moelab.comm.bytes.sent_bytes`), so this module needs nothing from it. A newly declared
+  collective states its own (Parm's SAA: :mod:`moelab.comm.saa`).
 - ``phases`` (optional): a collective that runs as phases one after the other (Parm's SAA) says what
   each phase moves; the link emulator then prices the phases in order, not one direct transfer.
 
@@ -33,7 +36,7 @@ class Collective:
     sent: Callable  # (group, me, **args) -> {global rank: bytes me sends it}
     received: Callable  # (group, me, **args) -> {global rank: bytes me receives from it}
     pricing: str  # "ring" | "chain" | "direct": the link emulator's model
-    demands: Callable  # (group, topo, profile, **args) -> [moelab.comm.costs.Demand, ...]
+    demands: Optional[Callable] = None  # (group, topo, profile, **args) -> [Demand, ...]; None: the cost model's own
     phases: Optional[Callable] = None  # (group, me, **args) -> [(sent, received) per peer] per phase, run in order
 
     def __post_init__(self):
@@ -71,17 +74,9 @@ def _per_member(group, splits):
     return dict(zip(group, map(int, splits)))  # group members are distinct ranks
 
 
-def _costs():
-    from moelab.comm import costs  # lazy: the simulator's cost model imports the byte rule
-
-    return costs
-
-
 def _ring(op: str, sent_per_member: Callable) -> Collective:
     rule = lambda group, me, nbytes=0, **_: {r: sent_per_member(len(group), int(nbytes)) for r in group}  # noqa: E731
-    return Collective(op, rule, rule, "ring",
-                      lambda group, topo, profile, nbytes=0, **_: [
-                          _costs().ring_demand(op, group, topo, profile, nbytes)])
+    return Collective(op, rule, rule, "ring")
 
 
 def _chain(op: str) -> Collective:
@@ -98,9 +93,7 @@ def _chain(op: str) -> Collective:
             return {root: int(nbytes)}
         return {r: int(nbytes) for r in group if r != root or len(group) == 1} if me == root else {}
 
-    return Collective(op, sent, received, "chain",
-                      lambda group, topo, profile, nbytes=0, root=None, **_: [
-                          _costs().broadcast_demand(group, root, topo, profile, nbytes, op=op)])
+    return Collective(op, sent, received, "chain")
 
 
 def _p2p(op: str, sends: bool, receives: bool) -> Collective:
@@ -114,21 +107,14 @@ def _p2p(op: str, sends: bool, receives: bool) -> Collective:
             return _per_member(group, splits) if splits is not None else {peer: int(nbytes)}
         return per_peer
 
-    def demands(group, topo, profile, nbytes=0, splits=None, **_):
-        if splits is not None:
-            return _costs().alltoall_demands(splits, group, topo, profile, False)
-        return [_costs().p2p_demand(group[0], group[1], topo, profile, nbytes)] if sends else []
-
-    return Collective(op, rule(sends), rule(receives), "direct", demands)
+    return Collective(op, rule(sends), rule(receives), "direct")
 
 
 register_collective(Collective(
     "all_to_all",
     lambda group, me, splits=None, **_: _per_member(group, splits),
     lambda group, me, splits=None, **_: _per_member(group, splits),  # splits = what each member sends me
-    "direct",
-    lambda group, topo, profile, splits=None, hierarchical=False, **_: _costs().alltoall_demands(
-        splits, group, topo, profile, hierarchical)))
+    "direct"))
 register_collective(_ring("all_gather", lambda n, s: s))
 register_collective(_ring("reduce_scatter", lambda n, s: s // n))
 register_collective(_ring("all_reduce", lambda n, s: 2 * (s // n) if n > 1 else s))

@@ -22,7 +22,8 @@ engine (k flows on a port get 1/k each; a flow moves at its slowest share), runs
 sees only its own rank's ports, and a call using both link classes starts each class after that
 class's latency (here: one ``alpha``, the inter latency): alone they agree whenever one class
 dominates, which :func:`moelab.measure.validate.emulation_profile` relies on. Which demand a collective
-has is declared once, in :mod:`moelab.comm.collectives` (:func:`demands`).
+is priced here for the built-in collectives (:data:`BUILT_IN_DEMANDS`), by its own declaration for the others
+(:mod:`moelab.comm.collectives`); :func:`demands` asks either by name.
 
 Bytes on links follow the algorithm, while *accounted* bytes follow :mod:`moelab.comm.bytes`
 (pairwise, what the runtime records). All-to-all and p2p are direct (both the same). All-reduce,
@@ -41,18 +42,19 @@ profiles) keeps the ring.
 
 Where a profile carries a measured fit for an op (``profile.fits[op] = (alpha, beta)``) and the
 group sits in one node, the demand is rescaled so that alone it takes ``alpha + beta * x`` with
-x = the most non-local bytes any member sends (:func:`sent_bytes`), which is the x the calibrator
-fits against.
+x = the most non-local bytes any member sends (:func:`moelab.comm.bytes.sent_bytes`, the byte rule), which is
+the x the calibrator fits against.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from moelab.comm.bytes import by_link_class, exchange_by_class, peer_bytes
+from moelab.comm.bytes import exchange_by_class, sent_bytes
+from moelab.comm.collectives import collective
 from moelab.comm.topology import Topology
 
 
@@ -184,17 +186,6 @@ def _class_latency(group, topo, profile) -> float:
     if len(group) <= 1:
         return 0.0
     return profile.latency("inter" if _spans_nodes(group, topo) else "intra")
-
-
-def sent_bytes(op: str, group: Sequence[int], topo: Topology, nbytes: int = 0,
-               splits=None, root: Optional[int] = None) -> int:
-    """The most non-local bytes any member sends, by the shared byte rule (the calibrator's x)."""
-    best = 0
-    for i, me in enumerate(group):
-        row = None if splits is None else list(np.asarray(splits)[i])
-        cls = by_link_class(topo, me, peer_bytes(op, group, me, nbytes, splits=row, root=root))
-        best = max(best, cls["intra"] + cls["inter"])
-    return best
 
 
 def _fitted(op, demand: Demand, group, topo, profile, x_fn) -> Demand:
@@ -407,13 +398,43 @@ def p2p_demand(src: int, dst: int, topo: Topology, profile, nbytes: int) -> Dema
     return Demand(0.0 if src == dst else profile.latency(topo.link_class(src, dst)), links)
 
 
+# ---- the built-in collectives' demands, by name ((group, topo, profile, **args) -> [Demand, ...]) ----------
+def _a2a_demands(group, topo, profile, splits=None, hierarchical=False, **_):
+    return alltoall_demands(splits, group, topo, profile, hierarchical)
+
+
+def _ring_demands(op: str):
+    return lambda group, topo, profile, nbytes=0, **_: [ring_demand(op, group, topo, profile, nbytes)]
+
+
+def _chain_demands(op: str):
+    return lambda group, topo, profile, nbytes=0, root=None, **_: [
+        broadcast_demand(group, root, topo, profile, nbytes, op=op)]
+
+
+def _p2p_demands(sends: bool):
+    """p2p / send / recv: ``group = (src, dst)``; a p2p with ``splits`` is a batch of exchanges over the group."""
+    def price(group, topo, profile, nbytes=0, splits=None, **_):
+        if splits is not None:
+            return alltoall_demands(splits, group, topo, profile, False)
+        return [p2p_demand(group[0], group[1], topo, profile, nbytes)] if sends else []
+    return price
+
+
+BUILT_IN_DEMANDS = {"all_to_all": _a2a_demands,
+                    **{op: _ring_demands(op) for op in ("all_gather", "reduce_scatter", "all_reduce")},
+                    **{op: _chain_demands(op) for op in ("broadcast", "reduce")},
+                    "p2p": _p2p_demands(True), "send": _p2p_demands(True), "recv": _p2p_demands(False)}
+
+
 def demands(op: str, group: Sequence[int], topo: Topology, profile, **args) -> list:
     """The link demands of any declared collective (:mod:`moelab.comm.collectives`): the functions
     above for the built-in ones, whatever a newly declared one says for it. ``args``: ``nbytes``,
     ``splits`` (all_to_all: the [n, n] byte matrix), ``root``, ``hierarchical``; p2p: ``group=(src, dst)``."""
-    from moelab.comm.collectives import collective
-
-    return collective(op).demands(list(group), topo, profile, **args)
+    price = collective(op).demands or BUILT_IN_DEMANDS.get(op)
+    if price is None:
+        raise ValueError(f"collective {op!r} declares no demands and is not one the cost model prices")
+    return price(list(group), topo, profile, **args)
 
 
 # ---- closed forms (a collective alone on the cluster) --------------------------------------------

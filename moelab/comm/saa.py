@@ -25,10 +25,12 @@ collective declares its ``phases``).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from moelab.comm.collectives import Collective, register_collective
+from moelab.comm.costs import alltoall_demands
 
 
 def sub_groups(sub) -> list:
@@ -80,10 +82,6 @@ def _phases(group, me, nbytes=0, sub=(), combine=1, **_):
 
 def _demands(group, topo, profile, nbytes=0, sub=(), combine=1, **_):
     """The simulator's demands: one all-to-all step per phase (``sub``: every sub-group), in order."""
-    import numpy as np
-
-    from moelab.comm.costs import alltoall_demands
-
     group = list(group)
     idx = {r: i for i, r in enumerate(group)}
     per_member = [_phases(group, me, nbytes=nbytes, sub=sub, combine=combine) for me in group]

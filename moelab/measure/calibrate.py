@@ -1,7 +1,7 @@
 """Calibration: measure this machine's collectives and GEMMs, fit alpha-beta lines, make a profile.
 
 The x of every fit is the most non-local bytes a rank sends in the call by the shared byte rule
-(:func:`moelab.comm.costs.sent_bytes`), so a fitted ``beta`` is directly seconds per byte on the
+(:func:`moelab.comm.bytes.sent_bytes`), so a fitted ``beta`` is directly seconds per byte on the
 link class and the cost model can reuse the line unchanged. Default sizes are small: a full
 :func:`calibrate_local` takes a few seconds on 2 cores.
 """
@@ -36,7 +36,7 @@ def fit_collectives(df) -> dict:
 
 def sent_bytes_for(op: str, nproc: int, nbytes: int) -> int:
     """The fit's x for a measured call with ``nbytes`` of input per rank (root 0)."""
-    from moelab.comm.costs import sent_bytes
+    from moelab.comm.bytes import sent_bytes
 
     group = list(range(nproc))
     topo = Topology(nproc, nproc)
