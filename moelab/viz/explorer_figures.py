@@ -11,7 +11,8 @@ from moelab.placement import Placement
 from moelab.viz.explorer_cost import MEMORY_CATEGORIES
 
 
-def load_figure(ev: dict, *, label: Optional[str] = None, baseline: Optional[dict] = None):
+def load_figure(ev: dict, *, label: Optional[str] = None, baseline: Optional[dict] = None,
+                width: Optional[int] = None):
     """Tokens computed per rank (bars), the mean (dashed), and optionally a baseline's bars (e.g. EP)."""
     import plotly.graph_objects as go
 
@@ -25,10 +26,10 @@ def load_figure(ev: dict, *, label: Optional[str] = None, baseline: Optional[dic
     fig.add_bar(x=list(range(N)), y=ev["rank_tokens"], name="this placement", marker_color="#4c78a8")
     fig.add_hline(y=ev["mean_load"], line_dash="dash", annotation_text="mean")
     return finish(fig, f"Tokens computed per rank: max {ev['max_load']}, imbalance {ev['imbalance']:.2f}", label,
-                  barmode="group", xaxis_title="rank", yaxis_title="tokens")
+                  barmode="group", xaxis_title="rank", yaxis_title="tokens", width=width)
 
 
-def bytes_figure(ev: dict, *, label: Optional[str] = None):
+def bytes_figure(ev: dict, *, label: Optional[str] = None, width: Optional[int] = None):
     """Bytes each rank sends in the MoE layer (count exchange + 4 all-to-alls), stacked by link class."""
     import plotly.graph_objects as go
 
@@ -40,10 +41,10 @@ def bytes_figure(ev: dict, *, label: Optional[str] = None):
     for c in LINK_CLASSES:
         fig.add_bar(x=list(b.index), y=b[c] / 1e6, name=c, marker_color=LINK_COLOURS.get(c))
     return finish(fig, f"MoE layer bytes sent per rank (fwd + bwd), layer time {ev['layer_time_s'] * 1e3:.2f} ms",
-                  label, barmode="stack", xaxis_title="rank", yaxis_title="MB")
+                  label, barmode="stack", xaxis_title="rank", yaxis_title="MB", width=width)
 
 
-def memory_figure(ev: dict, *, label: Optional[str] = None):
+def memory_figure(ev: dict, *, label: Optional[str] = None, width: Optional[int] = None):
     """Peak bytes per rank by category (each its own peak, stacked) and the peak of their sum, against the
     profile's memory per GPU."""
     import plotly.graph_objects as go
@@ -61,7 +62,7 @@ def memory_figure(ev: dict, *, label: Optional[str] = None):
     fig.add_hline(y=ev["memory_limit"] / 1e9, line_dash="dot", line_color="#c00",
                   annotation_text=f"{ev['profile'].mem_GB:g} GB per GPU")
     return finish(fig, f"Peak memory per rank: {mem['total'].max() / 1e9:.3f} GB at most", label,
-                  barmode="stack", xaxis_title="rank", yaxis_title="GB")
+                  barmode="stack", xaxis_title="rank", yaxis_title="GB", width=width)
 
 
 def expert_rank_tokens(placement: Placement, loads) -> np.ndarray:
@@ -82,7 +83,7 @@ GRID_COLOURS = {"tokens": "Blues", "holders": [[0.0, "#9ecae1"], [1.0, "#08519c"
 
 def grid_arrays(ev: dict, colour: str = "tokens") -> tuple:
     """``(z, text)`` of the experts x ranks grid: z[e, r] = tokens rank r computes for expert e (``colour``
-    "tokens") or 1 replica / 2 owner ("holders"), NaN where r does not hold e; hover text says which."""
+    "tokens") or 1 replica / 2 owner ("holders"), None where r does not hold e; hover text says which."""
     pl = ev["placement"]
     E, N = pl.num_experts, pl.world_size
     tok = expert_rank_tokens(pl, ev["loads"])
@@ -90,13 +91,14 @@ def grid_arrays(ev: dict, colour: str = "tokens") -> tuple:
     for e, h in enumerate(pl.holders):
         held[e, list(h[1:])] = 1
         held[e, h[0]] = 2
-    z = np.where(held > 0, tok if colour == "tokens" else held, np.nan).astype(float)
+    z = np.where(held > 0, tok if colour == "tokens" else held, 0).astype(object)
+    z[held == 0] = None  # a blank cell (JSON null: the widget cannot send NaN)
     role = np.array(["", "replica", "owner"], dtype=object)[held]
     text = np.char.add(np.char.add(role.astype(str), ", tokens "), tok.astype(str))
     return z, np.where(held > 0, text, "not held")
 
 
-def grid_figure(ev: dict, *, colour: str = "tokens", label: Optional[str] = None):
+def grid_figure(ev: dict, *, colour: str = "tokens", label: Optional[str] = None, width: Optional[int] = None):
     """Experts (rows) x ranks (columns): a cell is coloured where the rank holds the expert (by tokens it
     computes for it, or owner / replica), blank elsewhere; node boundaries as lines. The editor's canvas
     (:mod:`moelab.viz.explorer_ui` wraps it in a ``FigureWidget`` and listens to clicks)."""
@@ -117,7 +119,7 @@ def grid_figure(ev: dict, *, colour: str = "tokens", label: Optional[str] = None
         fig.add_vline(x=b - 0.5, line_color="#e4572e", line_width=1)
     return finish(fig, f"Placement: {E} experts x {N} ranks, {pl.num_replicas} replica(s) (click a cell)", label,
                   xaxis_title="rank", yaxis_title="expert", height=grid_height(E),
-                  yaxis=dict(autorange="reversed"), margin=dict(l=60, r=20, b=50))
+                  yaxis=dict(autorange="reversed"), margin=dict(l=60, r=20, b=50), width=width)
 
 
 def grid_height(E: int) -> int:
@@ -142,7 +144,7 @@ def ab_table(a: dict, b: dict):
     return pd.DataFrame({"A": A, "B": B, "B - A": {k: B[k] - A[k] for k in A}})
 
 
-def ab_figure(a: dict, b: dict, *, label: Optional[str] = None):
+def ab_figure(a: dict, b: dict, *, label: Optional[str] = None, width: Optional[int] = None):
     """Tokens per rank of A and B side by side, and B - A of the layer time in the title."""
     import plotly.graph_objects as go
 
@@ -155,7 +157,8 @@ def ab_figure(a: dict, b: dict, *, label: Optional[str] = None):
     fig.add_bar(x=list(range(N)), y=b["rank_tokens"], name="B (current)", marker_color="#4c78a8")
     d = (b["layer_time_s"] - a["layer_time_s"]) * 1e3
     return finish(fig, f"A vs B: layer time {a['layer_time_s'] * 1e3:.2f} -> {b['layer_time_s'] * 1e3:.2f} ms "
-                       f"({d:+.2f} ms)", label, barmode="group", xaxis_title="rank", yaxis_title="tokens")
+                       f"({d:+.2f} ms)", label, barmode="group", xaxis_title="rank", yaxis_title="tokens",
+                  width=width)
 
 
 __all__ = ["load_figure", "bytes_figure", "memory_figure", "grid_figure", "grid_arrays", "grid_height",

@@ -14,18 +14,18 @@ class RunPanel:
         import ipywidgets as w
 
         self.ui = ui
-        self.path = w.Text(value=path, description="config", layout=w.Layout(width="100%", max_width="480px"))
+        self.path = w.Text(value=path, description="config", layout=w.Layout(width="90%", max_width="480px"))
         self.runs_root = runs_root
         self.export = w.Button(description="export", icon="download", tooltip="write the placement into a run config")
         self.run = w.Button(description="run", icon="play", tooltip="export, run it here, compare REAL and SIMULATED")
         self.status = w.HTML()
-        self.out = w.Output(layout=w.Layout(width="100%"))
+        self.out = w.Output()
         self.result: Optional[dict] = None
         self.exported: Optional[str] = None
         self.export.on_click(lambda _: self.on_export())
         self.run.on_click(lambda _: self.on_run())
         self.widget = w.VBox([w.HBox([self.path, self.export, self.run], layout=w.Layout(flex_flow="row wrap")),
-                              self.status, self.out], layout=w.Layout(width="100%"))
+                              self.status, self.out])
 
     def _say(self, text: str, error: bool = False):
         colour = "#c00" if error else "#222"

@@ -41,6 +41,9 @@ from moelab.viz.explorer import (
 )
 from moelab.viz.explorer_policies import POLICIES, apply_policy
 
+# pixels the figures' titles and labels are wrapped for (the figures then autosize to their boxes): a half of a
+# notebook's width beside a 1,280 px window's file browser, and the whole of it for the grid
+HALF_PX, FULL_PX = 400, 780
 LIST_MAX_EXPERTS = 32  # up to this many experts the per-expert owner / replica list is shown too
 MODES = ("toggle holder", "set owner")
 
@@ -72,7 +75,7 @@ class ExplorerUI:
                   + [f"run:{r}" for r in runs])
         if state.trace not in traces:
             traces.append(state.trace)
-        full = w.Layout(width="100%")
+        full = w.Layout(max_width="100%")  # block children fill the width; a 100% width plus margins would overflow
         self.profile = w.Dropdown(options=profiles, value=state.profile, description="profile")
         self.nodes = w.BoundedIntText(value=state.nodes or 0, min=0, max=512, description="nodes",
                                       tooltip="0: as published", layout=w.Layout(width="150px"))
@@ -88,14 +91,14 @@ class ExplorerUI:
         self.shadow = w.Button(description="shadow hottest", tooltip="replicate the hottest expert on every rank")
         self.policy_buttons = {name: w.Button(description=name, tooltip=doc) for name, (_, doc) in POLICIES.items()}
         self.edit = w.Text(description="edit", placeholder="expert: owner replicas…; e.g. 3: 5 12 (Enter)",
-                           continuous_update=False, layout=w.Layout(width="100%", max_width="640px"))
+                           continuous_update=False, layout=w.Layout(width="90%", max_width="640px"))
         self.mode = w.ToggleButtons(options=MODES, value=MODES[0], description="click")
         self.colour = w.ToggleButtons(options=("tokens", "holders"), value="tokens", description="colour")
         self.pin = w.Button(description="pin as A", icon="thumb-tack", tooltip="keep this placement to compare")
         self.unpin = w.Button(description="clear A")
         self.summary = w.HTML(layout=full)
         self.ab = w.HTML(layout=full)
-        half = w.Layout(width="50%", min_width="0")
+        half = w.Layout(flex="1 1 0%", min_width="0")  # two side by side share the width
         self.load_out, self.bytes_out = w.Output(layout=half), w.Output(layout=half)
         self.grid = None  # the FigureWidget, built on the first refresh (needs anywidget)
         self.grid_box = w.Box(layout=full)
@@ -121,7 +124,7 @@ class ExplorerUI:
         self.pin.on_click(lambda _: self.on_pin())
         self.unpin.on_click(lambda _: self.on_unpin())
         self.run_panel = RunPanel(self, export_path, runs_root)
-        wrap = w.Layout(flex_flow="row wrap", width="100%")
+        wrap = w.Layout(flex_flow="row wrap")
         self.widget = w.VBox([
             w.HBox([self.profile, self.nodes, self.gpus, self.trace, self.seed], layout=wrap),
             w.HBox([self.iteration, self.layer, self.skew], layout=wrap),
@@ -186,7 +189,8 @@ class ExplorerUI:
         return self.refresh()
 
     def on_profile(self, name: str):
-        return self._replace(profile=name, nodes=None, holders=(), moved_from=(), iteration=0, layer=0)
+        return self._replace(profile=name, nodes=None, gpus_per_node=None, holders=(), moved_from=(), iteration=0,
+                             layer=0)
 
     def on_nodes(self, nodes: int):
         return self._replace(nodes=int(nodes) or None, holders=(), moved_from=())
@@ -266,7 +270,7 @@ class ExplorerUI:
         """Build the grid's FigureWidget (new shape) or update its cells in place."""
         import plotly.graph_objects as go
 
-        fig = grid_figure(ev, colour=self.colour.value)
+        fig = grid_figure(ev, colour=self.colour.value, width=FULL_PX).update_layout(width=None, autosize=True)
         self.figures["grid"] = fig
         try:
             shape = self.grid.data[0].z.shape if self.grid is not None else None
@@ -321,12 +325,13 @@ class ExplorerUI:
         warn = ("" if ev["fits_memory"] else
                 "<br><span style='color:#c00'>this placement does not fit memory (export refuses it)</span>")
         self.summary.value = f"<b>{ev['label']}</b><br>{summary_text(ev)}{err}{warn}"
-        self.figures.update(load=load_figure(ev, baseline=base), bytes=bytes_figure(ev), memory=memory_figure(ev))
+        self.figures.update(load=load_figure(ev, baseline=base, width=HALF_PX), bytes=bytes_figure(ev, width=HALF_PX),
+                            memory=memory_figure(ev, width=HALF_PX))
         self._grid(ev)
         self._live("memory", self.memory_box, self.figures["memory"])
         if self.pinned is not None:
             a = evaluate(self.pinned)
-            self.figures["ab"] = ab_figure(a, ev)
+            self.figures["ab"] = ab_figure(a, ev, width=HALF_PX)
             self._live("ab", self.ab_box, self.figures["ab"])
             self.ab.value = ("<b>A (pinned) vs B (current)</b>" +
                              ab_table(a, ev).to_html(float_format=lambda v: f"{v:.3f}", classes="moelab-ab"))
