@@ -77,3 +77,11 @@ def m2_flexmoe_speedup(scale, overrides: tuple = ()) -> float:
     from .motivation import m2
 
     return float(m2(_name(scale), rs=(6,), overrides=tuple(overrides)).speedup.iloc[0])
+
+
+def m1_imbalance_slowdown(scale, overrides: tuple = ()) -> float:
+    """``m1_imbalance_slowdown``: EP's iteration time under the trace's loads over the same tokens spread evenly,
+    the largest over the 4 models, cluster A, 16 GPUs."""
+    from .motivation import m1
+
+    return float(m1(_name(scale), overrides=tuple(overrides)).slowdown.max())

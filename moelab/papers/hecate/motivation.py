@@ -33,13 +33,17 @@ def _iter_ms(cfg, prof, loads) -> float:
     return 1e3 * float(simulate_system(cfg, prof, loads, [{}] * len(loads)).iter_s.mean())
 
 
-def m1(scale="smoke", seed: int = 0, profile=None) -> pd.DataFrame:
+def m1(scale="smoke", seed: int = 0, profile=None, overrides: tuple = ()) -> pd.DataFrame:
+    """``overrides``: assumptions set for this run (a gap ladder's rungs: the batch, the trace's skew)."""
+    from .common import assumptions
+
     sp = scale_spec(scale)
+    A = assumptions(overrides)
     prof = profile or paper_profile("hecate_A", 16)
     rows = []
     for model in PAPER_MODELS:
-        loads = paper_loads(sp.name, model, "hecate_A", 16, seed)
-        cfg = paper_config(model, prof, layers=loads.shape[1])
+        loads = paper_loads(sp.name, model, "hecate_A", 16, seed, skew=float(A.value("trace_skew")))
+        cfg = paper_config(model, prof, layers=loads.shape[1], batch=int(A.value("batch_per_gpu")))
         imb, bal = _iter_ms(cfg, prof, loads), _iter_ms(cfg, prof, balanced(loads))
         rows.append(dict(model=model, imbalanced_ms=imb, balanced_ms=bal, slowdown=imb / bal))
     df = pd.DataFrame(rows)
