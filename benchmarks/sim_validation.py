@@ -30,11 +30,11 @@ import numpy as np
 
 def one_round(iters: int, warmup: int, cal_reps: int, intra: float, inter: float) -> dict:
     from moelab.measure import validate as V
-    from moelab.measure.calibrate import COMPUTE_MODELS, TRAIN_MODELS
+    from moelab.measure.calibrate import COMPUTE_MODELS, TRAIN_MODELS, quick_calibration
 
     t0 = time.time()
-    cal = V.quick_calibration(4, sizes=(1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20), reps=cal_reps,
-                              compute_models=COMPUTE_MODELS, train_models=TRAIN_MODELS)
+    cal = quick_calibration(4, sizes=(1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20), reps=cal_reps,
+                            compute_models=COMPUTE_MODELS, train_models=TRAIN_MODELS)
     t_cal = time.time() - t0
     c, x = cal["compute"], cal["in_context"]
     print(f"calibration ({t_cal:.0f} s), cores {cal['cores']}:\n"

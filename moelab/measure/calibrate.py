@@ -16,9 +16,16 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from moelab.comm.bytes import sent_bytes
 from moelab.comm.costs import AlphaBeta, fit_alpha_beta  # noqa: F401  (the fits' line, shared with the strategies)
 from moelab.comm.topology import Topology
+from moelab.config import RunConfig
+from moelab.measure.local import BASE_MODEL, cpu_cores, machine_profile
+from moelab.measure.realruns import fit_compute, measure_compute, run_real_many
+from moelab.measure.validate import compare, simulate_real
 from moelab.runtime.ranks import hosted_store, join_hosted
+from moelab.sim.graphs import iteration_graph
+from moelab.sim.profiles import ClusterProfile
 
 COLLECTIVES = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # the torch.distributed call each op name is measured with
@@ -36,8 +43,6 @@ def fit_collectives(df) -> dict:
 
 def sent_bytes_for(op: str, nproc: int, nbytes: int) -> int:
     """The fit's x for a measured call with ``nbytes`` of input per rank (root 0)."""
-    from moelab.comm.bytes import sent_bytes
-
     group = list(range(nproc))
     topo = Topology(nproc, nproc)
     if op == "all_to_all":
@@ -182,34 +187,13 @@ def calibrate_gpu(sizes: Sequence[tuple] = ((1024, 1024, 1024), (4096, 4096, 409
 COMPUTE_MODELS = ((1, 4, 1), (12, 8, 2), (64, 4, 2), (128, 16, 1), (224, 8, 2))
 
 
-def fit_compute(df) -> dict:
-    """Least squares ``time = op_overhead_s * ops + flops / flops_per_s`` over single-process steps.
-
-    Tiny CPU models are bound by per-op interpreter and kernel-launch cost as much as by FLOPs, so
-    one FLOP rate cannot price both a batch of 1 and a batch of 20; a fixed cost per compute op of
-    the simulator's graph plus a rate can. Both numbers are data: ``kind: fitted`` with their
-    ``source``. ``df`` rows: ``ops`` (compute ops per rank), ``flops``, ``time_s``."""
-    A = np.stack([np.asarray(df["ops"], float), np.asarray(df["flops"], float)], axis=1)
-    t = np.asarray(df["time_s"], float)
-    (over, inv_rate), *_ = np.linalg.lstsq(A, t, rcond=None)
-    if inv_rate <= 0 or over < 0:  # a line with no physical meaning: fall back to the rate alone
-        over, inv_rate = 0.0, float((A[:, 1] @ t) / (A[:, 1] @ A[:, 1]))
-    pred = A @ np.array([over, inv_rate])
-    ss = float(((t - t.mean()) ** 2).sum())
-    return {"op_overhead_s": float(over), "flops_per_s": float(1.0 / inv_rate),
-            "r2": 1.0 - float(((t - pred) ** 2).sum()) / ss if ss > 0 else 1.0, "n": int(len(t)), "kind": "fitted",
-            "source": "single-process training steps of the tiny GPT-MoE (measure_model_compute), 1 thread"}
-
-
 def measure_model_compute(models: Sequence[tuple] = COMPUTE_MODELS, base: Optional[dict] = None, iters: int = 6,
                           warmup: int = 2):
     """One process, no communication: median step time of the tiny GPT-MoE (``base`` overrides, default
-    :data:`moelab.measure.validate.BASE_MODEL`) at each (batch, experts, top_k), with the FLOPs and
+    :data:`moelab.measure.local.BASE_MODEL`) at each (batch, experts, top_k), with the FLOPs and
     compute ops the simulator charges for that step. One row each."""
     import pandas as pd
 
-    from moelab.config import RunConfig
-    from moelab.measure.validate import BASE_MODEL, measure_compute
 
     rows = []
     for b, e, k in models:
@@ -227,9 +211,6 @@ TRAIN_MODELS = ((1, 8, 1, 4), (2, 4, 2, 32), (1, 16, 2, 112), (2, 8, 1, 200))
 
 def train_model_configs(nproc: int = 4, models: Sequence[tuple] = TRAIN_MODELS, iters: int = 8) -> list:
     """``[(name, RunConfig)]`` of the tiny GPT-MoE at each (nodes, experts, top_k, batch), unemulated."""
-    from moelab.config import RunConfig
-    from moelab.measure.validate import BASE_MODEL
-
     return [(f"cal-n{nproc}x{n}-e{e}k{k}-b{b}", RunConfig().with_overrides({
         **BASE_MODEL, "parallel.nproc": nproc, "parallel.topology.nodes": n, "model.moe.num_experts": e,
         "model.moe.top_k": k, "train.batch_size": b, "train.iters": iters, "train.seed": 9}).validate())
@@ -251,10 +232,6 @@ def fit_in_context(calibration: dict, reals: Sequence, warmup: int = 3) -> dict:
     - communication: ``call_overhead_s`` = median over timed iterations of (real communication -
       simulated alpha-beta communication) / collective calls per rank (clipped at 0).
     """
-    from moelab.measure.validate import compare, machine_profile, simulate_real
-    from moelab.sim.graphs import iteration_graph
-    from moelab.sim.profiles import ClusterProfile
-
     unit = ClusterProfile(name="unit", nodes=1, gpus_per_node=1, gpu="-", peak_flops=1.0, achieved_flops=1.0,
                           intra_bw_GBps=1.0, intra_latency_us=0.0, inter_bw_GBps=1.0, inter_latency_us=0.0, mem_GB=1.0)
     rows = []
@@ -279,14 +256,6 @@ def fit_in_context(calibration: dict, reals: Sequence, warmup: int = 3) -> dict:
     return {**comp, "call_overhead_s": max(float(np.median(extra)), 0.0), "n": int(len(it)),
             "configs": [r.cfg.run_id() for r in reals],
             "source": f"real training steps on {reals[0].nproc} gloo ranks of held-out shapes (fit_in_context)"}
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on (what ranks started from it share)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def calibrate_local(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, gemm_sizes=DEFAULT_GEMMS,
@@ -316,8 +285,20 @@ def calibrate_local(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, gemm_s
         out["compute"] = fit_compute(comp)
         out["raw"]["compute"] = comp.to_dict("records")
     if train_models:
-        from moelab.measure.validate import run_real_many
-
         named = train_model_configs(nproc, train_models)
         out["in_context"] = fit_in_context(out, run_real_many([c for _, c in named], nproc, timeout=300))
     return out
+
+
+def quick_calibration(nproc: int = 2, sizes=(1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23), reps: int = 5,
+                      ops=("all_to_all", "all_reduce", "all_gather"), timeout_s: float = 60.0,
+                      compute_models=None, train_models=None) -> dict:
+    """:func:`calibrate_local` at small sizes (a few seconds on 2 cores);
+    ``compute_models`` / ``train_models`` (:data:`COMPUTE_MODELS` / :data:`TRAIN_MODELS`)
+    add the fitted compute line and the in-context terms (tens of seconds more)."""
+    return calibrate_local(nproc, sizes=sizes, gemm_sizes=((64, 64, 64), (128, 128, 128), (256, 256, 256)),
+                           ops=ops, reps=reps, timeout_s=timeout_s, compute_models=compute_models,
+                           train_models=train_models)
+
+
+# ---- the EMULATED door's fixed costs per call, held out (what a simulator of an EMULATED run adds) -----

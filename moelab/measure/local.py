@@ -12,14 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from typing import Optional
 
 from moelab.comm.topology import Topology
 from moelab.config import RunConfig
-from moelab.measure.calibrate import cpu_cores
 from moelab.measure.realruns import measure_compute, measure_compute_line
 
 GB = 1e9
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (what ranks started from it share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compute="model", share_cores=True,
@@ -207,20 +215,6 @@ def validation_configs(scale: str = "smoke", emulated: bool = True, *, intra_bw_
     return out
 
 
-def quick_calibration(nproc: int = 2, sizes=(1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23), reps: int = 5,
-                      ops=("all_to_all", "all_reduce", "all_gather"), timeout_s: float = 60.0,
-                      compute_models=None, train_models=None) -> dict:
-    """:func:`moelab.measure.calibrate.calibrate_local` at small sizes (a few seconds on 2 cores);
-    ``compute_models`` / ``train_models`` (``moelab.measure.calibrate.COMPUTE_MODELS`` / ``TRAIN_MODELS``)
-    add the fitted compute line and the in-context terms (tens of seconds more)."""
-    from moelab.measure.calibrate import calibrate_local
-
-    return calibrate_local(nproc, sizes=sizes, gemm_sizes=((64, 64, 64), (128, 128, 128), (256, 256, 256)),
-                           ops=ops, reps=reps, timeout_s=timeout_s, compute_models=compute_models,
-                           train_models=train_models)
-
-
-# ---- the EMULATED door's fixed costs per call, held out (what a simulator of an EMULATED run adds) -----
 def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps: int = 25,
                         busy: bool = False, yields: bool = False) -> dict:
     """Fixed costs of one call through ``comm``'s emulated door, measured on 1-element calls of ``op``

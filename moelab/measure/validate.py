@@ -98,7 +98,6 @@ import numpy as np
 
 from moelab.comm.topology import LINK_CLASSES, Topology
 from moelab.config import RunConfig
-from moelab.measure.calibrate import cpu_cores  # noqa: F401 (part of this module's API)
 from moelab.sim.accuracy import MIN_R2_POINTS, R2_TARGET, REL_ERR_TARGET, median_rel_err, parts_table, r2_score  # noqa: F401 (part of this module's API)
 
 
@@ -438,10 +437,10 @@ def validate(named_cfgs, calibration: Optional[dict] = None, *, warmup: int = 3,
 from moelab.measure.local import (  # noqa: E402,F401
     BASE_MODEL,
     GRID_4,
+    cpu_cores,
     emulation_profile,
     machine_profile,
     measure_emulated_call_costs,
-    quick_calibration,
     validation_configs,
     validation_configs_4,
 )
@@ -458,5 +457,5 @@ __all__ = ["RealRun", "SimRun", "Comparison", "BytesMismatchWarning", "run_real"
            "compare", "r2_score", "median_rel_err", "parts_table", "MIN_R2_POINTS", "R2_TARGET", "REL_ERR_TARGET",
            "measure_compute", "measure_compute_concurrent", "machine_profile",
            "emulation_profile",
-           "validation_configs", "validation_configs_4", "GRID_4", "BASE_MODEL", "validate", "quick_calibration",
+           "validation_configs", "validation_configs_4", "GRID_4", "BASE_MODEL", "validate",
            "real_label", "cpu_cores"]
