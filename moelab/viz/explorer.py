@@ -30,6 +30,7 @@ from moelab.viz.explorer_figures import (
     expert_rank_tokens,
     grid_arrays,
     grid_figure,
+    grid_headline,
     load_figure,
     memory_figure,
 )
@@ -63,5 +64,6 @@ __all__ = ["ExplorerState", "evaluate", "check_fits", "set_owner", "toggle_repli
            "trace_loads",
            "trace_shape", "trace_label", "layer_loads", "profile_of", "world_of", "sim_config",
            "uniform_sources", "run_global_loads", "replica_sync_bytes", "load_figure", "bytes_figure",
-           "memory_figure", "grid_figure", "grid_arrays", "expert_rank_tokens", "ab_table", "ab_figure",
+           "memory_figure", "grid_figure", "grid_arrays", "grid_headline", "expert_rank_tokens", "ab_table",
+           "ab_figure",
            "summary_text", "label_of", "ep_holders", "SYNTHETIC_KINDS", "MEMORY_CATEGORIES"]

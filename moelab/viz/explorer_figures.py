@@ -40,7 +40,7 @@ def bytes_figure(ev: dict, *, label: Optional[str] = None, width: Optional[int] 
     b = ev["bytes"]
     for c in LINK_CLASSES:
         fig.add_bar(x=list(b.index), y=b[c] / 1e6, name=c, marker_color=LINK_COLOURS.get(c))
-    return finish(fig, f"MoE layer bytes sent per rank (fwd + bwd), layer time {ev['layer_time_s'] * 1e3:.2f} ms",
+    return finish(fig, f"Layer time {ev['layer_time_s'] * 1e3:.2f} ms: MoE layer bytes sent per rank (fwd + bwd)",
                   label, barmode="stack", xaxis_title="rank", yaxis_title="MB", width=width)
 
 
@@ -117,9 +117,14 @@ def grid_figure(ev: dict, *, colour: str = "tokens", label: Optional[str] = None
     G = ev["profile"].gpus_per_node
     for b in range(G, N, G):
         fig.add_vline(x=b - 0.5, line_color="#e4572e", line_width=1)
-    return finish(fig, f"Placement: {E} experts x {N} ranks, {pl.num_replicas} replica(s) (click a cell)", label,
+    return finish(fig, grid_headline(ev), label,
                   xaxis_title="rank", yaxis_title="expert", height=grid_height(E),
                   yaxis=dict(autorange="reversed"), margin=dict(l=60, r=20, b=50), width=width)
+
+
+def grid_headline(ev: dict) -> str:
+    pl = ev["placement"]
+    return f"Placement: {pl.num_experts} experts x {pl.world_size} ranks, {pl.num_replicas} replica(s) (click a cell)"
 
 
 def grid_height(E: int) -> int:
@@ -161,5 +166,5 @@ def ab_figure(a: dict, b: dict, *, label: Optional[str] = None, width: Optional[
                   width=width)
 
 
-__all__ = ["load_figure", "bytes_figure", "memory_figure", "grid_figure", "grid_arrays", "grid_height",
+__all__ = ["load_figure", "bytes_figure", "memory_figure", "grid_figure", "grid_arrays", "grid_height", "grid_headline",
            "expert_rank_tokens", "ab_table", "ab_figure"]

@@ -26,6 +26,7 @@ from moelab.viz.explorer import (
     evaluate,
     grid_arrays,
     grid_figure,
+    grid_headline,
     load_figure,
     memory_figure,
     placement_of,
@@ -39,6 +40,7 @@ from moelab.viz.explorer import (
     with_preset,
     world_of,
 )
+from moelab.viz.explorer_figures import GRID_COLOURS
 from moelab.viz.explorer_policies import POLICIES, apply_policy
 
 # pixels the figures' titles and labels are wrapped for (the figures then autosize to their boxes): a half of a
@@ -101,6 +103,7 @@ class ExplorerUI:
         half = w.Layout(flex="1 1 0%", min_width="0")  # two side by side share the width
         self.load_out, self.bytes_out = w.Output(layout=half), w.Output(layout=half)
         self.grid = None  # the FigureWidget, built on the first refresh (needs anywidget)
+        self._grid_key = None  # (shape, label, GPUs per node) it was built for
         self.grid_box = w.Box(layout=full)
         self.live: dict = {}  # key -> FigureWidget of the figures updated in place (memory, A vs B)
         self.memory_box, self.ab_box = w.Box(layout=half), w.Box(layout=half)
@@ -267,29 +270,32 @@ class ExplorerUI:
             self._quiet = False
 
     def _grid(self, ev: dict):
-        """Build the grid's FigureWidget (new shape) or update its cells in place."""
+        """Build the grid's FigureWidget (a new shape, cluster or loads) or update its cells and headline in place
+        (only ``z``, ``text`` and the title travel: the redraw of a click)."""
         import plotly.graph_objects as go
 
-        fig = grid_figure(ev, colour=self.colour.value, width=FULL_PX).update_layout(width=None, autosize=True)
-        self.figures["grid"] = fig
-        try:
-            shape = self.grid.data[0].z.shape if self.grid is not None else None
-        except AttributeError:
-            shape = None
-        z, text = grid_arrays(ev, self.colour.value)
-        if self.grid is None or shape != z.shape:
+        colour = self.colour.value
+        z, text = grid_arrays(ev, colour)
+        key = (z.shape, ev["label"], ev["profile"].gpus_per_node)
+        if self.grid is None or key != self._grid_key:
+            fig = grid_figure(ev, colour=colour, width=FULL_PX).update_layout(width=None, autosize=True)
+            self.figures["grid"] = fig
             try:
                 self.grid = go.FigureWidget(fig)
             except ImportError:  # plotly's widget needs anywidget: the list and the text edit still work
                 self.grid = None
                 return
+            self._grid_key = key
             self.grid.data[0].on_click(self._clicked)
             self.grid_box.children = (self.grid,)
+            self.figures["grid"] = self.grid
             return
+        rest = str(self.grid.layout.title.text).split("<br>", 1)[1:]
         with self.grid.batch_update():
-            self.grid.data[0].z, self.grid.data[0].text = z, text
-            self.grid.data[0].colorscale, self.grid.data[0].showscale = fig.data[0].colorscale, fig.data[0].showscale
-            self.grid.layout.title = fig.layout.title
+            trace = self.grid.data[0]
+            trace.z, trace.text = z, text
+            trace.colorscale, trace.showscale = GRID_COLOURS[colour], colour == "tokens"
+            self.grid.layout.title.text = "<br>".join([grid_headline(ev)] + rest)
 
     def _live(self, key: str, box, fig) -> None:
         """Show ``fig`` in ``box`` as a FigureWidget, updated in place when its traces keep their kinds."""
@@ -297,11 +303,12 @@ class ExplorerUI:
 
         fig.update_layout(width=None, height=420, autosize=True)
         fw = self.live.get(key)
-        if fw is not None and [t.type for t in fw.data] == [t.type for t in fig.data]:
-            with fw.batch_update():
-                for old, new in zip(fw.data, fig.data):
-                    old.update(new.to_plotly_json())
-                fw.layout = fig.layout
+        if fw is not None and [(t.type, t.name) for t in fw.data] == [(t.type, t.name) for t in fig.data]:
+            with fw.batch_update():  # only what a placement changes: the bars, the title, the lines
+                for old, t in zip(fw.data, fig.data):
+                    old.x, old.y = t.x, t.y
+                fw.layout.title.text, fw.layout.shapes = fig.layout.title.text, fig.layout.shapes
+                fw.layout.annotations = fig.layout.annotations
             return
         try:
             fw = go.FigureWidget(fig)
