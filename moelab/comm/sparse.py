@@ -28,6 +28,11 @@ another group). Backends (:data:`BACKENDS`):
   node-NIC sizing assumes (``hier`` sends it over the owner's one NIC), at one more stage of fixed costs
   (NCCL's multi-channel broadcasts split a buffer over channels and NICs the same way). spRS runs each
   transfer backwards with what flowed down it.
+- ``relay``: ``stripe`` whose chunks leave the owner's node once: chunk i crosses to rank i of one destination
+  node (the destination nodes in turn, chunk by chunk), which passes it on to rank i of the other destination
+  nodes, which fan it out inside their nodes. The owner's node sends a crossing expert out once however many
+  nodes hold it (``stripe``: once per destination node), as a broadcast that forwards along the nodes does
+  (NCCL's ring broadcast), at one more stage; each destination node still receives it once.
 
 A transfer is ``(source, destination, expert, part)``: ``part`` is :data:`WHOLE` or a chunk index
 (:func:`part_range`); between two ranks a stage's pieces travel in (expert, part) order in one call.
@@ -42,8 +47,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-BACKENDS = ("a2a", "p2p", "hier", "stripe")
-NODE_BACKENDS = ("hier", "stripe")  # cross each node once per expert: t is sized on a node's NICs
+BACKENDS = ("a2a", "p2p", "hier", "stripe", "relay")
+NODE_BACKENDS = ("hier", "stripe", "relay")  # cross each node once per expert: t is sized on a node's NICs
 WHOLE = -1  # a transfer's part: the whole expert
 Transfer = Tuple[int, int, int, int]  # (source rank, destination rank, expert, part)
 
@@ -122,7 +127,7 @@ class SparsePlan:
             return (tuple((self.holders_from[e][0], d, e, WHOLE) for e, d in self.new_copies),)
         if self.world_size // self.ranks_per_node < 2:
             raise ValueError(f"the {backend} sparse backend needs more than one node (parallel.topology.nodes > 1)")
-        stages = self._striped() if backend == "stripe" else self._hier()
+        stages = {"stripe": self._striped, "relay": self._relayed}.get(backend, self._hier)()
         return tuple(tuple(st) for st in stages if st)
 
     def _by_node(self, e: int) -> tuple:
@@ -170,6 +175,30 @@ class SparsePlan:
                     cross.append((src, dst, e, i))
                     fan += [(dst, d, e, i) for d in ds if d != dst]
         return scatter, cross, fan
+
+
+    def _relayed(self) -> tuple:
+        """:meth:`_striped` with one crossing per chunk: chunk i enters the destination nodes at rank i of one of
+        them (in turn over chunks), which relays it to rank i of the others; each then fans it out in its node."""
+        G = self.ranks_per_node
+        scatter, cross, relay, fan = [], [], [], []
+        for e in range(len(self.holders_from)):
+            owner, by_node = self._by_node(e)
+            home = self.node(owner)
+            local = next((ds for n, ds in by_node if n == home), [])
+            scatter += [(owner, d, e, WHOLE) for d in local]
+            away = [(n, ds) for n, ds in by_node if n != home]
+            for i in range(G) if away else ():
+                src, entry = home * G + i, away[i % len(away)][0] * G + i
+                if src != owner and src not in local:
+                    scatter.append((owner, src, e, i))
+                cross.append((src, entry, e, i))
+                for n, ds in away:
+                    dst = n * G + i
+                    if dst != entry:
+                        relay.append((entry, dst, e, i))
+                    fan += [(dst, d, e, i) for d in ds if d != dst]
+        return scatter, cross, relay, fan
 
 
 @functools.lru_cache(maxsize=256)
@@ -291,7 +320,7 @@ def sp_all_gather(comm, plan: SparsePlan, owned: Dict[int, torch.Tensor], numel:
                     whole[e] = t
                 else:
                     chunks[(e, p)] = t
-            if i + 1 < len(stages):  # hier / stripe: the next stage forwards what arrived
+            if i + 1 < len(stages):  # hier / stripe / relay: the next stage forwards what arrived
                 fin = _stage(comm, stages[i + 1], piece, numel, G, like, next_group, "a2a")
         return {e: whole[e] if e in whole else torch.cat([chunks[(e, p)] for p in range(G)])
                 for e in plan.replicas_here}

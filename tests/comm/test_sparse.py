@@ -68,7 +68,8 @@ def _checks(rank, world, G, E):
     return out
 
 
-@pytest.fixture(scope="module", params=[(2, 1, 4), (4, 2, 8), (8, 4, 8)], ids=["2ranks", "2x2ranks", "2x4ranks"])
+@pytest.fixture(scope="module", params=[(2, 1, 4), (4, 2, 8), (8, 4, 8), (6, 2, 12)],
+                ids=["2ranks", "2x2ranks", "2x4ranks", "3x2ranks"])
 def runs(request):
     world, G, E = request.param
     return world, G, E, run_ranks(_checks, world, G, E, timeout=120)
@@ -112,7 +113,7 @@ def test_bytes_of_the_records_are_the_formulas_of_section_2_2(runs):
                 assert all(not c["ag"] and not c["rs"] for c in cases)
                 continue
             assert sum(sent_ag) == sum(sent_rs)
-            if b == "stripe":
+            if b in ("stripe", "relay"):  # relay: the same pieces, the crossings entering over another node
                 assert sum(sent_ag) == stripe_bytes(P, Pp, G, s_e)
             else:
                 assert sum(sent_ag) == s_e * sum(n)  # = ring all-reduce total / 2
@@ -203,6 +204,26 @@ def test_stripe_sends_a_crossing_expert_over_every_nic_of_both_nodes():
     got = {(d, p) for _, d, _, p in cross + fan}
     assert {(d, p) for d in (5, 6) for p in range(G)} <= got
     assert all(s // G == d // G == 1 for s, d, _, _ in fan) and len(fan) == 2 * G - 2
+
+
+def test_relay_sends_a_crossing_expert_out_of_its_node_once():
+    """Expert 0 (rank 1, node 0) newly held on nodes 1 and 2 (ranks 4, 5 and 9) of 3 nodes of 4: with ``stripe`` its
+    node sends it out twice (once per destination node), with ``relay`` once; each destination node receives it once
+    either way, and every new holder ends with every chunk."""
+    G, N = 4, 12
+    P = tuple((e,) for e in range(N))
+    Pp = ((0, 4, 5, 9),) + P[1:]
+    out_of = {}
+    for b in ("stripe", "relay"):
+        stages = sparse_plan(P, Pp, 0, N, G).gather_stages(b)
+        flat = [t for st in stages for t in st]
+        out_of[b] = sum(1 for s, d, _, p in flat if s // G == 0 and d // G != 0)  # chunks leaving node 0
+        into = {n: sorted(p for s, d, _, p in flat if d // G == n and s // G != n) for n in (1, 2)}
+        assert into == {1: list(range(G)), 2: list(range(G))}, b  # each chunk enters each node once
+        for d in (4, 5, 9):
+            assert sorted(p for _, dd, _, p in flat if dd == d) == list(range(G)), (b, d)  # every chunk once
+    assert out_of == {"stripe": 2 * G, "relay": G}
+    assert len(sparse_plan(P, Pp, 0, N, G).gather_stages("relay")) == 4  # scatter, cross, relay, fan
 
 
 def _staged_on_a_stream(rank, world, G, E):
