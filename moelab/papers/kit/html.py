@@ -102,7 +102,8 @@ def table_section(t: dict, base: str | None, anchor: str = "") -> str:
 # verdict -> (badge class, what it means); the order is the sort order (moelab.papers.kit.compare.VERDICTS)
 VERDICT_STYLE = {
     "agrees": ("v-ok", "a SIMULATED ratio within ±25 % of the paper's number"),
-    "explained": ("v-expl", "off by more, but a gap ladder closes at least 75 % of the log-gap"),
+    "explained": ("v-expl", "off by more, but a gap ladder of sourced rungs closes at least 75 % of the log-gap "
+                            "or ends within ±25 %"),
     "contradicted": ("v-bad", "moelab's evidence goes against the claim (stated in paper.yaml)"),
     "off, no stated cause": ("v-off", "off by more than ±25 %, with no ladder or stated cause"),
     "trend: same side": ("v-same", "a run on this machine on the paper's side of 'no effect'"),
