@@ -1,6 +1,7 @@
 """Starting points for the placement explorer: each registered placement policy applied to the current loads.
 
-A policy here is ``fn(state, ev) -> holders`` (per expert ``(owner, replicas...)``): it reads the state's
+A policy here is ``fn(state, ev) -> holders`` (per expert ``(owner, replicas...)``), or ``(holders, note)`` where
+it has something to say about its decision (Hecate's t and m: a plan with no replica says why): it reads the state's
 layer loads ``ev["loads"]`` ``[N, E]`` and cluster, calls the strategy's own pure decision function with that
 strategy's default options, and returns the placement it would execute. The explorer applies it with
 :func:`moelab.viz.explorer_state.with_holders` (so the migration from the current placement is priced) and the
@@ -31,12 +32,19 @@ def register_policy(name: str, fn: Callable, doc: str) -> Callable:
 def apply_policy(state: ExplorerState, name: str, ev: dict = None) -> ExplorerState:
     """``state`` with the placement policy ``name`` decides for its current loads (``ev``: its evaluation,
     computed when not given). ValueError when the policy does not apply (e.g. experts not divisible by ranks)."""
+    return decide(state, name, ev)[0]
+
+
+def decide(state: ExplorerState, name: str, ev: dict = None) -> tuple:
+    """``(new state, note)``: :func:`apply_policy` and what the policy said about its decision ("" if nothing)."""
     from moelab.viz.explorer_cost import evaluate
 
     if name not in POLICIES:
         raise ValueError(f"unknown placement policy {name!r}; known: {sorted(POLICIES)}")
     ev = ev if ev is not None else evaluate(state)
-    return with_holders(state, POLICIES[name][0](state, ev))
+    out = POLICIES[name][0](state, ev)
+    holders, note = out if len(out) == 2 and isinstance(out[1], str) else (out, "")
+    return with_holders(state, holders), note
 
 
 def _owners(state: ExplorerState) -> list:
@@ -110,8 +118,15 @@ def hecate_alg1(state: ExplorerState, ev: dict) -> tuple:
 
     t, m = _hecate_t_m(state, ev)
     N, _ = ev["loads"].shape
-    return materialize_plan(_owners(state), ev["loads"].sum(0).tolist(), t, m, N, profile_of(state).gpus_per_node,
+    plan = materialize_plan(_owners(state), ev["loads"].sum(0).tolist(), t, m, N, profile_of(state).gpus_per_node,
                             HecateOptions().assign)
+    return plan, _t_m_note(t, m)
+
+
+def _t_m_note(t: int, m: int) -> str:
+    why = " (no expert arrives while the attention runs: Alg. 1 keeps the sharding)" if t == 0 else (
+        " (no memory left for a replica)" if m == 0 else "")
+    return f"Hecate: overlap degree t = {t}, memory slots m = {m}{why}"
 
 
 def hecate_alg2(state: ExplorerState, ev: dict) -> tuple:
@@ -123,7 +138,7 @@ def hecate_alg2(state: ExplorerState, ev: dict) -> tuple:
     N, _ = ev["loads"].shape
     F = ev["loads"].sum(0)[None]
     new = reshard_owners(F, t, [_owners(state)], N, profile_of(state).gpus_per_node, HecateOptions().prefer_fewer_free)
-    return _single(new[0])
+    return _single(new[0]), f"Hecate: overlap degree t = {t} (the top-t experts keep their owners where they can)"
 
 
 def lina_popularity(state: ExplorerState, ev: dict) -> tuple:
@@ -144,4 +159,4 @@ for _name, _fn in (("FasterMoE shadowing", fastermoe_shadowing), ("SmartMoE", sm
                    ("Lina popularity", lina_popularity)):
     register_policy(_name, _fn, (_fn.__doc__ or "").split("\n")[0])
 
-__all__ = ["POLICIES", "register_policy", "apply_policy"]
+__all__ = ["POLICIES", "register_policy", "apply_policy", "decide"]

@@ -41,7 +41,7 @@ from moelab.viz.explorer import (
     world_of,
 )
 from moelab.viz.explorer_figures import GRID_COLOURS
-from moelab.viz.explorer_policies import POLICIES, apply_policy
+from moelab.viz.explorer_policies import POLICIES, decide
 
 # pixels the figures' titles and labels are wrapped for (the figures then autosize to their boxes): a half of a
 # notebook's width beside a 1,280 px window's file browser, and the whole of it for the grid
@@ -67,6 +67,7 @@ class ExplorerUI:
         self.last: Optional[dict] = None
         self.figures: dict = {}
         self.error: Optional[str] = None
+        self.note = ""  # what the last policy said about its decision
         self.redraw_s: Optional[float] = None  # the kernel's time of the latest refresh (evaluate + figures)
         profiles = list(profiles or sorted(n for n, p in PROFILES.items() if p.world_size <= 64))
         if state.profile not in profiles:
@@ -181,7 +182,20 @@ class ExplorerUI:
         return self.apply(shadow_hottest)
 
     def on_policy(self, name: str):
-        return self.apply(apply_policy, name)
+        """The policy's placement for the current loads, and what it said about it (shown under the summary)."""
+        said = []
+
+        def policy(s):
+            new, note = decide(s, name)
+            said.append(note)
+            return new
+
+        self.note = ""
+        out = self.apply(policy)
+        if said and said[0] and self.error is None:
+            self.note = f"{name}: {said[0]}" if not said[0].startswith(name.split()[0]) else said[0]
+            self.summary.value += f"<br><i>{html.escape(self.note, quote=False)}</i>"
+        return out
 
     def on_pin(self):
         self.pinned = self.state

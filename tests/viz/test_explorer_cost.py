@@ -130,3 +130,14 @@ def test_policies_do_what_their_papers_say_on_a_hot_expert():
     assert X.placement_of(smart).is_trivial  # a permutation: owners only
     with pytest.raises(ValueError, match="unknown placement policy"):
         apply_policy(STATE, "nope")
+
+
+def test_a_policy_that_places_no_replica_says_why():
+    from moelab.viz.explorer_policies import decide
+
+    s, note = decide(STATE, "Hecate Alg. 1")
+    t = int(note.split("t = ")[1].split(",")[0])
+    assert note.startswith("Hecate: overlap degree t = ") and "memory slots m = " in note
+    if X.placement_of(s).num_replicas == 0:
+        assert t == 0 and "keeps the sharding" in note or "no memory left" in note
+    assert decide(STATE, "SmartMoE")[1] == ""

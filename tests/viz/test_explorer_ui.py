@@ -62,6 +62,9 @@ def test_policy_buttons_apply_each_policy_to_the_current_loads():
         else:  # a policy that does not apply here says why and keeps the placement
             assert ui.state is before
     ui.reset.click()
+    ui.policy_buttons["Hecate Alg. 1"].click()  # what the policy decided with is shown: t and m
+    assert ui.error is None and "overlap degree t = " in ui.summary.value and ui.note.startswith("Hecate")
+    ui.reset.click()
     ui.policy_buttons["FasterMoE shadowing"].click()
     assert len(X.mapping(ui.state)[X.hottest_expert(STATE)]) == 16
 
