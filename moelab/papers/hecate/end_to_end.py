@@ -29,15 +29,16 @@ from .replay import graph_kwargs, hecate_plans
 # the variant that takes t = t_paper (a guess reasoned from Fig. 13's parameter memory, not the paper's rule)
 T_CHOSEN = f"Hecate (t = {int(assumptions().value('t_paper'))}, chosen from Fig. 13)"
 SYSTEMS = ("EP", "FasterMoE", "SmartMoE", "FlexMoE", "Hecate", T_CHOSEN)
-# How the paper-scale Hecate moves an expert across nodes (moelab.comm.sparse): ``stripe``, each crossing cut over
-# the node's G ranks and so over all of its NICs, as t is sized (bw = the node's NIC bandwidth, t_derivation) and as
-# the §2.9 cost model that prices calibration assumes (PlacementCost.nic_Bps, per node). The paper's NCCL broadcasts
-# split a buffer over channels and NICs the same way. ``hier`` (what these runs took before issue 64) sends a crossing
-# over the owner's one NIC: on hecate_B (4 NICs per node) a quarter of the bandwidth t was sized on, so the
-# GPT models' t = 1 gather there could not hide (9.6 ms of spAG on GPT-MoE-L's critical path, 2 layers). Left as in
-# moelab, not the paper: a crossing to H other nodes leaves the owner's node H times (a star from the owner), where
-# NCCL's ring broadcast sends it out of each node once.
-SPAG_BACKEND = "stripe"
+# How the paper-scale Hecate moves an expert across nodes (moelab.comm.sparse): ``relay``, each crossing cut over the
+# node's G ranks and so over all of its NICs, as t is sized (bw = the node's NIC bandwidth, t_derivation) and as the
+# §2.9 cost model that prices calibration assumes (PlacementCost.nic_Bps, per node), and sent out of the owner's node
+# once, the destination nodes passing it on, as the paper's NCCL broadcasts move a buffer (split over channels and
+# NICs, forwarded along the ring). ``hier`` (what these runs took before issue 64) sends a crossing over the owner's
+# one NIC: on hecate_B (4 NICs per node) a quarter of the bandwidth t was sized on, so the GPT models' t = 1 gather
+# there could not hide (9.6 ms of spAG on GPT-MoE-L's critical path, 2 layers); ``stripe`` uses every NIC but sends
+# a crossing to H nodes out of the owner's node H times. Still not NCCL's: relay's two crossing stages run one after
+# the other (NCCL pipelines them), and the cost model prices a gather as stripe does (the owner's node H times).
+SPAG_BACKEND = "relay"
 
 
 def hecate_cost(cfg, profile):

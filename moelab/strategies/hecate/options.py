@@ -22,8 +22,8 @@
 | ``calibration_rule`` | all_slots | what calibration proposes: ``all_slots`` (t_cal = the free slots, spec §2.4
   [choice]: all or nothing) or ``best`` (the fastest t_cal of 1..free slots by the cost model) |
 | ``rm`` | false | re-materialization: free replicas after forward, re-gather them in backward (§2.8) |
-| ``spag_backend`` | a2a | ``a2a`` / ``p2p`` / ``hier`` / ``stripe`` (§2.2; ``stripe``: ``hier`` with each crossing
-  expert split over the node's G NICs) |
+| ``spag_backend`` | a2a | ``a2a`` / ``p2p`` / ``hier`` / ``stripe`` / ``relay`` (§2.2; ``stripe``: ``hier`` with each
+  crossing expert split over the node's G NICs; ``relay``: ``stripe`` sending it out of the owner's node once) |
 | ``materialize`` | true | false: "sharding only" ablation (P' = P) |
 | ``shard`` | true | false: "materialization only" ablation (no Alg. 2) |
 | ``cost_profile`` | hecate_A | the cluster whose constants the cost model uses (calibration, t without emulation) |

@@ -84,7 +84,7 @@ def test_ladders_name_only_sourced_settings_and_never_t():
 def test_a_crossing_expert_moves_at_the_node_bandwidth_t_is_sized_on(cluster, gpus):
     """Hecate's paper-scale gather sends one expert to another node at the bandwidth its t is sized on (the node's
     NICs together, t_derivation's bw), not over one NIC of the owner: on hecate_B (4 NICs per node) ``hier`` takes
-    4x as long, ``stripe`` (the backend the runs take) the node's time."""
+    4x as long, ``relay`` (the backend the runs take) the node's time."""
     from moelab.papers.hecate import end_to_end as EE
     from moelab.sim.engine import simulate
     from moelab.sim.graphs import iteration_graph
@@ -106,7 +106,7 @@ def test_a_crossing_expert_moves_at_the_node_bandwidth_t_is_sized_on(cluster, gp
         o = ops[(ops.category == "spag") & (ops.phase == "fwd")]
         return float(o.end.max() - o.start.min())
 
-    assert EE.SPAG_BACKEND == "stripe"
+    assert EE.SPAG_BACKEND == "relay"
     got = spag_s(EE.SPAG_BACKEND)
     assert want <= got < 1.25 * want + 3 * (prof.inter_latency_us + prof.intra_latency_us) * 1e-6
     if prof.nics_per_node > 1:  # one NIC of the owner: a quarter of the bandwidth t counts on
@@ -143,3 +143,33 @@ def test_skew_one_is_the_measured_trace_and_a_larger_one_sharpens_the_same_ranki
     assert (share(sharp) > share(base)).all()
     G = tr.sum(2)
     assert (G.argmax(-1) == sharp.sum(2).argmax(-1)).all()  # the measured hottest expert stays the hottest
+
+
+def test_an_expert_for_every_node_leaves_its_owners_node_once():
+    """On hecate_B (4 nodes) an expert newly held on every device: ``stripe`` sends it out of the owner's node 3
+    times (one stage of 3 s_e over the node's NICs), ``relay`` once, then the destination nodes pass it on (two
+    stages of about s_e each: the NIC-time of one crossing saved)."""
+    from moelab.papers.hecate import end_to_end as EE
+    from moelab.sim.engine import simulate
+    from moelab.sim.graphs import iteration_graph
+
+    cfg, prof = _setting("hecate_B", 32, "GPT-MoE-L")
+    cfg = cfg.with_overrides({"parallel.strategy": "hecate"})
+    N, E = prof.world_size, cfg.model.moe.num_experts
+    loads = np.full((2, N, E), 64, dtype=np.int64)
+    owners = [[e // (E // N) for e in range(E)]] * 2
+    P = [tuple((o,) for o in row) for row in owners]
+    hold = [P[0], ((0,) + tuple(range(1, N)),) + P[1][1:]]  # layer 1: expert 0 (rank 0) on every device
+    d = EE.t_derivation(cfg, prof)
+    one = d["s_e_MB"] * 1e6 / (d["bw_GBps"] * 1e9)
+
+    def spag_s(backend):
+        res = simulate(iteration_graph(cfg, prof, loads, None, elem_bytes=prof.elem_bytes, owners=owners,
+                                       holders=hold, prefetch=hold, backend=backend))
+        o = res.ops_frame()
+        o = o[(o.category == "spag") & (o.phase == "fwd")]
+        return float(o.end.max() - o.start.min())
+
+    stripe, relay = spag_s("stripe"), spag_s("relay")
+    assert stripe >= 3 * one
+    assert 2 * one <= relay <= stripe - 0.9 * one
