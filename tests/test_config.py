@@ -115,3 +115,24 @@ def test_a_stored_config_of_an_older_version_still_loads_with_its_id():
     old["serve"].update(variant="lina", path_len=2)
     cfg = RunConfig.from_dict(old)
     assert cfg.serve.strategy_options == {"variant": "lina", "path_len": 2} and cfg.serve.strategy is None
+
+
+def test_the_config_layer_runs_the_owners_checks_without_importing_them(tmp_path):
+    """moelab.config imports no other moelab package (the lowest layer), yet validate() runs the owners'
+    pre-flight (installed by the package root): an unknown gate, known only to moelab.moe.gates, is refused."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import sys\n"
+        "from moelab.config import ConfigError, RunConfig\n"
+        "assert not [m for m in sys.modules if m.startswith('moelab.') and m != 'moelab.config'], sys.modules\n"
+        "try:\n"
+        "    RunConfig().with_overrides({'model.moe.gate': 'nope'}).validate()\n"
+        "except ConfigError as e:\n"
+        "    assert 'model.moe.gate must be one of' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('validate() accepted an unknown gate')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]

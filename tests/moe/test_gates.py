@@ -137,3 +137,20 @@ def test_simulated_bytes_equal_measured_bytes_at_large_k(world):
             prof = flat_profile(nodes=world // 2, gpn=2)
             c = compare(real, simulate_real(real.cfg, real.loads, prof), warmup=0, names=[name])
         assert c.metrics["bytes_exact"], (name, c.mismatches)
+
+
+def test_a_registered_gate_declares_what_it_needs_and_validate_checks_it():
+    """The gate registry entry says what a gate asks of the run (register_gate(..., needs=)); the pre-flight
+    runs it for the gate the config names, and only for that one."""
+    from moelab.moe.gates import GATE_NEEDS, GATES, register_gate, topk_rule
+
+    register_gate("three", topk_rule, needs=lambda cfg: [] if cfg.model.moe.top_k == 3 else ["needs top_k=3"])
+    try:
+        with pytest.raises(ConfigError, match="needs top_k=3"):
+            RunConfig().with_overrides({"model.moe.gate": "three", "model.moe.top_k": 2}).validate()
+        RunConfig().with_overrides({"model.moe.gate": "three", "model.moe.top_k": 3}).validate()
+        RunConfig().with_overrides({"model.moe.top_k": 2}).validate()  # topk: not asked
+    finally:
+        GATES.pop("three"), GATE_NEEDS.pop("three")
+    with pytest.raises(ConfigError, match=r"model.moe.gate must be one of \(.*'topk'.*\), got 'three'"):
+        RunConfig().with_overrides({"model.moe.gate": "three"}).validate()
