@@ -158,6 +158,9 @@ class ParallelConfig:
     backend: str = one_of("auto", ("auto", "gloo", "nccl"))  # auto: nccl on GPU, gloo on CPU
     strategy: str = "ep"  # registered strategy name
     strategy_options: dict = field(default_factory=dict)  # options of that strategy (it validates them)
+    # {axis: technique}, one per axis (moelab.techniques): the run's strategy is their composition, named
+    # by joining them with "+" (set by upgrade; strategy_options then keyed by technique)
+    techniques: dict = field(default_factory=dict)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     # expert -> [owner, replica, ...] ; None means plain expert parallelism
     placement: Optional[dict] = None
@@ -165,6 +168,20 @@ class ParallelConfig:
     grad_sync: str = "after_backward"
     # ddp_overlap: bucket size in MiB (PyTorch DDP's default)
     bucket_mb: float = at_least(25.0, 0, integer=False, strict=True)
+
+    @classmethod
+    def upgrade(cls, d: dict) -> dict:
+        """``techniques`` given: ``strategy`` becomes their composition (``ep`` or that name before)."""
+        t = d.get("techniques")
+        if not t:
+            return d
+        if not isinstance(t, dict):
+            raise ConfigError(f"parallel.techniques must map an axis to a technique, got {t!r}")
+        name = "+".join(str(v) for v in t.values())
+        if d.get("strategy", "ep") not in ("ep", name):
+            raise ConfigError(f"parallel.techniques {t} and parallel.strategy {d['strategy']!r} both name the "
+                              f"run's system: give one (a strategy is a preset of techniques)")
+        return {**d, "strategy": name}
 
     def own_errors(self) -> list:
         """The declared topology holds exactly ``nproc`` ranks."""
@@ -302,6 +319,8 @@ class RunConfig:
             del d["model"]["positions"]
         if not d["emulation"]["compute_yields"]:  # ... and before compute could yield to communication
             del d["emulation"]["compute_yields"]
+        if not d["parallel"]["techniques"]:  # ... and before techniques composed (the strategy names them)
+            del d["parallel"]["techniques"]
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha1(blob).hexdigest()[:8]
 

@@ -149,6 +149,7 @@ class StrategyOptions:
 # ---- the registry ----------------------------------------------------------------------------------
 _REGISTRY: dict = {}
 _PACKAGE = "moelab.strategies"  # its subpackages are the built-in strategies, each registering its own name
+COMPOSED, _COMPOSER = "+", "moelab.strategies.compose"  # "a+b": techniques a and b in one run
 
 
 @functools.lru_cache(maxsize=1)
@@ -182,6 +183,10 @@ class Strategy:
     changes_model: Union[tuple, Callable] = ()  # option names (or a predicate) that change the trained model
     serve: Union[Callable, str, None] = None  # (run_cfg, comm, options) -> server (moelab.runtime.serve)
     serve_options: Optional[type] = None  # StrategyOptions of serve.strategy_options
+    # the techniques (moelab.techniques.Technique) this strategy is made of; a name joining several with "+"
+    # is their composition (moelab.strategies.compose, built on first use)
+    techniques: tuple = ()
+    sim_refused: str = ""  # why the simulator cannot price this strategy (SIMULATED refused); "" : it can
     doc: str = ""
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -233,6 +238,8 @@ class Strategy:
         return ref
 
     def graph(self) -> Optional[Callable]:
+        if self.sim_refused:
+            raise ConfigError(f"strategy {self.name!r} cannot be SIMULATED: {self.sim_refused}")
         return self._resolve("graph", self.sim_graph)
 
     def graph_kwargs(self, run_cfg, records) -> dict:
@@ -257,6 +264,8 @@ def get(name: str) -> Strategy:
     """The registered :class:`Strategy` ``name`` (imports a built-in one on first use)."""
     if name not in _REGISTRY and name in _builtin():
         importlib.import_module(_builtin()[name])
+    if name not in _REGISTRY and COMPOSED in name:  # techniques composed: built by the strategies' layer
+        importlib.import_module(_COMPOSER).composed(name)
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -265,6 +274,11 @@ def get(name: str) -> Strategy:
 
 def known_strategies() -> set:
     return set(_REGISTRY) | set(_builtin())
+
+
+def strategy_known(name: str) -> bool:
+    """``name`` is a known strategy, or a composition of techniques (``lina+lsh_moe``: checked when bound)."""
+    return name in known_strategies() or COMPOSED in str(name)
 
 
 def serving_strategies() -> set:
@@ -292,10 +306,19 @@ def strategy_errors(cfg) -> list:
     """``parallel.strategy`` is known and binds its options to the run (the strategy checks them; binding
     imports it, so the gates and dispatchers it registers exist afterwards)."""
     name = cfg.parallel.strategy
-    if name not in known_strategies():
+    if not strategy_known(name):
         return [f"parallel.strategy {name!r} is unknown; known: {sorted(known_strategies())}"]
+    axes = getattr(cfg.parallel, "techniques", None)
+    if axes:  # the axis map: each technique named for its own axis
+        errs = importlib.import_module(_COMPOSER).axis_errors(axes)
+        if errs:
+            return errs
     try:
-        get(name).bind(cfg)
+        strategy = get(name)
+    except (KeyError, ValueError, ConfigError) as e:  # a composition the techniques refuse, with the reason
+        return [f"parallel.strategy {name!r}: {e.args[0] if e.args else e}"]
+    try:
+        strategy.bind(cfg)
     except Exception as e:  # noqa: BLE001 - any complaint becomes a clear config error
         return [f"parallel.strategy_options for {name!r}: {e}"]
     return []

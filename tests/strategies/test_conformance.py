@@ -13,6 +13,7 @@ no edit. Each group of checks shares one spawn per world size (module fixtures).
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -26,8 +27,24 @@ from moelab.testing import TINY_TRAIN, expert_grads, rank_inputs, reference_grad
 D, F = 8, 16
 TOL = dict(rtol=1e-9, atol=1e-10)
 MOE = dict(num_experts=4, top_k=2, gate="topk", balance_loss_coef=0.01, z_loss_coef=0.001)
-CASES = [(s.name, opts, s.changes_model_with(opts)) for s in all_strategies() for opts in s.conformance]
-IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o, _ in CASES]
+def _strategies() -> list:
+    """Every registered strategy, then the composition of every compatible pair of techniques
+    (:func:`moelab.strategies.compose.compatible_strategies`, generated from their declarations).
+    ``MOELAB_CONFORMANCE=a,b+c`` keeps the named ones only (the shared spawns then build those alone)."""
+    from moelab.strategies.compose import compatible_strategies
+
+    every = all_strategies() + compatible_strategies()
+    only = [n for n in os.environ.get("MOELAB_CONFORMANCE", "").split(",") if n]
+    return [s for s in every if not only or s.name in only]
+
+
+CASES = [(s.name, opts, s.changes_model_with(opts)) for s in _strategies() for opts in s.conformance]
+def _flat(o: dict, pre: str = "") -> dict:  # a composition's options are keyed by technique: lsh_moe.hash_family
+    return {kk: vv for k, v in o.items()
+            for kk, vv in (_flat(v, f"{pre}{k}.") if isinstance(v, dict) else {f"{pre}{k}": v}).items()}
+
+
+IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in _flat(o).items()) or 'default'}" for n, o, _ in CASES]
 LOADS = {  # tokens per rank (2 ranks, 4 ranks) and whether every token goes to one expert
     "zero_token_rank": ([0, 9], [5, 0, 9, 3], False),
     "one_hot_expert": ([6, 6], [4, 4, 4, 4], True),
@@ -184,7 +201,11 @@ CAL = {"nproc": 2, "gemm_flops": 1e9, "collectives": {op: {"alpha": 1e-4, "beta"
 @pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
 def test_simulated_bytes_equal_measured(real_runs, case):
     from moelab.measure.validate import BytesMismatchWarning, compare, machine_profile, simulate_real
+    from moelab.registry import get
 
+    refused = get(CASES[case][0]).sim_refused
+    if refused:  # never a faked simulation: the strategy says why it cannot be priced
+        pytest.skip(f"{IDS[case]}: SIMULATED refused: {refused}")
     real = real_runs[case]
     assert len(real.comm), "the run recorded no training traffic"
     with warnings.catch_warnings():

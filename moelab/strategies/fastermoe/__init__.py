@@ -19,6 +19,7 @@ import functools
 
 from moelab.registry import Strategy, register_strategy
 from moelab.strategies.fastermoe.options import FasterMoEOptionError, FasterMoEOptions
+from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: FasterMoEOptions):
@@ -30,6 +31,10 @@ def layer_factory(run_cfg, opts: FasterMoEOptions):
 
 STRATEGY = register_strategy(Strategy(
     "fastermoe", options=FasterMoEOptions, layer=layer_factory,
+    techniques=(Technique("fastermoe", "placement", owns=("place", "combine_postprocess", "dispatch_compute_combine"),
+        wraps=("route", "forward"),
+        doc="dynamic shadowing (place, local rows added in combine_postprocess); the smart schedule replaces the "
+        "dispatch chain when on"),),
     sim_graph="moelab.strategies.fastermoe.sim_graph:fastermoe_iteration_graph",
     conformance=({}, {"shadow_force": [0, 3]}, {"shadow": True, "shadow_net_bw": 1e3}, {"smart": True, "group_size": 1},
                  {"smart": True, "group_size": 1, "shadow_force": [1]}, {"topo_gate": True}),

@@ -17,6 +17,7 @@ import functools
 from moelab.registry import Strategy, register_strategy
 from moelab.strategies.flexmoe.options import FlexMoEOptionError, FlexMoEOptions
 from moelab.strategies.flexmoe.update import FlexMoEUpdate
+from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: FlexMoEOptions):
@@ -27,6 +28,8 @@ def layer_factory(run_cfg, opts: FlexMoEOptions):
 
 STRATEGY = register_strategy(Strategy(
     "flexmoe", options=FlexMoEOptions, layer=layer_factory, update=FlexMoEUpdate,
+    techniques=(Technique("flexmoe", "placement", owns=("update",), wraps=("plan_record",),
+        doc="replicas with their own Adam state, Expand/Shrink/Migrate between iterations"),),
     sim_graph="moelab.strategies.flexmoe.sim_graph:flexmoe_iteration_graph",
     sim_plan="moelab.strategies.flexmoe.sim_graph:flexmoe_sim_plan",
     conformance=({}, {"interval": 1, "threshold": 1.01, "r": 1, "migration_cost_s": 0.0}),

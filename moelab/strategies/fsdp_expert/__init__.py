@@ -19,6 +19,7 @@ import functools
 from moelab.registry import Strategy, register_strategy
 from moelab.strategies.fsdp_expert.options import FsdpExpertOptionError, FsdpExpertOptions
 from moelab.strategies.fsdp_expert.update import FsdpExpertUpdate
+from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: FsdpExpertOptions):
@@ -30,6 +31,9 @@ def layer_factory(run_cfg, opts: FsdpExpertOptions):
 
 STRATEGY = register_strategy(Strategy(
     "fsdp_expert", options=FsdpExpertOptions, layer=layer_factory, update=FsdpExpertUpdate,
+    techniques=(Technique("fsdp_expert", "placement",
+        owns=("exchange_counts", "plan", "token_dispatch", "token_combine", "materialize", "update", "expert_layout"),
+        wraps=("compute_experts", "forward"), doc="every expert gathered before the layer, no token all-to-all"),),
     sim_graph="moelab.strategies.fsdp_expert.sim_graph:fsdp_expert_iteration_graph",
     conformance=({}, {"reshard_after_forward": True}),
     doc="FSDP of each MoE layer's experts (all-gather before the layer, reduce-scatter in its backward); "

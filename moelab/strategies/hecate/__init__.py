@@ -22,6 +22,7 @@ from moelab.comm.sparse import NODE_BACKENDS
 from moelab.registry import Strategy, register_strategy
 from moelab.strategies.hecate.options import LATER_GROUP, HecateOptionError, HecateOptions
 from moelab.strategies.hecate.update import HecateUpdate
+from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: HecateOptions):
@@ -40,6 +41,8 @@ def sparse_group(run_cfg) -> dict:
 
 STRATEGY = register_strategy(Strategy(
     "hecate", options=HecateOptions, layer=layer_factory, update=HecateUpdate, groups=sparse_group,
+    techniques=(Technique("hecate", "placement", owns=("place", "materialize", "update", "groups"),
+        wraps=("compute_experts", "forward", "plan_record"), doc="sparse materialization, re-sharding"),),
     sim_graph="moelab.strategies.hecate.sim_graph:hecate_iteration_graph",
     sim_plan="moelab.strategies.hecate.sim_graph:hecate_sim_plan",
     conformance=({"t": 1}, {"t": 2, "m": 1, "calibration": False}, {"t": 1, "replicate_force": [0, 1, 2, 3]},

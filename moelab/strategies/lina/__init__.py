@@ -21,6 +21,7 @@ import functools
 
 from moelab.registry import Strategy, register_strategy
 from moelab.strategies.lina.options import POLICIES, LinaOptionError, LinaOptions, LinaServeOptions
+from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: LinaOptions):
@@ -43,8 +44,21 @@ def _groups(run_cfg) -> dict:
     return opts.groups(run_cfg.parallel.nproc, run_cfg.model.moe.num_experts)
 
 
+def lina_alone_only(opts: LinaOptions):
+    """Lina's options that cannot compose: packing moves the layer onto a block of ranks, lina_pipe replaces
+    the dispatch chain a partner may own."""
+    if opts.pipelined:
+        return "policy lina_pipe replaces the dispatch chain"
+    if opts.pack_controller or opts.q != 1:
+        return f"packing ({opts.q} experts per device) runs the layer over a block of ranks"
+    return None
+
+
 STRATEGY = register_strategy(Strategy(
     "lina", options=LinaOptions, layer=layer_factory, update=_update, groups=_groups, own_expert_layout=True,
+    techniques=(Technique("lina", "schedule", owns=("update", "groups", "expert_layout"),
+        wraps=("forward", "dispatch_compute_combine"), alone_only=lina_alone_only,
+        doc="all-to-all before all-reduce: priority scheduler, gradient micro-ops"),),
     sim_graph="moelab.strategies.lina.sim_graph:lina_iteration_graph",
     serve="moelab.strategies.lina.server:build", serve_options=LinaServeOptions,
     conformance=tuple({"policy": p} for p in ("ddp_overlap", "priority", "lina")),

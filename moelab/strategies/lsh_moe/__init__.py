@@ -18,6 +18,7 @@ import functools
 
 from moelab.registry import Strategy, register_strategy
 from moelab.strategies.lsh_moe.options import LSHMoEOptionError, LSHMoEOptions
+from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: LSHMoEOptions):
@@ -33,6 +34,10 @@ def changes_model(opts: dict) -> bool:
 
 STRATEGY = register_strategy(Strategy(
     "lsh_moe", options=LSHMoEOptions, layer=layer_factory,
+    techniques=(Technique("lsh_moe", "wire", owns=("exchange_counts", "plan", "dispatch_compute_combine"),
+        wraps=("route", "plan_record"),
+        calls=("token_dispatch", "dispatch_postprocess", "compute_experts", "combine_preprocess", "token_combine"),
+        doc="centroids of hashed buckets on the wire"),),
     sim_graph="moelab.strategies.lsh_moe.sim_graph:lsh_moe_iteration_graph",
     sim_plan="moelab.strategies.lsh_moe.sim_graph:lsh_sim_plan",
     conformance=({"hash_family": "identity"}, {"hash_family": "none"}, {}),

@@ -25,6 +25,7 @@ import functools
 
 from moelab.registry import Strategy, register_strategy
 from moelab.strategies.parm.options import ParmOptionError, ParmOptions
+from moelab.techniques import LAYER_STAGES, Technique
 
 
 def layer_factory(run_cfg, opts: ParmOptions):
@@ -59,6 +60,9 @@ def _prepare(run_cfg, model, comm):
 
 STRATEGY = register_strategy(Strategy(
     "parm", options=ParmOptions, layer=layer_factory, update=_update(), groups=declared_groups,
+    techniques=(Technique("parm", "layout",
+        owns=("own_layer", "update", "groups", "data_shard", "prepare_model", "expert_layout") + LAYER_STAGES,
+        doc="MP x EP x ESP, its own layer (not a MoELayer)"),),
     data_shard=_shard, prepare_model=_prepare, own_expert_layout=True, shared_loads=False, conformance=(),
     sim_graph="moelab.strategies.parm.sim_graph:parm_iteration_graph",
     doc="Parm: MP x EP x ESP with MP paused in the MoE layer (baseline, S1, S2 with SAA, S2-AAS, auto)"))

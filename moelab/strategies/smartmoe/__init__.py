@@ -15,6 +15,7 @@ import functools
 from moelab.registry import Strategy, register_strategy
 from moelab.strategies.smartmoe.options import SmartMoEOptionError, SmartMoEOptions
 from moelab.strategies.smartmoe.update import SmartMoEUpdate
+from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: SmartMoEOptions):
@@ -25,6 +26,8 @@ def layer_factory(run_cfg, opts: SmartMoEOptions):
 
 STRATEGY = register_strategy(Strategy(
     "smartmoe", options=SmartMoEOptions, layer=layer_factory, update=SmartMoEUpdate,
+    techniques=(Technique("smartmoe", "placement", owns=("update",), wraps=("plan_record",),
+        doc="LPT re-placement every K iterations (the update moves experts)"),),
     sim_graph="moelab.strategies.smartmoe.sim_graph:smartmoe_iteration_graph",
     sim_plan="moelab.strategies.smartmoe.sim_graph:smartmoe_sim_plan",
     conformance=({}, {"interval": 1, "decision": "never"}),

@@ -18,6 +18,7 @@ import functools
 from moelab.registry import Strategy, register_strategy
 from moelab.strategies.zero.options import ZeroOptionError, ZeroOptions
 from moelab.strategies.zero.update import ZeroUpdate
+from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: ZeroOptions):
@@ -29,6 +30,9 @@ def layer_factory(run_cfg, opts: ZeroOptions):
 
 STRATEGY = register_strategy(Strategy(
     "zero", options=ZeroOptions, layer=layer_factory, update=ZeroUpdate,  # ZeroUpdate(model, comm, cfg)
+    techniques=(Technique("zero", "placement",
+        owns=("exchange_counts", "plan", "token_dispatch", "token_combine", "update", "expert_layout"),
+        doc="every expert on every rank, ZeRO-sharded update"),),
     sim_graph="moelab.strategies.zero.sim_graph:zero_iteration_graph",
     conformance=({"stage": 1}, {"stage": 2}, {"stage": 3}, {"stage": 3, "regather_backward": False}),
     doc="ZeRO-1/2/3 data parallelism of the whole MoE model (FasterMoE's baseline)"))
