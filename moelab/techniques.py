@@ -87,21 +87,18 @@ def all_techniques() -> dict:
 
 
 def conflict(a: Technique, b: Technique) -> Optional[str]:
-    """Why ``a`` and ``b`` cannot run together (None: they compose), from their declarations only."""
+    """Why ``a`` and ``b`` cannot run together, every reason (None: they compose), from their declarations only."""
     if a.axis == b.axis:
         return f"both on axis {a.axis} (a run names one technique per axis)"
-    for x, y in ((a, b), (b, a)):
-        for name, why in x.excludes:
-            if name == y.name:
-                return f"{x.name} excludes {y.name}: {why}"
+    why = [f"{x.name} excludes {y.name}: {r}" for x, y in ((a, b), (b, a)) for name, r in x.excludes if name == y.name]
     both = sorted(set(a.owns) & set(b.owns))
     if both:
-        return f"both own {', '.join(both)}"
+        why.append(f"both own {', '.join(both)}")
     for x, y in ((a, b), (b, a)):
         skipped = sorted((x.replaces() - set(x.owns)) & (set(y.owns) | set(y.wraps)))
         if skipped:
-            return f"{x.name}'s dispatch_compute_combine skips {y.name}'s {', '.join(skipped)}"
-    return None
+            why.append(f"{x.name}'s dispatch_compute_combine skips {y.name}'s {', '.join(skipped)}")
+    return "; ".join(why) or None
 
 
 def compatibility(techniques: Optional[dict] = None) -> list:

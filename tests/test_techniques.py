@@ -97,6 +97,7 @@ def test_the_table_has_every_cross_axis_pair_and_the_docs_page_is_current():
     ({"parallel.strategy": "hecate+smartmoe"}, "axis named twice: placement: hecate and smartmoe"),
     ({"parallel.strategy": "hecate+lsh_moe"}, "lsh_moe's dispatch_compute_combine skips hecate's materialize"),
     ({"parallel.strategy": "lina+smartmoe"}, "lina + smartmoe: both own update"),
+    ({"parallel.strategy": "flexmoe+lsh_moe"}, "lsh_moe excludes flexmoe: LSH-MoE runs on placements without replicas"),
     ({"parallel.strategy": "lina+warp"}, "unknown technique(s) ['warp']"),
     ({"parallel.strategy": "lina+lsh_moe", "parallel.strategy_options": {"hecate": {"t": 1}}},
      "names technique(s) ['hecate'] not chosen"),
@@ -151,3 +152,61 @@ def test_a_composed_layer_scopes_each_techniques_options():
     assert layer.compresses  # LSH-MoE's property read its own options (a LinaOptions has no hash_family)
     y = layer(torch.randn(5, 8, dtype=torch.float64))
     assert y.shape == (5, 8) and layer.options is layer.technique_options["lina"]
+
+
+# ---- a wire technique on a placement technique's placement: the fp64 reference, 2 gloo ranks ---------------
+PLACED = {  # (composition, options, holders of the 4 experts on 2 ranks): a SmartMoE permutation
+    "permuted": ("lsh_moe+smartmoe", {"lsh_moe": {"hash_family": "identity"}}, ((1,), (0,), (1,), (0,))),
+}
+
+
+def _placed(rank, world, cases):
+    import torch
+
+    from moelab.comm.door import Communicator
+    from moelab.comm.topology import Topology
+    from moelab.config import MoEConfig
+    from moelab.placement import Placement
+    from moelab.testing import expert_grads, rank_inputs
+
+    out = []
+    for name, opts, holders in cases:
+        c = cfg(name, opts).validate()
+        layer = get(name).layer_class(c)(8, 16, MoEConfig(num_experts=4, top_k=2, gate="topk"), layer_id=1, seed=3,
+                                          comm=Communicator(Topology(world, world)),
+                                          placement=Placement(4, world, holders), dtype=torch.float64)
+        xs, gys = rank_inputs([5, 9], 8, seed=2)
+        x = xs[rank].clone().requires_grad_()
+        y = layer(x)
+        ((y * gys[rank]).sum() + layer.aux_loss).backward()
+        out.append(dict(y=y.detach(), gx=x.grad, eg=expert_grads(layer.experts), rec=layer.plan_record()))
+        layer.comm.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_wire_technique_on_a_placement_techniques_placement_matches_the_fp64_reference():
+    import torch
+
+    from moelab.config import MoEConfig
+    from moelab.moe.reference import ReferenceMoE
+    from moelab.runtime.ranks import run_ranks
+    from moelab.testing import rank_inputs, reference_grads
+
+    cases = list(PLACED.values())
+    res = run_ranks(_placed, 2, cases, timeout=180)
+    xs, gys = rank_inputs([5, 9], 8, seed=2)
+    ref = reference_grads(ReferenceMoE(8, 16, MoEConfig(num_experts=4, top_k=2, gate="topk"), layer_id=1, seed=3),
+                          xs, gys)
+    for i, (name, _, holders) in enumerate(cases):
+        got = [r[i] for r in res]
+        assert got[0]["rec"]["placement"] and got[0]["rec"]["lsh"]["family"] == "identity", got[0]["rec"]
+        assert sum(map(sum, got[0]["rec"]["lsh"]["centroids"])) == 2 * 14  # every (token, choice) a centroid
+        for r, g in enumerate(got):
+            torch.testing.assert_close(g["y"], ref["y"][r], rtol=1e-9, atol=1e-10)
+            torch.testing.assert_close(g["gx"], ref["gx"][r], rtol=1e-9, atol=1e-10)
+        for e, want in ref["eg"].items():  # the holders' shares sum to the reference's gradient
+            shares = [g["eg"][e] for g in got if e in g["eg"]]
+            assert len(shares) == len(holders[e]), (name, e)
+            for j, w in enumerate(want):
+                torch.testing.assert_close(sum(s[j] for s in shares), w, rtol=1e-9, atol=1e-10)

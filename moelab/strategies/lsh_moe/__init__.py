@@ -37,6 +37,8 @@ STRATEGY = register_strategy(Strategy(
     techniques=(Technique("lsh_moe", "wire", owns=("exchange_counts", "plan", "dispatch_compute_combine"),
         wraps=("route", "plan_record"),
         calls=("token_dispatch", "dispatch_postprocess", "compute_experts", "combine_preprocess", "token_combine"),
+        excludes=tuple((p, "LSH-MoE runs on placements without replicas (a replica set would split a bucket's "
+                        "centroid across holders)") for p in ("fastermoe", "flexmoe", "hecate")),
         doc="centroids of hashed buckets on the wire"),),
     sim_graph="moelab.strategies.lsh_moe.sim_graph:lsh_moe_iteration_graph",
     sim_plan="moelab.strategies.lsh_moe.sim_graph:lsh_sim_plan",
