@@ -409,7 +409,7 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
             else:
                 raise ConfigError(f"unknown config key {key!r} (no section {p!r})")
         cur = cur[p]
-    if parts[-1] not in cur and not (len(parts) >= 2 and parts[-2] in ("placement", "strategy_options")):
+    if parts[-1] not in cur and not (len(parts) >= 2 and parts[-2] in ("placement", "strategy_options", "techniques")):
         raise ConfigError(f"unknown config key {key!r}")
     cur[parts[-1]] = parse_value(value)
 

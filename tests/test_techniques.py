@@ -152,6 +152,11 @@ def test_a_composed_layer_scopes_each_techniques_options():
     assert layer.compresses  # LSH-MoE's property read its own options (a LinaOptions has no hash_family)
     y = layer(torch.randn(5, 8, dtype=torch.float64))
     assert y.shape == (5, 8) and layer.options is layer.technique_options["lina"]
+    assert layer.last_metrics["rho"] == 1.0  # LSH-MoE's metrics of the call (identity: every row its own bucket)
+    layer.last_metrics = {"sched_stalls": 0}  # a second technique's metrics merge, none overwritten
+    assert set(layer.last_metrics) >= {"rho", "sched_stalls"}
+    layer(torch.randn(3, 8, dtype=torch.float64))
+    assert "sched_stalls" not in layer.last_metrics  # a new call starts empty
 
 
 # ---- a wire technique on a placement technique's placement: the fp64 reference, 2 gloo ranks ---------------

@@ -12,6 +12,8 @@ the composed :class:`moelab.registry.Strategy`:
   technique's method runs (its ``__init__`` included), ``self.options`` is that technique's options, so
   classes written alone compose unedited. Outside any of them ``layer.options`` is the options of the
   technique owning the update (the update reads its layer's options); ``layer.technique_options`` has all;
+  ``layer.last_metrics`` merges what each technique's methods set during the call (Lina's scheduler
+  counters beside LSH-MoE's compression rate), none overwriting another's;
 - update and groups: from the technique that owns them (at most one, by the conflict rule), given the run
   as that technique alone would see it; the data-parallel update when none owns it;
 - conformance: the techniques' option sets that keep the EP model, paired in turn (every set of each
@@ -24,10 +26,8 @@ import functools
 
 from moelab.config import ConfigError
 from moelab.registry import _REGISTRY, Strategy, StrategyOptions, get, register_strategy
-from moelab.techniques import AXES, SEP, all_techniques, compatibility, name_of, parse
+from moelab.techniques import AXES, SEP, SIM_REFUSED, all_techniques, compatibility, name_of, parse
 
-SIM_REFUSED = ("the simulator has no composed iteration graph yet: each technique prices its own graph "
-               "(moelab.techniques declares which stages each owns; composing the graphs is open)")
 _MISSING = object()
 
 
@@ -170,7 +170,18 @@ def _layer(techs, run_cfg, opts):
         super(composed_cls, self).__init__(*a, **kw)
         self.__dict__["options"] = by_tech[primary]
 
-    composed_cls = type(name_of(techs), bases, {"__init__": __init__})
+    def forward(self, x):
+        self.__dict__["_composed_metrics"] = {}  # this call's metrics: every technique's, merged
+        return super(composed_cls, self).forward(x)
+
+    def metrics(self):
+        return self.__dict__.setdefault("_composed_metrics", {})
+
+    def set_metrics(self, m):  # each technique assigns its own dict: merged, none overwrites another's
+        self.__dict__.setdefault("_composed_metrics", {}).update(m or {})
+
+    composed_cls = type(name_of(techs), bases, {"__init__": __init__, "forward": forward,
+                                                "last_metrics": property(metrics, set_metrics)})
     return composed_cls
 
 
