@@ -254,18 +254,19 @@ def _ends_agreeing(row: dict, entry: dict, closed: float) -> bool:
     return 1 / AGREE <= end_ratio <= AGREE and same_side
 
 
-def _ladder_share(row: dict, ladder) -> float | None:
-    """The share of this row's log-gap its ladder closes, if the ladder starts from this row's very value (a
-    key with several moelab sources has one ladder, which explains only the row it walks from)."""
+def _ladder_share(row: dict, ladder) -> tuple:
+    """(the share of this row's log-gap its ladder closes, the paper keys a rung was read off), if the ladder
+    starts from this row's very value (a key with several moelab sources has one ladder, which explains only the
+    row it walks from); (None, ()) otherwise."""
     if ladder is None:
-        return None
-    start, share = ladder
-    return share if math.isclose(start, row["moelab"], rel_tol=1e-9) else None
+        return None, ()
+    start, share, chosen = (*ladder, ())[:3]
+    return (share, tuple(chosen)) if math.isclose(start, row["moelab"], rel_tol=1e-9) else (None, ())
 
 
 def compare(paper: str, values: dict, products: dict, numbers: dict | None = None, *, closed: dict | None = None):
     """The paper-vs-moelab frame: one row per (paper number, moelab source), see the module doc.
-    ``closed``: paper key -> (headline at rung 0, share of the log-gap closed), from
+    ``closed``: paper key -> (headline at rung 0, share of the log-gap closed, keys a rung was read off), from
     :func:`moelab.papers.kit.ladder.walk_all`."""
     import pandas as pd
 
@@ -279,12 +280,15 @@ def compare(paper: str, values: dict, products: dict, numbers: dict | None = Non
                 row = _not_run(key, e, "", "", e.get("no_counterpart", "no moelab counterpart"))
             else:
                 row = compare_one(key, e, src, values, products, circ)
-            share = _ladder_share(row, closed.get(key))
-            v = verdict(row, e, share)
-            row.update(headline=bool(e.get("headline")), verdict=v,
-                       why=e["contradicted"] if v == "contradicted" else
-                       f"gap ladder closes {share:.0%} of the log-gap and ends at "
-                       f"{row['ratio'] ** (1 - share):.2f}x the paper" if v == "explained" else "")
+            share, chosen = _ladder_share(row, closed.get(key))
+            v = verdict(row, e, None if chosen else share)  # a rung read off a paper result explains nothing
+            why = (e["contradicted"] if v == "contradicted" else
+                   f"gap ladder closes {share:.0%} of the log-gap and ends at "
+                   f"{row['ratio'] ** (1 - share):.2f}x the paper" if v == "explained" else "")
+            if chosen and share is not None and v != "contradicted":
+                why = (f"gap ladder closes {share:.0%} of the log-gap, but a rung's value was read off "
+                       f"{', '.join(chosen)}: not an explanation")
+            row.update(headline=bool(e.get("headline")), verdict=v, why=why)
             rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs["label"] = (f"PAPER vs moelab: the paper's numbers from experiments/{paper}/paper.yaml; ratios only "

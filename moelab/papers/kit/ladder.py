@@ -19,6 +19,8 @@ Rungs are data, in ``experiments/<paper>/ladders.yaml``::
             kind: setting                       # setting (a size, a rate, a link) | mechanism (a switch)
             source: "paper §5.1: ..."           # where the paper-side value comes from; never empty
             why: ...
+            chosen_from: [fig11_key]            # only if the value was read off a paper RESULT: the ladder is
+                                                # then shown, but explains nothing (a fit by another name)
 
 Each rung moves one assumption through :meth:`~moelab.papers.kit.assumptions.Assumptions.with_values`, so a
 value outside the assumption's stated range is refused, and a rung cannot name a constant the code does not read.
@@ -44,6 +46,7 @@ class Rung:
     kind: str
     source: str
     why: str = ""
+    chosen_from: tuple = ()  # paper keys the paper-side value was read off (a result, not a stated setting)
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,11 @@ def load_ladders(paper: str, path: Path | None = None) -> dict:
             if r["set"] not in assumptions:
                 raise LadderError(f"{at}: rung {i} sets {r['set']!r}, which is not in assumptions.yaml")
             assumptions.with_values({r["set"]: r["to"]})  # the paper-side value must lie in the stated range
-            rungs.append(Rung(r["set"], float(r["to"]), r["kind"], str(r["source"]), str(r.get("why", ""))))
+            chosen = tuple(r.get("chosen_from") or ())
+            unknown = sorted(set(chosen) - set(numbers))
+            if unknown:
+                raise LadderError(f"{at}: rung {i}: chosen_from names no paper number: {unknown}")
+            rungs.append(Rung(r["set"], float(r["to"]), r["kind"], str(r["source"]), str(r.get("why", "")), chosen))
         out[key] = Ladder(key, e["evaluate"], str(e["profile"]), tuple(rungs), str(e.get("note", "")))
     return out
 
@@ -116,11 +123,12 @@ def walk(paper: str, ladder: Ladder, scale):
     paper_v = paper_value(paper, ladder.key)
     overrides: list = []
     rows = [dict(rung=0, set="moelab's setting", kind="", moelab_value=math.nan, paper_value=math.nan,
-                 source="experiments/%s/assumptions.yaml" % paper, why="every assumption at its base value")]
+                 source="experiments/%s/assumptions.yaml" % paper, why="every assumption at its base value",
+                 chosen_from="")]
     for i, r in enumerate(ladder.rungs, 1):
         overrides.append((r.set, r.to))
         rows.append(dict(rung=i, set=r.set, kind=r.kind, moelab_value=base.value(r.set), paper_value=r.to,
-                         source=r.source, why=r.why))
+                         source=r.source, why=r.why, chosen_from=", ".join(r.chosen_from)))
     values = [float(fn(scale, tuple(overrides[:i]))) for i in range(len(rows))]
     gap = math.log(values[0]) - math.log(paper_v)
     df = pd.DataFrame(rows)
@@ -140,7 +148,8 @@ def walk(paper: str, ladder: Ladder, scale):
 
 def walk_all(paper: str, scale):
     """Every ladder of a paper, one frame (empty without a ladders.yaml), and key -> (the headline at rung 0,
-    the share of the log-gap the ladder closes): a ladder explains only the row it starts from."""
+    the share of the log-gap the ladder closes, the paper keys any rung's value was read off): a ladder explains
+    only the row it starts from, and only when no rung was read off a paper result."""
     import pandas as pd
 
     ladders = load_ladders(paper)
@@ -152,5 +161,7 @@ def walk_all(paper: str, scale):
     df.attrs["label"] = (f"SIMULATED: {profiles} profiles, scale {getattr(scale, 'name', scale)}; gap ladders of "
                          f"experiments/{paper}/ladders.yaml: each rung sets one assumption to its paper-side value, "
                          "keeping the rungs before it; the paper's numbers are references only")
-    closed = {f.key.iloc[0]: (float(f.headline.iloc[0]), float(f.closed.iloc[-1])) for f in frames}
+    closed = {lad.key: (float(f.headline.iloc[0]), float(f.closed.iloc[-1]),
+                        tuple(sorted({k for r in lad.rungs for k in r.chosen_from})))
+              for lad, f in zip(ladders.values(), frames)}
     return df, closed

@@ -50,6 +50,10 @@ def test_rungs_are_checked_before_anything_runs(tmp_path):
         load_ladders("fastermoe", _yaml(tmp_path, ['{set: trevor_nic_Gbps, to: 100, kind: guess, source: s}']))
     with pytest.raises(LadderError, match="no such paper number"):
         load_ladders("fastermoe", _yaml(tmp_path, [RUNG], key="no_such_number"))
+    with pytest.raises(LadderError, match="chosen_from names no paper number"):
+        load_ladders("fastermoe", _yaml(tmp_path, [RUNG[:-1] + ", chosen_from: [nope]}"]))
+    lad = load_ladders("fastermoe", _yaml(tmp_path, [RUNG[:-1] + f", chosen_from: [{KEY}]}}"]))[KEY]
+    assert lad.rungs[0].chosen_from == (KEY,)
 
 
 def test_the_fastermoe_ladders_start_from_the_compared_value():

@@ -78,6 +78,20 @@ def test_a_ladder_explains_only_the_row_it_starts_from():
     from moelab.papers.kit.compare import _ladder_share
 
     row = _row(SIM)  # moelab 3.0
-    assert _ladder_share(row, (3.0, 0.8)) == 0.8
-    assert _ladder_share(row, (2.0, 0.8)) is None  # the ladder walks another source's value
-    assert _ladder_share(row, None) is None
+    assert _ladder_share(row, (3.0, 0.8)) == (0.8, ())
+    assert _ladder_share(row, (2.0, 0.8)) == (None, ())  # the ladder walks another source's value
+    assert _ladder_share(row, None) == (None, ())
+    assert _ladder_share(row, (3.0, 0.8, ("fig11",))) == (0.8, ("fig11",))
+
+
+def test_a_ladder_with_a_rung_read_off_a_paper_result_explains_nothing():
+    from moelab.papers.kit.compare import compare
+    from tests.papers.kit.test_kit import TOY
+
+    reg = products(TOY, "tests.papers.kit.test_kit")
+    values = {"sim": _sim(None).value, "emu": _emu(None).value}
+    far = {"n": {**ENTRY, "value": 1.0, "moelab": [SIM]}}  # moelab 3.0 against 1.0: off
+    ok = compare("toy", values, reg, far, closed={"n": (3.0, 0.9, ())})
+    assert ok.verdict.iloc[0] == "explained"
+    fit = compare("toy", values, reg, far, closed={"n": (3.0, 0.9, ("fig11",))})
+    assert fit.verdict.iloc[0] == "off, no stated cause" and "read off fig11" in fit.why.iloc[0]
