@@ -55,8 +55,10 @@ def export_config(state: ExplorerState, path, **kw) -> Path:
     cfg = run_config(state, **kw)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# written by the placement explorer (moelab.viz.explorer_run.export_config)\n"
-                    + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tmp = path.with_name(path.name + ".tmp")  # whole or not at all: a reader never sees half a config
+    tmp.write_text("# written by the placement explorer (moelab.viz.explorer_run.export_config)\n"
+                   + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tmp.replace(path)
     return path
 
 

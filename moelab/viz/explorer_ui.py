@@ -107,7 +107,9 @@ class ExplorerUI:
         self._grid_key = None  # (shape, label, GPUs per node) it was built for
         self.grid_box = w.Box(layout=full)
         self.live: dict = {}  # key -> FigureWidget of the figures updated in place (memory, A vs B)
-        self.memory_box, self.ab_box = w.Box(layout=half), w.Box(layout=half)
+        self.memory_box = w.Box(layout=half)
+        self.ab_out = w.Output(layout=half)  # shown when a placement is pinned (a FigureWidget added later
+        # into a box does not size to it: plotly measures it before it is attached, and falls back to 700 px)
         self.experts_box = w.VBox()
         self.owner: list = []
         self.replicas: list = []
@@ -135,7 +137,7 @@ class ExplorerUI:
             w.HBox([self.reset, self.shadow, *self.policy_buttons.values()], layout=wrap),
             w.HBox([self.mode, self.colour], layout=wrap), self.edit,
             self.summary, self.grid_box, w.HBox([self.load_out, self.bytes_out], layout=full),
-            w.HBox([self.pin, self.unpin], layout=wrap), self.ab, w.HBox([self.memory_box, self.ab_box], layout=full),
+            w.HBox([self.pin, self.unpin], layout=wrap), self.ab, w.HBox([self.memory_box, self.ab_out], layout=full),
             w.HTML("<b>from drawing to run</b>: export a run config, or run it on this machine's ranks"),
             self.run_panel.widget, self.experts_box], layout=full)
         self._sync_controls(rebuild=True)
@@ -353,18 +355,19 @@ class ExplorerUI:
         if self.pinned is not None:
             a = evaluate(self.pinned)
             self.figures["ab"] = ab_figure(a, ev, width=HALF_PX)
-            self._live("ab", self.ab_box, self.figures["ab"])
             self.ab.value = ("<b>A (pinned) vs B (current)</b>" +
                              ab_table(a, ev).to_html(float_format=lambda v: f"{v:.3f}", classes="moelab-ab"))
         else:
             self.figures.pop("ab", None)
-            self.ab_box.children, self.live["ab"] = (), None
+            self.ab_out.clear_output()
             self.ab.value = "<i>pin a placement as A to compare it with the one you edit (B)</i>"
         if _in_kernel():  # outside a kernel (tests, scripts) an Output area would just print the figure
             import plotly.graph_objects as go
             from IPython.display import display
 
-            for out, key in ((self.load_out, "load"), (self.bytes_out, "bytes")):
+            for out, key in ((self.load_out, "load"), (self.bytes_out, "bytes"), (self.ab_out, "ab")):
+                if key not in self.figures:
+                    continue
                 out.clear_output(wait=True)
                 with out:  # each half of the notebook's width: autosize, no fixed pixels
                     display(go.Figure(self.figures[key]).update_layout(width=None, height=420, autosize=True))

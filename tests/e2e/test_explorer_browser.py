@@ -190,7 +190,7 @@ def test_export_then_run_that_file_shows_real_beside_simulated(nb, page):
     wait_for(lambda: "(2 x 2)" in _summary(page).inner_text(), 60, "a 2 x 2 cluster")
     w.get_by_role("button", name="export").click()
     drawn = nb.tmp / "drawn.yaml"
-    wait_for(drawn.exists, 30, "the exported config")
+    wait_for(drawn.exists, 30, "the exported config")  # written whole (a rename)
     cfg = yaml.safe_load(drawn.read_text())
     assert cfg["parallel"]["nproc"] == 4 and len(cfg["parallel"]["placement"]) == E
     w.get_by_role("button", name="run").click()

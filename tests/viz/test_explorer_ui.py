@@ -80,10 +80,10 @@ def test_a_vs_b_shows_both_and_the_deltas():
     assert table.loc["layer time (ms)", "B - A"] == pytest.approx(
         (X.evaluate(b)["layer_time_s"] - X.evaluate(a)["layer_time_s"]) * 1e3)
     assert "A (pinned) vs B (current)" in ui.ab.value and f"{table.loc['layer time (ms)', 'B - A']:.3f}" in ui.ab.value
-    assert [t.name for t in ui.live["ab"].data] == ["A (pinned)", "B (current)"]
-    assert list(ui.live["ab"].data[1].y) == list(X.evaluate(b)["rank_tokens"])
+    assert [t.name for t in ui.figures["ab"].data] == ["A (pinned)", "B (current)"]
+    assert list(ui.figures["ab"].data[1].y) == list(X.evaluate(b)["rank_tokens"])
     ui.unpin.click()
-    assert "ab" not in ui.figures and ui.ab_box.children == ()
+    assert "ab" not in ui.figures
 
 
 def test_nodes_scale_the_cluster():
