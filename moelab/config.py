@@ -319,8 +319,7 @@ class RunConfig:
             del d["model"]["positions"]
         if not d["emulation"]["compute_yields"]:  # ... and before compute could yield to communication
             del d["emulation"]["compute_yields"]
-        if not d["parallel"]["techniques"]:  # ... and before techniques composed (the strategy names them)
-            del d["parallel"]["techniques"]
+        del d["parallel"]["techniques"]  # the strategy names them ("lina+lsh_moe"): one id for either spelling
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha1(blob).hexdigest()[:8]
 

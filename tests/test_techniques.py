@@ -124,8 +124,8 @@ def test_the_axis_map_and_the_joined_name_are_one_run():
                                           {"schedule": "lina", "wire": "lsh_moe"}}).validate()
     assert by_axes.parallel.strategy == "lina+lsh_moe"
     assert [t.name for t in get("lina+lsh_moe").techniques] == ["lina", "lsh_moe"]
-    assert RunConfig().short_hash() == RunConfig().with_overrides({}).short_hash()  # old run ids kept
-    assert "techniques" not in RunConfig().to_dict()["parallel"] or not RunConfig().parallel.techniques
+    by_name = RunConfig().with_overrides({**MOE, "parallel.nproc": 2, "parallel.strategy": "lina+lsh_moe"})
+    assert by_axes.run_id() == by_name.run_id()  # one run, two spellings: one id (and the presets' ids unchanged)
 
 
 def test_parse_orders_a_composition_schedule_first():

@@ -168,10 +168,16 @@ def test_trains_like_ep(trained, case):
     if CASES[case][2]:  # trains a different model on purpose: finite losses are all it owes
         return
     torch.testing.assert_close(losses, torch.tensor(ep[0]["losses"]), rtol=1e-10, atol=0)
+    want = {key: v for a in ep for key, v in a["experts"].items()}  # every expert, on the rank EP keeps it
+    held: dict = {}  # every copy of it, on whichever rank holds one (a migration moves it, a replica copies it)
+    for b in got:
+        for key, v in b["experts"].items():
+            held.setdefault(key, []).append(v)
+    assert set(want) <= set(held), f"experts held by no rank: {sorted(set(want) - set(held))}"
+    for key, v in want.items():
+        for copy in held[key]:
+            torch.testing.assert_close(copy, v, rtol=1e-10, atol=1e-10)
     for a, b in zip(ep, got):
-        assert set(a["experts"]) <= set(b["experts"])
-        for key, v in a["experts"].items():
-            torch.testing.assert_close(b["experts"][key], v, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(b["dense"], a["dense"], rtol=1e-10, atol=1e-10)
 
 

@@ -30,7 +30,7 @@ STRATEGY = register_strategy(Strategy(
         doc="LPT re-placement every K iterations (the update moves experts)"),),
     sim_graph="moelab.strategies.smartmoe.sim_graph:smartmoe_iteration_graph",
     sim_plan="moelab.strategies.smartmoe.sim_graph:smartmoe_sim_plan",
-    conformance=({}, {"interval": 1, "decision": "never"}),
+    conformance=({}, {"interval": 1, "decision": "never"}, {"interval": 1, "decision": "always"}),
     doc="SmartMoE: LPT re-placement every K iterations when the modeled gain exceeds the migration"))
 
 __all__ = ["STRATEGY", "layer_factory", "SmartMoEOptions", "SmartMoEOptionError", "SmartMoEUpdate"]
