@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moelab.config import ConfigError
+from moelab.config import ConfigError, RunConfig
+from moelab.models.presets import preset as get_preset
+from moelab.runtime.results import atomic_write_text, list_runs
+from moelab.runtime.slurm import sbatch_script
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,12 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = sub.add_parser("runs", help="list completed runs")
     runs.add_argument("--root", default="runs", help="results root (default: runs)")
 
-    from moelab.papers.kit import reproduce  # light: papermill is imported only when notebooks run
+    # here, not at the top: the reproduction kit loads plotly (papermill only when notebooks run)
+    from moelab.papers.kit import publish, reproduce
 
     rep = sub.add_parser("reproduce", help="execute notebooks at a scale with papermill and write an HTML report")
     reproduce.add_arguments(rep)
-    from moelab.papers.kit import publish
-
     rpt = sub.add_parser("report", help="rebuild the HTML report, or write a paper's section as one file or a zip")
     publish.add_arguments(rpt)
 
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "report":
         return publish.main(args)
     if args.cmd == "serve":
-        from moelab.runtime.launch import SERVE_WORKER
+        from moelab.runtime.launch import SERVE_WORKER  # here: the launcher imports torch; --help, runs do not
 
         args.worker, args.reuse, args.resume = SERVE_WORKER, False, None
         return _run(ap, args)
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(ap: argparse.ArgumentParser, args) -> int:
-    from moelab.runtime.launch import DEFAULT_WORKER, RunFailed, launch
+    from moelab.runtime.launch import DEFAULT_WORKER, RunFailed, launch  # here: it imports torch; --help, runs do not
 
     overrides = {}
     for item in args.sets:
@@ -101,9 +103,6 @@ def _run(ap: argparse.ArgumentParser, args) -> int:
         ap.error("run needs a config (or --resume RUN, or --preset NAME)")
     try:
         if preset is not None:
-            from moelab.config import RunConfig
-            from moelab.models.presets import preset as get_preset
-
             args.config = get_preset(preset).config(RunConfig.load(args.config) if args.config else None, args.scale)
         nodes = _nodes(ap, args)
         result = launch(args.config, args.nproc, overrides=overrides, out_root=args.out_root,
@@ -135,7 +134,7 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _nodes(ap: argparse.ArgumentParser, args):
-    from moelab.runtime.launch import Nodes
+    from moelab.runtime.launch import Nodes  # here: it imports torch; --help, runs do not
 
     if args.nnodes == 1 and args.node_rank == 0 and args.rdzv is None:
         return None
@@ -145,8 +144,6 @@ def _nodes(ap: argparse.ArgumentParser, args):
 
 
 def _slurm(ap: argparse.ArgumentParser, args) -> int:
-    from moelab.runtime.slurm import sbatch_script
-
     try:
         text = sbatch_script(args.config, args.nodes, args.gpus_per_node, sets=args.sets, partition=args.partition,
                              time=args.time, out_root=args.out_root, job_name=args.job_name, port=args.port)
@@ -154,8 +151,6 @@ def _slurm(ap: argparse.ArgumentParser, args) -> int:
         print(f"moelab: {e}", file=sys.stderr)
         return 2
     if args.write:
-        from moelab.runtime.results import atomic_write_text
-
         atomic_write_text(args.write, text)
         print(args.write)
     else:
@@ -164,8 +159,6 @@ def _slurm(ap: argparse.ArgumentParser, args) -> int:
 
 
 def _runs(args) -> int:
-    from moelab.runtime.results import list_runs
-
     frame = list_runs(args.root)
     if frame.empty:
         print(f"no completed runs under {args.root}")

@@ -11,6 +11,7 @@ name order then instance order, because ``dist.new_group`` is collective.
 from __future__ import annotations
 
 from moelab.comm.topology import Topology
+from moelab.registry import get_groups
 
 BUILTIN = ("world", "ep", "dp", "node")  # every communicator has these
 
@@ -65,8 +66,6 @@ def instance_of(instances: list, rank: int) -> list:
 def declared_group_errors(cfg) -> list:
     """Config validation's view: the messages (naming the strategy and group) for the process groups
     ``cfg``'s strategy declares, ``[]`` when they partition ``parallel.nproc`` ranks."""
-    from moelab.registry import get_groups
-
     option = f"process groups of parallel.strategy {cfg.parallel.strategy!r}"
     try:
         validate_groups(get_groups(cfg), cfg.parallel.nproc, option=option)

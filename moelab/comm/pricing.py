@@ -12,6 +12,7 @@ import functools
 from typing import Optional, Sequence
 
 from moelab.comm.collectives import collective
+from moelab.comm.costs import ring_channels
 from moelab.comm.topology import Topology
 
 
@@ -39,8 +40,6 @@ def _ring_shape(topo: Topology, op: str, ranks: tuple, bw: tuple, lat: tuple):
     simulator's rings (:func:`moelab.comm.costs.ring_channels` with one NIC per rank, as the emulator
     declares; node-major, across nodes one channel per member of the fullest node, each carrying 1/C
     of the bytes). ``bw``/``lat``: (intra, inter). Returns (latency, shares, slowest share / bw)."""
-    from moelab.comm.costs import ring_channels
-
     rings = ring_channels(list(ranks), topo, topo.ranks_per_node)
     share: dict = {}  # (rank, class, direction) -> fraction of the per-rank ring bytes
     for order in rings:

@@ -15,9 +15,15 @@ import dataclasses
 import os
 from typing import Optional
 
+from moelab.comm.cpu_priority import compute_yields
+from moelab.comm.door import Communicator
 from moelab.comm.topology import Topology
 from moelab.config import RunConfig
 from moelab.measure.realruns import measure_compute, measure_compute_line
+from moelab.runtime.ranks import run_ranks
+from moelab.runtime.timing import gather_floats, timed
+from moelab.runtime.train import topology_for
+from moelab.sim.profiles import ClusterProfile, local_profile_from_calibration
 
 GB = 1e9
 
@@ -60,8 +66,6 @@ def machine_profile(cfg: RunConfig, calibration: Optional[dict] = None, *, compu
     the one busiest rank of an imbalanced layer computes at full speed); ``False``: no sharing. With
     emulation on, the links are the emulated ones (:func:`emulation_profile`).
     """
-    from moelab.sim.profiles import ClusterProfile, local_profile_from_calibration
-
     if calibration is not None:
         base = local_profile_from_calibration(calibration, name=name or "local")
     elif cfg.emulation.enabled and compute not in ("gemm", "calibrated", "in_context"):
@@ -232,8 +236,6 @@ def emulated_call_costs(comm, group: str = "world", op: str = "all_to_all", reps
 
     import torch
 
-    from moelab.runtime.timing import gather_floats, timed
-
     n = len(comm.group_ranks(group))
     if op == "all_to_all":
         one = [1] * n
@@ -269,8 +271,6 @@ def transport_cpu_per_byte(comm, group: str = "world", peer_bytes: int = 1 << 23
 
     import torch
 
-    from moelab.runtime.timing import gather_floats
-
     n = len(comm.group_ranks(group))
     sizes = (max(1, peer_bytes // 32), max(2, peer_bytes // 4))  # rows of 4 bytes: 1/8 and all of peer_bytes
     xs = [(torch.zeros(n * k, 1), [k] * n) for k in sizes]
@@ -300,8 +300,6 @@ def _computing(on: bool = True, yields: bool = False):
     stop = threading.Event()
 
     def work():
-        from moelab.comm.cpu_priority import compute_yields
-
         with compute_yields(yields):
             a = torch.randn(256, 256) / 16
             while not stop.is_set():
@@ -317,9 +315,6 @@ def _computing(on: bool = True, yields: bool = False):
 
 
 def _emulated_call_costs_rank(rank, world, cfg, busy=False):
-    from moelab.comm.door import Communicator
-    from moelab.runtime.train import topology_for
-
     comm = Communicator(topology_for(cfg, world), cfg.emulation)
     idle = {**emulated_call_costs(comm), "cpu_s_per_byte": transport_cpu_per_byte(comm)}
     return {**idle, "busy": emulated_call_costs(comm, busy=True, yields=cfg.emulation.compute_yields)} if busy else idle
@@ -330,8 +325,6 @@ def measure_emulated_call_costs(cfg: RunConfig, timeout: float = 120.0, busy: bo
     emulated links (one spawn of ``cfg.parallel.nproc`` ranks), with :func:`transport_cpu_per_byte` under
     ``"cpu_s_per_byte"``; ``busy``: also with the ranks computing,
     under the key ``"busy"``, in the same spawn (at SCHED_IDLE under ``emulation.compute_yields``)."""
-    from moelab.runtime.ranks import run_ranks
-
     if not cfg.emulation.enabled:
         raise ValueError("measure_emulated_call_costs needs cfg.emulation.enabled")
     return run_ranks(_emulated_call_costs_rank, cfg.parallel.nproc, cfg, busy, timeout=timeout)[0]

@@ -13,8 +13,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from moelab.comm.cpu_priority import compute_yields
 from moelab.comm.topology import LINK_CLASSES
 from moelab.config import RunConfig
+from moelab.registry import get
+from moelab.runtime.ranks import caller_state, rank_context, run_ranks, take_caller_state
+from moelab.runtime.train import Trainer
+from moelab.sim.graphs import iteration_graph, moe_layer_ids
+from moelab.sim.profiles import ClusterProfile
 
 
 # ---- real runs -------------------------------------------------------------------------------------
@@ -71,8 +77,6 @@ class RealRun:
         """Per iteration, the keyword arguments of the strategy's simulator graph for the plan this run
         executed (:meth:`moelab.registry.Strategy.graph_kwargs` of ``plans[it]``): what
         :func:`moelab.measure.validate.simulate_real` takes as ``plans=`` to price the same plans."""
-        from moelab.registry import get
-
         s = get(self.cfg.parallel.strategy)
         return [s.graph_kwargs(self.cfg, recs) for recs in self.plans]
 
@@ -93,9 +97,6 @@ def _real_worker(rank, world, cfg_dicts, probe=None):
     import time
 
     import torch
-
-    from moelab.comm.cpu_priority import compute_yields
-    from moelab.runtime.train import Trainer
 
     torch.set_num_threads(1)
     out = []
@@ -142,9 +143,6 @@ def run_real_many(cfgs: Sequence[RunConfig], nproc: Optional[int] = None, *, tim
     is the run's ``probe``.
     """
     import pandas as pd
-
-    from moelab.registry import get
-    from moelab.runtime.ranks import run_ranks
 
     cfgs = list(cfgs)
     if not cfgs:
@@ -211,10 +209,6 @@ def measure_compute(cfg: RunConfig, iters: int = 10, warmup: int = 2, cache: boo
     """
     import torch
 
-    from moelab.runtime.train import Trainer
-    from moelab.sim.graphs import iteration_graph
-    from moelab.sim.profiles import ClusterProfile
-
     c1 = _compute_only_cfg(cfg).with_overrides({"train.iters": iters + warmup})
     key = (repr(c1.model), c1.train.batch_size, c1.train.dtype, iters, warmup)
     if cache and key in _COMPUTE_CACHE:
@@ -223,8 +217,6 @@ def measure_compute(cfg: RunConfig, iters: int = 10, warmup: int = 2, cache: boo
                           intra_bw_GBps=1.0, intra_latency_us=0.0, inter_bw_GBps=1.0, inter_latency_us=0.0,
                           mem_GB=1.0)
     E = c1.model.moe.num_experts
-    from moelab.sim.graphs import moe_layer_ids
-
     L = len(moe_layer_ids(c1.model))
     T = c1.train.batch_size * c1.model.seq_len * c1.model.moe.top_k
     loads = np.zeros((L, 1, E), dtype=np.int64)
@@ -292,8 +284,6 @@ def measure_compute_line(cfg: RunConfig, scales: Sequence[int] = (1, 2, 4), iter
 def _compute_worker(i, cfg_dicts, iters, warmup, barrier, q, state):
     import torch
 
-    from moelab.runtime.ranks import take_caller_state
-
     torch.set_num_threads(1)
     try:
         take_caller_state(state)
@@ -316,8 +306,6 @@ def measure_compute_concurrent(cfgs: Sequence[RunConfig], nproc: int, *, iters: 
     """
     import queue as queue_mod
     import time
-
-    from moelab.runtime.ranks import caller_state, rank_context
 
     ctx = rank_context()
     q, barrier = ctx.Queue(), ctx.Barrier(nproc)

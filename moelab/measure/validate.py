@@ -98,7 +98,28 @@ import numpy as np
 
 from moelab.comm.topology import LINK_CLASSES, Topology
 from moelab.config import RunConfig
+from moelab.measure.local import (  # noqa: F401 (real runs and this machine's profile: importable from here too)
+    BASE_MODEL,
+    GRID_4,
+    cpu_cores,
+    emulation_profile,
+    machine_profile,
+    measure_emulated_call_costs,
+    validation_configs,
+    validation_configs_4,
+)
+from moelab.measure.realruns import (  # noqa: F401 (real runs and this machine's profile: importable from here too)
+    RealRun,
+    measure_compute,
+    measure_compute_concurrent,
+    real_label,
+    run_real,
+    run_real_many,
+)
+from moelab.runtime.train import placement_for, topology_for
 from moelab.sim.accuracy import MIN_R2_POINTS, R2_TARGET, REL_ERR_TARGET, median_rel_err, parts_table, r2_score  # noqa: F401 (part of this module's API)
+from moelab.sim.engine import simulate
+from moelab.sim.graphs import iteration_graph, moe_layer_ids, replay_bytes
 
 
 class BytesMismatchWarning(UserWarning):
@@ -126,8 +147,6 @@ class SimRun:
 
 def _graph_bytes_by_op(graph, topo: Topology) -> dict:
     """``{(rank, op): {class: bytes}}`` replaying every op's comm record with the shared rule."""
-    from moelab.sim.graphs import replay_bytes
-
     out: dict = {}
     for me, op, _, by_cls in replay_bytes(graph, topo):
         acc = out.setdefault((me, op), dict.fromkeys(LINK_CLASSES, 0))
@@ -147,10 +166,6 @@ def simulate_real(cfg: RunConfig, loads, profile, placement=None, plans: Optiona
     profile's.
     """
     import pandas as pd
-
-    from moelab.runtime.train import placement_for, topology_for
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import iteration_graph
 
     loads = np.asarray(loads, dtype=np.int64)
     if loads.ndim == 3:
@@ -283,8 +298,6 @@ def _layer_frame(real: RealRun, sim: SimRun, name: str, warmup: int):
     the emulator (like a network) lets a rank with little to move leave an unbalanced call early,
     so the min under-reads every call whose ranks move different amounts."""
     import pandas as pd
-
-    from moelab.sim.graphs import moe_layer_ids
 
     c = real.comm[(real.comm.layer >= 0) & (real.comm.iter >= warmup)]
     calls = c.groupby(["iter", "layer", "seq"])
@@ -432,26 +445,6 @@ def validate(named_cfgs, calibration: Optional[dict] = None, *, warmup: int = 3,
         sims.append(simulate_real(cfg, real.loads, prof, plans=real.graph_plans()))
     return compare(reals, sims, warmup=warmup, names=[n for n, _ in named_cfgs], warn=warn), reals, sims
 
-
-# real runs and this machine's profile live beside this module; their names stay importable from here
-from moelab.measure.local import (  # noqa: E402,F401
-    BASE_MODEL,
-    GRID_4,
-    cpu_cores,
-    emulation_profile,
-    machine_profile,
-    measure_emulated_call_costs,
-    validation_configs,
-    validation_configs_4,
-)
-from moelab.measure.realruns import (  # noqa: E402,F401
-    RealRun,
-    measure_compute,
-    measure_compute_concurrent,
-    real_label,
-    run_real,
-    run_real_many,
-)
 
 __all__ = ["RealRun", "SimRun", "Comparison", "BytesMismatchWarning", "run_real", "run_real_many", "simulate_real",
            "compare", "r2_score", "median_rel_err", "parts_table", "MIN_R2_POINTS", "R2_TARGET", "REL_ERR_TARGET",

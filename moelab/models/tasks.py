@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from moelab.models.data import get_corpus
 from moelab.models.transformer import IGNORE_INDEX, MoETransformer
+from moelab.models.vision import IMAGE_SIDE, digits_batch, num_patches, sklearn_missing
 
 TASKS = ("lm", "span", "acceptability", "topic", "paraphrase", "digits")
 TEXT_CLASSIFICATION = ("acceptability", "topic", "paraphrase")
@@ -213,8 +214,6 @@ def task_batch(cfg, rank: int, world: int, iteration: int, split: str = "train")
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside 0..{world - 1}")
     if t.task == "digits":
-        from moelab.models.vision import digits_batch
-
         return digits_batch(rank, world, iteration, t.batch_size, t.patch_size, t.seed, split)
     first = (iteration * world + rank) * t.batch_size
     ids = np.arange(first, first + t.batch_size, dtype=np.int64)
@@ -308,8 +307,6 @@ def task_errors(cfg) -> list:
             errs.append(f"train.task_classes must be in 2..{avail} (topics with >= {MIN_WINDOWS} windows "
                         f"of {length} bytes), got {t.task_classes}")
     if t.task == "digits":
-        from moelab.models.vision import IMAGE_SIDE, num_patches, sklearn_missing
-
         if t.patch_size not in (1, 2, 4, 8):
             errs.append(f"train.patch_size must divide the {IMAGE_SIDE}x{IMAGE_SIDE} digits (1, 2, 4 or 8), "
                         f"got {t.patch_size}")

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moelab.config import ModelConfig
+from moelab.moe.layer import MoELayer, global_aux_losses
 
 IGNORE_INDEX = -100
 INIT_STD = 0.02  # GPT-2 style normal init for embeddings and linear weights
@@ -122,8 +123,7 @@ class MoETransformer(nn.Module):
             raise ValueError(f"arch must be 'gpt' or 'bert', got {cfg.arch!r}")
         if cfg.moe_every not in (1, 2):
             raise ValueError(f"moe_every must be 1 or 2, got {cfg.moe_every}")
-        if moe_layer_cls is None:
-            from moelab.moe.layer import MoELayer as moe_layer_cls
+        moe_layer_cls = moe_layer_cls or MoELayer
         self.cfg, self.seed = cfg, seed
         causal = cfg.arch == "gpt"
         d = cfg.d_model
@@ -196,8 +196,6 @@ class MoETransformer(nn.Module):
         """Sum of the MoE layers' aux losses from the last forward (0 if there are none), each balance loss
         over the global batch (:func:`moelab.moe.layer.global_aux_losses`: with several data-parallel ranks
         a collective, one all-reduce of the layers' counts; every rank calls it after its forward)."""
-        from moelab.moe.layer import global_aux_losses
-
         total = self.tok_emb.weight.new_zeros(())
         for a in global_aux_losses(self._moe):
             if a is not None:

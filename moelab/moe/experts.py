@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.kernels import impl_for
+from moelab.kernels.grouped_gemm import grouped_mm
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
@@ -148,8 +149,6 @@ class Experts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, rows_per_slot: Sequence[int]) -> torch.Tensor:
         """Every held slot's FFN in two grouped GEMMs (:mod:`moelab.kernels.grouped_gemm`), one launch each."""
-        from moelab.kernels.grouped_gemm import grouped_mm
-
         counts = [int(n) for n in rows_per_slot]
         slot = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
                                        torch.tensor(counts, device=x.device))

@@ -31,6 +31,7 @@ from torch import nn
 
 from moelab.config import MoEConfig
 from moelab.kernels import impl_for
+from moelab.kernels.router import route_triton
 from moelab.moe.base_gate import base_route
 from moelab.moe.routing import Routing, capacity_for, capacity_locations, finish_routing  # noqa: F401 (re-exported)
 
@@ -76,8 +77,6 @@ def _balanced_needs(cfg) -> list:
 @register_gate("topk")
 def topk_rule(gate, x, logits, rng) -> Routing:
     if impl_for(gate.cfg.kernels, logits) == "triton":  # the fused router: top-k, weights and positions
-        from moelab.kernels.router import route_triton
-
         idx, weights, loc = route_triton(logits.detach(), gate.k)
         if logits.requires_grad:  # the kernel's weights carry no graph: the same softmax, differentiable
             weights = torch.softmax(logits.gather(1, idx), dim=-1)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from moelab.config import MoEConfig
+from moelab.moe.base_gate import auction_assignment
 from moelab.moe.experts import ACTIVATIONS, init_expert, seeded_generator
 from moelab.moe.layer import init_gate_
 
@@ -121,8 +122,6 @@ class ReferenceRouter(nn.Module):
                         idx[t, 1] = -1
             renormalize = True
         elif cfg.gate == "base":
-            from moelab.moe.base_gate import auction_assignment  # see the module doc: assignment only
-
             if cfg.top_k != 1:
                 raise ValueError(f"gate='base' is a top-1 gate: set top_k=1 (got {cfg.top_k})")
             chosen = auction_assignment(logits.detach()) if self.training else logits.detach().argmax(-1)

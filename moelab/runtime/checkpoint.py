@@ -49,6 +49,9 @@ from pathlib import Path
 import torch
 
 from moelab.models.tasks import HEAD_MODULES
+from moelab.moe.migrate import reslot
+from moelab.placement import Placement
+from moelab.registry import get_update
 
 FORMAT = 1
 PARAM_NAMES = ("w1", "b1", "w2", "b2")
@@ -112,7 +115,6 @@ def resume_errors(cfg) -> list:
         errs.append(f"the global batch parallel.nproc x train.batch_size = {cfg.parallel.nproc} x {t.batch_size} "
                     f"= {batch} must equal the checkpoint's {meta['global_batch']} (the data of each iteration "
                     "depends on it)")
-    from moelab.registry import get_update
 
     if getattr(get_update(cfg.parallel.strategy), "saves_params", False):
         p, was = cfg.parallel, saved["parallel"]
@@ -214,9 +216,6 @@ def _restore_placements(trainer, meta) -> None:
     """A run that moved its experts (Hecate's Alg. 2, SmartMoE, FlexMoE) resumes on the placement it
     saved (same world size): each layer's slots are re-stacked for the saved holders, the optimizer
     and the update follow the new parameter objects; :func:`load` then fills them from the checkpoint."""
-    from moelab.moe.migrate import reslot
-    from moelab.placement import Placement
-
     moved = False
     for li, layer in enumerate(trainer.model.moe_layers()):
         pl = layer.placement

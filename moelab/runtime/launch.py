@@ -48,7 +48,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moelab.config import RunConfig
+from moelab.config import ConfigError, RunConfig
+from moelab.runtime.checkpoint import latest_checkpoint, read_meta
 from moelab.runtime.failures import (
     RunFailed,
     RunInterrupted,
@@ -58,6 +59,8 @@ from moelab.runtime.failures import (
     tail,
     timed_out,
 )
+from moelab.runtime.memory import fits_memory
+from moelab.runtime.preflight import serve_errors
 from moelab.runtime.processes import dump_stacks, kill, rank_pids
 from moelab.runtime.progress import Progress, parse_progress
 from moelab.runtime.results import RunResult, atomic_write_json, atomic_write_text, backend_of, stale_version
@@ -92,9 +95,6 @@ def resume_config(resume, config=None, out_root="runs") -> tuple:
     """(config, checkpoint folder) to continue ``resume``: a checkpoint folder, a run folder or a run
     id under ``out_root`` (its latest checkpoint). Without ``config`` the checkpoint's own config is
     the base; overrides then change what may change (iters, nproc with the global batch kept, ...)."""
-    from moelab.config import ConfigError
-    from moelab.runtime.checkpoint import latest_checkpoint, read_meta
-
     p = Path(resume)
     if not p.exists() and (Path(out_root) / str(resume)).exists():
         p = Path(out_root) / str(resume)
@@ -134,13 +134,8 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
     if nodes is not None:
         cfg = nodes.config(cfg)
     if backend_of(cfg) == "gloo":  # CPU ranks share this machine's memory: refuse what cannot fit
-        from moelab.runtime.memory import fits_memory
-
         fits_memory(cfg, cfg.parallel.nproc // (nodes.nnodes if nodes is not None else 1))
     if worker == SERVE_WORKER:
-        from moelab.config import ConfigError
-        from moelab.runtime.preflight import serve_errors
-
         errs = serve_errors(cfg)
         if errs:
             raise ConfigError("invalid serve config:\n  - " + "\n  - ".join(errs))
@@ -159,8 +154,6 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
     try:
         side.mkdir(parents=True)
     except OSError as e:
-        from moelab.config import ConfigError
-
         raise ConfigError(f"the results root {out_root} is not writable here: {e}") from None
     try:
         atomic_write_json(tmp / "config.json", cfg.to_dict())
@@ -190,8 +183,6 @@ def launch(config=None, nproc: int | None = None, *, overrides: dict | None = No
 
 def _keep_checkpoints(tmp: Path, dest: Path) -> Path | None:
     """A failed run's checkpoints (and config) survive in ``dest`` (not a completed run: never listed)."""
-    from moelab.runtime.checkpoint import latest_checkpoint
-
     if latest_checkpoint(tmp) is None:
         return None
     shutil.rmtree(dest, ignore_errors=True)
@@ -213,8 +204,6 @@ class Nodes:
     rdzv: str
 
     def __post_init__(self):
-        from moelab.config import ConfigError
-
         if self.nnodes < 1:
             raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -233,8 +222,6 @@ class Nodes:
 
     def config(self, cfg: RunConfig) -> RunConfig:
         """The config on a cluster: ``parallel.topology.nodes`` is the node count (set when left at 1)."""
-        from moelab.config import ConfigError
-
         p = cfg.parallel
         if p.nproc % self.nnodes:
             raise ConfigError(f"parallel.nproc={p.nproc} ranks do not split evenly over --nnodes {self.nnodes}")

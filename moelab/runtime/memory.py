@@ -33,6 +33,7 @@ import os
 import torch
 
 from moelab.config import ConfigError, RunConfig
+from moelab.models.params import count_params
 
 CATEGORIES = ("params", "grads", "optim", "activations")
 
@@ -155,8 +156,6 @@ def run_bytes_per_rank(cfg: RunConfig) -> int:
     """A lower bound of one rank's memory when ``cfg`` runs for real: dense parameters on every
     rank, its share of the experts, each with gradient and two Adam moments (fp32 state), plus the
     logits of one batch. Used to refuse a run that cannot fit before any process starts."""
-    from moelab.models.params import count_params
-
     m, N = cfg.model, cfg.parallel.nproc
     p = count_params(m)
     expert = p["expert"]

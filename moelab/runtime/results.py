@@ -20,6 +20,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from moelab import __version__
 from moelab.config import RunConfig
 
 
@@ -122,7 +123,7 @@ class RunResult:
 
     def checkpoint(self):
         """The run's latest checkpoint folder (``train.checkpoint_every``), or None."""
-        from moelab.runtime.checkpoint import latest_checkpoint
+        from moelab.runtime.checkpoint import latest_checkpoint  # here: reading a run needs no torch, it does
 
         return latest_checkpoint(self.path)
 
@@ -173,7 +174,7 @@ def _rank_of(path: Path) -> int:
 # ---- the summary, written last by the ranks (moelab.runtime.runfolder) --------------------
 def backend_of(cfg: RunConfig) -> str:
     """The backend a run uses: the configured one, or what ``auto`` picks on this machine."""
-    from moelab.runtime.preflight import resolve_backend
+    from moelab.runtime.preflight import resolve_backend  # here: reading a run needs no torch, it does
 
     return resolve_backend(cfg.parallel.backend)
 
@@ -221,8 +222,6 @@ def summarize(run_dir: str | Path, cfg: RunConfig, wall_time_s: float, worker: s
 
 
 def _version() -> str:
-    from moelab import __version__
-
     return __version__
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from moelab import __version__
 from moelab.config import RunConfig
 from moelab.runtime.results import atomic_write_bytes, atomic_write_json, summarize
 
@@ -108,8 +109,6 @@ class RunFolder:
         """Check that every rank agrees and can write, then (the writer) write ``config.json``. A
         collective: call it on every rank right after ``init_process_group``; use it as a context
         manager so the rank's temp folder goes whatever happens."""
-        from moelab import __version__
-
         rank, world = dist.get_rank(), dist.get_world_size()
         folder = cls(Path(out), cfg, worker, rank, shared_fs=shared_fs,
                      started=time.monotonic() if started is None else started)

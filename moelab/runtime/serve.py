@@ -29,8 +29,15 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from moelab.comm.cpu_priority import compute_yields
+from moelab.comm.door import Communicator, Recorder
 from moelab.config import RunConfig
+from moelab.models.data import get_corpus
+from moelab.registry import get
 from moelab.runtime.preflight import serve_errors
+from moelab.runtime.runfolder import RunFolder
+from moelab.runtime.train import topology_for
+from moelab.runtime.worker import load_config
 
 STOP = -1
 
@@ -38,8 +45,6 @@ STOP = -1
 def draw_requests(cfg: RunConfig) -> list:
     """``[{id, arrival_s, tokens}]``: held-out windows (the eval split) with seeded Poisson arrivals
     (closed loop: arrivals decided while serving, here 0)."""
-    from moelab.models.data import get_corpus
-
     m, sv = cfg.model, cfg.serve
     seqs = get_corpus(m.arch, m.vocab_size, cfg.train.dataset).sequences(np.arange(sv.requests), m.seq_len + 1,
                                                                           cfg.train.seed, split="eval")
@@ -77,8 +82,6 @@ def read_requests(path: str, cfg: RunConfig) -> tuple:
 
 def build(cfg: RunConfig, comm):
     """The server of ``serve.strategy`` for ``cfg`` on ``comm`` (see the module doc)."""
-    from moelab.registry import get
-
     return get(cfg.serve.strategy).server(cfg, comm)
 
 
@@ -199,9 +202,6 @@ def run(cfg: RunConfig, out_dir=None) -> dict:
     """On a rank of an initialised process group: build, profile, serve, write; return the records."""
     import torch.distributed as dist
 
-    from moelab.comm.door import Communicator, Recorder
-    from moelab.runtime.train import topology_for
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank))
@@ -212,7 +212,6 @@ def run(cfg: RunConfig, out_dir=None) -> dict:
     if rank == 0:
         requests, rejected = read_requests(cfg.serve.requests_file, cfg) if cfg.serve.requests_file else \
             (draw_requests(cfg), [])
-    from moelab.comm.cpu_priority import compute_yields
 
     try:
         with compute_yields(cfg.emulation.compute_yields):
@@ -236,8 +235,6 @@ def main(argv=None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--shared-fs", action="store_true", help="every rank writes into --out itself")
     args = ap.parse_args(argv)
-    from moelab.runtime.runfolder import RunFolder
-    from moelab.runtime.worker import load_config
 
     started = time.monotonic()
     cfg = load_config(args.config, args.set)

@@ -28,18 +28,22 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
+from moelab.comm.cpu_priority import compute_yields
 from moelab.comm.door import Communicator, Recorder
+from moelab.comm.record import sampled_iters
 from moelab.comm.topology import LINK_CLASSES, Topology
 from moelab.config import RunConfig
+from moelab.models.data import IGNORE_INDEX
+from moelab.models.tasks import CLASSIFICATION, build_model, make_batch, make_eval_batch
+from moelab.models.transformer import lm_loss
 from moelab.placement import Placement
 from moelab.registry import get, get_groups, get_strategy, get_update, known_strategies
-
-if TYPE_CHECKING:
-    from moelab.runtime.update import Update
+from moelab.runtime.checkpoint import init_from_checkpoint, load, save
+from moelab.runtime.update import GRAD_SYNCS, Update
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -113,9 +117,6 @@ class Trainer:
     def build(cls, cfg: RunConfig, device: Optional[torch.device] = None) -> "Trainer":
         import torch.distributed as dist
 
-        from moelab.models.tasks import build_model
-        from moelab.runtime.checkpoint import init_from_checkpoint
-
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(rank), groups=get_groups(cfg))
@@ -129,7 +130,6 @@ class Trainer:
         model.to(device)
         if cfg.train.init_from is not None:  # fine-tune: parameters only, before any update shards them
             init_from_checkpoint(model, cfg.train.init_from)
-        from moelab.runtime.update import GRAD_SYNCS
 
         if strategy.prepare_model is not None:  # e.g. Parm's tensor-parallel dense parts
             strategy.prepare_model(cfg, model, comm)
@@ -137,8 +137,6 @@ class Trainer:
         trainer = cls(cfg, model, comm, update_cls(model, comm, cfg), device)
         trainer.shard = strategy.shard_of(cfg, rank, world)
         if cfg.train.resume_from is not None:
-            from moelab.runtime.checkpoint import load
-
             trainer.start_iter = load(trainer, cfg.train.resume_from)
         return trainer
 
@@ -147,9 +145,6 @@ class Trainer:
         return self.comm.rank
 
     def step(self, it: int) -> dict:
-        from moelab.models.tasks import CLASSIFICATION, make_batch
-        from moelab.models.transformer import lm_loss
-
         cfg, comm, model = self.cfg, self.comm, self.model
         world = comm.world_size
         if cfg.train.fault_rank == self.rank and it == cfg.train.fault_iter:
@@ -204,8 +199,6 @@ class Trainer:
                 row["eval_acc"], row["eval_top2_acc"] = self.eval_accuracy if done else (None, None)
         self.metrics.append(row)
         if t.checkpoint_every and self.out_dir is not None and (it + 1) % t.checkpoint_every == 0:
-            from moelab.runtime.checkpoint import save
-
             save(self, self.out_dir, it + 1)
         return row
 
@@ -214,9 +207,6 @@ class Trainer:
         """(loss, perplexity) on ``train.eval_batches`` held-out batches, token-weighted over ranks;
         classification tasks also set ``eval_accuracy`` (top-1, top-2 over the held-out samples)."""
         import torch.nn.functional as F
-
-        from moelab.models.data import IGNORE_INDEX
-        from moelab.models.tasks import CLASSIFICATION, make_eval_batch
 
         cfg, comm = self.cfg, self.comm
         layers = self.model.moe_layers()
@@ -246,8 +236,6 @@ class Trainer:
         return loss, math.exp(loss) if loss == loss else float("nan")
 
     def run(self, on_iter: Optional[Callable[[dict], None]] = None) -> list:
-        from moelab.comm.cpu_priority import compute_yields
-
         with compute_yields(self.cfg.emulation.compute_yields):
             for it in range(self.start_iter, self.cfg.train.iters):
                 row = self.step(it)
@@ -283,8 +271,6 @@ class Trainer:
             with open(os.path.join(out_dir, "plans.jsonl"), "w") as f:
                 f.writelines(json.dumps(p) + "\n" for p in self.plans)
         if self.cfg.train.trace:
-            from moelab.comm.record import sampled_iters
-
             iters = sampled_iters([row["iter"] for row in self.metrics], self.cfg.train.trace_iters)
             self.comm.rec.write_chrome_trace(os.path.join(out_dir, f"trace_rank{self.rank}.json"), iters)
         write_csv(f"comm_rank{self.rank}.csv", self.comm.rec.comm_rows())

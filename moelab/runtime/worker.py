@@ -28,6 +28,7 @@ import torch.distributed as dist
 from moelab.config import RunConfig
 from moelab.runtime.results import backend_of
 from moelab.runtime.runfolder import RunFolder
+from moelab.runtime.train import Trainer
 
 WORKER = "moelab.runtime.worker"
 
@@ -61,8 +62,6 @@ def main(argv=None) -> None:
         device = torch.device("cuda", local)
     dist.init_process_group(backend, timeout=timedelta(seconds=max(60.0, cfg.train.timeout_s)))
     try:
-        from moelab.runtime.train import Trainer
-
         with RunFolder.start(cfg, args.out, WORKER, shared_fs=args.shared_fs, started=started) as folder:
             trainer = Trainer.build(cfg, device)
             trainer.out_dir = args.out  # checkpoints go into the run folder
