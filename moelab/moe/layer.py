@@ -60,9 +60,10 @@ def global_aux_losses(layers: Sequence, group: str = "dp") -> list:
     rank's share, whose mean over the ranks is ``coef * E * sum_e f_e * P_e`` of the global batch and
     whose gradients, averaged by the sync, are that loss's exactly. The z-loss stays the rank's mean
     of ``logsumexp^2``, which is the global mean when every rank holds as many tokens (training does).
-    The all-reduce is collective over ``group`` (every rank calls this after the same forward) and is
-    not recorded (nor link-emulated): ``8 E`` bytes per layer that the simulator's iteration graph
-    does not price, kept out of the measured bytes it is compared with.
+    The all-reduce is collective over ``group`` (every rank calls this after the same forward, before
+    backward) and is training traffic like any other: recorded and link-emulated, ``8 E`` bytes per layer
+    in one call (:func:`balance_allreduce_bytes`), which the simulator's iteration graph prices at the
+    same point with the same record (:func:`moelab.sim.graphs.transformer_iteration_graph`).
 
     A layer keeps its own ``aux_loss`` (this rank's tokens) when it has no balance statistics (a gate
     without auxiliary loss, a layer not built on :class:`MoELayer`: Parm's), a balance coefficient of 0,
@@ -78,7 +79,7 @@ def global_aux_losses(layers: Sequence, group: str = "dp") -> list:
             todo.setdefault(id(base), (base, []))[1].append((i, stats))
     for base, items in todo.values():
         counts = torch.cat([s.top1_counts for _, s in items])
-        with base.rec.paused():
+        with base.rec.tagged(phase="fwd"):  # the forward's last collective (the simulator's too)
             base.all_reduce_(counts, group=group)
         ranks, off = len(base.group_ranks(group)), 0
         for i, s in items:
@@ -86,6 +87,20 @@ def global_aux_losses(layers: Sequence, group: str = "dp") -> list:
             out[i] = layers[i].cfg.balance_loss_coef * balance_share(s, counts[off:off + E], ranks) + s.z_term
             off += E
     return out
+
+
+GATES_WITHOUT_BALANCE_STATS = frozenset({"base"})  # balanced by construction (:mod:`moelab.moe.base_gate`)
+
+
+def balance_allreduce_bytes(moe_cfg: MoEConfig, n_layers: int, group_size: int) -> int:
+    """Bytes of the one all-reduce :func:`global_aux_losses` issues per step for ``n_layers`` layers of
+    ``moe_cfg`` built on :class:`MoELayer`, sharing one communicator, over a ``group_size``-rank group:
+    ``8 E`` per layer (int64 first-choice counts); 0 when it issues none (the gate keeps no balance
+    statistics, the balance coefficient is 0, one rank, no layer). The simulator's one rule for it."""
+    if (moe_cfg.gate in GATES_WITHOUT_BALANCE_STATS or not moe_cfg.balance_loss_coef > 0 or group_size <= 1
+            or n_layers <= 0):
+        return 0
+    return n_layers * moe_cfg.num_experts * torch.int64.itemsize
 
 
 class MoELayer(nn.Module):

@@ -20,6 +20,7 @@ import torch
 from moelab.comm import costs
 from moelab.comm.bytes import by_link_class, exchange_by_class, peer_bytes
 from moelab.comm.topology import LINK_CLASSES, Topology
+from moelab.moe.layer import balance_allreduce_bytes
 from moelab.placement import Placement
 from moelab.sim.engine import OpGraph
 
@@ -302,6 +303,12 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
                               alloc={"activations": act_ffn}) for r in ranks]
     last = [g.compute(r, "head.fwd", t_head, deps=(last[r],), category="head", phase="fwd",
                       alloc={"activations": T * V * eb}) for r in ranks]
+    bal = balance_allreduce_bytes(moe, len(moe_ids), N)  # the global balance loss's counts (model's aux_loss)
+    if bal:
+        ar = g.transfer("balance.allreduce", ranks, [costs.ring_demand("all_reduce", ranks, topo, profile, bal)],
+                        deps=last, category="balance", phase="fwd",
+                        comm={"op": "all_reduce", "group": ranks, "nbytes": bal})
+        last = [ar] * N
     last = [g.compute(r, "head.bwd", 2 * t_head, deps=(last[r],), category="head", phase="bwd",
                       free={"activations": T * V * eb}) for r in ranks]
     ready = [("ln_f", list(last), [d, d])]  # gradient-ready points (dense_sync)

@@ -1,13 +1,15 @@
 """The balance loss over the global batch (:func:`moelab.moe.layer.global_aux_losses`, what training adds) on
 real gloo ranks equals the single-process fp64 reference's on the whole batch: its value (the mean of the
 ranks' shares) and its gradient w.r.t. the gate weight (the ranks' gradients averaged, as the data-parallel
-sync does), for any split of the batch. Two MoE layers of different E share the one all-reduce of counts.
+sync does), for any split of the batch. Two MoE layers of different E share the one all-reduce of counts,
+recorded (and link-emulated) like any training collective (the simulator prices it: tests/sim/).
 A rank's own ``layer.aux_loss`` (its tokens only) does not: the negative control that shows the test bites."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moelab.comm.bytes import peer_bytes
 from moelab.comm.door import Communicator
 from moelab.comm.topology import Topology
 from moelab.config import MoEConfig
@@ -61,7 +63,9 @@ def _rank(rank, world, cases):
                   for cfg, lid in _cfgs(case)]
         for layer in layers:
             layer(x)
+        n0 = len(comm.rec.comm)
         shares = global_aux_losses(layers)
+        calls = [(r.op, r.group, r.tags.get("phase"), sum(r.sent_to.values())) for r in comm.rec.comm[n0:]]
         res = []
         for layer, share in zip(layers, shares):
             w = layer.gate.wg.weight
@@ -69,7 +73,7 @@ def _rank(rank, world, cases):
             (g_local,) = torch.autograd.grad(layer.aux_loss, w)
             res.append(dict(value=share.detach(), grad=g, local=layer.aux_loss.detach(), local_grad=g_local))
         comm.close()
-        out.append(res)
+        out.append(dict(layers=res, calls=calls))
     return out
 
 
@@ -91,7 +95,7 @@ def test_global_balance_loss_matches_the_whole_batch_reference(world):
     for c, (name, case) in enumerate(CASES.items()):
         for j, (cfg, lid) in enumerate(_cfgs(case)):
             want, want_grad = _reference(case, world, cfg, lid)
-            got = [results[r][c][j] for r in range(world)]
+            got = [results[r][c]["layers"][j] for r in range(world)]
             value = sum(g["value"] for g in got) / world  # the mean of the shares
             grad = sum(g["grad"] for g in got) / world  # the data-parallel mean of the gate's gradients
             msg = f"{name}, layer {lid} (E={cfg.num_experts}), {world} ranks"
@@ -102,6 +106,11 @@ def test_global_balance_loss_matches_the_whole_batch_reference(world):
             if not (torch.allclose(local, want, rtol=1e-9, atol=0)
                     and torch.allclose(local_grad, want_grad, rtol=1e-9, atol=0)):
                 local_differs.add((name, lid))
+        # one recorded (so link-emulated) all-reduce of both layers' int64 counts, 8 (4 + 8) bytes
+        nbytes = 8 * sum(cfg.num_experts for cfg, _ in _cfgs(case))
+        for r in range(world):
+            sent = sum(peer_bytes("all_reduce", list(range(world)), r, nbytes).values())
+            assert results[r][c]["calls"] == [("all_reduce", "dp", "fwd", sent)], name
     # the ranks' own (local) losses miss the global one: without the all-reduce this test fails
     assert local_differs == {(n, lid) for n in CASES for lid in (0, 1)} - SAME_F_ON_EVERY_RANK, local_differs
 

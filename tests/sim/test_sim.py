@@ -418,8 +418,9 @@ def test_ep_graph_bytes_match_analytical_count():
         else:  # rank 3 returns them in combine and dispatch.bwd; its own stay local all 4 times
             for src in range(4):
                 add(src, (4 if src == 3 else 2) * tok(32))
-        for dst in range(4):  # 2 count exchanges of int64[E]; the dense all-reduce 2 * (S // n) per peer
-            add(dst, 2 * 8 * E + 2 * (dense // 4))
+        bal = 2 * 8 * E  # the global balance loss's all-reduce: int64[E] per MoE layer, one call
+        for dst in range(4):  # 2 count exchanges of int64[E]; the dense and balance all-reduces 2 * (S // n) per peer
+            add(dst, 2 * 8 * E + 2 * (dense // 4) + 2 * (bal // 4))
         assert got[r] == want, r
 
 

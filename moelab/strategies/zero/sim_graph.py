@@ -17,7 +17,9 @@ runtime's order:
   the head's backward); ``reduce_scatter`` of ``S`` after the backward;
 - stages 1-2: ``reduce_scatter`` of ``S`` (stage 1 with ``grad_collective: all_reduce``: an
   ``all_reduce``) after the backward, then the ``all_gather`` of the updated shards;
-- stage 0: one ``all_reduce`` of ``S``.
+- stage 0: one ``all_reduce`` of ``S``;
+- with a balance loss, the ``all_reduce`` of the layers' first-choice counts after the forward pass
+  (:func:`moelab.moe.layer.global_aux_losses`, before the stage-3 regather).
 
 Every collective carries the runtime's record, so :func:`moelab.sim.graphs.graph_bytes` equals the
 measured bytes exactly (the layer's count all-gather is metric traffic: unrecorded there, absent
@@ -35,6 +37,7 @@ from typing import Optional
 import numpy as np
 
 from moelab.comm import costs
+from moelab.moe.layer import balance_allreduce_bytes
 from moelab.placement import Placement
 from moelab.sim.engine import OpGraph
 from moelab.sim.graphs import dense_param_count, elem_bytes_of, expert_param_count, moe_layer_ids, topology_of
@@ -106,6 +109,9 @@ def zero_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     regather = o.stage == 3 and o.regather_backward
     last = [g.compute(r, "head.fwd", t_head, deps=(last[r],), category="head", phase="fwd",
                       alloc={"activations": T * V * eb}, free={"params": S} if regather else None) for r in ranks]
+    bal = balance_allreduce_bytes(moe, len(moe_ids), N)  # the global balance loss's counts (model's aux_loss)
+    if bal:
+        last = [collective("balance.allreduce", "all_reduce", bal, last, "balance", "fwd")] * N
     if regather:
         last = [collective("params.allgather.bwd", "all_gather", shard, last, "allgather", "bwd",
                            alloc={"params": S})] * N
