@@ -7,6 +7,18 @@ import math
 import numpy as np
 import pytest
 
+from moelab.sim.engine import simulate
+from moelab.sim.graphs import iteration_graph
+
+
+def _spag_s(cfg, prof, loads, owners, hold, backend) -> float:
+    """The forward spAG's span (first start to last end) of one simulated iteration with ``hold`` prefetched."""
+    res = simulate(iteration_graph(cfg, prof, loads, None, elem_bytes=prof.elem_bytes, owners=owners,
+                                   holders=hold, prefetch=hold, backend=backend))
+    o = res.ops_frame()
+    o = o[(o.category == "spag") & (o.phase == "fwd")]
+    return float(o.end.max() - o.start.min())
+
 
 def _setting(cluster="hecate_A", gpus=16, model="GPT-MoE-S", batch=1):
     from moelab.papers.hecate.paper_scale import paper_config, paper_profile
@@ -86,8 +98,6 @@ def test_a_crossing_expert_moves_at_the_node_bandwidth_t_is_sized_on(cluster, gp
     NICs together, t_derivation's bw), not over one NIC of the owner: on hecate_B (4 NICs per node) ``hier`` takes
     4x as long, ``relay`` (the backend the runs take) the node's time."""
     from moelab.papers.hecate import end_to_end as EE
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import iteration_graph
 
     cfg, prof = _setting(cluster, gpus, "GPT-MoE-S")
     cfg = cfg.with_overrides({"parallel.strategy": "hecate"})
@@ -99,18 +109,11 @@ def test_a_crossing_expert_moves_at_the_node_bandwidth_t_is_sized_on(cluster, gp
     d = EE.t_derivation(cfg, prof)
     want = d["s_e_MB"] * 1e6 / (d["bw_GBps"] * 1e9)
 
-    def spag_s(backend):
-        res = simulate(iteration_graph(cfg, prof, loads, None, elem_bytes=prof.elem_bytes, owners=owners,
-                                       holders=hold, prefetch=hold, backend=backend))
-        ops = res.ops_frame()
-        o = ops[(ops.category == "spag") & (ops.phase == "fwd")]
-        return float(o.end.max() - o.start.min())
-
     assert EE.SPAG_BACKEND == "relay"
-    got = spag_s(EE.SPAG_BACKEND)
+    got = _spag_s(cfg, prof, loads, owners, hold, EE.SPAG_BACKEND)
     assert want <= got < 1.25 * want + 3 * (prof.inter_latency_us + prof.intra_latency_us) * 1e-6
     if prof.nics_per_node > 1:  # one NIC of the owner: a quarter of the bandwidth t counts on
-        assert spag_s("hier") > 0.9 * prof.nics_per_node * want
+        assert _spag_s(cfg, prof, loads, owners, hold, "hier") > 0.9 * prof.nics_per_node * want
 
 
 def test_memory_budget_is_the_specs_m_and_binds_only_where_the_batch_fills_the_gpu():
@@ -150,8 +153,6 @@ def test_an_expert_for_every_node_leaves_its_owners_node_once():
     times (one stage of 3 s_e over the node's NICs), ``relay`` once, then the destination nodes pass it on (two
     stages of about s_e each: the NIC-time of one crossing saved)."""
     from moelab.papers.hecate import end_to_end as EE
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import iteration_graph
 
     cfg, prof = _setting("hecate_B", 32, "GPT-MoE-L")
     cfg = cfg.with_overrides({"parallel.strategy": "hecate"})
@@ -163,13 +164,6 @@ def test_an_expert_for_every_node_leaves_its_owners_node_once():
     d = EE.t_derivation(cfg, prof)
     one = d["s_e_MB"] * 1e6 / (d["bw_GBps"] * 1e9)
 
-    def spag_s(backend):
-        res = simulate(iteration_graph(cfg, prof, loads, None, elem_bytes=prof.elem_bytes, owners=owners,
-                                       holders=hold, prefetch=hold, backend=backend))
-        o = res.ops_frame()
-        o = o[(o.category == "spag") & (o.phase == "fwd")]
-        return float(o.end.max() - o.start.min())
-
-    stripe, relay = spag_s("stripe"), spag_s("relay")
+    stripe, relay = (_spag_s(cfg, prof, loads, owners, hold, b) for b in ("stripe", "relay"))
     assert stripe >= 3 * one
     assert 2 * one <= relay <= stripe - 0.9 * one
