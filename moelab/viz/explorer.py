@@ -18,6 +18,8 @@ from moelab.viz.explorer_cost import (
     MEMORY_CATEGORIES,
     check_fits,
     evaluate,
+    hecate_graph,
+    hecate_plan,
     label_of,
     replica_sync_bytes,
     sim_config,
@@ -35,6 +37,7 @@ from moelab.viz.explorer_figures import (
     memory_figure,
 )
 from moelab.viz.explorer_state import (
+    STRATEGIES,
     SYNTHETIC_KINDS,
     ExplorerState,
     edit_placement,
@@ -56,6 +59,7 @@ from moelab.viz.explorer_state import (
     uniform_sources,
     with_holders,
     with_preset,
+    with_strategy,
     world_of,
 )
 
@@ -66,4 +70,5 @@ __all__ = ["ExplorerState", "evaluate", "check_fits", "set_owner", "toggle_repli
            "uniform_sources", "run_global_loads", "replica_sync_bytes", "load_figure", "bytes_figure",
            "memory_figure", "grid_figure", "grid_arrays", "grid_headline", "expert_rank_tokens", "ab_table",
            "ab_figure",
-           "summary_text", "label_of", "ep_holders", "SYNTHETIC_KINDS", "MEMORY_CATEGORIES"]
+           "summary_text", "label_of", "ep_holders", "SYNTHETIC_KINDS", "MEMORY_CATEGORIES", "STRATEGIES",
+           "with_strategy", "hecate_graph", "hecate_plan"]

@@ -18,6 +18,15 @@ and prices the migration from ``state.moved_from`` (the placement before the edi
 :mod:`moelab.sim.migration`: the bytes :mod:`moelab.moe.migrate` moves and that all-to-all's time.
 
 The *layer time* is forward + backward window + replica sync span: what adding a replica costs and saves.
+
+With ``state.strategy == "hecate"`` the same layer is priced by Hecate's own simulator graph
+(:func:`moelab.strategies.hecate.sim_graph.hecate_iteration_graph`, the registered ``sim_graph``, through
+:func:`moelab.sim.graphs.get_graph`) for the plan P = the owners, P' = the drawn holders: the replicas are
+materialized by spAG(P, P') beside the attention (the gate waits for it) and their gradients reduced by
+spRS(P', P) after the layer's backward (waited at the iteration's end), instead of the replica gradient sync.
+Its forward window then starts where the attention ends (the exposed spAG is the layer's), the layer time adds
+the spRS left exposed past the rest of the iteration, and a change of owners is Hecate's migration (the graph's
+``migrate`` all-to-all, 3 x expert rows per moved owner; replicas are rebuilt each iteration, never moved).
 """
 from __future__ import annotations
 
@@ -97,6 +106,9 @@ def evaluate(state: ExplorerState) -> dict:
     from moelab.sim.graphs import ep_iteration_graph, expert_param_count, graph_bytes, route_matrix, topology_of
     from moelab.sim.migration import migration_matrix, migration_row_bytes, migration_time
 
+    if state.strategy == "hecate":
+        return _evaluate_hecate(state)
+
     prof = profile_of(state)
     L = layer_loads(state)
     N, E = L.shape
@@ -116,11 +128,7 @@ def evaluate(state: ExplorerState) -> dict:
     sync_s = _span(ops, ops.category == "replica_sync")
     gb = graph_bytes(g, topo, categories={"a2a", "count_exchange"})
     sync_b = graph_bytes(g, topo, categories={"replica_sync"})
-    mem = res.peak_memory()
-    for c in MEMORY_CATEGORIES:
-        if c not in mem:
-            mem[c] = 0.0
-    mem = mem[list(MEMORY_CATEGORIES) + ["total"]]
+    mem = _memory(res)
     limit = float(prof.mem_GB) * 1e9
     numel = expert_param_count(cfg.model)
     old = moved_from_of(state, pl)
@@ -131,12 +139,89 @@ def evaluate(state: ExplorerState) -> dict:
     return dict(placement=pl, loads=L, route=route, rank_tokens=rank_tokens, max_load=int(rank_tokens.max()),
                 mean_load=mean, imbalance=float(rank_tokens.max() / mean) if mean else 1.0, bytes=_frame(gb, N),
                 replica_sync_bytes=_frame(sync_b, N), layer_time_s=fwd + bwd + sync_s, fwd_s=fwd, bwd_s=bwd,
-                replica_sync_s=sync_s, count_exchange_s=_span(ops, ops.category == "count_exchange"),
+                replica_sync_s=sync_s, strategy="ep", count_exchange_s=_span(ops, ops.category == "count_exchange"),
                 dense_update_s=_span(ops, ops.category == "allreduce"), iteration_s=float(res.makespan),
                 memory=mem, memory_limit=limit, fits_memory=bool(mem["total"].max() <= limit),
                 migration_bytes=mig, migration_s=migration_time(mig, prof, topo),
                 experts_moved=int(mig.sum() // migration_row_bytes(numel, prof.elem_bytes)),
                 breakdown=res.breakdown(), result=res, profile=prof, label=label_of(state))
+
+
+def hecate_plan(state: ExplorerState) -> dict:
+    """The keyword arguments of Hecate's graph for ``state``'s placement (one MoE layer): owners P, final
+    holders P' (prefetched beside the attention), and ``moved`` = the owners changed from ``moved_from``."""
+    pl = placement_of(state)
+    owners = [h[0] for h in pl.holders]
+    old = moved_from_of(state, pl)
+    moved = [(0, e, int(o[0]), int(n)) for e, (o, n) in enumerate(zip(old, owners)) if o[0] != n] if old else []
+    return dict(owners=[owners], holders=[pl.holders], prefetch=[pl.holders], moved=moved)
+
+
+def hecate_graph(state: ExplorerState):
+    """Hecate's own simulator graph of one iteration of ``state``'s layer (the registered ``sim_graph``)."""
+    from moelab.sim.graphs import get_graph
+
+    prof, L = profile_of(state), layer_loads(state)
+    N, E = L.shape
+    T = int(round(L.sum() / (state.top_k * N))) if L.sum() else 1
+    return get_graph("hecate")(sim_config(state, E, T), prof, L[None], **hecate_plan(state),
+                               elem_bytes=prof.elem_bytes)
+
+
+def _evaluate_hecate(state: ExplorerState) -> dict:
+    from moelab.sim.engine import simulate
+    from moelab.sim.graphs import graph_bytes, route_matrix, topology_of
+
+    prof, L, pl = profile_of(state), layer_loads(state), placement_of(state)
+    N, E = L.shape
+    g = hecate_graph(state)
+    res = simulate(g)
+    ops = res.ops_frame()
+    topo = topology_of(sim_config(state, E, 1))
+    first = lambda n: float(ops[ops.name == n]["start"].min())  # noqa: E731
+    last = lambda n: float(ops[ops.name == n]["end"].max())  # noqa: E731
+    attn_end = last("L0.attn.fwd")
+    spag_exposed = max(0.0, first("L0.gate.fwd") - attn_end)
+    fwd = last("L0.combine") - first("L0.gate.fwd") + spag_exposed
+    bwd = last("L0.gate.bwd") - first("L0.combine.bwd")
+    rest = ops[~ops.category.isin(["sprs", "migrate", "other"])]
+    sprs = ops[ops.category == "sprs"]
+    sprs_exposed = max(0.0, float(sprs["end"].max()) - float(rest["end"].max())) if len(sprs) else 0.0
+    mig = ops[ops.category == "migrate"]
+    mig_s = float(mig.duration.sum())
+    plan = hecate_plan(state)
+    M = np.zeros((N, N), dtype=np.int64)
+    for op in g.ops:
+        if op.category == "migrate":
+            M += np.asarray(op.comm["splits"], dtype=np.int64)
+    mem = _memory(res)
+    limit = float(prof.mem_GB) * 1e9
+    route = route_matrix(pl, L)
+    rank_tokens = route.sum(0)
+    mean = float(rank_tokens.mean())
+    zero = _frame({r: dict.fromkeys(LINK_CLASSES, 0) for r in range(N)}, N)
+    return dict(placement=pl, loads=L, route=route, rank_tokens=rank_tokens, max_load=int(rank_tokens.max()),
+                mean_load=mean, imbalance=float(rank_tokens.max() / mean) if mean else 1.0,
+                bytes=_frame(graph_bytes(g, topo, categories={"a2a", "count_exchange"}), N),
+                replica_sync_bytes=zero, layer_time_s=fwd + bwd + sprs_exposed, fwd_s=fwd, bwd_s=bwd,
+                replica_sync_s=sprs_exposed, strategy="hecate",
+                spag_s=_span(ops, ops.category == "spag"), spag_exposed_s=spag_exposed,
+                sprs_s=_span(ops, ops.category == "sprs"), sprs_exposed_s=sprs_exposed,
+                spag_bytes=_frame(graph_bytes(g, topo, categories={"spag"}), N),
+                sprs_bytes=_frame(graph_bytes(g, topo, categories={"sprs"}), N),
+                count_exchange_s=_span(ops, ops.category == "count_exchange"),
+                dense_update_s=_span(ops, ops.category == "allreduce"), iteration_s=float(res.makespan) - mig_s,
+                memory=mem, memory_limit=limit, fits_memory=bool(mem["total"].max() <= limit),
+                migration_bytes=M, migration_s=mig_s, experts_moved=len(plan["moved"]),
+                breakdown=res.breakdown(), result=res, profile=prof, label=label_of(state))
+
+
+def _memory(res):
+    mem = res.peak_memory()
+    for c in MEMORY_CATEGORIES:
+        if c not in mem:
+            mem[c] = 0.0
+    return mem[list(MEMORY_CATEGORIES) + ["total"]]
 
 
 def check_fits(ev: dict) -> dict:
@@ -151,18 +236,29 @@ def check_fits(ev: dict) -> dict:
 
 def label_of(state: ExplorerState) -> str:
     p = profile_of(state)
-    return f"SIMULATED: {p.name} ({p.nodes} x {p.gpus_per_node}), {trace_label(state)}"
+    how = ", priced as Hecate (spAG / spRS)" if state.strategy == "hecate" else ""
+    return f"SIMULATED: {p.name} ({p.nodes} x {p.gpus_per_node}){how}, {trace_label(state)}"
 
 
 def summary_text(ev: dict) -> str:
     pl = ev["placement"]
     b = ev["bytes"].sum()
     mem = ev["memory"]["total"]
-    return (f"layer time {ev['layer_time_s'] * 1e3:.2f} ms (fwd {ev['fwd_s'] * 1e3:.2f}, bwd {ev['bwd_s'] * 1e3:.2f}, "
-            f"replica sync {ev['replica_sync_s'] * 1e3:.2f}); "
+    if ev.get("strategy") == "hecate":
+        sync = (f"Hecate: spAG {ev['spag_s'] * 1e3:.2f} ms ({ev['spag_exposed_s'] * 1e3:.2f} exposed, "
+                f"{ev['spag_bytes'].values.sum() / 1e6:.1f} MB), spRS {ev['sprs_s'] * 1e3:.2f} ms "
+                f"({ev['sprs_exposed_s'] * 1e3:.2f} exposed, {ev['sprs_bytes'].values.sum() / 1e6:.1f} MB)")
+        head = (f"layer time {ev['layer_time_s'] * 1e3:.2f} ms (fwd {ev['fwd_s'] * 1e3:.2f}, bwd "
+                f"{ev['bwd_s'] * 1e3:.2f}, spRS exposed {ev['replica_sync_s'] * 1e3:.2f}); {sync}; ")
+    else:
+        head = (f"layer time {ev['layer_time_s'] * 1e3:.2f} ms (fwd {ev['fwd_s'] * 1e3:.2f}, bwd "
+                f"{ev['bwd_s'] * 1e3:.2f}, replica sync {ev['replica_sync_s'] * 1e3:.2f}); ")
+    sync_mb = "" if ev.get("strategy") == "hecate" else (
+        f", replica grad sync {ev['replica_sync_bytes'].values.sum() / 1e6:.1f} MB")
+    return (head +
             f"max/mean tokens per rank {ev['max_load']}/{ev['mean_load']:.0f} (imbalance {ev['imbalance']:.2f}); "
             f"bytes intra {b['intra'] / 1e6:.1f} MB, inter {b['inter'] / 1e6:.1f} MB; "
-            f"{pl.num_replicas} replica(s), replica grad sync {ev['replica_sync_bytes'].values.sum() / 1e6:.1f} MB; "
+            f"{pl.num_replicas} replica(s){sync_mb}; "
             f"count exchange {ev['count_exchange_s'] * 1e3:.3f} ms; dense update {ev['dense_update_s'] * 1e3:.2f} ms; "
             f"iteration {ev['iteration_s'] * 1e3:.2f} ms; peak memory {mem.max() / 1e9:.3f} GB on rank "
             f"{int(mem.idxmax())} of {ev['memory_limit'] / 1e9:.0f} GB; migration from the previous placement "
@@ -170,5 +266,6 @@ def summary_text(ev: dict) -> str:
             f"{ev['migration_bytes'].sum() / 1e6:.1f} MB, {ev['migration_s'] * 1e3:.2f} ms")
 
 
-__all__ = ["evaluate", "check_fits", "replica_sync_bytes", "label_of", "summary_text", "sim_config",
+__all__ = ["evaluate", "check_fits", "hecate_graph", "hecate_plan", "replica_sync_bytes",
+           "label_of", "summary_text", "sim_config",
            "MEMORY_CATEGORIES", "moved_from_of"]

@@ -5,7 +5,9 @@ it has something to say about its decision (Hecate's t and m: a plan with no rep
 layer loads ``ev["loads"]`` ``[N, E]`` and cluster, calls the strategy's own pure decision function with that
 strategy's default options, and returns the placement it would execute. The explorer applies it with
 :func:`moelab.viz.explorer_state.with_holders` (so the migration from the current placement is priced) and the
-user edits from there. Owners-based policies start from the current placement's owners (replicas dropped).
+user edits from there; Hecate's two are priced by Hecate's own graph (spAG / spRS, ``strategy="hecate"``), the
+others by expert parallelism with the replicas' gradient sync. Owners-based policies start
+from the current placement's owners (replicas dropped).
 
 Built in: FasterMoE's dynamic shadowing (Alg. 1 on its cost model, shadows on every rank), SmartMoE's LPT
 re-placement, FlexMoE's scheduling round (Expand / Shrink / Migrate), Hecate's Alg. 1 (materialization,
@@ -18,14 +20,17 @@ from typing import Callable
 
 import numpy as np
 
-from moelab.viz.explorer_state import ExplorerState, placement_of, profile_of, with_holders
+from moelab.viz.explorer_state import ExplorerState, placement_of, profile_of, with_holders, with_strategy
 
 POLICIES: dict = {}  # name -> (fn(state, ev) -> holders, one line saying what it does)
+POLICY_STRATEGY: dict = {}  # name -> how its placement is priced (explorer_state.STRATEGIES)
 
 
-def register_policy(name: str, fn: Callable, doc: str) -> Callable:
-    """Offer ``fn(state, ev) -> holders`` as a starting point named ``name`` (one button in the widget)."""
+def register_policy(name: str, fn: Callable, doc: str, strategy: str = "ep") -> Callable:
+    """Offer ``fn(state, ev) -> holders`` as a starting point named ``name`` (one button in the widget); its
+    placement is priced as ``strategy`` (``"hecate"``: by Hecate's spAG / spRS graph, the strategy that executes it)."""
     POLICIES[name] = (fn, doc)
+    POLICY_STRATEGY[name] = strategy
     return fn
 
 
@@ -44,7 +49,7 @@ def decide(state: ExplorerState, name: str, ev: dict = None) -> tuple:
     ev = ev if ev is not None else evaluate(state)
     out = POLICIES[name][0](state, ev)
     holders, note = out if len(out) == 2 and isinstance(out[1], str) else (out, "")
-    return with_holders(state, holders), note
+    return with_strategy(with_holders(state, holders), POLICY_STRATEGY.get(name, "ep")), note
 
 
 def _owners(state: ExplorerState) -> list:
@@ -157,6 +162,6 @@ def lina_popularity(state: ExplorerState, ev: dict) -> tuple:
 for _name, _fn in (("FasterMoE shadowing", fastermoe_shadowing), ("SmartMoE", smartmoe_lpt),
                    ("FlexMoE", flexmoe_round), ("Hecate Alg. 1", hecate_alg1), ("Hecate Alg. 2", hecate_alg2),
                    ("Lina popularity", lina_popularity)):
-    register_policy(_name, _fn, (_fn.__doc__ or "").split("\n")[0])
+    register_policy(_name, _fn, (_fn.__doc__ or "").split("\n")[0], "hecate" if _name.startswith("Hecate") else "ep")
 
-__all__ = ["POLICIES", "register_policy", "apply_policy", "decide"]
+__all__ = ["POLICIES", "POLICY_STRATEGY", "register_policy", "apply_policy", "decide"]

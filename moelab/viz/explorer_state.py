@@ -30,6 +30,7 @@ import numpy as np
 from moelab.placement import Placement
 
 SYNTHETIC_KINDS = ("hot_expert", "balanced", "hot_rank", "zipf_drift", "zero_rank")
+STRATEGIES = ("ep", "hecate")  # the explorer's pricing: core expert parallelism, or Hecate's FSSDP graph
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class ExplorerState:
     trace_layers: int = 2  # synthetic traces: MoE layers generated
     skew: float = 1.0  # "preset:<name>" traces: the Zipf exponent of expert popularity (0 = uniform)
     moved_from: tuple = ()  # the holders this placement was edited from (migration priced from them); () none
+    strategy: str = "ep"  # how the layer is priced: "ep" (replicas' gradient sync) or "hecate" (spAG / spRS)
 
 
 # ---- the trace ------------------------------------------------------------------------------------
@@ -65,6 +67,13 @@ def profile_of(state: ExplorerState):
         g = int(state.gpus_per_node)  # the node's NICs keep attaching to equal contiguous blocks of GPUs
         p = dataclasses.replace(p, gpus_per_node=g, nics_per_node=math.gcd(p.nics_per_node, g) or p.nics_per_node)
     return p
+
+
+def with_strategy(state: ExplorerState, strategy: str) -> ExplorerState:
+    """``state`` priced as ``strategy`` (one of :data:`STRATEGIES`); the placement is kept."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: the explorer prices {STRATEGIES}")
+    return dataclasses.replace(state, strategy=strategy)
 
 
 def world_of(state: ExplorerState) -> int:

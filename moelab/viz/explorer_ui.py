@@ -16,6 +16,7 @@ import time
 from typing import Optional
 
 from moelab.viz.explorer import (
+    STRATEGIES,
     SYNTHETIC_KINDS,
     ExplorerState,
     ab_figure,
@@ -38,6 +39,7 @@ from moelab.viz.explorer import (
     toggle_replica,
     trace_shape,
     with_preset,
+    with_strategy,
     world_of,
 )
 from moelab.viz.explorer_figures import GRID_COLOURS
@@ -90,6 +92,9 @@ class ExplorerUI:
                                   continuous_update=False, tooltip="preset loads: Zipf exponent of expert popularity")
         self.iteration = w.IntSlider(value=state.iteration, min=0, max=0, description="iteration")
         self.layer = w.IntSlider(value=state.layer, min=0, max=0, description="layer")
+        self.strategy = w.Dropdown(options=STRATEGIES, value=state.strategy, description="priced as",
+                                   tooltip="ep: replicas' gradient sync; hecate: spAG / spRS (Hecate's own graph)",
+                                   layout=w.Layout(width="200px"))
         self.reset = w.Button(description="reset to EP", icon="undo")
         self.shadow = w.Button(description="shadow hottest", tooltip="replicate the hottest expert on every rank")
         self.policy_buttons = {name: w.Button(description=name, tooltip=doc) for name, (_, doc) in POLICIES.items()}
@@ -121,6 +126,7 @@ class ExplorerUI:
         self.skew.observe(lambda ch: self.on_skew(ch["new"]), names="value")
         self.iteration.observe(lambda ch: self.on_iteration(ch["new"]), names="value")
         self.layer.observe(lambda ch: self.on_layer(ch["new"]), names="value")
+        self.strategy.observe(lambda ch: self.on_strategy(ch["new"]), names="value")
         self.reset.on_click(lambda _: self.on_reset())
         self.shadow.on_click(lambda _: self.on_shadow())
         for name, b in self.policy_buttons.items():
@@ -133,7 +139,7 @@ class ExplorerUI:
         wrap = w.Layout(flex_flow="row wrap")
         self.widget = w.VBox([
             w.HBox([self.profile, self.nodes, self.gpus, self.trace, self.seed], layout=wrap),
-            w.HBox([self.iteration, self.layer, self.skew], layout=wrap),
+            w.HBox([self.iteration, self.layer, self.skew, self.strategy], layout=wrap),
             w.HBox([self.reset, self.shadow, *self.policy_buttons.values()], layout=wrap),
             w.HBox([self.mode, self.colour], layout=wrap), self.edit,
             self.summary, self.grid_box, w.HBox([self.load_out, self.bytes_out], layout=full),
@@ -198,6 +204,10 @@ class ExplorerUI:
             self.note = f"{name}: {said[0]}" if not said[0].startswith(name.split()[0]) else said[0]
             self.summary.value += f"<br><i>{html.escape(self.note, quote=False)}</i>"
         return out
+
+    def on_strategy(self, name: str):
+        """Price the same placement as ``name`` (ep: replicas' gradient sync; hecate: Hecate's spAG / spRS)."""
+        return self.apply(with_strategy, name)
 
     def on_pin(self):
         self.pinned = self.state
@@ -264,6 +274,7 @@ class ExplorerUI:
             self.nodes.value, self.gpus.value = s.nodes or 0, s.gpus_per_node or 0
             self.iteration.max, self.layer.max = iters - 1, layers - 1
             self.iteration.value, self.layer.value = s.iteration, s.layer
+            self.strategy.value = s.strategy
             if E > LIST_MAX_EXPERTS:  # the grid alone: hundreds of list rows would not be usable
                 self.owner, self.replicas, self.experts_box.children = [], [], ()
                 return

@@ -141,3 +141,65 @@ def test_a_policy_that_places_no_replica_says_why():
     if X.placement_of(s).num_replicas == 0:
         assert t == 0 and "keeps the sharding" in note or "no memory left" in note
     assert decide(STATE, "SmartMoE")[1] == ""
+
+
+# ---- Hecate's pricing: spAG / spRS from Hecate's own simulator graph ----------------------------------
+def _hecate_graph(state):
+    """Hecate's registered simulator graph for the state's plan (P = owners, P' = holders), built here."""
+    from moelab.sim.graphs import get_graph
+
+    L = X.layer_loads(state)
+    N, E = L.shape
+    cfg = X.sim_config(state, E, int(round(L.sum() / (state.top_k * N))))
+    prof = X.profile_of(state)
+    pl = X.placement_of(state)
+    g = get_graph("hecate")(cfg, prof, L[None], owners=[[h[0] for h in pl.holders]], holders=[pl.holders],
+                            elem_bytes=prof.elem_bytes)
+    return cfg, g, simulate(g)
+
+
+def test_hecate_prices_spag_and_sprs_equal_to_hecates_graph_for_the_same_plan():
+    s = X.with_strategy(X.toggle_replica(X.toggle_replica(STATE, 0, 9), 0, 3), "hecate")
+    ev = X.evaluate(s)
+    cfg, g, res = _hecate_graph(s)
+    ops, topo = res.ops_frame(), topology_of(cfg)
+    assert not (ops.category == "replica_sync").any() and (ops.category == "spag").any()  # spAG/spRS replace it
+    for cat in ("spag", "sprs"):
+        o = ops[ops.category == cat]
+        assert ev[f"{cat}_s"] == pytest.approx(float(o.end.max() - o.start.min()), rel=1e-12)
+        gb = graph_bytes(g, topo, categories={cat})
+        assert ev[f"{cat}_bytes"].values.tolist() == [[gb[r][c] for c in LINK_CLASSES] for r in range(16)]
+        # each replica gathers its expert's parameters whole from the owner (spAG), its gradient goes back (spRS)
+        row = expert_param_count(cfg.model) * X.profile_of(s).elem_bytes
+        assert ev[f"{cat}_bytes"].values.sum() == 2 * row
+    assert ev["replica_sync_bytes"].values.sum() == 0
+    assert ev["iteration_s"] == pytest.approx(float(res.makespan), rel=1e-12)
+    assert ev["layer_time_s"] == pytest.approx(ev["fwd_s"] + ev["bwd_s"] + ev["sprs_exposed_s"])
+    assert 0 <= ev["spag_exposed_s"] <= ev["spag_s"] and 0 <= ev["sprs_exposed_s"] <= ev["sprs_s"]
+    assert "spAG" in X.summary_text(ev) and "Hecate" in ev["label"]
+    # without replicas nothing is gathered or reduced
+    plain = X.evaluate(X.with_strategy(STATE, "hecate"))
+    assert plain["spag_bytes"].values.sum() == 0 and plain["sprs_s"] == 0.0
+
+
+def test_hecate_migration_moves_owners_only_and_is_the_graphs_migrate_op():
+    base = X.with_strategy(X.toggle_replica(STATE, 0, 9), "hecate")
+    s = X.set_owner(X.toggle_replica(base, 0, 9), 5, 12)  # a replica dropped (rebuilt each iteration) + an owner moved
+    ev = X.evaluate(s)
+    cfg = X.sim_config(s, 16, 1)
+    row = migration_row_bytes(expert_param_count(cfg.model), X.profile_of(s).elem_bytes)
+    old = X.placement_of(base).holders[5][0]
+    assert ev["experts_moved"] == 1 and ev["migration_bytes"][old, 12] == row and ev["migration_bytes"].sum() == row
+    mig = ev["result"].ops_frame()
+    mig = mig[mig.category == "migrate"]
+    assert len(mig) == 1 and ev["migration_s"] == pytest.approx(float(mig.duration.iloc[0]), rel=1e-12)
+
+
+def test_hecate_policies_are_priced_as_hecate_and_the_others_as_ep():
+    from moelab.viz.explorer_policies import decide
+
+    s = X.with_strategy(STATE, "hecate")
+    assert decide(STATE, "Hecate Alg. 2")[0].strategy == "hecate"
+    assert decide(s, "FlexMoE")[0].strategy == "ep"
+    with pytest.raises(ValueError, match="strategy"):
+        X.with_strategy(STATE, "zero")

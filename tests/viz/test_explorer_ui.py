@@ -120,3 +120,16 @@ def test_loads_from_a_real_models_shape_with_a_skew():
     assert L0.sum() == L2.sum() == 32 * s.tokens_per_rank * 8  # every token's k choices, whatever the skew
     assert L2.max() / L2.mean() > L0.max() / L0.mean() + 1  # a steeper Zipf: a hotter expert
     assert X.evaluate(steep)["imbalance"] > X.evaluate(flat)["imbalance"]
+
+
+def test_the_strategy_control_prices_the_same_placement_as_hecate():
+    ui = build_widget(STATE)
+    hot = X.hottest_expert(STATE)
+    click(ui, hot, 12)
+    ui.strategy.value = "hecate"
+    assert ui.state.strategy == "hecate" and X.mapping(ui.state)[hot][1:] == [12]  # the placement is kept
+    want = X.evaluate(ui.state)
+    assert ui.last["layer_time_s"] == want["layer_time_s"] and want["spag_bytes"].values.sum() > 0
+    assert "spAG" in ui.summary.value and "spRS" in ui.summary.value
+    ui.on_policy("FlexMoE")  # a policy priced by expert parallelism puts the control back
+    assert ui.state.strategy == "ep" and ui.strategy.value == "ep"
