@@ -25,9 +25,6 @@ from moelab.viz.explorer import (
     check_fits,
     edit_placement,
     evaluate,
-    grid_arrays,
-    grid_figure,
-    grid_headline,
     load_figure,
     memory_figure,
     placement_of,
@@ -43,6 +40,7 @@ from moelab.viz.explorer import (
     world_of,
 )
 from moelab.viz.explorer_figures import GRID_COLOURS
+from moelab.viz.explorer_nodes import view_arrays, view_figure
 from moelab.viz.explorer_policies import POLICIES, decide
 
 # pixels the figures' titles and labels are wrapped for (the figures then autosize to their boxes): a half of a
@@ -50,6 +48,7 @@ from moelab.viz.explorer_policies import POLICIES, decide
 HALF_PX, FULL_PX = 400, 780
 LIST_MAX_EXPERTS = 32  # up to this many experts the per-expert owner / replica list is shown too
 MODES = ("toggle holder", "set owner")
+VIEWS = ("ranks", "nodes")  # the grid: experts x ranks, or experts x nodes with a drill-down into a node
 
 
 class ExplorerUI:
@@ -102,6 +101,10 @@ class ExplorerUI:
                            continuous_update=False, layout=w.Layout(width="90%", max_width="640px"))
         self.mode = w.ToggleButtons(options=MODES, value=MODES[0], description="click")
         self.colour = w.ToggleButtons(options=("tokens", "holders"), value="tokens", description="colour")
+        self.view = w.ToggleButtons(options=VIEWS, value=VIEWS[0], description="grid",
+                                    tooltip="experts x ranks, or experts x nodes (click a node to see its ranks)")
+        self.back = w.Button(description="all nodes", icon="arrow-up", disabled=True)
+        self.node: Optional[int] = None  # the node drilled into in the node view
         self.pin = w.Button(description="pin as A", icon="thumb-tack", tooltip="keep this placement to compare")
         self.unpin = w.Button(description="clear A")
         self.summary = w.HTML(layout=full)
@@ -133,6 +136,8 @@ class ExplorerUI:
             b.on_click(lambda _, name=name: self.on_policy(name))
         self.edit.observe(lambda ch: self.on_edit(ch["new"]), names="value")
         self.colour.observe(lambda ch: self.refresh(), names="value")
+        self.view.observe(lambda ch: self.on_view(), names="value")
+        self.back.on_click(lambda _: self.on_node(None))
         self.pin.on_click(lambda _: self.on_pin())
         self.unpin.on_click(lambda _: self.on_unpin())
         self.run_panel = RunPanel(self, export_path, runs_root)
@@ -141,7 +146,7 @@ class ExplorerUI:
             w.HBox([self.profile, self.nodes, self.gpus, self.trace, self.seed], layout=wrap),
             w.HBox([self.iteration, self.layer, self.skew, self.strategy], layout=wrap),
             w.HBox([self.reset, self.shadow, *self.policy_buttons.values()], layout=wrap),
-            w.HBox([self.mode, self.colour], layout=wrap), self.edit,
+            w.HBox([self.mode, self.colour, self.view, self.back], layout=wrap), self.edit,
             self.summary, self.grid_box, w.HBox([self.load_out, self.bytes_out], layout=full),
             w.HBox([self.pin, self.unpin], layout=wrap), self.ab, w.HBox([self.memory_box, self.ab_out], layout=full),
             w.HTML("<b>from drawing to run</b>: export a run config, or run it on this machine's ranks"),
@@ -205,6 +210,13 @@ class ExplorerUI:
             self.summary.value += f"<br><i>{html.escape(self.note, quote=False)}</i>"
         return out
 
+    def on_view(self):
+        if self._quiet:
+            return self.state
+        self.node = None
+        self.back.disabled = True
+        return self.refresh()
+
     def on_strategy(self, name: str):
         """Price the same placement as ``name`` (ep: replicas' gradient sync; hecate: Hecate's spAG / spRS)."""
         return self.apply(with_strategy, name)
@@ -250,6 +262,7 @@ class ExplorerUI:
         if self._quiet:
             return self.state
         old = self.state
+        self.node, self.back.disabled = None, True  # a new cluster: back to all nodes
         try:
             new = fn(old) if fn is not None else dataclasses.replace(old, **kw)
             trace_shape(new)
@@ -296,33 +309,48 @@ class ExplorerUI:
         finally:
             self._quiet = False
 
+    def grid_view(self):
+        """What the grid shows: ``"ranks"``, ``"nodes"``, or the node drilled into (an int)."""
+        if self.view.value == "ranks":
+            return "ranks"
+        return "nodes" if self.node is None else self.node
+
     def _grid(self, ev: dict):
-        """Build the grid's FigureWidget (a new shape, cluster or loads) or update its cells and headline in place
-        (only ``z``, ``text`` and the title travel: the redraw of a click)."""
+        """Build the grid's FigureWidget once; a new view, shape, cluster or loads replaces its trace and layout in
+        place (a FigureWidget added after the widget is shown would be measured unattached: plotly's 700 px);
+        otherwise only ``z``, ``text`` and the title travel (the redraw of a click)."""
         import plotly.graph_objects as go
 
-        colour = self.colour.value
-        z, text = grid_arrays(ev, colour)
-        key = (z.shape, ev["label"], ev["profile"].gpus_per_node)
+        colour, view = self.colour.value, self.grid_view()
+        v = view_arrays(ev, colour, view)
+        key = (view, v["z"].shape, ev["label"], ev["profile"].gpus_per_node)
         if self.grid is None or key != self._grid_key:
-            fig = grid_figure(ev, colour=colour, width=FULL_PX).update_layout(width=None, autosize=True)
+            fig = view_figure(ev, colour=colour, view=view, width=FULL_PX).update_layout(width=None, autosize=True)
             self.figures["grid"] = fig
-            try:
-                self.grid = go.FigureWidget(fig)
-            except ImportError:  # plotly's widget needs anywidget: the list and the text edit still work
-                self.grid = None
-                return
+            if self.grid is not None:
+                with self.grid.batch_update():
+                    src = fig.data[0]
+                    self.grid.data[0].update(z=src.z, x=src.x, y=src.y, text=src.text, colorscale=src.colorscale,
+                                             showscale=src.showscale, xgap=src.xgap, ygap=src.ygap,
+                                             hovertemplate=src.hovertemplate)
+                    self.grid.update(layout=fig.layout.to_plotly_json(), overwrite=True)
+            else:
+                try:
+                    self.grid = go.FigureWidget(fig)
+                except ImportError:  # plotly's widget needs anywidget: the list and the text edit still work
+                    self.grid = None
+                    return
+                self.grid.data[0].on_click(self._clicked)
+                self.grid_box.children = (self.grid,)
             self._grid_key = key
-            self.grid.data[0].on_click(self._clicked)
-            self.grid_box.children = (self.grid,)
             self.figures["grid"] = self.grid
             return
         rest = str(self.grid.layout.title.text).split("<br>", 1)[1:]
         with self.grid.batch_update():
             trace = self.grid.data[0]
-            trace.z, trace.text = z, text
+            trace.z, trace.text = v["z"], v["text"]
             trace.colorscale, trace.showscale = GRID_COLOURS[colour], colour == "tokens"
-            self.grid.layout.title.text = "<br>".join([grid_headline(ev)] + rest)
+            self.grid.layout.title.text = "<br>".join([v["headline"]] + rest)
 
     def _live(self, key: str, box, fig) -> None:
         """Show ``fig`` in ``box`` as a FigureWidget, updated in place when its traces keep their kinds."""
@@ -346,7 +374,17 @@ class ExplorerUI:
 
     def _clicked(self, trace, points, selector):
         for x, y in zip(points.xs, points.ys):
-            self.on_cell(int(y), int(x))
+            if self.grid_view() == "nodes":  # a node's column: drill into its ranks
+                return self.on_node(int(x))
+            self.on_cell(int(y), int(x))  # x is the global rank in the rank view and in a node's
+
+    def on_node(self, node: Optional[int]):
+        """Drill into ``node``'s ranks (the node view), or back to all nodes (None)."""
+        self.node = None if node is None else int(node)
+        if self.node is not None and self.view.value != "nodes":
+            self._quiet, self.view.value, self._quiet = True, "nodes", False
+        self.back.disabled = self.node is None
+        return self.refresh()
 
     def refresh(self) -> dict:
         """Evaluate the current state; update the summary, the grid and every figure (``self.figures``)."""

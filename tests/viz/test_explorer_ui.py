@@ -133,3 +133,41 @@ def test_the_strategy_control_prices_the_same_placement_as_hecate():
     assert "spAG" in ui.summary.value and "spRS" in ui.summary.value
     ui.on_policy("FlexMoE")  # a policy priced by expert parallelism puts the control back
     assert ui.state.strategy == "ep" and ui.strategy.value == "ep"
+
+
+def test_node_view_folds_ranks_and_a_click_drills_into_a_node():
+    from moelab.viz.explorer_nodes import expert_node_holders, expert_node_tokens
+
+    s = X.ExplorerState(profile="fastermoe_johnny", nodes=8, trace="synthetic:hot_expert", num_experts=256,
+                        tokens_per_rank=256, d_model=64, d_ff=128, trace_iters=1, trace_layers=1)
+    ui = build_widget(s)
+    G = X.profile_of(s).gpus_per_node
+    assert X.world_of(s) == 64 and G == 8
+    hot = X.hottest_expert(s)
+    click(ui, hot, 9)  # a replica on rank 9 (node 1) in the rank view
+    ev = ui.last
+    ui.view.value = "nodes"
+    z = np.asarray(ui.grid.data[0].z)
+    assert z.shape == (256, 8) and list(ui.grid.data[0].x) == list(range(8))
+    toks, held = X.expert_rank_tokens(ev["placement"], ev["loads"]), expert_node_holders(ev["placement"], G)
+    # the aggregation: a node's cell is its ranks' cells summed; holders count the node's ranks holding the expert
+    assert (expert_node_tokens(ev["placement"], ev["loads"], G) == toks.reshape(256, 8, G).sum(2)).all()
+    assert held.sum() == 256 + ev["placement"].num_replicas and held[hot, 9 // G] >= 1
+    assert z[hot, 9 // G] == toks[hot, 8:16].sum() and "click a node" in ui.grid.layout.title.text
+    click(ui, hot, 9 // G)  # a click on node 1's column drills into ranks 8-15
+    assert ui.node == 1 and list(ui.grid.data[0].x) == list(range(8, 16)) and not ui.back.disabled
+    assert np.asarray(ui.grid.data[0].z)[hot, 1] == toks[hot, 9]
+    before = X.mapping(ui.state)[hot]
+    click(ui, hot, 10)  # in the drill-down a click edits the global rank, as in the rank grid
+    assert X.mapping(ui.state)[hot] == before + [10] and ui.node == 1
+    ui.back.click()
+    assert ui.node is None and np.asarray(ui.grid.data[0].z).shape == (256, 8)
+
+
+def test_a_cluster_change_redraws_the_same_grid_widget_so_it_keeps_the_notebooks_width():
+    ui = build_widget(STATE)
+    grid = ui.grid
+    ui.nodes.value = 4  # johnny's 8 GPUs per node: 32 ranks
+    assert ui.grid is grid and ui.grid_box.children == (grid,)  # no new widget measured before it is attached
+    assert np.asarray(grid.data[0].z).shape == (64, 32) and list(grid.data[0].x) == list(range(32))
+    assert grid.layout.width is None and grid.layout.autosize and len(grid.layout.shapes) == 3  # node lines
