@@ -115,10 +115,15 @@ def signal_name(num: int) -> str:
         return f"signal {num}"
 
 
-def timed_out(run_id: str, timeout: float, logs: Path, side: Path) -> RunTimeout:
-    """Every rank's stack at the timeout, after the first exception if a rank raised before the hang."""
+def timed_out(run_id: str, timeout: float, logs: Path, side: Path, nproc: int | None = None) -> RunTimeout:
+    """Every rank's stack at the timeout, after the first exception if a rank raised before the hang; ``nproc``
+    (this node's ranks) also names how many had not even started (a loaded host: start-up alone took the time)."""
     first = min(records(side).values(), key=lambda r: r["time"], default=None)
     what = f"timed out after {timeout:g}s and was killed"
+    started = len(list(side.glob("pid_rank*")))
+    if nproc is not None and started < nproc:
+        what += (f"; {nproc - started} of {nproc} ranks had not started yet (still starting Python and torch: "
+                 "on a loaded host start-up alone can take that long)")
     if first is None:
         return RunTimeout(run_id, None, stacks(logs), what + "; each rank's stack at the timeout")
     return RunTimeout(run_id, first["rank"], tail(first["traceback"]) + "\n" + stacks(logs),

@@ -276,7 +276,8 @@ def _run(cfg: RunConfig, run_id: str, tmp: Path, side: Path, command: list[str],
         if nodes is not None and not rank_pids(side):
             raise nodes.not_met(run_id, timeout, read_text(logs / "torchrun.stderr"))
         if rc is None:
-            raise timed_out(run_id, timeout, logs, side)
+            here = cfg.parallel.nproc // (nodes.nnodes if nodes is not None else 1)
+            raise timed_out(run_id, timeout, logs, side, here)
         e = failure(run_id, rc, logs, side)
         if nodes is not None and e.rank is not None and "no Python exception" not in str(e):
             e.args = (f"{e.args[0]}\n(in a multi-node run this often follows a failure on another node: "

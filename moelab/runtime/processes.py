@@ -8,6 +8,7 @@ torchrun's (``pid_torchrun``); the launcher (:mod:`moelab.runtime.launch`) and t
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -79,18 +80,43 @@ def alive(pid: int) -> bool:
         return True
 
 
-DUMP_WAIT_S = 5.0  # a loaded host may take seconds to answer SIGUSR1
-DUMP_SETTLE_S = 0.2  # a dump whose file has not grown for this long is complete
+DUMP_WAIT_S = 30.0  # at most this long for a live rank's dump: a loaded host may take seconds to answer SIGUSR1
+DUMP_SETTLE_S = 1.0  # a dump that has no end to wait for is complete once its file has not grown for this long
+# the last frame faulthandler writes for a rank: the main thread's block comes last and its outermost frame is
+# runpy's (torchrun starts every rank with ``python -m``), so a dump that holds it is complete
+DUMP_END = re.compile(r"^  File .*, line \d+ in _run_module_as_main\n", re.M)
+_TRUNCATED = re.compile(r"^ *\.\.\.\n\Z", re.M)  # faulthandler's "..." past 100 frames or threads: no end frame
+
+
+def _has_dump_end(pid: int) -> bool:
+    """The process was started with ``python -m`` (every rank is), so its dump ends with :data:`DUMP_END`."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:]
+    except OSError:
+        return False
+    for a in args:  # the interpreter's options, up to the script, -c or -m (torchrun: python -u -m MODULE)
+        if a in (b"-m", b"-c") or not a.startswith(b"-"):
+            return a == b"-m"
+    return False
+
+
+def dump_complete(text: str) -> bool:
+    """The rank's latest stack dump in ``text`` (its stderr) has been written to its end."""
+    starts = [m.start() for m in STACK_DUMP.finditer(text)]
+    return bool(starts) and DUMP_END.search(text, starts[-1]) is not None
 
 
 def dump_stacks(side: Path, wait_s: float = DUMP_WAIT_S) -> None:
     """SIGUSR1 every rank (each dumps its stacks into ``logs/rank{r}.stderr``), then wait until every
-    live rank's dump is there and complete (its file has stopped growing for :data:`DUMP_SETTLE_S`), at most
-    ``wait_s``: a fixed pause lost the dumps of a busy host, and a dump read while still being written lost
-    its frames."""
+    live rank's dump is there and complete, at most ``wait_s``: complete once it holds its last frame
+    (:data:`DUMP_END`), or, for a dump that has none (a process not started with ``-m``, a truncated dump),
+    once its file has stopped growing for :data:`DUMP_SETTLE_S`.
+    A fixed pause lost the dumps of a busy host, and a dump read while still being written lost its frames;
+    the bound is only reached by a rank that is alive but never answers (stopped, or stuck in the kernel)."""
     logs = side.parent / "logs"
-    waiting = {}
+    waiting, has_end = {}, {}
     for rank, pid in rank_pids_by_rank(side).items():
+        has_end[pid] = _has_dump_end(pid)
         try:
             os.kill(pid, signal.SIGUSR1)
             waiting[pid] = logs / f"rank{rank}.stderr"
@@ -103,9 +129,9 @@ def dump_stacks(side: Path, wait_s: float = DUMP_WAIT_S) -> None:
         now = time.monotonic()
         for pid, f in list(waiting.items()):
             text = read_text(f)
-            if not alive(pid):
+            if not alive(pid) or dump_complete(text):
                 del waiting[pid]
-            elif STACK_DUMP.search(text):
+            elif STACK_DUMP.search(text) and (not has_end[pid] or _TRUNCATED.search(text)):
                 size, since = seen.get(pid, (-1, now))
                 if size != len(text):
                     seen[pid] = (len(text), now)
