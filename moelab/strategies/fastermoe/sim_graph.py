@@ -27,8 +27,9 @@ import numpy as np
 
 from moelab.comm import costs
 from moelab.placement import Placement
+from moelab.sim.compose import Contribution, composed_graph
 from moelab.sim.engine import OpGraph
-from moelab.sim.graphs import expert_param_count, route_matrix, topology_of, transformer_iteration_graph
+from moelab.sim.graphs import expert_param_count, route_matrix, topology_of
 from moelab.strategies.fastermoe.options import FasterMoEOptions
 from moelab.strategies.fastermoe.schedule import check_group_size, send_peers
 from moelab.strategies.fastermoe.shadow import select_shadows
@@ -54,6 +55,15 @@ def shadow_sets(cfg, loads, options: Optional[FasterMoEOptions] = None) -> list:
 def fastermoe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *,
                               elem_bytes: Optional[int] = None, options: Optional[FasterMoEOptions] = None,
                               shadows: Optional[list] = None) -> OpGraph:
+    """One FasterMoE training iteration (:func:`fastermoe_contribution` on the skeleton)."""
+    part = fastermoe_contribution(cfg, profile, loads, placement, options=options, shadows=shadows)
+    return composed_graph(cfg, profile, loads, placement, [part], elem_bytes=elem_bytes)
+
+
+def fastermoe_contribution(cfg, profile, loads, placement: Optional[Placement] = None, *,
+                           options: Optional[FasterMoEOptions] = None, shadows: Optional[list] = None) -> Contribution:
+    """FasterMoE's placement in the skeleton: it owns the token path (shadowed experts broadcast and
+    reduced, the rest dispatched; the smart schedule's steps when on)."""
     moe = cfg.model.moe
     o = options or FasterMoEOptions.from_dict(cfg.parallel.strategy_options)
     N, E = topology_of(cfg).world_size, moe.num_experts
@@ -139,10 +149,8 @@ def fastermoe_iteration_graph(cfg, profile, loads, placement: Optional[Placement
         return [g.add(f"L{i}.moe.bwd.done", r, category="other", kind="compute",
                       deps=tuple([ends[-1]] + ([reds[-1]] if reds else []))) for r in ranks]
 
-    g, _, _ = transformer_iteration_graph(
-        cfg, profile, loads, placement, moe_forward, moe_backward, elem_bytes=elem_bytes,
-        meta={"strategy": "fastermoe", "shadows": [list(x) for x in shadows], "smart": o.smart,
-              "group_size": Gs if o.smart else None})
-    return g
+    return Contribution(token_path=lambda pls, lds: (moe_forward, moe_backward),
+                        meta={"technique": "fastermoe", "strategy": "fastermoe", "shadows": [list(x) for x in shadows],
+                              "smart": o.smart, "group_size": Gs if o.smart else None})
 
 

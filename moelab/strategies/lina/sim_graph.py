@@ -48,19 +48,20 @@ Not modelled: the combine-backward block (the DES knows the all-to-all's time, s
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
 
 from moelab.comm import costs
 from moelab.placement import Placement
+from moelab.sim.compose import Contribution, composed_graph
 from moelab.sim.graphs import (
     capacity,
     elem_bytes_of,
     moe_layer_ids,
     token_stages,
     topology_of,
-    transformer_iteration_graph,
 )
 from moelab.strategies.lina.sim_windows import WindowLayout, steady_plan, window_of
 
@@ -91,6 +92,27 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     ``gamma``: the all-to-all / all-reduce interference factor (a number >= 1, or op -> number);
     ``windows`` (``launch_agreement: plan``): the micro-ops planned by the end of each backward window,
     cumulative (default: the plan's steady state, :func:`moelab.strategies.lina.sim_windows.steady_plan`)."""
+    part = lina_contribution(cfg, profile, loads, placement, elem_bytes=elem_bytes, policy=policy,
+                             partition_bytes=partition_bytes, bucket_mb=bucket_mb, hierarchical_a2a=hierarchical_a2a,
+                             gamma=gamma, windows=windows)
+    if part.steady is not None:
+        return part.steady(lambda w: lina_iteration_graph(
+            cfg, profile, loads, placement, elem_bytes=elem_bytes, policy=part.meta["policy"],
+            partition_bytes=partition_bytes, bucket_mb=bucket_mb, hierarchical_a2a=hierarchical_a2a, gamma=gamma,
+            windows=w))
+    return composed_graph(cfg, profile, loads, placement, [part], elem_bytes=elem_bytes,
+                          hierarchical_a2a=hierarchical_a2a)
+
+
+def lina_contribution(cfg, profile, loads, placement: Optional[Placement] = None, *,
+                      elem_bytes: Optional[int] = None, policy: Optional[str] = None,
+                      partition_bytes: Optional[float] = None, bucket_mb: Optional[float] = None,
+                      hierarchical_a2a: bool = False, gamma=1.0, windows: Optional[list] = None) -> Contribution:
+    """Lina's schedule in the skeleton: the dense-gradient sync of ``policy`` (its buckets or micro-ops, the
+    all-to-all stream first), the MoE backward wrapped to mark the points between layers, the interference
+    factor; alone, also its token path (capacity-clipped rows; packed blocks, ``lina_pipe``'s chunks), a
+    fallback a partner owning the dispatch chain replaces. ``launch_agreement: plan`` without ``windows``:
+    only ``steady`` (the caller prices the plan to its steady state, rebuilding with ``windows``)."""
     import dataclasses
 
     from moelab.registry import get
@@ -100,10 +122,9 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     opts = dataclasses.replace(opts, policy=policy or opts.policy)
     policy = opts.policy
     planned = opts.scheduled and opts.launch_agreement == "plan"
+    meta = {"technique": "lina", "strategy": "lina", "policy": policy, "hierarchical_a2a": hierarchical_a2a}
     if planned and windows is None:
-        return steady_plan(lambda w: lina_iteration_graph(
-            cfg, profile, loads, placement, elem_bytes=elem_bytes, policy=policy, partition_bytes=partition_bytes,
-            bucket_mb=bucket_mb, hierarchical_a2a=hierarchical_a2a, gamma=gamma, windows=w))
+        return Contribution(steady=steady_plan, meta=meta)
     S = partition_bytes or opts.partition_bytes
     cap_bytes = (bucket_mb or cfg.parallel.bucket_mb) * 2**20
     m, moe = cfg.model, cfg.model.moe
@@ -144,8 +165,8 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
     expert_sizes = [q * n for n in ([m.d_model, m.d_ff] if moe.expert_bias else [])
                                    + [m.d_ff * m.d_model, m.d_model * m.d_ff]]
 
-    def moe_backward(ctx, i, j, deps):
-        out = bwd(ctx, i, j, deps)
+    def moe_backward(inner, ctx, i, j, deps):
+        out = inner(ctx, i, j, deps)
         between.append(max(out))
         moe_done[f"L{i}.gate"] = list(out)
         return out
@@ -241,12 +262,14 @@ def lina_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = N
                                            comm={"op": "all_reduce", "group": grp, "nbytes": nbytes}))
         return tuple(ends)
 
-    g, ctx, prev = transformer_iteration_graph(
-        cfg, profile, loads, placement, fwd, moe_backward, elem_bytes=elem_bytes, hierarchical_a2a=hierarchical_a2a,
-        meta={"strategy": "lina", "policy": policy, "hierarchical_a2a": hierarchical_a2a}, dense_sync=dense_sync)
-    if callable(gamma) or gamma != 1.0:
-        g.interfere((A2A, streams), gamma)
-    return g
+    def finish(g):
+        if callable(gamma) or gamma != 1.0:
+            g.interfere((A2A, streams), gamma)
+
+    return Contribution(placements=[placement] * loads.shape[0] if q > 1 else None,
+                        token_path=lambda pls, lds: (fwd, bwd), owns_token_path=False,
+                        wrap_backward=lambda inner: functools.partial(moe_backward, inner), dense_sync=dense_sync,
+                        finish=finish, meta=meta)
 
 
 def planned_windows(ctx, layout, windows, issued, ready_ops, last) -> tuple:

@@ -19,7 +19,8 @@ from typing import Optional
 import numpy as np
 
 from moelab.placement import Placement
-from moelab.sim.graphs import elem_bytes_of, route_matrix, token_stages, topology_of, transformer_iteration_graph
+from moelab.sim.compose import Contribution, composed_graph
+from moelab.sim.graphs import elem_bytes_of, route_matrix, token_stages
 
 
 def centroid_counts(loads, rho: float, bmax: Optional[int] = None) -> np.ndarray:
@@ -39,25 +40,24 @@ def lsh_row_flops(d: int, L: int, r: int) -> float:
     return 2.0 * d * r * L + 3.0 * d
 
 
-def lsh_moe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *, centroids=None,
-                            rho: Optional[float] = None, bmax: Optional[int] = None, experts_on_centroids: bool = True,
-                            num_hashes: Optional[int] = None, cp_dim: Optional[int] = None,
-                            lsh_row_s: Optional[float] = None, elem_bytes: Optional[int] = None,
-                            hierarchical_a2a: bool = False):
-    """One training iteration of LSH-MoE. ``centroids``: ``[layers][N][E]`` recorded centroid counts
-    (a run's plan records), else ``rho`` (with ``bmax``) makes them from ``loads``; with neither, the
-    layer is uncompressed (identity: M = A) but still pays the hashing op and the 2E count exchange."""
+def lsh_moe_contribution(cfg, profile, loads, placement: Optional[Placement] = None, *, centroids=None,
+                         rho: Optional[float] = None, bmax: Optional[int] = None, experts_on_centroids: bool = True,
+                         num_hashes: Optional[int] = None, cp_dim: Optional[int] = None,
+                         lsh_row_s: Optional[float] = None) -> Contribution:
+    """LSH-MoE's wire format in the skeleton: the token path on centroid rows (routed by whatever placement
+    each layer has), the hashing / decompression around it, and the ``2E`` count exchange. ``centroids``:
+    ``[layers][N][E]`` recorded centroid counts (a run's plan records), else ``rho`` (with ``bmax``) makes
+    them from ``loads``; with neither, the layer is uncompressed (identity: M = A) but still pays the hashing
+    op and the 2E count exchange; ``hash_family: none`` is the plain path (nothing contributed)."""
     m, moe = cfg.model, cfg.model.moe
-    N, E = topology_of(cfg).world_size, moe.num_experts
-    placement = placement or Placement.expert_parallel(E, N)
+    E = moe.num_experts
     opts = dict(cfg.parallel.strategy_options or {}) if cfg.parallel.strategy == "lsh_moe" else {}
     L = int(num_hashes if num_hashes is not None else opts.get("num_hashes", 6))
     r = int(cp_dim if cp_dim is not None else opts.get("cp_dim", 2))
     loads = np.asarray(loads, dtype=np.int64)
     if centroids is None and rho is None and opts.get("hash_family") == "none":  # the plain EP path
-        fwd, bwd = token_stages([route_matrix(placement, t) for t in loads])
-        return transformer_iteration_graph(cfg, profile, loads, placement, fwd, bwd, elem_bytes=elem_bytes,
-                                           hierarchical_a2a=hierarchical_a2a, meta={"strategy": "lsh_moe (none)"})[0]
+        return Contribution(token_path=lambda pls, lds: token_stages([route_matrix(pl, t) for pl, t in zip(pls, lds)]),
+                            meta={"technique": "lsh_moe", "strategy": "lsh_moe (none)"})
     if centroids is not None:
         cen = np.asarray(centroids, dtype=np.int64)
         if cen.shape != loads.shape:
@@ -66,8 +66,6 @@ def lsh_moe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] 
         cen = centroid_counts(loads, rho, bmax)
     else:
         cen = loads
-    routes = [route_matrix(placement, c) for c in cen]
-    work = [rt.sum(0) if experts_on_centroids else route_matrix(placement, t).sum(0) for rt, t in zip(routes, loads)]
     rows = loads.sum(axis=2)  # [layers, N] rows each source hashes (A)
 
     def local_work(ctx, i, j, phase, where, deps):
@@ -80,14 +78,30 @@ def lsh_moe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] 
         return [ctx.g.compute(rk, f"L{i}.lsh.{name[where]}.{phase}", float(rows[j][rk]) * per_row * frac, deps=deps[rk],
                               category="lsh", layer=i, phase=phase) for rk in ctx.ranks]
 
-    fwd, bwd = token_stages(routes, expert_rows=work, local_work=local_work)
-    g, _, _ = transformer_iteration_graph(cfg, profile, loads, placement, fwd, bwd,
-                                          elem_bytes=elem_bytes or elem_bytes_of(cfg),
-                                          hierarchical_a2a=hierarchical_a2a, count_bytes=16 * E,
-                                          meta={"strategy": "lsh_moe", "experts_on_centroids": experts_on_centroids,
-                                                "rho": float(cen.sum() / loads.sum()) if loads.sum() else None,
-                                                "lsh_row_s": "measured" if lsh_row_s is not None else "FLOP estimate"})
-    return g
+    def token_path(pls, lds):
+        routes = [route_matrix(pl, c) for pl, c in zip(pls, cen)]
+        work = [rt.sum(0) if experts_on_centroids else route_matrix(pl, t).sum(0)
+                for rt, pl, t in zip(routes, pls, lds)]
+        return token_stages(routes, expert_rows=work, local_work=local_work)
+
+    return Contribution(token_path=token_path, count_bytes=16 * E,
+                        meta={"technique": "lsh_moe", "strategy": "lsh_moe",
+                              "experts_on_centroids": experts_on_centroids,
+                              "rho": float(cen.sum() / loads.sum()) if loads.sum() else None,
+                              "lsh_row_s": "measured" if lsh_row_s is not None else "FLOP estimate"})
+
+
+def lsh_moe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *, centroids=None,
+                            rho: Optional[float] = None, bmax: Optional[int] = None, experts_on_centroids: bool = True,
+                            num_hashes: Optional[int] = None, cp_dim: Optional[int] = None,
+                            lsh_row_s: Optional[float] = None, elem_bytes: Optional[int] = None,
+                            hierarchical_a2a: bool = False):
+    """One training iteration of LSH-MoE (:func:`lsh_moe_contribution` on the placement)."""
+    part = lsh_moe_contribution(cfg, profile, loads, placement, centroids=centroids, rho=rho, bmax=bmax,
+                                experts_on_centroids=experts_on_centroids, num_hashes=num_hashes, cp_dim=cp_dim,
+                                lsh_row_s=lsh_row_s)
+    return composed_graph(cfg, profile, loads, placement, [part], elem_bytes=elem_bytes or elem_bytes_of(cfg),
+                          hierarchical_a2a=hierarchical_a2a)
 
 
 def lsh_sim_plan(cfg, records) -> dict:

@@ -10,38 +10,48 @@ import numpy as np
 from moelab.comm import costs
 from moelab.placement import Placement
 from moelab.placement.rebalance import smartmoe_round
+from moelab.sim.compose import Contribution, composed_graph
 from moelab.sim.graphs import (
     elem_bytes_of,
     expert_param_count,
     route_matrix,
     token_stages,
     topology_of,
-    transformer_iteration_graph,
 )
 
 
-def smartmoe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *, owners=None,
-                             moved: Sequence = (), elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False):
+def smartmoe_contribution(cfg, profile, loads, placement: Optional[Placement] = None, *, owners=None,
+                          moved: Sequence = (), elem_bytes: Optional[int] = None) -> Contribution:
+    """SmartMoE's placement in the skeleton: each layer's permutation of the iteration (``owners``), and the
+    migration all-to-all after the dense sync on a re-placement iteration (``moved``)."""
     m = cfg.model
     topo = topology_of(cfg)
     N, E = topo.world_size, m.moe.num_experts
-    loads = np.asarray(loads, dtype=np.int64)
-    L = loads.shape[0]
+    L = np.asarray(loads).shape[0]
     owners = owners if owners is not None else [[e // (E // N) for e in range(E)]] * L
     pls = [Placement(E, N, tuple((int(o),) for o in row)) for row in owners]
-    routes = [route_matrix(pl, ld) for pl, ld in zip(pls, loads)]
     eb = elem_bytes or elem_bytes_of(cfg)
-    fwd, bwd = token_stages(routes)
-    g, ctx, prev = transformer_iteration_graph(cfg, profile, loads, pls[0], fwd, bwd, elem_bytes=eb,
-                                               hierarchical_a2a=hierarchical_a2a, meta={"strategy": "smartmoe"})
-    if moved:
+
+    def after(g, ctx, prev):
+        if not moved:
+            return prev
         M = np.zeros((N, N), dtype=np.int64)
         for _, _, s, d in moved:
             M[int(s), int(d)] += 3 * expert_param_count(m) * eb
         ranks = list(range(N))
-        g.transfer("smartmoe.migrate", ranks, costs.alltoall_demands(M, ranks, topo, profile), deps=prev,
-                   category="migrate", phase="migrate", comm={"op": "all_to_all", "group": ranks, "splits": M})
-    return g
+        return (g.transfer("smartmoe.migrate", ranks, costs.alltoall_demands(M, ranks, topo, profile), deps=prev,
+                           category="migrate", phase="migrate",
+                           comm={"op": "all_to_all", "group": ranks, "splits": M}),)
+
+    return Contribution(placements=pls, after=after, meta={"technique": "smartmoe"})
+
+
+def smartmoe_iteration_graph(cfg, profile, loads, placement: Optional[Placement] = None, *, owners=None,
+                             moved: Sequence = (), elem_bytes: Optional[int] = None, hierarchical_a2a: bool = False):
+    part = smartmoe_contribution(cfg, profile, loads, placement, owners=owners, moved=moved, elem_bytes=elem_bytes)
+    part.token_path = lambda pls, lds: token_stages([route_matrix(pl, ld) for pl, ld in zip(pls, lds)])
+    return composed_graph(cfg, profile, loads, placement, [part], elem_bytes=elem_bytes or elem_bytes_of(cfg),
+                          hierarchical_a2a=hierarchical_a2a, meta={"strategy": "smartmoe"})
 
 
 def smartmoe_sim_plan(cfg, records) -> dict:
