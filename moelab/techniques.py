@@ -22,6 +22,12 @@ A run composes techniques by naming them, one per axis: ``parallel.strategy: lin
 technique (``{lsh_moe: {hash_family: identity}}``); :mod:`moelab.strategies.compose` builds that run's
 strategy (its layer from the techniques' layer classes, its update and groups from their owners) or refuses
 it before any process starts (:func:`composition_errors`).
+
+In the simulator a technique declares ``sim``: the function returning its
+:class:`moelab.sim.compose.Contribution` (the skeleton's hooks it fills: a placement's per-layer placements and
+migration, a wire format's token rows and count bytes, a schedule's dense sync and stream priorities); a
+composition's graph is built from its techniques' contributions, and refused (:func:`sim_refusal`) where one
+declares none.
 """
 from __future__ import annotations
 
@@ -42,9 +48,6 @@ RUN_HOOKS = ("update", "groups", "expert_layout", "data_shard", "prepare_model",
 HOOKS = LAYER_STAGES + RUN_HOOKS
 WRAP_ONLY = ("forward", "plan_record")  # always wrapped (super() called), never owned
 SEP = "+"  # a composed strategy's name: its techniques joined by SEP
-# Why no composition is SIMULATED yet (moelab.strategies.compose sets it as the composed strategy's sim_refused)
-SIM_REFUSED = ("the simulator has no composed iteration graph yet: each technique prices its own graph "
-               "(which stages each owns is declared here; composing the graphs is open)")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class Technique:
     excludes: tuple = ()  # ((technique name, reason), ...)
     alone_only: Optional[Callable] = None
     doc: str = ""
+    # "module:function" -> (cfg, profile, loads, placement, **plan) -> moelab.sim.compose.Contribution: what the
+    # technique contributes to the simulator's iteration skeleton (None: a composition with it is not SIMULATED)
+    sim: Optional[str] = None
 
     def __post_init__(self):
         if self.axis not in AXES:
@@ -154,6 +160,16 @@ def name_of(techniques) -> str:
     return SEP.join(t.name for t in techniques)
 
 
+def sim_refusal(techniques) -> str:
+    """Why the composition of ``techniques`` cannot be SIMULATED ("" : it can): a technique that declares no
+    simulator contribution (``Technique.sim``)."""
+    missing = [t.name for t in techniques if t.sim is None]
+    if not missing:
+        return ""
+    return (f"{', '.join(missing)} declare{'s' if len(missing) == 1 else ''} no simulator contribution "
+            "(Technique.sim: its hooks of moelab.sim.graphs.transformer_iteration_graph), so no composed graph")
+
+
 def table_markdown(techniques: Optional[dict] = None) -> str:
     """The techniques and the pair table as markdown (``docs/compose.md``'s generated part)."""
     ts = techniques if techniques is not None else all_techniques()
@@ -164,7 +180,9 @@ def table_markdown(techniques: Optional[dict] = None) -> str:
                      f"{', '.join(t.calls) if 'dispatch_compute_combine' in t.owns else '-'} |")
     lines += ["", "| pair | composes | REAL | SIMULATED | why not |", "|---|---|---|---|---|"]
     for a, b, why in compatibility(ts):
-        run = ("yes", "conformance suite", "refused: no composed graph") if why is None else ("no", "-", "-")
+        refused = sim_refusal((ts[a], ts[b])) if why is None else ""
+        run = (("yes", "conformance suite", f"refused: {refused}" if refused else "conformance suite (bytes)")
+               if why is None else ("no", "-", "-"))
         lines.append(f"| {a} + {b} | {' | '.join(run)} | {why or ''} |")
     return "\n".join(lines) + "\n"
 

@@ -29,6 +29,9 @@ def test_every_strategy_but_ep_declares_its_techniques_and_each_technique_is_its
             assert s.techniques == ()  # every axis its default
             continue
         assert s.techniques, f"{s.name} declares no technique"
+        if tq.SEP in s.name:  # a composition registered earlier in this process: named by its techniques
+            assert sorted(t.name for t in s.techniques) == sorted(s.name.split(tq.SEP)) and len(s.techniques) > 1
+            continue
         assert [t.name for t in s.techniques] == [s.name]
 
 
@@ -132,9 +135,17 @@ def test_parse_orders_a_composition_schedule_first():
     assert [t.name for t in parse("lsh_moe+lina")] == ["lina", "lsh_moe"]
 
 
-def test_a_composition_is_refused_by_the_simulator_with_the_reason():
-    with pytest.raises(ConfigError, match="cannot be SIMULATED: the simulator has no composed iteration graph"):
-        get("lina+lsh_moe").graph()
+def test_a_composition_is_simulated_when_each_technique_contributes_else_refused_with_the_reason():
+    import dataclasses
+
+    from moelab.registry import Strategy
+
+    assert get("lina+lsh_moe").sim_refused == "" and callable(get("lina+lsh_moe").graph())
+    lina, lsh = parse("lina+lsh_moe")
+    why = tq.sim_refusal((lina, dataclasses.replace(lsh, sim=None)))
+    assert why.startswith("lsh_moe declares no simulator contribution")
+    with pytest.raises(ConfigError, match="cannot be SIMULATED: lsh_moe declares no simulator contribution"):
+        Strategy("x", sim_refused=why).graph()
 
 
 # ---- the composed layer: each technique's methods see its own options --------------------------------------

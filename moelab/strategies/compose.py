@@ -18,15 +18,21 @@ the composed :class:`moelab.registry.Strategy`:
   as that technique alone would see it; the data-parallel update when none owns it;
 - conformance: the techniques' option sets that keep the EP model, paired in turn (every set of each
   technique once, no per-combination list);
-- simulator: refused (``sim_refused``) with the reason: the techniques' iteration graphs do not compose yet.
+- simulator: each technique's contribution to the iteration skeleton (``Technique.sim``), built into one
+  graph by :func:`moelab.sim.compose.composed_graph` (no per-combination code); its plan keyword arguments
+  keyed by technique, each from that technique's own ``sim_plan`` on its view of the run. A composition with
+  a technique declaring no contribution is refused (``sim_refused``) with the reason.
 """
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
 
 from moelab.config import ConfigError
 from moelab.registry import _REGISTRY, Strategy, StrategyOptions, get, register_strategy
-from moelab.techniques import AXES, SEP, SIM_REFUSED, all_techniques, compatibility, name_of, parse
+from moelab.sim.compose import composed_graph
+from moelab.techniques import AXES, SEP, all_techniques, compatibility, name_of, parse, sim_refusal
 
 _MISSING = object()
 
@@ -66,7 +72,8 @@ def composed(name: str) -> Strategy:
         name, options=opts_cls, layer=functools.partial(_layer, techs),
         update=_update(strategy_of(upd), upd) if upd is not None else None,
         groups=(lambda cfg: strategy_of(grp).declared_groups(view(cfg, grp))) if grp is not None else None,
-        own_expert_layout=False, techniques=techs, sim_refused=SIM_REFUSED, conformance=_conformance(techs),
+        own_expert_layout=False, techniques=techs, sim_refused=sim_refusal(techs), conformance=_conformance(techs),
+        sim_graph=_sim_graph(techs), sim_plan=_sim_plan(techs),
         doc="composed: " + ", ".join(f"{t.axis} {t.name}" for t in techs)))
     return s
 
@@ -216,6 +223,46 @@ def _alone(t, s, o) -> bool:
     return t.alone_only is not None and s.options is not None and bool(t.alone_only(s.options.from_dict(o)))
 
 
+# ---- the simulator ------------------------------------------------------------------------------------
+def contribution_fn(technique):
+    """The function a technique declares for its simulator contribution (``Technique.sim``)."""
+    mod, fn = technique.sim.split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def _sim_graph(techs):
+    """The composed strategy's ``sim_graph``: each technique's contribution on its view of the run (its plan
+    keyword arguments under its name), one graph; a contribution priced to a steady state (Lina's planned
+    launches) rebuilds the whole composition with its windows."""
+    def graph(cfg, profile, loads, placement=None, *, elem_bytes=None, hierarchical_a2a=False, **plan):
+        stray = sorted(set(plan) - {t.name for t in techs})
+        if stray:
+            raise TypeError(f"{name_of(techs)}'s graph takes plan keywords keyed by technique, got {stray}")
+
+        def build(extra):
+            parts = []
+            for t in techs:
+                fn = contribution_fn(t)
+                kw = {**dict(plan.get(t.name) or {}), **extra.get(t.name, {})}
+                common = {"elem_bytes": elem_bytes, "hierarchical_a2a": hierarchical_a2a}
+                kw.update({k: v for k, v in common.items() if k in inspect.signature(fn).parameters})
+                parts.append((t, fn(view(cfg, t), profile, loads, placement, **kw)))
+            for t, p in parts:
+                if p.steady is not None:
+                    return p.steady(lambda w, t=t: build({**extra, t.name: {"windows": w}}))
+            return composed_graph(cfg, profile, loads, placement, [p for _, p in parts], elem_bytes=elem_bytes,
+                                  hierarchical_a2a=hierarchical_a2a, meta={"strategy": name_of(techs)})
+        return build({})
+    return graph
+
+
+def _sim_plan(techs):
+    """The composed strategy's ``sim_plan``: each technique's own, on its view of the run, under its name."""
+    def plan(cfg, records):
+        return {t.name: strategy_of(t).graph_kwargs(view(cfg, t), records) for t in techs}
+    return plan
+
+
 def compatible_strategies() -> list:
     """The composed strategy of every compatible pair of techniques (registered)."""
     return [composed(SEP.join((a, b))) for a, b, why in compatibility() if why is None]
@@ -227,4 +274,4 @@ def pairs_by_axis() -> dict:
     return {a: sorted(n for n, t in ts.items() if t.axis == a) for a in AXES}
 
 
-__all__ = ["composed", "compatible_strategies", "axis_errors", "scoped", "view", "SIM_REFUSED"]
+__all__ = ["composed", "compatible_strategies", "axis_errors", "scoped", "view", "contribution_fn"]

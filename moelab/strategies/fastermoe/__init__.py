@@ -33,6 +33,7 @@ STRATEGY = register_strategy(Strategy(
     "fastermoe", options=FasterMoEOptions, layer=layer_factory,
     techniques=(Technique("fastermoe", "placement", owns=("place", "combine_postprocess", "dispatch_compute_combine"),
         wraps=("route", "forward"),
+        sim="moelab.strategies.fastermoe.sim_graph:fastermoe_contribution",
         doc="dynamic shadowing (place, local rows added in combine_postprocess); the smart schedule replaces the "
         "dispatch chain when on"),),
     sim_graph="moelab.strategies.fastermoe.sim_graph:fastermoe_iteration_graph",

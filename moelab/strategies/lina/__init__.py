@@ -58,6 +58,7 @@ STRATEGY = register_strategy(Strategy(
     "lina", options=LinaOptions, layer=layer_factory, update=_update, groups=_groups, own_expert_layout=True,
     techniques=(Technique("lina", "schedule", owns=("update", "groups", "expert_layout"),
         wraps=("forward", "dispatch_compute_combine"), alone_only=lina_alone_only,
+        sim="moelab.strategies.lina.sim_graph:lina_contribution",
         doc="all-to-all before all-reduce: priority scheduler, gradient micro-ops"),),
     sim_graph="moelab.strategies.lina.sim_graph:lina_iteration_graph",
     serve="moelab.strategies.lina.server:build", serve_options=LinaServeOptions,

@@ -39,6 +39,7 @@ STRATEGY = register_strategy(Strategy(
         calls=("token_dispatch", "dispatch_postprocess", "compute_experts", "combine_preprocess", "token_combine"),
         excludes=tuple((p, "LSH-MoE runs on placements without replicas (a replica set would split a bucket's "
                         "centroid across holders)") for p in ("fastermoe", "flexmoe", "hecate")),
+        sim="moelab.strategies.lsh_moe.sim_graph:lsh_moe_contribution",
         doc="centroids of hashed buckets on the wire"),),
     sim_graph="moelab.strategies.lsh_moe.sim_graph:lsh_moe_iteration_graph",
     sim_plan="moelab.strategies.lsh_moe.sim_graph:lsh_sim_plan",

@@ -27,6 +27,7 @@ def layer_factory(run_cfg, opts: SmartMoEOptions):
 STRATEGY = register_strategy(Strategy(
     "smartmoe", options=SmartMoEOptions, layer=layer_factory, update=SmartMoEUpdate,
     techniques=(Technique("smartmoe", "placement", owns=("update",), wraps=("plan_record",),
+        sim="moelab.strategies.smartmoe.sim_graph:smartmoe_contribution",
         doc="LPT re-placement every K iterations (the update moves experts)"),),
     sim_graph="moelab.strategies.smartmoe.sim_graph:smartmoe_iteration_graph",
     sim_plan="moelab.strategies.smartmoe.sim_graph:smartmoe_sim_plan",
