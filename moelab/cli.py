@@ -2,7 +2,8 @@
 
 ``run``/``serve`` on this machine or, with ``--nnodes/--node-rank/--rdzv``, as one node of a cluster
 run; ``slurm`` writes the sbatch script for that; ``runs`` lists stored runs; ``reproduce`` executes
-notebooks; ``report`` rebuilds their report or writes one paper's section as one file.
+notebooks; ``report`` rebuilds their report or writes one paper's section as one file; ``plan`` ranks the
+compatible technique combinations for a model preset on a cluster profile (SIMULATED, :mod:`moelab.sim.plan`).
 
 Exit codes: 0 success (``run`` prints the run folder), 1 a rank failed or the run timed out
 (the rank and its traceback tail go to stderr), 2 an invalid config or command line.
@@ -66,6 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     runs = sub.add_parser("runs", help="list completed runs")
     runs.add_argument("--root", default="runs", help="results root (default: runs)")
 
+    pl = sub.add_parser("plan", help="rank the compatible technique combinations for a model on a cluster (SIMULATED)")
+    pl.add_argument("--model", required=True, help="a preset (moelab.models.presets), e.g. mixtral_8x7b")
+    pl.add_argument("--profile", required=True, help="a cluster profile (moelab.sim.profiles), e.g. hecate_B")
+    pl.add_argument("--nodes", type=int, help="nodes of the profile's cluster (default: the profile's)")
+    pl.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of the synthetic expert loads")
+    pl.add_argument("--layers", type=int, help="Transformer layers priced (default: the preset's)")
+    pl.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step (default 4096)")
+    pl.add_argument("--experts-per-gpu", type=int, help="experts = this x GPUs (default: the preset's count "
+                    "where it divides over the GPUs)")
+    pl.add_argument("--top", type=int, help="print the best K only")
+    pl.add_argument("--json", metavar="FILE", help="also write the plan (every row, refused ones too) as JSON")
+
     # here, not at the top: the reproduction kit loads plotly (papermill only when notebooks run)
     from moelab.papers.kit import publish, reproduce
 
@@ -81,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return reproduce.main(args)
     if args.cmd == "report":
         return publish.main(args)
+    if args.cmd == "plan":
+        return _plan(args)
     if args.cmd == "serve":
         from moelab.runtime.launch import SERVE_WORKER  # here: the launcher imports torch; --help, runs do not
 
@@ -120,6 +135,26 @@ def _run(ap: argparse.ArgumentParser, args) -> int:
               file=sys.stderr)
         return 0
     print(result.path)
+    return 0
+
+
+def _plan(args) -> int:
+    import json
+
+    from moelab.sim.plan import format_table, plan
+
+    try:
+        p = plan(args.model, args.profile, args.nodes, skew=args.skew, layers=args.layers,
+                 tokens_per_gpu=args.tokens_per_gpu, experts_per_gpu=args.experts_per_gpu, progress=True)
+    except ConfigError as e:
+        print(f"moelab: {e}", file=sys.stderr)
+        return 2
+    print(format_table(p, args.top))
+    if args.json:
+        atomic_write_text(args.json, json.dumps(p.to_json(), indent=1))
+    if not p.ranked():
+        print(f"moelab: {args.model} fits no combination on {p.profile} x{p.nodes} in memory", file=sys.stderr)
+        return 2
     return 0
 
 
