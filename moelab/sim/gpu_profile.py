@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moelab.sim.profiles import ClusterProfile
+from moelab.sim.graphs import DTYPE_BYTES
+from moelab.sim.profiles import PROFILES, ClusterProfile
 
 LAYER_KERNELS = 13  # launches of one layer fwd+bwd: permute, 2 GEMMs, activation, unpermute; 8 backward
 
@@ -26,8 +27,6 @@ def permute_bytes(tokens: int, rows: int, d: int, elem_bytes: int) -> int:
 
 def layer_terms(row: dict) -> tuple:
     """(kernels, FLOPs, HBM bytes) of one benchmark row's layer forward+backward."""
-    from moelab.sim.graphs import DTYPE_BYTES
-
     S = row["T"] * row["k"]
     moved = permute_bytes(row["T"], S, row["d"], DTYPE_BYTES[row["dtype"].removeprefix("torch.")])
     return LAYER_KERNELS, 12.0 * S * row["d"] * row["f"], 2.0 * moved
@@ -76,8 +75,6 @@ def assumed_vs_measured(fit: dict) -> list:
     """Each registered profile whose achieved FLOP/s is an assumption or a default efficiency, beside the
     efficiency this device measured (achieved / data-sheet peak, same kind of number): rows of
     (profile, its GPU, assumed efficiency, measured efficiency, measured on)."""
-    from moelab.sim.profiles import PROFILES
-
     measured = fit["flops_per_s"] / fit["peak_flops"]
     rows = []
     for name, p in sorted(PROFILES.items()):

@@ -20,8 +20,11 @@ import torch
 from moelab.comm import costs
 from moelab.comm.bytes import by_link_class, exchange_by_class, peer_bytes
 from moelab.comm.topology import LINK_CLASSES, Topology
+from moelab.moe.dispatch import count_exchange_bytes
 from moelab.moe.layer import balance_allreduce_bytes
+from moelab.moe.routing import capacity_for
 from moelab.placement import Placement
+from moelab.registry import get
 from moelab.sim.engine import OpGraph
 
 DTYPE_BYTES = {name: getattr(torch, name).itemsize for name in ("float16", "bfloat16", "float32", "float64")}  # torch's
@@ -29,8 +32,6 @@ DTYPE_BYTES = {name: getattr(torch, name).itemsize for name in ("float16", "bflo
 
 def get_graph(strategy: str) -> Callable:
     """The iteration-graph generator of a registered strategy (its ``Strategy.sim_graph``)."""
-    from moelab.registry import get
-
     fn = get(strategy).graph()
     if fn is None:
         raise KeyError(f"strategy {strategy!r} has no simulator graph (Strategy.sim_graph)")
@@ -72,8 +73,6 @@ def expert_param_count(model) -> int:
 def capacity(cfg) -> Optional[int]:
     """Tokens per expert per source rank: the runtime's own rule (:func:`moelab.moe.routing.capacity_for`,
     exact decimal arithmetic), so simulated bytes equal measured ones; None when dropless."""
-    from moelab.moe.routing import capacity_for
-
     moe = cfg.model.moe
     return capacity_for(cfg.train.batch_size * cfg.model.seq_len, moe.num_experts, moe.top_k,
                         moe.capacity_factor, moe.min_capacity)
@@ -269,8 +268,6 @@ def transformer_iteration_graph(cfg, profile, loads, placement: Placement, moe_f
     act_ffn = T * (d + 2 * f) * eb  # [estimate] input, pre- and post-activation hidden
     act_gate = T * (E + k * d) * eb
     if count_bytes is None:
-        from moelab.moe.dispatch import count_exchange_bytes
-
         count_bytes = count_exchange_bytes(E, moe.dispatcher)
 
     n_dense = dense_param_count(m)

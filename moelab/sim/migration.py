@@ -16,6 +16,8 @@ import numpy as np
 from moelab.comm import costs
 from moelab.comm.topology import Topology
 from moelab.moe.migrate import copies_between
+from moelab.sim.engine import simulate
+from moelab.sim.graphs import new_graph
 
 MIGRATION_ROW_PARTS = 3  # parameters, exp_avg, exp_avg_sq: one row per copy (moe/migrate.py)
 
@@ -38,9 +40,6 @@ def migration_matrix(old_holders: Sequence, new_holders: Sequence, world: int, r
 def migration_time(matrix, profile, topo: Topology) -> float:
     """Seconds of the migration's one all-to-all of ``matrix`` (bytes) alone on ``profile``'s links
     (simulated: the event engine on the same demands as every graph's all-to-all). 0 when nothing moves."""
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import new_graph
-
     M = np.asarray(matrix, dtype=np.int64)
     if not M.any():
         return 0.0

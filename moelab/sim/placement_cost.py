@@ -24,6 +24,8 @@ import numpy as np
 
 from moelab.placement import Placement
 from moelab.placement.rules import LocalityFirst, add_routes
+from moelab.sim.graphs import expert_param_count
+from moelab.sim.profiles import get_profile
 
 
 def overlap_degree(t_nonmoe_s: float, bw_Bps: float, expert_bytes: float, E: int) -> int:
@@ -209,9 +211,6 @@ class PlacementCost:
 def cost_for_run(cfg, profile, ranks_per_node: Optional[int] = None) -> PlacementCost:
     """The cost model of a run's experts (``cfg.model``: d, d_ff, biases) on ``profile`` (a profile or its
     name): what the rearranging baselines' decisions and the paper-scale replays price plans with."""
-    from moelab.sim.graphs import expert_param_count
-    from moelab.sim.profiles import get_profile
-
     prof = get_profile(profile) if isinstance(profile, str) else profile
     m = cfg.model
     return PlacementCost.from_profile(prof, m.d_model, m.d_ff, ranks_per_node=ranks_per_node,

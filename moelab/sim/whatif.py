@@ -19,6 +19,9 @@ from typing import Iterable
 
 from moelab.comm.topology import LINK_CLASSES
 from moelab.config import ConfigError, RunConfig
+from moelab.registry import all_strategies
+from moelab.sim import simulate
+from moelab.sim.graphs import config_for_profile, graph_bytes, iteration_graph, synthetic_loads, topology_of
 
 # what a strategy needs to run at all, applied to its points only (and recorded per row)
 STRATEGY_NEEDS = {"parm": {"model.moe.capacity_factor": 1.25, "model.moe.dispatcher": "dense",
@@ -26,8 +29,6 @@ STRATEGY_NEEDS = {"parm": {"model.moe.capacity_factor": 1.25, "model.moe.dispatc
 
 
 def strategies_with_graphs() -> list:
-    from moelab.registry import all_strategies
-
     return [s.name for s in all_strategies() if s.sim_graph]
 
 
@@ -52,8 +53,6 @@ def point_config(base: RunConfig, profile, ranks: int, strategy: str, experts_pe
                  overrides: dict | None = None) -> tuple:
     """(cfg, profile) of one point: ``base`` resized onto ``profile`` with ``ranks`` GPUs, plus the
     strategy's own ``overrides`` (what it needs to run at all, e.g. Parm's capacity buffers)."""
-    from moelab.sim.graphs import config_for_profile
-
     prof = profile.with_nodes(ranks // profile.gpus_per_node)
     E = int(experts_per_rank * ranks)
     cfg = config_for_profile(base, prof, **{"model.moe.num_experts": E, "parallel.strategy": strategy,
@@ -65,9 +64,6 @@ def point_config(base: RunConfig, profile, ranks: int, strategy: str, experts_pe
 def simulate_point(cfg, prof, skew: float = 1.0, seed: int = 0, bytes_by_class: bool = True) -> dict:
     """One simulated iteration of ``cfg`` on ``prof``: step, bytes by link class, static memory of the
     busiest rank, wall time."""
-    from moelab.sim import simulate
-    from moelab.sim.graphs import graph_bytes, iteration_graph, synthetic_loads, topology_of
-
     t0 = time.perf_counter()
     loads = synthetic_loads(cfg, seed=seed, skew=skew)
     g = iteration_graph(cfg, prof, loads)
