@@ -139,6 +139,26 @@ def ranks_started(runs_root: Path, n: int = 2) -> bool:
     return len(list(Path(runs_root).glob(".tmp-*/.launch/pid_rank*"))) >= n
 
 
+def timeout_from_the_ranks_start(monkeypatch, runs_root: Path, n: int = 2, start_s: float = 240) -> dict:
+    """Count a launch's timeout from when its ``n`` ranks have started (their pid files), not from the launch:
+    on a loaded host torchrun's and the ranks' start-up (importing torch) alone outlasts a test's timeout of a
+    few seconds, and the timeout then finds no rank in the worker. The launcher's deadline moves by the time
+    spent waiting (at most ``start_s``) for the start; the returned dict gets that ``deadline``
+    (``time.monotonic()`` clock)."""
+    import moelab.runtime.launch as launch_module
+
+    pump, when = launch_module._pump, {}
+
+    def pump_after_the_start(lines, deadline, bar, out):
+        t = time.monotonic()
+        wait_for(lambda: ranks_started(runs_root, n), start_s, f"{n} ranks to start")
+        when["deadline"] = deadline + time.monotonic() - t
+        return pump(lines, when["deadline"], bar, out)
+
+    monkeypatch.setattr(launch_module, "_pump", pump_after_the_start)
+    return when
+
+
 def wait_for(cond, timeout: float, what: str) -> None:
     end = time.monotonic() + timeout
     while not cond():

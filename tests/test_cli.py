@@ -56,13 +56,13 @@ def test_failing_rank_exits_1_with_its_traceback(tmp_path, monkeypatch, cfg):
     (["--set", "parallel.grad_sync=ddp_overlap", "--set", "parallel.bucket_mb=-1"], "parallel.bucket_mb must be > 0"),
 ])
 def test_invalid_config_exits_2_before_launching(tmp_path, cfg, args, message):
-    r = moelab("run", cfg, "--nproc", 2, *args, "--out-root", tmp_path / "runs", timeout=60)
+    r = moelab("run", cfg, "--nproc", 2, *args, "--out-root", tmp_path / "runs")
     assert r.returncode == 2 and message in r.stderr
     assert not (tmp_path / "runs").exists()
 
 
 def test_missing_config_file_exits_2(tmp_path):
-    r = moelab("run", tmp_path / "nope.yaml", "--out-root", tmp_path / "runs", timeout=60)
+    r = moelab("run", tmp_path / "nope.yaml", "--out-root", tmp_path / "runs")
     assert r.returncode == 2 and "nope.yaml" in r.stderr
 
 
@@ -72,16 +72,16 @@ def test_missing_config_file_exits_2(tmp_path):
 def test_malformed_yaml_is_one_line_with_its_line_and_column(tmp_path, text, where, what):
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
-    r = moelab("run", bad, "--out-root", tmp_path / "runs", timeout=60)
+    r = moelab("run", bad, "--out-root", tmp_path / "runs")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"{bad}{where}" in r.stderr and what in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "runs").exists()
 
 
 def test_resume_needs_a_checkpoint_and_run_needs_a_config(tmp_path):
-    r = moelab("run", "--out-root", tmp_path / "runs", timeout=60)
+    r = moelab("run", "--out-root", tmp_path / "runs")
     assert r.returncode == 2 and "run needs a config (or --resume RUN, or --preset NAME)" in r.stderr
     (tmp_path / "old").mkdir()
-    r = moelab("run", "--resume", tmp_path / "old", "--out-root", tmp_path / "runs", timeout=60)
+    r = moelab("run", "--resume", tmp_path / "old", "--out-root", tmp_path / "runs")
     assert r.returncode == 2 and "no checkpoint in" in r.stderr and "train.checkpoint_every" in r.stderr
     assert not (tmp_path / "runs").exists()

@@ -95,12 +95,12 @@ def test_bare_torchrun_nodes_complete_the_folder_of_rank_0(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_rank_killed_on_node_1_stops_both_nodes_and_leaves_no_summary(tmp_path, monkeypatch):
     worker = use_fake_worker(monkeypatch)
-    t = time.monotonic()
-    procs = _start_nodes(_cli_node(tmp_path, free_port(), ["train.iters=50"], worker, timeout=60),
+    procs = _start_nodes(_cli_node(tmp_path, free_port(), ["train.iters=50"], worker, timeout=240),
                          envs=(None, {"MOELAB_FAKE_CRASH_LOCAL_RANK": "0"}))
-    (rc0, _, err0), (rc1, _, err1) = _finish(procs, timeout=120)
-    assert time.monotonic() - t < 60  # well before the run's timeout
+    (rc0, _, err0), (rc1, _, err1) = _finish(procs, timeout=280)
     assert rc0 == 1 and rc1 == 1, (err0, err1)
+    assert "timed out" not in err0 + err1  # stopped by the crash, not by the run's timeout (a clock bound counted
+    # the CLI's and torchrun's start-up, which a loaded host stretches past it)
     assert "killed by SIGKILL" in err1 and "failed on rank" in err1
     assert "failed on rank" in err0 and "another node" in err0
     assert list(tmp_path.rglob("summary.json")) == []
