@@ -18,14 +18,13 @@ from __future__ import annotations
 import functools
 
 from moelab.registry import Strategy, register_strategy
+from moelab.strategies.fastermoe.layer import FasterMoELayer
 from moelab.strategies.fastermoe.options import FasterMoEOptionError, FasterMoEOptions
 from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: FasterMoEOptions):
     """The layer class of a run: FasterMoELayer with the run's (already checked) options bound."""
-    from moelab.strategies.fastermoe.layer import FasterMoELayer
-
     return functools.partial(FasterMoELayer, options=opts)
 
 

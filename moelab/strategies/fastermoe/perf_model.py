@@ -33,6 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from moelab.comm.bytes import by_link_class, peer_bytes
 from moelab.strategies.fastermoe.schedule import check_group_size, send_peers
 
 # ---- constants (spec §2.2, §2.3, §2.7) ----------------------------------------------------------
@@ -400,8 +401,6 @@ def layer_sent_bytes(C, shadowed, d_model: int, elem_bytes: int, expert_numel: i
     one broadcast + one reduce per shadowed expert), folded into ``{local, intra, inter}`` by
     :mod:`moelab.comm.bytes`: exactly what the comm door records. ``C``: ``[N, N*E]`` counts
     (int64 counts are gathered, 8 bytes each); ``expert_numel``: elements of one expert's params."""
-    from moelab.comm.bytes import by_link_class, peer_bytes
-
     C = as_counts(C)
     N, NE = C.shape
     group = list(range(N))

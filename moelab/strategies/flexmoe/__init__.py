@@ -15,14 +15,13 @@ from __future__ import annotations
 import functools
 
 from moelab.registry import Strategy, register_strategy
+from moelab.strategies.flexmoe.layer import FlexMoELayer
 from moelab.strategies.flexmoe.options import FlexMoEOptionError, FlexMoEOptions
 from moelab.strategies.flexmoe.update import FlexMoEUpdate
 from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: FlexMoEOptions):
-    from moelab.strategies.flexmoe.layer import FlexMoELayer
-
     return functools.partial(FlexMoELayer, options=opts)
 
 

@@ -23,6 +23,7 @@ from typing import Optional
 
 from moelab.config import ConfigError
 from moelab.registry import StrategyOptions
+from moelab.sim.profiles import ALIASES, PROFILES
 
 
 class FlexMoEOptionError(ConfigError):
@@ -30,8 +31,6 @@ class FlexMoEOptionError(ConfigError):
 
 
 def _profiles() -> tuple:
-    from moelab.sim.profiles import ALIASES, PROFILES
-
     return tuple(sorted(PROFILES)) + tuple(sorted(ALIASES))
 
 

@@ -30,6 +30,7 @@ from moelab.moe.experts import expert_numel
 from moelab.moe.migrate import migrate_holders
 from moelab.moe.sync import sync_dense_grads
 from moelab.runtime.update import DataParallelUpdate, fill_missing_grads
+from moelab.sim.placement_cost import cost_for_run
 from moelab.strategies.flexmoe.policy import plan_round
 
 from .options import FlexMoEOptions
@@ -54,8 +55,6 @@ class FlexMoEUpdate(DataParallelUpdate):
     def cost(self):
         """The §2.9 model on ``cost_profile`` with this run's experts (built once)."""
         if self._cost is None:
-            from moelab.sim.placement_cost import cost_for_run
-
             self._cost = cost_for_run(self.cfg, self.options.cost_profile, self.comm.topo.ranks_per_node)
         return self._cost
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 from moelab.registry import Strategy, register_strategy
+from moelab.strategies.fsdp_expert.layer import FsdpExpertMoELayer
 from moelab.strategies.fsdp_expert.options import FsdpExpertOptionError, FsdpExpertOptions
 from moelab.strategies.fsdp_expert.update import FsdpExpertUpdate
 from moelab.techniques import Technique
@@ -24,8 +25,6 @@ from moelab.techniques import Technique
 
 def layer_factory(run_cfg, opts: FsdpExpertOptions):
     """The layer class of a run: FsdpExpertMoELayer with the run's (already checked) options bound."""
-    from moelab.strategies.fsdp_expert.layer import FsdpExpertMoELayer
-
     return functools.partial(FsdpExpertMoELayer, options=opts)
 
 

@@ -20,14 +20,13 @@ import functools
 
 from moelab.comm.sparse import NODE_BACKENDS
 from moelab.registry import Strategy, register_strategy
+from moelab.strategies.hecate.layer import HecateMoELayer
 from moelab.strategies.hecate.options import LATER_GROUP, HecateOptionError, HecateOptions
 from moelab.strategies.hecate.update import HecateUpdate
 from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: HecateOptions):
-    from moelab.strategies.hecate.layer import HecateMoELayer
-
     return functools.partial(HecateMoELayer, options=opts)
 
 

@@ -26,6 +26,8 @@ from moelab.moe.experts import expert_numel, expert_param_shapes, flatten_slot, 
 from moelab.moe.layer import MoELayer
 from moelab.placement import Placement
 from moelab.placement.rules import LocalityFirst
+from moelab.sim.placement_cost import PlacementCost
+from moelab.sim.profiles import get_profile
 from moelab.strategies.hecate.policy import calibrate_plan, holders_of
 
 from .options import LATER_GROUP, HecateOptions
@@ -116,9 +118,6 @@ class HecateMoELayer(MoELayer):
         """The §2.9 model calibration prices plans with: ``cost_profile``'s constants, except that under link
         emulation the links are the emulated ones (as t is sized on them), the compute rate still the profile's."""
         if self._cost is None:
-            from moelab.sim.placement_cost import PlacementCost
-            from moelab.sim.profiles import get_profile
-
             eb = torch.empty(0, dtype=self.dtype).element_size()
             cost = PlacementCost.from_profile(get_profile(self.options.cost_profile), self.experts.w1.shape[1],
                                           self.experts.w1.shape[2], ranks_per_node=self.G,

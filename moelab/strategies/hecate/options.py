@@ -38,6 +38,7 @@ from typing import Optional, Tuple
 from moelab.comm.sparse import BACKENDS, NODE_BACKENDS
 from moelab.config import ConfigError
 from moelab.registry import StrategyOptions
+from moelab.sim.profiles import ALIASES, PROFILES
 from moelab.strategies.hecate.policy import ASSIGN, CALIBRATION_RULES
 
 LATER_GROUP = "sparse_later"  # the staged backends' later stages, posted by a comm stream
@@ -48,8 +49,6 @@ class HecateOptionError(ConfigError):
 
 
 def _profiles() -> tuple:
-    from moelab.sim.profiles import ALIASES, PROFILES
-
     return tuple(sorted(PROFILES)) + tuple(sorted(ALIASES))
 
 

@@ -20,19 +20,17 @@ from __future__ import annotations
 import functools
 
 from moelab.registry import Strategy, register_strategy
+from moelab.strategies.lina.layer import LinaMoELayer
 from moelab.strategies.lina.options import POLICIES, LinaOptionError, LinaOptions, LinaServeOptions
+from moelab.strategies.lina.update import lina_update
 from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: LinaOptions):
-    from moelab.strategies.lina.layer import LinaMoELayer
-
     return functools.partial(LinaMoELayer, options=opts)
 
 
 def _update(model, comm, cfg):
-    from moelab.strategies.lina.update import lina_update
-
     return lina_update(model, comm, cfg)
 
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from moelab.comm.view import GroupView
+from moelab.moe.dispatch import from_capacity_buffer, to_capacity_buffer
 from moelab.moe.layer import MoELayer
+from moelab.placement import Placement
+from moelab.strategies.lina.pipeline import PipelinedExperts
 
 
 class CombineMarker(torch.autograd.Function):
@@ -46,9 +50,6 @@ class LinaMoELayer(MoELayer):
         self.options = options
 
     def _block_view(self, world, options, P: int, num_experts: int) -> tuple:
-        from moelab.comm.view import GroupView
-        from moelab.placement import Placement
-
         ep, self.expert_dp_group = options.block_groups(P, world.world_size)
         view = GroupView(world, {"ep": ep})
         return view, Placement.expert_parallel(num_experts, view.world_size)
@@ -87,9 +88,6 @@ class LinaMoELayer(MoELayer):
     def _pipelined(self, x, plan, routing):
         """``lina_pipe``: the capacity buffer through :class:`~.pipeline.PipelinedExperts` in
         ``a2a_chunks`` micro-ops (the dense dispatcher's layout, so ``a2a_chunks=1`` is the plain path)."""
-        from moelab.moe.dispatch import from_capacity_buffer, to_capacity_buffer
-        from moelab.strategies.lina.pipeline import PipelinedExperts
-
         E, C = self.cfg.num_experts, plan.capacity
         buf = to_capacity_buffer(x, routing, E, C)
         out = PipelinedExperts.apply(buf, self.experts, self.comm, min(self.options.a2a_chunks, C),

@@ -40,6 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moelab.config import ConfigError
+from moelab.moe.routing import capacity_for
+from moelab.placement import Placement
 from moelab.registry import StrategyOptions
 from moelab.strategies.lina.placement import REPLAN_TESTS, ROUNDING
 
@@ -195,8 +197,6 @@ class LinaOptions(StrategyOptions):
 
     def placement(self, nproc: int, num_experts: int):
         """Every expert's holders at the start, global ranks: expert e on position e // (E/P) of every block."""
-        from moelab.placement import Placement
-
         P = self.block_sizes(nproc, num_experts)[0]
         if P == nproc:
             return Placement.expert_parallel(num_experts, nproc)
@@ -233,8 +233,6 @@ class LinaOptions(StrategyOptions):
 
 def _capacity(run_cfg):
     """C of the dense dispatcher for this run (tokens per rank), or None without a capacity factor."""
-    from moelab.moe.routing import capacity_for
-
     m, moe, t = run_cfg.model, run_cfg.model.moe, run_cfg.train
     return capacity_for(t.batch_size * m.seq_len, moe.num_experts, moe.top_k, moe.capacity_factor,
                         getattr(moe, "min_capacity", 0))

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from moelab.moe.migrate import move_experts
+from moelab.moe.migrate import move_experts, reslot
 
 
 def repack_moves(n_layers: int, nproc: int, num_experts: int, P_old: int, P_new: int) -> list:
@@ -115,8 +115,6 @@ class PackingController:
     def restore(self, state: dict, optimizer) -> None:
         """Take back :meth:`state` (a resumed run): the layers move to the saved block with empty slots,
         which the checkpoint's load fills (parameters and Adam state)."""
-        from moelab.moe.migrate import reslot
-
         self.level, self.frozen, self.log = int(state["level"]), bool(state["frozen"]), list(state["log"])
         for layer in self.layers:
             reslot(layer, layer.use_block(self.block), optimizer)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moelab.strategies.lina.placement import top_set
+
 
 class PathTable:
     def __init__(self, num_experts: int, path_len: int, num_layers: int):
@@ -90,8 +92,6 @@ def pattern_share(traces, layer: int, k: int = 1) -> float:
 
 def estimation_accuracy(pop_hats, pops, k: int = 2) -> float:
     """Fig. 19: the fraction of (batch, layer) instances whose estimated and actual top-k sets agree."""
-    from moelab.strategies.lina.placement import top_set
-
     pairs = list(zip(pop_hats, pops))
     if not pairs:
         raise ValueError("no (estimate, actual) pairs to score")

@@ -55,15 +55,20 @@ import numpy as np
 
 from moelab.comm import costs
 from moelab.placement import Placement
+from moelab.registry import get
+from moelab.runtime.update import bucket_groups
 from moelab.sim.compose import Contribution, composed_graph
 from moelab.sim.graphs import (
     capacity,
     elem_bytes_of,
     moe_layer_ids,
+    route_matrix,
     token_stages,
     topology_of,
 )
+from moelab.strategies.lina.pipeline import chunk_bounds
 from moelab.strategies.lina.sim_windows import WindowLayout, steady_plan, window_of
+from moelab.strategies.lina.update import micro_op_plan
 
 A2A, AR = "comm", "allreduce"
 
@@ -71,9 +76,6 @@ A2A, AR = "comm", "allreduce"
 def _units(ready, partitioned: bool, cap_bytes: float, part_bytes: float, eb: int, coalesce_bytes: float = 0.0):
     """``[(bytes, ready point index)]`` in issue order: DDP buckets or the runtime's micro-ops
     (:func:`moelab.strategies.lina.update.micro_op_plan`; packed experts' gradients on their own group)."""
-    from moelab.runtime.update import bucket_groups
-    from moelab.strategies.lina.update import micro_op_plan
-
     params = [(k, n) for k, (_, _, sizes) in enumerate(ready) for n in sizes]
     if partitioned:
         groups = [ready[k][0].endswith(".experts") for k, _ in params]
@@ -115,8 +117,6 @@ def lina_contribution(cfg, profile, loads, placement: Optional[Placement] = None
     only ``steady`` (the caller prices the plan to its steady state, rebuilding with ``windows``)."""
     import dataclasses
 
-    from moelab.registry import get
-
     cls = get("lina").options
     opts = cls.from_dict(cfg.parallel.strategy_options) if cfg.parallel.strategy == "lina" else cls()
     opts = dataclasses.replace(opts, policy=policy or opts.policy)
@@ -145,14 +145,10 @@ def lina_contribution(cfg, profile, loads, placement: Optional[Placement] = None
         per = np.where(block[:, None] == block[None, :], (E // P) * cap, 0).astype(np.int64)
         routes = [per.copy() for _ in range(loads.shape[0])]
     else:
-        from moelab.sim.graphs import route_matrix
-
         routes = [route_matrix(placement, np.minimum(L, cap) if cap is not None else L) for L in loads]
     if opts.pipelined:
         if moe.dispatcher != "dense":
             raise ValueError("lina_pipe pipelines the dense dispatcher's capacity buffer")
-        from moelab.strategies.lina.pipeline import chunk_bounds
-
         m_chunks = opts.a2a_chunks
         fwd, bwd = pipelined_stages(routes, [b - a for a, b in chunk_bounds(cap, min(m_chunks, cap))], cap,
                                     hold=opts.holds_pipelined_backward)

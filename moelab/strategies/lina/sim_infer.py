@@ -38,6 +38,15 @@ from moelab.comm import costs
 from moelab.moe.dispatch import count_exchange_bytes
 from moelab.sim.engine import simulate
 from moelab.sim.graphs import new_graph
+from moelab.strategies.lina.dispatch import route_table
+from moelab.strategies.lina.infer import (
+    choose_plan,
+    estimates,
+    phase1_plan,
+    piggyback_bytes,
+    schedules,
+    static_placement,
+)
 
 DEFAULT_OVERHEADS = {  # name -> (default, where the default comes from); ``overheads`` arguments override them
     "o_check_s": (0.0, "none unless given: phase 2's check without a re-plan is the caller's to state (Lina's "
@@ -64,8 +73,6 @@ class InferShape:
 def plans_for_batch(traces, src, variant: str, sv, table, N: int, E: int, seed: int = 0, batch: int = 0) -> list:
     """``[(devs, planned_from, replanned, counts [N, E], phase-1 devs or None)]`` per MoE layer of one
     batch, as the runtime decides them (phase 1 from the paths, phase 2 from the counts)."""
-    from moelab.strategies.lina.infer import choose_plan, estimates, phase1_plan, schedules, static_placement
-
     t = np.asarray(traces, dtype=np.int64)
     src = np.asarray(src, dtype=np.int64)
     static = static_placement(N, E)
@@ -98,9 +105,6 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
     layer j after the previous batch (updated in place: swaps persist across batches); ``io``: ``(bytes
     in, bytes out)`` of the REAL serving path's batch, rank 0's broadcast of the requests' tokens before
     the first layer and the all-gather of the answers after the last (None: the paper's T_batch, layers only)."""
-    from moelab.strategies.lina.dispatch import route_table
-    from moelab.strategies.lina.infer import piggyback_bytes
-
     o = {k: v[0] for k, v in DEFAULT_OVERHEADS.items()} | dict(overheads or {})
     N = topo.world_size
     g = new_graph(profile, topo, meta={"profile": profile.name})
@@ -165,8 +169,6 @@ def batch_graph(plans, profile, topo, shape: InferShape, overheads: dict = None,
 
 def static_loaded(N: int, E: int, L: int) -> list:
     """``loaded[j][d]`` (:func:`batch_graph`) before a run's first batch: every rank holds its static block."""
-    from moelab.strategies.lina.infer import static_placement
-
     return [[set(devs) for devs in static_placement(N, E)] for _ in range(L)]
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from moelab.sim.engine import simulate
 from moelab.strategies.lina.priority import plan_windows
 
 
@@ -73,8 +74,6 @@ def steady_plan(build: Callable, passes: int = 4):
     """The graph of the plan's steady state: ``build(windows) -> graph`` prices one iteration with
     ``windows`` planned (cumulative micro-ops launched by the end of each window; ``[]``: none). The graph's
     ``meta`` says the plan and how many passes found it (``plan_converged``: False where it kept changing)."""
-    from moelab.sim.engine import simulate
-
     windows: list = []
     for n in range(1, passes + 1):
         g = build(windows)

@@ -24,7 +24,9 @@ sequence on ``dp`` and ``expert_dp`` even if their autograd finished gradients i
 from __future__ import annotations
 
 from moelab.moe.sync import packed_expert_params, sync_replica_grads
+from moelab.registry import get
 from moelab.runtime.update import GRAD_SYNCS, OverlappedDataParallelUpdate, fill_missing_grads
+from moelab.strategies.lina.packing import PackingController
 from moelab.strategies.lina.priority import LowOp, PriorityScheduler
 
 
@@ -71,8 +73,6 @@ class LinaUpdate(OverlappedDataParallelUpdate):
     checkpoint_ready = True  # its state: the iteration and the packing controller's block
 
     def __init__(self, model, comm, cfg):
-        from moelab.registry import get
-
         self.opts = get("lina").bind(cfg)
         super().__init__(model, comm, cfg)
         o = self.opts
@@ -87,8 +87,6 @@ class LinaUpdate(OverlappedDataParallelUpdate):
         self.iteration = 0
         self.packing = None
         if o.pack_controller:
-            from moelab.strategies.lina.packing import PackingController
-
             self.packing = PackingController(o, model, comm)
         self._order_params()
         self.micro_ops: list = []  # this step's micro-ops ((param index, start, stop), ...), in submission order
@@ -235,8 +233,6 @@ class LinaUpdate(OverlappedDataParallelUpdate):
 
 def lina_update(model, comm, cfg):
     """The update of the run's ``policy``: the core's for the unscheduled ones, :class:`LinaUpdate` else."""
-    from moelab.registry import get
-
     opts = get("lina").bind(cfg)
     if not opts.scheduled:
         return GRAD_SYNCS[opts.policy](model, comm, cfg)

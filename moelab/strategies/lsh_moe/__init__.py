@@ -17,13 +17,12 @@ from __future__ import annotations
 import functools
 
 from moelab.registry import Strategy, register_strategy
+from moelab.strategies.lsh_moe.layer import LSHMoELayer
 from moelab.strategies.lsh_moe.options import LSHMoEOptionError, LSHMoEOptions
 from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: LSHMoEOptions):
-    from moelab.strategies.lsh_moe.layer import LSHMoELayer
-
     return functools.partial(LSHMoELayer, options=opts)
 
 

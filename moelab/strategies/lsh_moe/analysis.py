@@ -11,6 +11,8 @@ from typing import Sequence
 
 import pandas as pd
 
+from moelab.models.params import LSH_TABLE1_PARAMS_M, count_params, num_moe_layers, paper_model
+
 
 # ---- Eq. 7-9 ---------------------------------------------------------------------------------------
 def t_a2a(n: float, k: int, h: int, l: int, w: int, B_intra: float, B_inter: float) -> float:
@@ -105,8 +107,6 @@ def table1() -> pd.DataFrame:
     paper's columns (reference). RoBERTa-MoE's MoE column cannot match with the stated 6 alternate layers of
     d_ffn 3072 (spec §4), T5-MoE is encoder-decoder (moelab counts an encoder-only stand-in), Swin-MoE-L has
     no config in the paper: each is flagged, none is forced."""
-    from moelab.models.params import LSH_TABLE1_PARAMS_M, count_params, num_moe_layers, paper_model
-
     notes = {"RoBERTa-MoE": "paper's 302M fits 6 x 16 x 2·768·2048 or 4 x 16 x 2·768·3072, not the stated 6 alternate "
                             "layers of d_ffn 3072 (453M): known mismatch",
              "T5-MoE": "total: encoder-decoder in the paper, an encoder-only stand-in here (cross-attention and "

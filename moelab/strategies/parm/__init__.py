@@ -24,37 +24,29 @@ from __future__ import annotations
 import functools
 
 from moelab.registry import Strategy, register_strategy
-from moelab.strategies.parm.options import ParmOptionError, ParmOptions
+from moelab.strategies.parm.model import ParmMoELayer, data_shard, prepare_model
+from moelab.strategies.parm.options import ParmOptionError, ParmOptions, layout_of
+from moelab.strategies.parm.update import ParmUpdate
 from moelab.techniques import LAYER_STAGES, Technique
 
 
 def layer_factory(run_cfg, opts: ParmOptions):
-    from moelab.strategies.parm.model import ParmMoELayer
-
     return functools.partial(ParmMoELayer, options=opts, run_cfg=run_cfg)
 
 
 def declared_groups(run_cfg) -> dict:
-    from moelab.strategies.parm.options import layout_of
-
     return layout_of(run_cfg, ParmOptions.from_dict(run_cfg.parallel.strategy_options)).groups()
 
 
 def _update():
-    from moelab.strategies.parm.update import ParmUpdate
-
     return ParmUpdate
 
 
 def _shard(run_cfg, rank, world):
-    from moelab.strategies.parm.model import data_shard
-
     return data_shard(run_cfg, rank, world)
 
 
 def _prepare(run_cfg, model, comm):
-    from moelab.strategies.parm.model import prepare_model
-
     prepare_model(run_cfg, model, comm)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from moelab.sim.profiles import get_profile
 from moelab.strategies.parm.layout import ParmLayout
 from moelab.strategies.parm.plan import Shape, sizes
 
@@ -94,8 +95,6 @@ def fits_memory(c: Config, mem_GB: float, reserve_GiB: float = 1.5, **kw) -> boo
 
 def filtered(setting: str, reserve_GiB: float = 1.5, **kw) -> tuple:
     """(kept configurations, dropped configurations) of one setting (``kw``: :func:`configs`'s)."""
-    from moelab.sim.profiles import get_profile
-
     mem = get_profile(SETTINGS[setting][0]).mem_GB
     keep, drop = [], []
     for c in configs(setting, **kw):

@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 
 from moelab.models.tensor_parallel import shard_dense
+from moelab.runtime.checkpoint import CheckpointError
 from moelab.strategies.parm import gating
 from moelab.strategies.parm.layer import ParmMoE
 from moelab.strategies.parm.layout import DENSE_DP, MP
 from moelab.strategies.parm.options import ParmOptions, layout_of
+from moelab.strategies.parm.select import choose
 
 __all__ = ["ParmMoELayer", "layout_of", "data_shard", "prepare_model", "DENSE_DP"]
 
@@ -56,8 +58,6 @@ class ParmMoELayer(ParmMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.auto and not self.choice:
-            from moelab.strategies.parm.select import choose
-
             self.choice = choose(self, x.reshape(-1, shape[-1]).shape[0])
             self.schedule = self.choice["schedule"]
         y = super().forward(x.reshape(-1, shape[-1]))
@@ -70,8 +70,6 @@ class ParmMoELayer(ParmMoE):
         :func:`moelab.runtime.checkpoint.init_from_checkpoint`): the gate's weight, and per local expert the
         ESP slice of w1's columns and of w2's rows. Parm's experts carry no b1, so a checkpoint with
         expert biases is refused rather than half loaded."""
-        from moelab.runtime.checkpoint import CheckpointError
-
         w = own.get("gate.wg.weight")
         if w is None or w.shape != self.wg.shape:
             raise CheckpointError(f"parm's gate is {tuple(self.wg.shape)}; the checkpoint's layer has "

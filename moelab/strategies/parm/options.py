@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from moelab.config import ConfigError
 from moelab.registry import StrategyOptions
+from moelab.runtime.train import topology_for
 from moelab.strategies.parm.gating import DISPATCHERS
 from moelab.strategies.parm.layout import SAA_MODES, ParmLayout
 
@@ -80,8 +81,6 @@ class ParmOptions(StrategyOptions):
 
 def layout_of(run_cfg, opts: ParmOptions) -> ParmLayout:
     """The rank layout of this run under ``opts`` (its process groups and what it cannot hold)."""
-    from moelab.runtime.train import topology_for
-
     P = run_cfg.parallel.nproc
     return ParmLayout(P, opts.mp, opts.esp, run_cfg.model.moe.num_experts, topology_for(run_cfg, P).ranks_per_node,
                       opts.allow_cross_node)

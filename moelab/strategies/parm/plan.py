@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moelab.comm.bytes import peer_bytes
 from moelab.strategies.parm import gating
 from moelab.strategies.parm.layer import baseline_form
 from moelab.strategies.parm.layout import EP, EPESP, ESP, MP, SAA, ParmLayout, saa_combine
@@ -162,8 +163,6 @@ def steps(layout: ParmLayout, shape: Shape, schedule: str, variant: str = "fig3a
 
 def rank_calls(layout: ParmLayout, rank: int, plan: list) -> list:
     """``[(op, group, phase, bytes sent to each rank)]`` the door records on ``rank`` for ``plan``."""
-    from moelab.comm.bytes import peer_bytes
-
     groups = layout.groups()
     out = []
     for s in plan:

@@ -9,6 +9,7 @@ the predicted tD1, tD2 go into the layer's plan record (``plans.jsonl``).
 from __future__ import annotations
 
 from moelab.strategies.parm.fits import measure_fits
+from moelab.strategies.parm.perf_model import ParmShape, from_dicts, select
 
 NEEDED = ("AG_MP", "A2A_EPESP", "SAA")
 
@@ -24,8 +25,6 @@ def live_fits(comm, layout, **kw) -> dict:
 
 def choose(layer, n_tokens: int, **kw) -> dict:
     """``{schedule, tD1_s, tD2_s, fits}`` for ``layer`` gating ``n_tokens`` tokens per MP group."""
-    from moelab.strategies.parm.perf_model import ParmShape, from_dicts, select
-
     L = layer.layout
     if L.n_mp == 1:
         return {"schedule": "s1", "why": "N_MP = 1: S1 and S2 are one schedule"}

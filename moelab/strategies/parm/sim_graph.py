@@ -23,11 +23,16 @@ from typing import Optional
 import numpy as np
 
 from moelab.comm import costs
-from moelab.comm.costs import fit_alpha_beta
+from moelab.comm.costs import alltoall_demands, fit_alpha_beta
+from moelab.comm.saa import forward_phases, sub_groups
 from moelab.comm.topology import Topology
+from moelab.models.tensor_parallel import sharded_param_count
 from moelab.sim.engine import simulate
-from moelab.sim.graphs import new_graph
-from moelab.strategies.parm.layout import MP, ParmLayout
+from moelab.sim.graphs import dense_param_count, moe_layer_ids, new_graph
+from moelab.strategies.parm.fits import COLLECTIVES
+from moelab.strategies.parm.layout import DENSE_DP, EPESP, MP, ParmLayout
+from moelab.strategies.parm.options import ParmOptions, layout_of
+from moelab.strategies.parm.perf_model import ParmShape, select
 from moelab.strategies.parm.plan import Shape, Step, steps
 
 
@@ -49,9 +54,6 @@ def _saa_kernel(g, name: str, group: list, topo: Topology, profile, args: dict, 
     class latency (all-to-all: the group's class, gather: the MP sub-group's), or, with ``round_s``, the call pays
     one class latency (what an all-to-all call pays: the host call) and each round ``round_s`` seconds (a round's
     device-side latency); concurrent rounds share links. Returns the op that ends the call."""
-    from moelab.comm.costs import alltoall_demands
-    from moelab.comm.saa import forward_phases, sub_groups
-
     P, nb, c = len(group), int(args["nbytes"]), int(args.get("combine", 1))
     idx = {r: i for i, r in enumerate(group)}
     subs = sub_groups(args["sub"])
@@ -158,10 +160,6 @@ def model_steps(layout: ParmLayout, shape: Shape, *, n_layers: int, seq_len: int
     the gates left out), then each MoE layer's gate gradient over the world."""
     from types import SimpleNamespace
 
-    from moelab.models.tensor_parallel import sharded_param_count
-    from moelab.sim.graphs import dense_param_count, moe_layer_ids
-    from moelab.strategies.parm.layout import DENSE_DP, EPESP
-
     L, S, M, b = layout, shape.S, shape.M, shape.elem_bytes
     attn_f = costs.attention_flops(S, M, seq_len) / L.n_mp
     ffn_f = costs.ffn_flops(S, M, d_ff) / L.n_mp
@@ -216,8 +214,6 @@ def sim_curve(profile, layout, name: str, xs, saa_phase_alpha: float = 1.0, saa_
               saa_round_s: Optional[float] = None) -> list:
     """Seconds the simulator gives one collective of ``name`` alone at paper-``x`` elements on ``layout``
     (``saa_phase_alpha``: :func:`_saa_alpha`; ``saa_streams``: :func:`_build`)."""
-    from moelab.strategies.parm.fits import COLLECTIVES
-
     topo = Topology(layout.world, layout.ranks_per_node)
     op, group = COLLECTIVES[name]
     groups = layout.groups()
@@ -266,8 +262,6 @@ def parm_iteration_graph(cfg, profile, loads=None, placement=None, *, schedule: 
     ``profile`` (:func:`parm_model_graph`; loads do not matter: the buffers are capacity-padded).
     ``auto`` resolves with Alg. 1 on alpha-beta lines fitted to the profile's own collective curves.
     The update's all-reduces are :func:`model_steps`'."""
-    from moelab.strategies.parm.options import ParmOptions, layout_of
-
     opts = ParmOptions.from_dict(cfg.parallel.strategy_options)
     lay = layout_of(cfg, opts)
     m, moe = cfg.model, cfg.model.moe
@@ -275,8 +269,6 @@ def parm_iteration_graph(cfg, profile, loads=None, placement=None, *, schedule: 
                   elem_bytes=8 if cfg.train.dtype == "float64" else 4, dispatcher=opts.dispatcher)
     sched = schedule or opts.schedule
     if sched == "auto":
-        from moelab.strategies.parm.perf_model import ParmShape, select
-
         sched = select(ParmShape(cfg.train.batch_size, m.seq_len, m.d_model, moe.num_experts, moe.top_k,
                                  moe.capacity_factor, lay.n_mp, lay.n_esp), model_fits(profile, lay))[0]
     return parm_model_graph(profile, lay, shape, meta={"schedule": sched}, n_layers=m.n_layers, seq_len=m.seq_len,

@@ -13,14 +13,13 @@ from __future__ import annotations
 import functools
 
 from moelab.registry import Strategy, register_strategy
+from moelab.strategies.smartmoe.layer import SmartMoELayer
 from moelab.strategies.smartmoe.options import SmartMoEOptionError, SmartMoEOptions
 from moelab.strategies.smartmoe.update import SmartMoEUpdate
 from moelab.techniques import Technique
 
 
 def layer_factory(run_cfg, opts: SmartMoEOptions):
-    from moelab.strategies.smartmoe.layer import SmartMoELayer
-
     return functools.partial(SmartMoELayer, options=opts)
 
 

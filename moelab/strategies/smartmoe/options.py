@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from moelab.config import ConfigError
 from moelab.placement.rebalance import DECISIONS
 from moelab.registry import StrategyOptions
+from moelab.sim.profiles import ALIASES, PROFILES
 
 
 class SmartMoEOptionError(ConfigError):
@@ -32,8 +33,6 @@ class SmartMoEOptions(StrategyOptions):
     cost_profile: str = "hecate_A"
 
     def value_errors(self) -> list:
-        from moelab.sim.profiles import ALIASES, PROFILES
-
         errs = [f"{n} must be >= 1, got {getattr(self, n)}" for n in ("interval", "window") if getattr(self, n) < 1]
         if self.cost_profile not in PROFILES and self.cost_profile not in ALIASES:
             errs.append(f"cost_profile must be a cluster profile of moelab.sim.profiles, got {self.cost_profile!r}")

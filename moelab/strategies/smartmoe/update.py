@@ -11,6 +11,7 @@ import numpy as np
 from moelab.moe.migrate import migrate_owners, owners_of
 from moelab.placement.rebalance import smartmoe_round
 from moelab.runtime.update import DataParallelUpdate
+from moelab.sim.placement_cost import cost_for_run
 
 from .options import SmartMoEOptions
 
@@ -30,8 +31,6 @@ class SmartMoEUpdate(DataParallelUpdate):
     def cost(self):
         """The §2.9 model on ``cost_profile`` with this run's experts (built once)."""
         if self._cost is None:
-            from moelab.sim.placement_cost import cost_for_run
-
             self._cost = cost_for_run(self.cfg, self.options.cost_profile, self.comm.topo.ranks_per_node)
         return self._cost
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 from moelab.registry import Strategy, register_strategy
+from moelab.strategies.zero.layer import ZeroMoELayer
 from moelab.strategies.zero.options import ZeroOptionError, ZeroOptions
 from moelab.strategies.zero.update import ZeroUpdate
 from moelab.techniques import Technique
@@ -23,8 +24,6 @@ from moelab.techniques import Technique
 
 def layer_factory(run_cfg, opts: ZeroOptions):
     """The layer class of a run: ZeroMoELayer with the run's (already checked) options bound."""
-    from moelab.strategies.zero.layer import ZeroMoELayer
-
     return functools.partial(ZeroMoELayer, options=opts)
 
 
