@@ -71,7 +71,7 @@ def view_arrays(ev: dict, colour: str = "tokens", view: View = "ranks") -> dict:
     ranks = node_ranks(ev, int(view))
     sl = slice(ranks[0], ranks[-1] + 1)
     return dict(z=z[:, sl], text=text[:, sl], x=ranks, xtitle=f"rank (node {int(view)})", bounds=[],
-                headline=(f"Node {int(view)}: {E} experts x ranks {ranks[0]}-{ranks[-1]}, "
+                headline=(f"Placement: node {int(view)}, {E} experts x ranks {ranks[0]}-{ranks[-1]}, "
                           f"{pl.num_replicas} replica(s) in the cluster (click a cell)"))
 
 

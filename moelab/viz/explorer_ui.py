@@ -40,6 +40,7 @@ from moelab.viz.explorer import (
     world_of,
 )
 from moelab.viz.explorer_figures import GRID_COLOURS
+from moelab.viz.explorer_fit import fit_widget, responsive
 from moelab.viz.explorer_nodes import view_arrays, view_figure
 from moelab.viz.explorer_policies import POLICIES, decide
 
@@ -113,9 +114,11 @@ class ExplorerUI:
         self.load_out, self.bytes_out = w.Output(layout=half), w.Output(layout=half)
         self.grid = None  # the FigureWidget, built on the first refresh (needs anywidget)
         self._grid_key = None  # (shape, label, GPUs per node) it was built for
-        self.grid_box = w.Box(layout=full)
+        # a VBox: its children stretch to its width (in a Box, a flex row, the FigureWidget would size to its
+        # content, and plotly.js then autosizes to that: its 700 px default)
+        self.grid_box = w.VBox(layout=full)
         self.live: dict = {}  # key -> FigureWidget of the figures updated in place (memory, A vs B)
-        self.memory_box = w.Box(layout=half)
+        self.memory_box = w.VBox(layout=half)
         self.ab_out = w.Output(layout=half)  # shown when a placement is pinned (a FigureWidget added later
         # into a box does not size to it: plotly measures it before it is attached, and falls back to 700 px)
         self.experts_box = w.VBox()
@@ -141,6 +144,7 @@ class ExplorerUI:
         self.pin.on_click(lambda _: self.on_pin())
         self.unpin.on_click(lambda _: self.on_unpin())
         self.run_panel = RunPanel(self, export_path, runs_root)
+        self.fit = fit_widget()  # plotly's FigureWidgets sized to the notebook's width (moelab.viz.explorer_fit)
         wrap = w.Layout(flex_flow="row wrap")
         self.widget = w.VBox([
             w.HBox([self.profile, self.nodes, self.gpus, self.trace, self.seed], layout=wrap),
@@ -150,7 +154,7 @@ class ExplorerUI:
             self.summary, self.grid_box, w.HBox([self.load_out, self.bytes_out], layout=full),
             w.HBox([self.pin, self.unpin], layout=wrap), self.ab, w.HBox([self.memory_box, self.ab_out], layout=full),
             w.HTML("<b>from drawing to run</b>: export a run config, or run it on this machine's ranks"),
-            self.run_panel.widget, self.experts_box], layout=full)
+            self.run_panel.widget, self.experts_box, *([self.fit] if self.fit is not None else [])], layout=full)
         self._sync_controls(rebuild=True)
         self.refresh()
 
@@ -336,7 +340,7 @@ class ExplorerUI:
                     self.grid.update(layout=fig.layout.to_plotly_json(), overwrite=True)
             else:
                 try:
-                    self.grid = go.FigureWidget(fig)
+                    self.grid = responsive(go.FigureWidget(fig))
                 except ImportError:  # plotly's widget needs anywidget: the list and the text edit still work
                     self.grid = None
                     return
@@ -344,6 +348,8 @@ class ExplorerUI:
                 self.grid_box.children = (self.grid,)
             self._grid_key = key
             self.figures["grid"] = self.grid
+            if self.fit is not None:  # the rebuilt grid sized to the notebook's width again
+                self.fit.tick += 1
             return
         rest = str(self.grid.layout.title.text).split("<br>", 1)[1:]
         with self.grid.batch_update():
@@ -366,11 +372,13 @@ class ExplorerUI:
                 fw.layout.annotations = fig.layout.annotations
             return
         try:
-            fw = go.FigureWidget(fig)
+            fw = responsive(go.FigureWidget(fig))
         except ImportError:  # no anywidget: the figure is still in self.figures
             return
         self.live[key] = fw
         box.children = (fw,)
+        if getattr(self, "fit", None) is not None:
+            self.fit.tick += 1
 
     def _clicked(self, trace, points, selector):
         for x, y in zip(points.xs, points.ys):

@@ -98,6 +98,7 @@ def _reset(page):
     before = _summary(page).inner_text()
     _widget(page).get_by_role("button", name="reset to EP").click()
     wait_for(lambda: _summary(page).inner_text() != before or "0 replica(s)" in before, 30, "the reset")
+    wait_for(lambda: " 0 replica(s)" in _summary(page).inner_text(), 30, "expert parallelism after the reset")
 
 
 @pytest.mark.timeout(500)
@@ -107,6 +108,8 @@ def test_a_grid_click_changes_the_numbers_to_what_the_explorer_computes(nb, page
     summary = _summary(page)
     assert f"layer time {X.evaluate(state)['layer_time_s'] * 1e3:.2f} ms" in summary.inner_text()
     assert _grid_z(page, 0, 0)[:2] == [E, 16]
+    _, width, widget_width, _ = _grid_view(page)
+    assert widget_width - 40 <= width <= widget_width, (width, widget_width)  # the grid fills the notebook's width
     hot = X.hottest_expert(state)
     topo = X.profile_of(state).topology()
     owner = X.placement_of(state).owner(hot)
@@ -154,9 +157,12 @@ def test_a_vs_b(nb, page, state):
     delta = X.ab_table(a, b).loc["layer time (ms)", "B - A"]
     wait_for(lambda: f"{delta:.3f}" in w.locator(".widget-html").filter(has_text="A (pinned)").first.inner_text(),
              30, f"B - A = {delta:.3f} ms in the table")
-    titles = page.evaluate("""() => Array.from(document.querySelectorAll('.js-plotly-plot'))
-        .map(g => g.layout && g.layout.title ? String(g.layout.title.text) : '')""")
-    assert any(t.startswith("A vs B: layer time") and f"{delta:+.2f} ms" in t for t in titles)
+    def titles():  # the A vs B figure is displayed in its Output area after the table is updated
+        return page.evaluate("""() => Array.from(document.querySelectorAll('.js-plotly-plot'))
+            .map(g => g.layout && g.layout.title ? String(g.layout.title.text) : '')""")
+
+    wait_for(lambda: any(t.startswith("A vs B: layer time") and f"{delta:+.2f} ms" in t for t in titles()), 30,
+             "the A vs B figure")
     screenshot(page, "explorer_a_vs_b")
     w.get_by_role("button", name="clear A").click()
 
@@ -239,3 +245,65 @@ def test_redraw_at_256_experts_x_64_ranks(nb, page):
     screenshot(page, "explorer_256x64")
     print("\nredraw after a click (browser, click to summary and grid updated): "
           + ", ".join(f"{k}: {v:.2f} s" for k, v in TIMES.items()))
+
+
+def _grid_view(page):
+    """The grid's columns (its x values), its width and the widget's: the grid fills the notebook's width."""
+    return page.evaluate("""(root) => {
+        const gd = Array.from(document.querySelectorAll('.js-plotly-plot'))
+            .find(g => g.layout && g.layout.title && String(g.layout.title.text).includes('Placement:'));
+        if (!gd) return null;
+        return [Array.from(gd.data[0].x), gd._fullLayout.width, root.getBoundingClientRect().width,
+                String(gd.layout.title.text)];
+    }""", _widget(page).element_handle())
+
+
+@pytest.mark.timeout(400)
+def test_node_view_and_a_drill_down_at_256_experts_x_64_ranks(nb, page):
+    from moelab.viz import explorer as X
+    from moelab.viz.explorer_nodes import expert_node_tokens
+
+    w = _widget(page)
+    # hecate_B (A100-40GB) at 8 nodes: DeepSeek-V3's shape fits its memory as expert parallelism (on johnny's
+    # 16 GB the hot rank's activations do not, and "reset to EP" is refused)
+    w.get_by_role("combobox", name="profile").select_option("hecate_B")
+    wait_for(lambda: "hecate_B (4 x 8)" in _summary(page).inner_text(), 60, "hecate_B")
+    box = w.get_by_role("spinbutton", name="nodes")
+    box.fill("8")
+    box.press("Enter")
+    wait_for(lambda: "hecate_B (8 x 8)" in _summary(page).inner_text(), 60, "64 ranks")
+    w.get_by_role("combobox", name="loads").select_option("preset:deepseek_v3")
+    wait_for(lambda: (_grid_z(page, 0, 0) or [0])[0] == 256, 120, "a 256 x 64 grid")
+    wait_for(lambda: " 0 replica(s)" in _summary(page).inner_text(), 30, "expert parallelism")
+    s = X.with_preset(X.ExplorerState(profile="hecate_B", nodes=8, num_experts=E, tokens_per_rank=2048),
+                      "deepseek_v3")
+    ev = X.evaluate(s)
+    hot = X.hottest_expert(s)
+    owner = X.placement_of(s).owner(hot)
+    t = time.monotonic()
+    w.get_by_role("button", name="nodes", exact=True).click()
+    wait_for(lambda: (_grid_z(page, 0, 0) or [0, 0])[1] == 8, 60, "the experts x nodes grid")
+    TIMES["to the node view at 256 x 64"] = time.monotonic() - t
+    x, width, widget_width, title = _grid_view(page)
+    assert x == list(range(8)) and "8 nodes" in title
+    assert widget_width - 40 <= width <= widget_width, (width, widget_width)  # not plotly's 700 px default
+    node = owner // 8
+    assert _grid_z(page, hot, node)[2] == expert_node_tokens(ev["placement"], ev["loads"], 8)[hot, node]
+    screenshot(page, "explorer_nodes")
+    t = time.monotonic()
+    _click_cell(page, hot, node)  # a click on the owner's node: its ranks
+    wait_for(lambda: (_grid_view(page) or [[]])[0] == list(range(8 * node, 8 * node + 8)), 60, "the node's ranks")
+    TIMES["drill into a node at 256 x 64"] = time.monotonic() - t
+    x, width, widget_width, title = _grid_view(page)
+    assert f"node {node}" in title and widget_width - 40 <= width <= widget_width
+    far = next(r for r in range(8 * node, 8 * node + 8) if r != owner)
+    want = X.evaluate(X.toggle_replica(s, hot, far))
+    expected = f"layer time {want['layer_time_s'] * 1e3:.2f} ms"
+    _click_cell(page, hot, far)  # in the drill-down a click toggles a holder on that (global) rank
+    wait_for(lambda: expected in _summary(page).inner_text(), 60, f"the summary to show {expected!r}")
+    wait_for(lambda: _grid_z(page, hot, far - 8 * node)[2] is not None, 60, "the node's grid to redraw")
+    assert _grid_z(page, hot, far - 8 * node)[2] == X.expert_rank_tokens(want["placement"], want["loads"])[hot, far]
+    screenshot(page, "explorer_node_drill_down")
+    w.get_by_role("button", name="all nodes").click()
+    wait_for(lambda: (_grid_view(page) or [[]])[0] == list(range(8)), 60, "back to all nodes")
+    print("\nnode view (browser): " + ", ".join(f"{k}: {v:.2f} s" for k, v in TIMES.items()))
