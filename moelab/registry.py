@@ -37,6 +37,10 @@ A strategy is everything a system changes, as data the core reads:
   like ``options`` and handed to ``serve`` bound (:meth:`Strategy.bind_serve`; None without them). None: the
   strategy does not serve.
 
+- ``placement_policies``: ``((name, "module:function"), ...)``, the strategy's placement decisions as pure functions
+  of a :class:`moelab.placement.query.PolicyQuery` (one layer's loads and the cluster), which the placement explorer
+  offers as starting points without naming any system.
+
 ``ep`` (the baseline itself) is registered here. Built-in strategies are the subpackages of
 :mod:`moelab.strategies`, each registering the strategy of its own name; one is imported by name on first
 use, so the validator and the launcher can ask :func:`known_strategies` before any process starts without
@@ -187,6 +191,9 @@ class Strategy:
     # is their composition (moelab.strategies.compose, built on first use)
     techniques: tuple = ()
     sim_refused: str = ""  # why the simulator cannot price this strategy (SIMULATED refused); "" : it can
+    # ((button name, "module:function"), ...): the placement policies the explorer offers as starting points,
+    # each fn(moelab.placement.query.PolicyQuery) -> holders | (holders, note)
+    placement_policies: tuple = ()
     doc: str = ""
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 

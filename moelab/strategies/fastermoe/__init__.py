@@ -39,6 +39,7 @@ STRATEGY = register_strategy(Strategy(
     conformance=({}, {"shadow_force": [0, 3]}, {"shadow": True, "shadow_net_bw": 1e3}, {"smart": True, "group_size": 1},
                  {"smart": True, "group_size": 1, "shadow_force": [1]}, {"topo_gate": True}),
     changes_model=("topo_gate",),
+    placement_policies=(("FasterMoE shadowing", "moelab.strategies.fastermoe.explore:shadowing"),),
     doc="FasterMoE: dynamic shadowing, smart schedule, topology-aware gate (FastMoE without options)"))
 
 __all__ = ["STRATEGY", "layer_factory", "FasterMoEOptions", "FasterMoEOptionError"]

@@ -32,6 +32,7 @@ STRATEGY = register_strategy(Strategy(
     sim_graph="moelab.strategies.flexmoe.sim_graph:flexmoe_iteration_graph",
     sim_plan="moelab.strategies.flexmoe.sim_graph:flexmoe_sim_plan",
     conformance=({}, {"interval": 1, "threshold": 1.01, "r": 1, "migration_cost_s": 0.0}),
+    placement_policies=(("FlexMoE", "moelab.strategies.flexmoe.explore:scheduling_round"),),
     doc="FlexMoE: replicas with their own Adam state (E/N + r slots), ring all-reduce per replica set, "
         "Expand/Shrink/Migrate"))
 

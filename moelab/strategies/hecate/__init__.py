@@ -46,6 +46,8 @@ STRATEGY = register_strategy(Strategy(
     sim_plan="moelab.strategies.hecate.sim_graph:hecate_sim_plan",
     conformance=({"t": 1}, {"t": 2, "m": 1, "calibration": False}, {"t": 1, "replicate_force": [0, 1, 2, 3]},
                  {"t": 2, "m": 2, "spag_backend": "p2p"}, {"t": 1, "rm": True}),
+    placement_policies=(("Hecate Alg. 1", "moelab.strategies.hecate.explore:alg1"),
+                        ("Hecate Alg. 2", "moelab.strategies.hecate.explore:alg2")),
     doc="Hecate / FSSDP: sparse materialization (Alg. 1), heterogeneous sharding (Alg. 2), spAG/spRS, RM"))
 
 __all__ = ["STRATEGY", "layer_factory", "HecateOptions", "HecateOptionError"]

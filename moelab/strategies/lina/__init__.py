@@ -61,6 +61,7 @@ STRATEGY = register_strategy(Strategy(
     sim_graph="moelab.strategies.lina.sim_graph:lina_iteration_graph",
     serve="moelab.strategies.lina.server:build", serve_options=LinaServeOptions,
     conformance=tuple({"policy": p} for p in ("ddp_overlap", "priority", "lina")),
+    placement_policies=(("Lina popularity", "moelab.strategies.lina.explore:popularity"),),
     doc="Lina: all-to-all before all-reduce (priority scheduler, partitioned gradient micro-ops)"))
 
 __all__ = ["STRATEGY", "layer_factory", "LinaOptions", "LinaServeOptions", "LinaOptionError", "POLICIES"]

@@ -31,6 +31,7 @@ STRATEGY = register_strategy(Strategy(
     sim_graph="moelab.strategies.smartmoe.sim_graph:smartmoe_iteration_graph",
     sim_plan="moelab.strategies.smartmoe.sim_graph:smartmoe_sim_plan",
     conformance=({}, {"interval": 1, "decision": "never"}, {"interval": 1, "decision": "always"}),
+    placement_policies=(("SmartMoE", "moelab.strategies.smartmoe.explore:lpt"),),
     doc="SmartMoE: LPT re-placement every K iterations when the modeled gain exceeds the migration"))
 
 __all__ = ["STRATEGY", "layer_factory", "SmartMoEOptions", "SmartMoEOptionError", "SmartMoEUpdate"]
