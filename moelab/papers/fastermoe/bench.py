@@ -18,14 +18,15 @@ import time
 
 import torch
 
+from moelab.comm.door import Communicator
+from moelab.comm.topology import Topology
+from moelab.config import EmulationConfig, MoEConfig
+from moelab.runtime.ranks import run_ranks
+from moelab.strategies.fastermoe.layer import FasterMoELayer
+
 
 def _bench_rank(rank, world, a, variants):
     import torch.distributed as dist
-
-    from moelab.comm.door import Communicator
-    from moelab.comm.topology import Topology
-    from moelab.config import EmulationConfig, MoEConfig
-    from moelab.strategies.fastermoe.layer import FasterMoELayer
 
     torch.set_num_threads(1)
     emu = EmulationConfig(enabled=True, intra_bw_GBps=a["bw"], inter_bw_GBps=a["bw"], intra_latency_us=a["lat"],
@@ -62,8 +63,6 @@ def _bench_rank(rank, world, a, variants):
 def run(nproc=4, tokens=1024, d=256, f=512, experts=None, k=2, hot=0, hot_strength=0.05, iters=10, warmup=3,
         emulate=False, bw=0.5, lat=50.0, group_sizes=(1, 2), timeout=600, variants=None):
     """Returns ``{variant: median seconds}`` and the raw per-iteration times."""
-    from moelab.runtime.ranks import run_ranks
-
     experts = experts or nproc
     if variants is None:
         variants = {"fastmoe": {}, f"shadow[{hot}]": {"shadow_force": [hot]}}

@@ -13,6 +13,8 @@ import numpy as np
 import pandas as pd
 
 from moelab.papers.kit.assumptions import Assumptions, load_assumptions
+from moelab.papers.kit.scales import load_scale
+from moelab.sim import get_profile
 from moelab.strategies.fastermoe import perf_model as pm
 
 SCALES = ("smoke", "default", "full")
@@ -63,8 +65,6 @@ class ScaleSpec:
 def scale_spec(scale) -> ScaleSpec:
     """The :class:`ScaleSpec` of ``scale`` (a name in ``experiments/fastermoe/scales.yaml``, or a ScaleSpec
     passed through)."""
-    from moelab.papers.kit.scales import load_scale
-
     return load_scale("fastermoe", ScaleSpec, scale)
 
 
@@ -167,8 +167,6 @@ def cluster_preset(name: str) -> pm.Cluster:
 def sim_profile(name: str, overrides: tuple = ()):
     """The simulator profile of a paper cluster with the assumptions file's values applied (P as
     ``achieved_flops``; trevor's NIC bandwidth)."""
-    from moelab.sim import get_profile
-
     prof = get_profile({"johnny": "fastermoe_johnny", "trevor": "fastermoe_trevor"}.get(name, name))
     A = assumptions(overrides)
     src = "experiments/fastermoe/assumptions.yaml: "

@@ -9,8 +9,15 @@ import numpy as np
 import pandas as pd
 import torch
 
+from moelab import config as mc
+from moelab.config import RunConfig
+from moelab.models.params import paper_model
 from moelab.papers.kit.cache import cached
 from moelab.papers.kit.traces import rescale_counts
+from moelab.runtime.ranks import run_ranks
+from moelab.runtime.train import Trainer
+from moelab.sim import simulate_iteration
+from moelab.sim.graphs import config_for_profile
 
 from .common import ScaleSpec, assumptions, scale_spec, sim_profile
 
@@ -27,8 +34,6 @@ def _conv_tokens(sp: ScaleSpec) -> int:
 
 def base_gate_available() -> bool:
     """True once moelab has a BASE Layers gate (``model.moe.gate: base``)."""
-    from moelab import config as mc
-
     return "base" in getattr(mc, "GATES", ())
 
 
@@ -55,8 +60,6 @@ def convergence_systems(sp: ScaleSpec) -> dict:
 
 
 def _conv_config(sp: ScaleSpec, overrides: dict):
-    from moelab.config import RunConfig
-
     base = {"model.d_model": sp.conv_d, "model.d_ff": 2 * sp.conv_d, "model.n_layers": sp.conv_layers,
             "model.n_heads": 2, "model.seq_len": sp.conv_seq, "model.moe.num_experts": 16, "model.moe.top_k": 2,
             "model.moe.gate": "topk", "model.moe.balance_loss_coef": 0.0, "train.batch_size": sp.conv_batch,
@@ -69,9 +72,6 @@ def _conv_config(sp: ScaleSpec, overrides: dict):
 
 
 def _conv_rank(rank, world, cfg_dicts):
-    from moelab.config import RunConfig
-    from moelab.runtime.train import Trainer
-
     torch.set_num_threads(1)
     out = []
     for d in cfg_dicts:
@@ -96,8 +96,6 @@ def convergence_suite(scale) -> dict:
     """REAL training of a tiny MoE-GPT (16 experts, top-2, pydocs bytes) on ``conv_nproc`` gloo ranks
     declared as 2 nodes with EMULATED links, once per system of :func:`convergence_systems`, same seed
     and data. Returns per system: losses, measured step times, routing loads ``[steps, L, N, E]``."""
-    from moelab.runtime.ranks import run_ranks
-
     sp = scale_spec(scale)
     systems = convergence_systems(sp)
     cfgs = {n: _conv_config(sp, ov) for n, ov in systems.items()}
@@ -119,10 +117,6 @@ def convergence_suite(scale) -> dict:
 
 
 def _paper_gpt_config(strategy_options: Optional[dict]):
-    from moelab.config import RunConfig
-    from moelab.models.params import paper_model
-    from moelab.sim.graphs import config_for_profile
-
     m = paper_model("MoE-GPT")
     cfg = RunConfig(model=m)
     ov = {"train.batch_size": 1, "train.dtype": "float32", "train.trace": False}
@@ -136,8 +130,6 @@ def paper_iteration_time(loads_run, tokens_run: int, fastermoe: bool) -> float:
     fed with a tiny run's routing ``[L_r, N_r, 16]``, rescaled node-preservingly to 16 workers
     (:func:`rescale_counts`; paper layer i replays run layer ``i % L_r``). FastMoE-style EP when
     ``fastermoe`` is False, else FasterMoE (shadowing + smart schedule, Gs = 2)."""
-    from moelab.sim import simulate_iteration
-
     cfg = _paper_gpt_config(dict(FASTERMOE_OPTS) if fastermoe else None)
     L = cfg.model.n_layers
     tokens = cfg.train.batch_size * cfg.model.seq_len

@@ -8,7 +8,14 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from moelab.comm import costs
+from moelab.config import RunConfig
 from moelab.papers.kit.cache import cached
+from moelab.registry import known_strategies
+from moelab.runtime.ranks import run_ranks
+from moelab.sim import get_graph, simulate
+from moelab.sim.graphs import config_for_profile
+from moelab.strategies.fastermoe.sim_graph import fastermoe_iteration_graph
 
 from .common import (
     PAPER_LAYER_MODELS,
@@ -41,9 +48,6 @@ def paper_variant_options(cluster: str, overrides: tuple = ()) -> dict:
 
 
 def _paper_layer_config(m: PaperLayerModel, layers: int, options: dict, overrides: tuple = ()):
-    from moelab.config import RunConfig
-    from moelab.sim.graphs import config_for_profile
-
     seq = 1024 if m.name.startswith("GPT") else 512
     cfg = RunConfig().with_overrides({
         "model.arch": "gpt", "model.vocab_size": 256, "model.d_model": m.h, "model.d_ff": m.h_ff,
@@ -83,9 +87,6 @@ def _paper_layer_sims_cached(scale, seed: int, clusters: tuple) -> pd.DataFrame:
 
 
 def _paper_layer_sims(scale, seed: int, overrides: tuple, clusters: tuple) -> pd.DataFrame:
-    from moelab.sim import simulate
-    from moelab.strategies.fastermoe.sim_graph import fastermoe_iteration_graph
-
     sp = scale_spec(scale)
     rows = []
     for m in paper_layer_models(overrides).values():
@@ -137,8 +138,6 @@ def zero_layer_time(stage: int, m: PaperLayerModel, overlap: Optional[float] = N
     the partitions in ``step()``, and the AE's DeepSpeed benchmark (``benchmarks/run_ds.py``) times
     ``model(x)`` and ``model.backward(loss)`` only. Stage 3 gathers inside forward and backward: unchanged."""
     import dataclasses
-
-    from moelab.comm import costs
 
     A = assumptions(overrides)
     overlap = A.value("zero_overlap") if overlap is None else overlap
@@ -200,9 +199,6 @@ def fig10_end_to_end(scale, seed: int = 0, overrides: tuple = (),
 def fig10_full_iteration(scale, seed: int = 0) -> pd.DataFrame:
     """Whole-iteration makespans (all layers, attention included) of EP, FasterMoE and ZeRO-1/2/3 from the
     simulator, when a ``"zero"`` simulator graph is registered (empty frame otherwise)."""
-    from moelab.sim import get_graph, simulate
-    from moelab.strategies.fastermoe.sim_graph import fastermoe_iteration_graph
-
     try:
         import moelab.strategies.zero  # noqa: F401  (registers the "zero" graph when it exists)
 
@@ -238,8 +234,6 @@ def fig10_full_iteration(scale, seed: int = 0) -> pd.DataFrame:
 
 def zero_available() -> bool:
     """True when moelab has the ZeRO baseline strategy (``parallel.strategy: zero``)."""
-    from moelab.registry import known_strategies
-
     return "zero" in known_strategies()
 
 
@@ -249,8 +243,6 @@ def fig10_real(scale) -> pd.DataFrame:
     ``zero`` strategy, when present): median step time (slowest rank) after one warm-up step, speedup
     over ZeRO-3. Whole iterations on a tiny model (attention, head and dense all-reduce included), so
     the ratios are not the paper's MoE-layer ratios."""
-    from moelab.runtime.ranks import run_ranks
-
     sp = scale_spec(scale)
     systems = {"FastMoE": {}, "FasterMoE": {"parallel.strategy": "fastermoe",
                                             "parallel.strategy_options": dict(FASTERMOE_OPTS)}}

@@ -6,9 +6,16 @@ import numpy as np
 import pandas as pd
 import torch
 
+from moelab.comm.door import Communicator
+from moelab.comm.topology import Topology
+from moelab.config import MoEConfig
 from moelab.papers.kit.cache import cached
 from moelab.papers.kit.traces import TraceGate, rescale_counts
+from moelab.runtime.ranks import run_ranks
+from moelab.runtime.timing import measure
+from moelab.sim.accuracy import parts_table
 from moelab.strategies.fastermoe import perf_model as pm
+from moelab.strategies.fastermoe.layer import FasterMoELayer
 
 from .common import ScaleSpec, scale_spec
 from .convergence import _conv_tokens, convergence_suite
@@ -18,12 +25,6 @@ from .traces import t2_counts
 
 # ==== Fig. 9: the performance model against measurements (CPU, N in {2, 4, 8}) ================================
 def _sweep_rank(rank, world, a):
-    from moelab.comm.door import Communicator
-    from moelab.comm.topology import Topology
-    from moelab.config import MoEConfig
-    from moelab.runtime.timing import measure
-    from moelab.strategies.fastermoe.layer import FasterMoELayer
-
     torch.set_num_threads(1)
     topo = Topology(world, max(world // 2, 1))
     comms = {"emulated": Communicator(topo, emulation=_emulation(a["intra"], a["inter"], a["lat"]))}
@@ -86,8 +87,6 @@ def parts_metrics(df: pd.DataFrame, sp: ScaleSpec) -> list:
     """R^2 and median |rel. error| per (mode, split, part) of the points frame, each part measured on
     the real runs (:func:`moelab.measure.validate.parts_table`: a part not measured gets a note, not a
     number; under ``MIN_R2_POINTS`` points ``r2_meaningful`` is False)."""
-    from moelab.sim.accuracy import parts_table
-
     ren = {"e2e_s": "real_s", "predicted_e2e_s": "sim_s", "compute_fw_s": "real_compute_s",
            "predicted_compute_fw_s": "sim_compute_s", "comm_s": "real_comm_s", "predicted_comm_s": "sim_comm_s"}
     f = df.rename(columns=ren)
@@ -112,8 +111,6 @@ def predictor_sweep(scale, seed: int = 0) -> pd.DataFrame:
     h in ``sweep_h`` (h_ff = 2h), traces T1/T2, EMULATED links (and plain loopback at default/full).
     One row per point and mode: measured e2e (forward + backward, slowest rank, median), forward expert
     compute (slowest rank) and all-to-all time (per call, the fastest rank, summed over the 4 calls)."""
-    from moelab.runtime.ranks import run_ranks
-
     sp = scale_spec(scale)
     rows = []
     for N in sp.sweep_nprocs:

@@ -9,8 +9,10 @@ import numpy as np
 import pandas as pd
 
 from moelab.papers.kit.traces import top2_counts
+from moelab.sim import simulate
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe import roofline as rl
+from moelab.strategies.fastermoe.sim_graph import fastermoe_iteration_graph
 
 from .common import PAPER_LAYER_MODELS, mark_assumptions, moe_layer_times, policy_constants, scale_spec, sim_profile
 from .end_to_end import _paper_layer_config, paper_variant_options
@@ -24,9 +26,6 @@ def fig11_shadowing(scale, seed: int = 0):
     over ``fig11_iters`` consecutive iterations from 5000, SUBSTITUTE T2 popularity: MoE-layer latency
     without optimisation and with shadowing (simulator), and the shadow set the policy picks each
     iteration. Returns ``(latency, shadow_map, summary)``."""
-    from moelab.sim import simulate
-    from moelab.strategies.fastermoe.sim_graph import fastermoe_iteration_graph
-
     sp = scale_spec(scale)
     m = PAPER_LAYER_MODELS["BERT-Deep"]
     iters = list(range(5000, 5000 + sp.fig11_iters))

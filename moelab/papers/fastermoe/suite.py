@@ -10,10 +10,21 @@ import numpy as np
 import pandas as pd
 import torch
 
+from moelab.comm.door import Communicator
+from moelab.comm.topology import Topology
+from moelab.config import EmulationConfig, MoEConfig, RunConfig
+from moelab.measure.validate import emulation_profile
+from moelab.models.traces import routing_trace
 from moelab.papers.kit.cache import cached
 from moelab.papers.kit.traces import TraceGate, rescale_counts
+from moelab.runtime.ranks import run_ranks
+from moelab.runtime.timing import barrier, gather_floats, measure
+from moelab.sim import simulate
+from moelab.sim.profiles import ClusterProfile
 from moelab.strategies.fastermoe import perf_model as pm
 from moelab.strategies.fastermoe import roofline as rl
+from moelab.strategies.fastermoe.layer import FasterMoELayer
+from moelab.strategies.fastermoe.sim_graph import fastermoe_iteration_graph
 
 from .common import moe_layer_times, scale_spec
 from .convergence import _conv_tokens, convergence_suite
@@ -21,8 +32,6 @@ from .traces import t2_counts
 
 
 def _emulation(intra, inter, lat):
-    from moelab.config import EmulationConfig
-
     return EmulationConfig(enabled=True, intra_bw_GBps=intra, inter_bw_GBps=inter, intra_latency_us=lat,
                            inter_latency_us=lat)
 
@@ -41,12 +50,6 @@ def _measure_flops(d: int, f: int, rows: int, reps: int = 5) -> float:
 
 def _layer_rank(rank, world, a):
     """One rank of :func:`run_layer_suite` (spawned by :func:`moelab.runtime.ranks.run_ranks`)."""
-    from moelab.comm.door import Communicator
-    from moelab.comm.topology import Topology
-    from moelab.config import MoEConfig
-    from moelab.runtime.timing import barrier, gather_floats, measure
-    from moelab.strategies.fastermoe.layer import FasterMoELayer
-
     torch.set_num_threads(1)
     topo = Topology(world, world // a["nodes"])
     emu = _emulation(a["intra"], a["inter"], a["lat"]) if a["emulate"] else None
@@ -127,8 +130,6 @@ def run_layer_suite(trace, variants: dict, *, nodes: int = 2, d: int = 128, f: O
     Iterations ``>= all_iters`` run only ``long_variants`` (Fig. 11's long replay).
     Returns ``{"times": frame, "timeline": frame, "P_eff": FLOP/s, "label": str, ...}``.
     """
-    from moelab.runtime.ranks import run_ranks
-
     trace = np.asarray(trace, dtype=np.int64)
     iters, N, E = trace.shape
     f = f or 2 * d
@@ -267,8 +268,6 @@ def suite_trace(scale, kind: str = "t2", seed: int = 0) -> np.ndarray:
     if kind == "t2":
         return t2_counts(list(range(5000, 5000 + n_it)), 1, N, E, sp.tokens, seed)[:, 0]
     if kind == "hot":
-        from moelab.models.traces import routing_trace
-
         return routing_trace("hot_expert", n_it, 1, N, E, sp.tokens, 2, seed, expert=3, share=0.4).numpy()[:, 0]
     if kind == "t1":
         loads = convergence_suite(scale)["loads"]["FastMoE (top-2)"]  # [steps, L, N_r, E]
@@ -356,12 +355,6 @@ def simulate_layer_variants(suite: dict, it: int, group_size: int = 2) -> dict:
     """SIMULATED seconds of one layer's forward + backward for each FasterMoE variant at iteration ``it``
     of a layer suite: ``moelab.sim`` on the suite's own network (``emulation_profile``: the emulated
     links), compute at the suite's measured per-rank FLOP/s, the shadow sets the real run used."""
-    from moelab.config import RunConfig
-    from moelab.measure.validate import emulation_profile
-    from moelab.sim import simulate
-    from moelab.sim.profiles import ClusterProfile
-    from moelab.strategies.fastermoe.sim_graph import fastermoe_iteration_graph
-
     N, E, d, f, nodes = suite["N"], suite["E"], suite["d"], suite["f"], suite["nodes"]
     C = suite["trace"][it]
     T = int(C[0].sum() // suite["k"])

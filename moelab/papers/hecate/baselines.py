@@ -41,7 +41,7 @@ def flexmoe_plans(trace, cost, *, r: int = 1, interval: int = 10, threshold: flo
 def smartmoe_plans(trace, cost, ranks_per_node: int):
     """SmartMoE's replay from its strategy package, or None while the strategy is not in this checkout."""
     try:
-        from moelab.strategies.smartmoe.sim_graph import smartmoe_replay
+        from moelab.strategies.smartmoe.sim_graph import smartmoe_replay  # here: guarded, the strategy may be absent
     except ImportError:
         return None
     return smartmoe_replay(trace, K=25, window=5, cost=cost, N=trace.shape[2], decision="cost")

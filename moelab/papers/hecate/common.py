@@ -11,8 +11,11 @@ from typing import Optional
 
 import pandas as pd
 
+from moelab.models.params import count_params, paper_model
 from moelab.papers.kit.assumptions import Assumptions, load_assumptions
+from moelab.papers.kit.compare import paper_value
 from moelab.papers.kit.registry import Quantity
+from moelab.papers.kit.scales import load_scale
 
 P = "hecate"  # the paper id products register under
 X = "x"  # the unit of a ratio
@@ -65,8 +68,6 @@ class ScaleSpec:
 
 def scale_spec(scale) -> ScaleSpec:
     """The :class:`ScaleSpec` of ``scale`` (a name in ``experiments/hecate/scales.yaml``, or a spec)."""
-    from moelab.papers.kit.scales import load_scale
-
     return load_scale("hecate", ScaleSpec, scale)
 
 
@@ -86,9 +87,6 @@ def table1() -> pd.DataFrame:
     4·d² attention per layer; embeddings, norms, gates excluded) evaluated by
     :func:`moelab.models.params.count_params` on moelab's own configs of the four models, beside the
     closed form L·(4E+4)·d² and the paper's column (labelled, read from ``experiments/hecate/paper.yaml``)."""
-    from moelab.models.params import count_params, paper_model
-    from moelab.papers.kit.compare import paper_value
-
     rows = []
     for name in PAPER_MODELS:
         m = paper_model(name)

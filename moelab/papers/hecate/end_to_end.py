@@ -20,7 +20,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.comm import costs
+from moelab.models.params import paper_model
 from moelab.papers.kit.cache import cached
+from moelab.sim.engine import simulate
+from moelab.sim.graphs import iteration_graph, moe_layer_ids
+from moelab.sim.placement_cost import cost_for_run
 
 from .common import PAPER_MODELS, assumptions, scale_spec  # noqa: F401
 from .paper_scale import frame_label, paper_config, paper_loads, paper_profile
@@ -42,8 +47,6 @@ SPAG_BACKEND = "relay"
 
 
 def hecate_cost(cfg, profile):
-    from moelab.sim.placement_cost import cost_for_run
-
     return cost_for_run(cfg, profile, profile.gpus_per_node)
 
 
@@ -52,8 +55,6 @@ def t_derivation(cfg, profile) -> dict:
     (spec §2.3, §6.3), with its terms: T_nonMoE = the attention forward of ``cfg.train.batch_size`` sequences
     (moelab's compute model at the profile's achieved FLOP/s), bw = the bandwidth t is sized on (the node's NIC with
     the hierarchical collectives), s_e = one expert's bytes on the wire."""
-    from moelab.comm import costs
-
     m = cfg.model
     T = cfg.train.batch_size * m.seq_len
     t_attn = costs.compute_time(costs.attention_flops(T, m.d_model, m.seq_len), profile)
@@ -71,8 +72,6 @@ def memory_budget(cfg, profile) -> dict:
     activations of the batch (Megatron's per-layer estimate without recomputation, s·b·h·(34 + 5·a·s/h) bytes,
     Korthikanti et al. 2022, an assumption: the paper states neither its activation memory nor m), capped at E.
     At batch 1 it is at least E for every Table 1 model on both clusters, so it binds nothing there."""
-    from moelab.models.params import paper_model
-
     from .memory import BYTES, state_bytes
 
     m, N = paper_model(cfg.name), profile.world_size  # the Table 1 model at full depth (cfg may simulate fewer layers)
@@ -159,9 +158,6 @@ def layer_times(res, layer_ids) -> np.ndarray:
 
 def simulate_system(cfg, profile, loads, plans, first: int = 1) -> pd.DataFrame:
     """One row per iteration ``>= first``: iteration time, MoE-layer times, critical-path breakdown."""
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import iteration_graph, moe_layer_ids
-
     rows = []
     ids = moe_layer_ids(cfg.model)
     for it in range(first, len(loads)):

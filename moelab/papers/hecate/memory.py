@@ -4,6 +4,8 @@ Hecate's replicas params and grads in every live layer (RM: the current and the 
 FlexMoE's E/N + r slots per layer are full experts with their own optimizer state."""
 from __future__ import annotations
 
+from moelab.models.params import count_params
+
 BYTES = dict(param=2, grad=2, optim=12)  # spec §6.19: fp16 params and grads, fp32 master + Adam m, v (12 B/param)
 
 
@@ -23,8 +25,6 @@ def max_replicas(plans, N: int) -> int:
 def state_bytes(model, N: int, E: int, *, replicas: int = 0, live_layers=None, extra_slots: int = 0) -> dict:
     """Per-device bytes by category: ``replicas`` per layer in ``live_layers`` layers (default all),
     ``extra_slots`` more full experts per layer (FlexMoE's r)."""
-    from moelab.models.params import count_params
-
     L = model.n_layers
     Pe = 2 * model.d_model * model.d_ff
     dense = count_params(model, convention="hecate")["attention"]

@@ -12,6 +12,8 @@ import dataclasses
 import numpy as np
 import pandas as pd
 
+from moelab.strategies.smartmoe.sim_graph import smartmoe_replay
+
 from .common import PAPER_MODELS, scale_spec
 from .paper_scale import frame_label, paper_config, paper_loads, paper_profile
 
@@ -96,8 +98,6 @@ def m3(scale="smoke", seed: int = 0, intervals=(10, 25, 50, 100)) -> pd.DataFram
     """SmartMoE's interval K (GPT-MoE-S, cluster A, 16 GPUs, 2 layers): its policy replayed over the long trace;
     per K the mean time of iterations without a re-placement (sampled) and the total time (those, plus every
     re-placement iteration priced with its migration)."""
-    from moelab.strategies.smartmoe.sim_graph import smartmoe_replay
-
     from .end_to_end import hecate_cost, simulate_system
 
     sp = scale_spec(scale)

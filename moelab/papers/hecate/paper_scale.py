@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from moelab.config import RunConfig
+from moelab.models.params import paper_model
 from moelab.papers.kit.cache import cached
+from moelab.sim.engine import simulate
+from moelab.sim.graphs import config_for_profile, iteration_graph
+from moelab.sim.profiles import get_profile
 
 from .common import scale_spec
 from .trace import real_trace, upsample
@@ -21,10 +26,6 @@ CLUSTER_GPUS = {"hecate_A": (16, 32), "hecate_B": (32,)}
 
 def paper_config(model: str, profile, strategy: str = "ep", options=None, layers=None, batch: int = 1):
     """A RunConfig of Table 1 ``model`` on ``profile`` (its ranks; 2 experts per GPU), ``layers`` MoE layers."""
-    from moelab.config import RunConfig
-    from moelab.models.params import paper_model
-    from moelab.sim.graphs import config_for_profile
-
     m = paper_model(model)
     cfg = RunConfig().with_overrides({
         "paper": "hecate", "name": model,
@@ -37,8 +38,6 @@ def paper_config(model: str, profile, strategy: str = "ep", options=None, layers
 
 
 def paper_profile(cluster: str, gpus: int):
-    from moelab.sim.profiles import get_profile
-
     p = get_profile(cluster)
     return p.with_nodes(gpus // p.gpus_per_node)
 
@@ -50,8 +49,6 @@ def paper_loads(scale, model: str, cluster: str, gpus: int, seed: int = 0, iters
     model's depth, or ``layers``), its first ``iters`` iterations (default: the scale's ``paper_iters + 1``),
     upsampled to ``gpus`` sources of ``seq_len`` tokens each (batch 1); ``skew`` != 1: a SUBSTITUTE trace, the
     shares sharpened (:func:`.trace.upsample`)."""
-    from moelab.models.params import paper_model
-
     sp = scale_spec(scale)
     m = paper_model(model)
     L = layers or (m.n_layers if sp.paper_layers is None else min(sp.paper_layers, m.n_layers))
@@ -63,9 +60,6 @@ def paper_loads(scale, model: str, cluster: str, gpus: int, seed: int = 0, iters
 
 def simulate_iterations(cfg, profile, loads, plans=None, elem_bytes: int = 2) -> list:
     """One :class:`moelab.sim.engine.SimResult` per iteration of ``loads`` with ``plans[it]`` graph kwargs."""
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import iteration_graph
-
     plans = plans or [{}] * len(loads)
     return [simulate(iteration_graph(cfg, profile, loads[i], None, elem_bytes=elem_bytes, **plans[i]))
             for i in range(len(loads))]

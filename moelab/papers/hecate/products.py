@@ -4,6 +4,7 @@ holds Table 1, Fig. 3 and the SIMULATED end to end (Figs. 9-13, 15); :mod:`.prod
 motivation and the sweeps beside them, registered when this module is imported."""
 from __future__ import annotations
 
+from moelab.models.params import paper_model
 from moelab.papers.kit.registry import Made, Quantity, product
 
 from . import end_to_end as EE
@@ -222,8 +223,6 @@ def fig15b(ctx):
 def fig13(ctx):
     """Peak model-state memory per device (activations excluded, :mod:`.memory`) on the plans the replays produced."""
     import pandas as pd
-
-    from moelab.models.params import paper_model
 
     from .baselines import FLEXMOE
     from .memory import max_replicas, state_bytes

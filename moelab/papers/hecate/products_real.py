@@ -3,8 +3,11 @@
 ``experiments/hecate/manifest.yaml``."""
 from __future__ import annotations
 
+from moelab.models.params import paper_model
 from moelab.papers.kit.compare import paper_value
 from moelab.papers.kit.registry import Made, Quantity, product
+from moelab.sim.engine import simulate
+from moelab.sim.graphs import iteration_graph
 
 from . import end_to_end as EE
 from . import figures as F
@@ -148,9 +151,6 @@ def fig1(ctx):
     """SIMULATED timelines of one GPT-MoE-S iteration (2 layers) on cluster A, EP vs Hecate, rank 0."""
     import pandas as pd
 
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import iteration_graph
-
     from .paper_scale import paper_config, paper_loads, paper_profile
 
     prof = paper_profile("hecate_A", 16)
@@ -216,10 +216,6 @@ def fig14(ctx):
     the simulator's activation peak; a point over the GPU's memory is an OOM (no throughput)."""
     import numpy as np
     import pandas as pd
-
-    from moelab.models.params import paper_model
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import iteration_graph
 
     from .baselines import FLEXMOE
     from .memory import max_replicas, state_bytes

@@ -6,7 +6,19 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.comm.door import Communicator
+from moelab.comm.sparse import accumulate_, sp_all_gather, sp_reduce_scatter, sparse_plan
+from moelab.comm.topology import Topology
+from moelab.config import RunConfig
+from moelab.measure.realruns import run_real_many
+from moelab.measure.validate import simulate_real
 from moelab.papers.kit.cache import cached
+from moelab.placement import Placement
+from moelab.placement.rules import LocalityFirst
+from moelab.registry import known_strategies
+from moelab.runtime.ranks import run_ranks
+from moelab.sim.profiles import get_profile
+from moelab.strategies.hecate.policy import holders_of, homogeneous_owners, reshard_owners
 
 from .common import ScaleSpec, scale_spec
 from .trace import real_trace, trace_label
@@ -18,8 +30,6 @@ ABLATION_REAL = {"Hecate (sharding only)": {**HECATE_REAL, "materialize": False,
 
 def real_config(sp: ScaleSpec, strategy: str = "hecate", options=None):
     """A tiny Transformer-MoE on ``sp``'s ranks and nodes running ``strategy`` (Hecate: :data:`HECATE_REAL`)."""
-    from moelab.config import RunConfig
-
     return RunConfig().with_overrides({
         "paper": "hecate", "name": strategy, "model.d_model": sp.d, "model.d_ff": 2 * sp.d, "model.n_layers": sp.layers,
         "model.n_heads": 4, "model.seq_len": sp.seq, "model.moe.num_experts": sp.experts, "model.moe.top_k": 2,
@@ -32,16 +42,12 @@ def real_config(sp: ScaleSpec, strategy: str = "hecate", options=None):
 def real_runs(scale="smoke") -> dict:
     """REAL runs of EP, Hecate and FSDP of the experts (same data, same model) on ``nodes x ranks_per_node``
     gloo ranks."""
-    from moelab.measure.realruns import run_real_many
-
     sp = scale_spec(scale)
     systems = {"EP": ("ep", {}), "Hecate": ("hecate", None), "Hecate-RM": ("hecate", {**HECATE_REAL, "rm": True}),
                "FSDP": ("fsdp_expert", {}),
                "FasterMoE": ("fastermoe", {"shadow": True, "smart": True, "group_size": sp.ranks_per_node}),
                "FlexMoE": ("flexmoe", {"interval": 2}), "SmartMoE": ("smartmoe", {"interval": 2}),
                **{n: ("hecate", o) for n, o in ABLATION_REAL.items()}}
-    from moelab.registry import known_strategies
-
     have = known_strategies()
     names = [n for n, (s, _) in systems.items() if s in have]
     runs = run_real_many([real_config(sp, *systems[n]) for n in names], sp.nproc, timeout=900)
@@ -51,9 +57,6 @@ def real_runs(scale="smoke") -> dict:
 def fig9_real(scale="smoke", cluster: str = "hecate_A") -> pd.DataFrame:
     """The REAL runs' own plans and loads (every system on the same gloo ranks), each iteration priced by the
     simulator with ``cluster``'s links and compute: what these plans would cost there at this model size."""
-    from moelab.measure.validate import simulate_real
-    from moelab.sim.profiles import get_profile
-
     sp = scale_spec(scale)
     prof = get_profile(cluster)
     rows = []
@@ -82,10 +85,6 @@ def fig9_real(scale="smoke", cluster: str = "hecate_A") -> pd.DataFrame:
 def call_device_load(rec: dict, N: int, ranks_per_node: int) -> np.ndarray:
     """Tokens each rank computes in one recorded MoE layer call: its per-source counts routed through its holders
     (Hecate: the plan's P'; otherwise EP's owners) by the locality-first dispatcher, exact integers."""
-    from moelab.placement import Placement
-    from moelab.placement.rules import LocalityFirst
-    from moelab.strategies.hecate.policy import holders_of, homogeneous_owners
-
     C = np.asarray(rec["counts"], dtype=np.int64).reshape(N, -1)
     E = C.shape[1]
     holders = rec["hecate"]["holders"] if "hecate" in rec else holders_of(homogeneous_owners(1, E, N)[0])
@@ -223,10 +222,6 @@ FIG6_PP = ((0, 1, 2), (1,), (2, 3), (3, 0))  # the paper's flavour: some chunks 
 def _fig6_rank(rank, world):
     import torch
 
-    from moelab.comm.door import Communicator
-    from moelab.comm.sparse import accumulate_, sp_all_gather, sp_reduce_scatter, sparse_plan
-    from moelab.comm.topology import Topology
-
     torch.set_num_threads(1)
     comm = Communicator(Topology(world, 2), groups={"sparse": [list(range(world))]})
     plan = sparse_plan(FIG6_P, FIG6_PP, rank, world, 2)
@@ -244,8 +239,6 @@ def _fig6_rank(rank, world):
 def fig6_buffers() -> pd.DataFrame:
     """REAL, 4 gloo ranks (2 declared nodes): chunk c of device d before spAG (owners only), after spAG(P, P')
     (replicas hold the owner's bytes), and after spRS(P', P) with every holder contributing (rank + 1)."""
-    from moelab.runtime.ranks import run_ranks
-
     res = run_ranks(_fig6_rank, 4, timeout=120)
     rows = []
     for d, r in enumerate(res):
@@ -262,8 +255,6 @@ def fig6_buffers() -> pd.DataFrame:
 def fig8_sharding(scale="smoke", t: int = 1, window: int = 5) -> pd.DataFrame:
     """Homogeneous (EP) vs heterogeneous (Alg. 2) sharding of the REAL trace's last window, 4 devices in 2
     nodes: per layer and device the experts owned and their load (the pure function the runtime calls)."""
-    from moelab.strategies.hecate.policy import homogeneous_owners, reshard_owners
-
     sp = scale_spec(scale)
     tr = real_trace(sp.name)
     L, N, E = tr.shape[1], tr.shape[2], tr.shape[3]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.config import RunConfig
+from moelab.measure.realruns import run_real
 from moelab.papers.kit.cache import cached
 
 from .common import ScaleSpec, scale_spec
@@ -19,8 +21,6 @@ from .common import ScaleSpec, scale_spec
 def trace_config(sp: ScaleSpec, experts=None):
     """The tiny GPT-MoE that records the trace (``experts``: the paper replays record one per expert
     count they need, 32 and 64, rather than inventing sub-experts; Fig. 3 uses the spec's 16)."""
-    from moelab.config import RunConfig
-
     return RunConfig().with_overrides({
         "paper": "hecate", "name": "trace",
         "model.arch": "gpt", "model.d_model": sp.trace_d, "model.d_ff": 2 * sp.trace_d,
@@ -34,8 +34,6 @@ def trace_config(sp: ScaleSpec, experts=None):
 @cached
 def real_trace(scale="smoke", experts=None) -> np.ndarray:
     """``[iters, layers, N, E]`` tokens per (iteration, MoE layer, source rank, expert), REAL (EP, gloo)."""
-    from moelab.measure.realruns import run_real
-
     sp = scale_spec(scale)
     run = run_real(trace_config(sp, experts), timeout=max(300.0, 2.0 * sp.trace_iters))
     return np.asarray(run.loads, dtype=np.int64)

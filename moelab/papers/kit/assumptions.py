@@ -28,6 +28,8 @@ from typing import Iterator, Mapping, Optional, Tuple, Union
 
 import pandas as pd
 
+from moelab.runtime.project import project_root
+
 KINDS = ("assumption", "fitted", "paper")
 _FIELDS = ("value", "kind", "source", "affects", "range", "unit", "note", "fitted_to", "chosen_from")
 
@@ -120,8 +122,6 @@ class Assumptions(Mapping):
 
 
 def assumptions_path(paper: str, root: Union[str, Path, None] = None) -> Path:
-    from moelab.runtime.project import project_root
-
     return project_root(root) / "experiments" / paper / "assumptions.yaml"
 
 

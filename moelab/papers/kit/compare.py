@@ -45,6 +45,10 @@ import functools
 import math
 from pathlib import Path
 
+from moelab.papers.kit.report import label_kind
+from moelab.runtime.project import project_root
+from moelab.viz.figures import finish
+
 REDUCERS = {"max": lambda s: s.max(), "min": lambda s: s.min(), "mean": lambda s: s.mean(),
             "median": lambda s: s.median(), "only": None}
 STATUSES = ("ratio", "trend check", "fit", "chosen from", "input", "refused", "no value", "not run")
@@ -59,8 +63,6 @@ class PaperNumbersError(ValueError):
 
 
 def paper_numbers_path(paper: str) -> Path:
-    from moelab.runtime.project import project_root
-
     return project_root() / "experiments" / paper / "paper.yaml"
 
 
@@ -131,7 +133,10 @@ def _reduce(frame, column: str, how: str):
 def circularity(paper: str) -> dict:
     """paper key -> [(status, assumption name, products it affects)] from the paper's assumptions file:
     the constants fitted to (``fitted_to``) or reasoned from (``chosen_from``) a paper number."""
-    from moelab.papers.kit.assumptions import assumptions_path, load_assumptions
+    from moelab.papers.kit.assumptions import (  # here: it imports pandas, the kit loads without
+        assumptions_path,
+        load_assumptions,
+    )
 
     out: dict = {}
     if not assumptions_path(paper).is_file():
@@ -171,8 +176,6 @@ def compare_one(key: str, entry: dict, src: dict, values: dict, products: dict,
                 circularity: dict | None = None) -> dict:
     """One row: the paper number ``entry`` against moelab source ``src``; ``circularity`` as returned by
     :func:`circularity`."""
-    from moelab.papers.kit.report import label_kind
-
     pid, col = src["product"], src["column"]
     row = _not_run(key, entry, source_id(src), pid, src.get("note", ""))
     prod = products.get(pid)
@@ -300,8 +303,6 @@ def compare_figure(table, *, title: str = "Paper vs moelab: moelab / paper, SIMU
     """One marker per ratio row (log scale, 1 = equal); trend-check and refused rows are listed in the
     table only, since a CPU-box number over a paper-scale one is not a ratio worth drawing."""
     import plotly.graph_objects as go
-
-    from moelab.viz.figures import finish
 
     t = table[(table.status == "ratio") & (table.ratio > 0)]
     fig = go.Figure()

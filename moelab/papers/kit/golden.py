@@ -19,22 +19,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+from moelab.papers.kit.report import label_kind
+from moelab.papers.kit.session import Session
+from moelab.runtime.project import project_root
+from moelab.runtime.results import atomic_write_text
+
 SCALE = "smoke"
 RTOL = 1e-9
 
 
 def golden_path(paper: str) -> Path:
-    from moelab.runtime.project import project_root
-
     return project_root() / "experiments" / paper / f"golden_{SCALE}.json"
 
 
 def simulated_values(paper: str) -> dict:
     """row name -> value: the SIMULATED comparison rows and ladder rungs of ``paper`` at smoke scale, made
     without spawning ranks (products that need them are skipped, and so are rows that read them)."""
-    from moelab.papers.kit.report import label_kind
-    from moelab.papers.kit.session import Session
-
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):  # no "skipped" lines
         S = Session(paper, SCALE, out, run_real=False, show=False)
         for pid in S.manifest.product_classes():
@@ -69,8 +69,6 @@ def load_golden(paper: str) -> dict:
 
 
 def write_golden(paper: str, values: dict | None = None) -> Path:
-    from moelab.runtime.results import atomic_write_text
-
     values = simulated_values(paper) if values is None else values
     doc = {"paper": paper, "scale": SCALE, "what": "SIMULATED moelab values of the paper-vs-moelab rows and gap "
            "ladder rungs (moelab.papers.kit.golden); edit only by --write, with the reason in the commit",

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from moelab.papers.kit.report import _is_plotly_page
+from moelab.viz.export import IMAGE_FORMATS, export_images, read_figure, renderer_cpu_s
 
 
 # ---- images beside a run ------------------------------------------------------------------------
@@ -18,8 +19,6 @@ class Images:
     the CPU time the browser spent on these images (a number the machine's load does not change much)."""
 
     def __init__(self, folder: Path, formats=None, poll_s: float = 2.0):
-        from moelab.viz.export import IMAGE_FORMATS
-
         self.folder, self.formats, self.poll_s = Path(folder), tuple(formats or IMAGE_FORMATS), poll_s
         self.written: list[Path] = []
         self.seconds = self.after_s = self.cpu_s = 0.0
@@ -47,8 +46,6 @@ class Images:
 
     def export(self) -> int:
         """One pass: every pending figure, in one Chromium call per set of missing formats."""
-        from moelab.viz.export import export_images, read_figure, renderer_cpu_s
-
         jobs = self.pending()
         if not jobs:
             return 0

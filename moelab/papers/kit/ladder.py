@@ -32,6 +32,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from moelab.papers.kit.compare import load_numbers, paper_value
+from moelab.runtime.project import project_root
+
 RUNG_KINDS = ("setting", "mechanism")
 
 
@@ -59,8 +62,6 @@ class Ladder:
 
 
 def ladders_path(paper: str) -> Path:
-    from moelab.runtime.project import project_root
-
     return project_root() / "experiments" / paper / "ladders.yaml"
 
 
@@ -68,9 +69,7 @@ def load_ladders(paper: str, path: Path | None = None) -> dict:
     """paper key -> :class:`Ladder`, checked against the paper's numbers and assumptions ({} without a file)."""
     import yaml
 
-    from moelab.papers.kit.assumptions import load_assumptions
-    from moelab.papers.kit.compare import load_numbers
-
+    from moelab.papers.kit.assumptions import load_assumptions  # here: it imports pandas, the kit loads without
     path = path or ladders_path(paper)
     if not path.is_file():
         return {}
@@ -116,9 +115,7 @@ def walk(paper: str, ladder: Ladder, scale):
     so far (``closed`` of the last row is what :func:`~moelab.papers.kit.compare.verdict` reads)."""
     import pandas as pd
 
-    from moelab.papers.kit.assumptions import load_assumptions
-    from moelab.papers.kit.compare import paper_value
-
+    from moelab.papers.kit.assumptions import load_assumptions  # here: it imports pandas, the kit loads without
     fn, base = _function(ladder.evaluate), load_assumptions(paper)
     paper_v = paper_value(paper, ladder.key)
     overrides: list = []

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moelab.runtime.project import project_root
+
 CLASSES = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE")
 NOT_REPRODUCED = "NOT REPRODUCED"
 NO_CUDA = "no CUDA device"  # how a GPU product skipped on a machine without one begins its reason
@@ -99,8 +101,6 @@ def parse_manifest(data: dict, where: str = "manifest") -> Manifest:
 
 
 def manifest_path(paper: str) -> Path:
-    from moelab.runtime.project import project_root
-
     return project_root() / "experiments" / paper / "manifest.yaml"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
+from moelab import __version__
 from moelab.papers.kit.html import (
     CSS,
     PAGE_JS,
@@ -38,6 +39,7 @@ from moelab.papers.kit.report import (
     paper_vs_moelab_counts,
     read_paper_vs_moelab,
 )
+from moelab.runtime.results import atomic_write_text
 
 
 # ---- the page ------------------------------------------------------------------------------------
@@ -132,9 +134,6 @@ def _section(m: dict, out: Path, found: dict) -> str:
 
 def build_index(out: str | Path, session: dict | None = None) -> Path:
     """Write ``out/index.html`` from every notebook manifest and exported file under ``out``."""
-    from moelab import __version__
-    from moelab.runtime.results import atomic_write_text
-
     out = Path(out)
     manifests = load_manifests(out)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
+from moelab import __version__
 from moelab.papers.kit.html import (
     CSS,
     PAGE_JS,
@@ -19,6 +20,8 @@ from moelab.papers.kit.html import (
 from moelab.papers.kit.images import Images
 from moelab.papers.kit.page import build_index, figures_rel
 from moelab.papers.kit.report import FIGURE_EXTS, _paper_manifest, collect, figure_order, load_manifests
+from moelab.runtime.results import atomic_write_text
+from moelab.viz.export import NO_CHROMIUM, figure_json, find_chromium, image_session, plotlyjs_source, read_figure
 
 
 # ---- a paper's section as one file, and its files as one zip --------------------------------------------
@@ -71,8 +74,6 @@ def _figure_block(f: dict, folder: Path, ident: str) -> str:
     """A figure of the single-file section: its JSON (drawn when scrolled to), else its PNG inlined."""
     import base64
 
-    from moelab.viz.export import figure_json, read_figure
-
     head = (f'<div class=fig><p class=t>{esc(f["title"])}</p><p class=l>{badge(f["kind"], f["kind"])}'
             f'{esc(f["label"] or "no label: say what this shows")}</p>')
     spec = read_figure(folder / f["files"][".html"]) if ".html" in f["files"] else None
@@ -92,10 +93,6 @@ def single_file(out: str | Path, name: str, path: str | Path) -> Path:
     """Write section ``name`` of report folder ``out`` as one self-contained HTML file ``path``: the paper's
     manifest (its links jump within the page), the paper-vs-moelab table, the gap ladders, every other table
     and every figure (interactive: one plotly.js inside, each figure drawn when scrolled to). Opens offline."""
-    from moelab import __version__
-    from moelab.runtime.results import atomic_write_text
-    from moelab.viz.export import plotlyjs_source
-
     m, folder = find_section(out, name)
     found = _ordered(folder)
     ids = {f["name"]: f"f{i}" for i, f in enumerate(found["figures"])}
@@ -205,8 +202,6 @@ def main(args) -> int:
         print(f"moelab: {e}", file=sys.stderr)
         return 2
     if args.images:
-        from moelab.viz.export import NO_CHROMIUM, find_chromium, image_session
-
         if find_chromium() is None:
             print(f"images: skipped, {NO_CHROMIUM}")
         else:

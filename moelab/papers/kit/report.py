@@ -34,6 +34,9 @@ import re
 from pathlib import Path
 
 from moelab.papers.kit.manifest import NO_CUDA
+from moelab.runtime.results import atomic_write_csv, atomic_write_json
+from moelab.viz.export import export_figure
+from moelab.viz.figures import check_label
 
 KINDS = ("REAL", "EMULATED", "SIMULATED", "SUBSTITUTE", "PAPER")
 FIGURE_EXTS = (".html", ".png", ".svg", ".pdf")
@@ -54,10 +57,6 @@ def record_figure(fig, stem: str | Path, label: str | None = None, *, title: str
     ``label`` defaults to the figure's own (``layout.meta.label``, set by every moelab figure
     builder); a figure with neither raises ValueError, as a figure must say what it shows.
     """
-    from moelab.runtime.results import atomic_write_json
-    from moelab.viz.export import export_figure
-    from moelab.viz.figures import check_label
-
     meta = fig.layout.meta if isinstance(fig.layout.meta, dict) else {}
     label = check_label(label if label is not None else meta.get("label"))
     stem = Path(stem)
@@ -70,9 +69,6 @@ def record_figure(fig, stem: str | Path, label: str | None = None, *, title: str
 def record_table(frame, stem: str | Path, *, title: str | None = None, label: str | None = None) -> list[Path]:
     """Save a pandas table as ``<stem>.csv`` with a sidecar ``<stem>.json`` (title, label); the
     report renders it inline. Name it ``table_*`` by convention (e.g. ``table_paper_vs_moelab``)."""
-    from moelab.runtime.results import atomic_write_csv, atomic_write_json
-    from moelab.viz.figures import check_label
-
     stem = Path(stem)
     side = {"kind": "table", "title": title or stem.name, "label": check_label(label) if label else None}
     return [atomic_write_csv(f"{stem}.csv", frame), atomic_write_json(f"{stem}.json", side)]

@@ -60,8 +60,11 @@ from pathlib import Path
 import moelab
 from moelab import __version__
 from moelab.papers.kit.execute import declared_parameters, execute
+from moelab.papers.kit.images import Images
+from moelab.papers.kit.page import build_index
 from moelab.runtime.project import project_root
-from moelab.runtime.results import stale_version
+from moelab.runtime.results import atomic_write_json, stale_version
+from moelab.viz.export import ASSETS, NO_CHROMIUM, find_chromium, image_session, write_plotlyjs
 
 SCALES = ("smoke", "default", "full")
 _NUMBERED = re.compile(r"^\d+_")
@@ -243,8 +246,6 @@ def reproduce(names=("all",), scale: str = "default", out: str | Path = "reports
     Raises :class:`ReproduceError` for a bad request before anything runs; failures inside
     notebooks are recorded in the returned :class:`Batch` instead.
     """
-    from moelab.papers.kit.page import build_index
-
     if scale not in SCALES:
         raise ReproduceError(f"unknown scale {scale!r}; scales: {', '.join(SCALES)}")
     root = Path(root).resolve() if root else project_root()
@@ -267,8 +268,6 @@ def reproduce(names=("all",), scale: str = "default", out: str | Path = "reports
         nb = found[name]
         file_params, params_file = find_parameters(name, scale, ex_dir, nb.stem)
         plans.append((name, nb, file_params, params_file))
-
-    from moelab.viz.export import ASSETS, NO_CHROMIUM, find_chromium, image_session, write_plotlyjs
 
     write_plotlyjs(out / ASSETS)  # the one plotly.js every figure page of the report loads
     if images and find_chromium() is None:
@@ -297,9 +296,6 @@ def _images_line(img, ran: bool) -> str:
 
 def _run_one(i, plan, total, out, scale, params, root, ex_dir, force, timeout, log, images) -> Outcome:
     """Run (or re-use) one notebook of the batch; its images beside it."""
-    from moelab.papers.kit.images import Images
-    from moelab.runtime.results import atomic_write_json
-
     name, nb, file_params, params_file = plan
     declared = declared_parameters(nb)
     fig_dir = out / "figures" / name

@@ -14,12 +14,12 @@ import functools
 import typing
 from pathlib import Path
 
+from moelab.runtime.project import project_root
+
 SCALES = ("smoke", "default", "full")
 
 
 def scales_path(paper: str) -> Path:
-    from moelab.runtime.project import project_root
-
     return project_root() / "experiments" / paper / "scales.yaml"
 
 

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import time
 
+from moelab.papers.kit.compare import compare, compare_figure, paper_numbers_path
+from moelab.papers.kit.ladder import walk_all
 from moelab.papers.kit.manifest import NO_CUDA, NOT_REPRODUCED, load_manifest
 from moelab.papers.kit.registry import Context, check_against_manifest, products
+from moelab.papers.kit.report import label_kind, record_figure, record_table
+from moelab.runtime.project import project_path
+from moelab.runtime.results import atomic_write_json
 from moelab.viz.export import IMAGE_FORMATS
 
 
@@ -38,8 +43,6 @@ class Session:
     def __init__(self, paper: str, scale="smoke", out_dir="figures", *, png: bool = False, seed: int = 0,
                  run_real: bool = True, show: bool = True, manifest=None):
         import importlib
-
-        from moelab.runtime.project import project_path
 
         self.manifest = manifest or load_manifest(paper)
         problems = check_against_manifest(self.manifest)
@@ -64,8 +67,6 @@ class Session:
         """Make product ``pid``, export its figures and tables with their labels, display them; return
         its value. A product needing real ranks is skipped (and reported) when ``run_real`` is False, one needing
         a GPU where CUDA has no device."""
-        from moelab.papers.kit.report import label_kind, record_figure, record_table
-
         cls = self.manifest.product_classes().get(pid)
         if cls is None:
             raise KeyError(f"{self.manifest.paper}: {pid!r} is not in the manifest")
@@ -133,11 +134,6 @@ class Session:
     def finish(self):
         """Walk the paper's gap ladders, write the paper-vs-moelab table, the manifest (``manifest.json`` +
         ``table_manifest.csv``) and the run time per product; return the paper-vs-moelab frame."""
-        from moelab.papers.kit.compare import compare, compare_figure, paper_numbers_path
-        from moelab.papers.kit.ladder import walk_all
-        from moelab.papers.kit.report import record_figure, record_table
-        from moelab.runtime.results import atomic_write_json
-
         pvm = None
         if paper_numbers_path(self.manifest.paper).is_file():
             ladders, closed = walk_all(self.manifest.paper, self.ctx.scale)

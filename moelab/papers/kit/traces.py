@@ -10,6 +10,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from moelab.models.traces import trace_to_token_choices
+from moelab.moe.gates import Routing, capacity_locations
+
 
 def top2_shares(p) -> np.ndarray:
     """Expected share of assignments per expert when every token draws 2 distinct experts from ``p``
@@ -148,13 +151,9 @@ class TraceGate(torch.nn.Module):
         self.idx: Optional[torch.Tensor] = None
 
     def set_counts(self, counts, seed: int = 0) -> None:
-        from moelab.models.traces import trace_to_token_choices
-
         self.idx = trace_to_token_choices(torch.as_tensor(np.asarray(counts), dtype=torch.int64), self.k, seed)
 
     def forward(self, x, rng=None, shadowed=()):
-        from moelab.moe.gates import Routing, capacity_locations
-
         if self.idx is None or self.idx.shape[0] != x.shape[0]:
             raise ValueError(f"TraceGate: set_counts for {x.shape[0]} tokens first")
         idx = self.idx

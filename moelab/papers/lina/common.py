@@ -41,7 +41,7 @@ class ScaleSpec:
 
 
 def scale_spec(scale) -> ScaleSpec:
-    from moelab.papers.kit.scales import load_scale
+    from moelab.papers.kit.scales import load_scale  # here: the kit loads plotly, this module does not
 
     return load_scale("lina", ScaleSpec, scale)
 
@@ -51,7 +51,7 @@ P = "lina"  # the paper id products register under
 
 def paper(key: str) -> float:
     """Lina's own number ``key`` from ``experiments/lina/paper.yaml`` (a note quoting the paper reads it here)."""
-    from moelab.papers.kit.compare import paper_value
+    from moelab.papers.kit.compare import paper_value  # here: the kit loads plotly, this module does not
 
     return paper_value(P, key)
 
@@ -62,7 +62,7 @@ _OVERRIDES: ContextVar[tuple] = ContextVar("lina_assumption_overrides", default=
 def assumption(name: str):
     """The value of ``name`` in ``experiments/lina/assumptions.yaml`` (the kit parses the file once per version),
     or its override where :func:`overriding` set one (a gap ladder's rung, a sensitivity sweep)."""
-    from moelab.papers.kit.assumptions import load_assumptions
+    from moelab.papers.kit.assumptions import load_assumptions  # here: the kit loads plotly, this module does not
 
     a, over = load_assumptions(P), dict(_OVERRIDES.get())
     return (a.with_values({name: over[name]}) if name in over else a).value(name)
@@ -72,7 +72,7 @@ def assumption(name: str):
 def overriding(overrides: tuple):
     """Within the block, :func:`assumption` reads ``overrides`` (``((name, value), ...)``, each checked against the
     assumption's stated range) over the file's values; :func:`cached` results are kept apart per override set."""
-    from moelab.papers.kit.assumptions import load_assumptions
+    from moelab.papers.kit.assumptions import load_assumptions  # here: the kit loads plotly, this module does not
 
     load_assumptions(P).with_values(dict(overrides))  # a name not in the file or a value out of range is refused
     token = _OVERRIDES.set(tuple(overrides))
@@ -88,7 +88,7 @@ def cached(fn):
     import functools
     import inspect
 
-    from moelab.papers.kit.cache import cached as kit_cached
+    from moelab.papers.kit.cache import cached as kit_cached  # here: the kit loads plotly, this module does not
 
     sig = inspect.signature(fn)
 
@@ -109,7 +109,7 @@ def cached(fn):
 
 def paper_at(key: str) -> str:
     """Where the paper measured ``key`` (its paper.yaml ``at``)."""
-    from moelab.papers.kit.compare import load_numbers
+    from moelab.papers.kit.compare import load_numbers  # here: the kit loads plotly, this module does not
 
     return load_numbers(P)[key].get("at", "")
 

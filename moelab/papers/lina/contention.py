@@ -16,14 +16,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.sim.graphs import dense_param_count, moe_layer_ids
+from moelab.sim.result import interval_union, overlap_seconds, union_seconds
+
 from . import paper_scale as ps
 from .common import cached, paper
 
 
 def _row(layers: int, E: int) -> dict:
-    from moelab.sim.graphs import dense_param_count, moe_layer_ids
-    from moelab.sim.result import interval_union, overlap_seconds, union_seconds
-
     cfg = ps.paper_config(layers, E, "ddp_overlap")
     res = ps._simulate(cfg)
     df = res.ops_frame()

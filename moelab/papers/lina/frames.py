@@ -6,10 +6,15 @@ import json
 import numpy as np
 import pandas as pd
 
+from moelab.comm.topology import Topology
+from moelab.config import RunConfig
+from moelab.measure.local import machine_profile
 from moelab.sim.result import covered_fraction
+from moelab.strategies.lina.infer import phase1_plan
 from moelab.strategies.lina.options import LinaOptions
 from moelab.strategies.lina.placement import top_set
 from moelab.strategies.lina.popularity import pattern_share
+from moelab.strategies.lina.sim_infer import InferShape, predict_served, recorded_plans, replay_latencies
 
 from .common import labelled as _labelled
 from .common import scale_spec
@@ -138,11 +143,6 @@ def predict_suite(su: dict) -> pd.DataFrame:
     those runs without the two terms (:func:`_host_costs`)."""
     import dataclasses
 
-    from moelab.comm.topology import Topology
-    from moelab.config import RunConfig
-    from moelab.measure.local import machine_profile
-    from moelab.strategies.lina.sim_infer import InferShape, predict_served, replay_latencies
-
     if "call_costs" not in su:
         raise ValueError("predict_suite prices EMULATED serve runs (inference_suite(..., emulated=...))")
     base = RunConfig.from_dict(su["config"])
@@ -182,8 +182,6 @@ def _plan_cost(run: dict, sv, N: int) -> float:
     popularities it planned from (held out from the run's timeline); 0 where it planned none."""
     import time
 
-    from moelab.strategies.lina.infer import phase1_plan
-
     pops = [np.asarray(json.loads(r["pop"]) if isinstance(r["pop"], str) else r["pop"]) for r in run["layers"]
             if r["planned_from"] == "actual" or r["replanned"]][:64]
     if not pops:
@@ -200,8 +198,6 @@ def _host_costs(free_runs: dict, prof, topo, shape, io, plan_s=None) -> tuple:
     summed over layers (the static run holds E/N a rank, the replicated one more: the two costs separate);
     ``plan_s``: each run's blocking plan cost (:func:`_plan_cost`)."""
     import dataclasses
-
-    from moelab.strategies.lina.sim_infer import predict_served, recorded_plans
 
     free = dataclasses.replace(prof, **FREE_LINKS)  # the held-out runs' links, in the profile's own field names
     X, y = [], []

@@ -18,6 +18,12 @@ import numpy as np
 import pandas as pd
 
 from moelab.config import RunConfig
+from moelab.papers.kit.compare import paper_value
+from moelab.sim import simulate
+from moelab.sim.graphs import moe_layer_ids, synthetic_loads
+from moelab.sim.profiles import get_profile
+from moelab.sim.result import interval_union, overlap_seconds, union_seconds
+from moelab.strategies.lina.sim_graph import lina_iteration_graph
 
 from .common import assumption, cached, scale_spec
 
@@ -63,10 +69,6 @@ def sim_label(gamma: bool = True) -> str:
 def _simulate(cfg, gamma=None, profile=None, **kw):
     """One training step of ``cfg``, fp16, synthetic loads (``kw``: the graph's options); ``gamma``: the
     interference factor (None: :func:`fitted_gamma`'s); ``profile``: None for :func:`calibrated_profile`."""
-    from moelab.sim import simulate
-    from moelab.sim.graphs import synthetic_loads
-    from moelab.strategies.lina.sim_graph import lina_iteration_graph
-
     g = fitted_gamma()["gamma"] if gamma is None else gamma
     prof = calibrated_profile() if profile is None else profile
     return simulate(lina_iteration_graph(cfg, prof, synthetic_loads(cfg), elem_bytes=2, gamma=g, **kw))
@@ -86,9 +88,6 @@ def calibration(rounds: int = 6) -> dict:
     share of the 16-GPU step is. Proportional steps (each time is about linear in its constant's inverse),
     at fair sharing (gamma = 1: gamma's own fit, Fig. 4, runs on the calibrated profile). Returns the three
     constants, their targets and what the calibrated model gives for them."""
-    from moelab.papers.kit.compare import paper_value
-    from moelab.sim.profiles import get_profile
-
     base = get_profile("lina")
     target = {k: paper_value("lina", v) for k, v in CALIBRATION_TARGETS.items()}
     a16, a4 = target["batch_per_gpu"] / 1e3, target["intra_bw_GBps"] / 1e3
@@ -118,8 +117,6 @@ def calibration(rounds: int = 6) -> dict:
 
 def calibrated_profile():
     """The lina profile with :func:`calibration`'s intra-node bandwidth and achieved FLOP rate, sources said."""
-    from moelab.sim.profiles import get_profile
-
     base, c = get_profile("lina"), calibration()
     t = c["targets"]
     why = "FITTED to Table 1's 12-layer row (paper_scale.calibration): "
@@ -130,8 +127,6 @@ def calibrated_profile():
 
 def _bwd_a2a(res) -> pd.DataFrame:
     """A simulated step's backward all-to-alls: name, duration, and whether an all-reduce runs during it."""
-    from moelab.sim.result import interval_union, overlap_seconds
-
     df = res.ops_frame()
     ar = interval_union(zip(df[df.category == "allreduce"].start, df[df.category == "allreduce"].end))
     a = df[(df.category == "a2a") & (df.phase == "bwd")]
@@ -188,9 +183,7 @@ def fitted_gamma(grid=PAPER_GRID, tol: float = 1e-3) -> dict:
     bracket is the range of ``gamma`` in ``experiments/lina/assumptions.yaml``, whose value only records this
     fit's result (kind fitted, ``fitted_to`` the median: the paper-vs-moelab row of that number is a fit); every
     run fits gamma again here."""
-    from moelab.papers.kit.assumptions import load_assumptions
-    from moelab.papers.kit.compare import paper_value
-
+    from moelab.papers.kit.assumptions import load_assumptions  # here: it imports pandas, the kit loads without
     target = paper_value("lina", "bwd_a2a_slowdown_median")
     alone = _alone(*grid)
 
@@ -256,8 +249,6 @@ def _metrics(res, cfg, E: int) -> dict:
     """What the training figures read from one simulated step: step, all-to-all and MoE-layer times per
     pass (Figs. 10-13), compute-busy fractions (the paper's GPU utilization: of the step, Table 4; of the
     MoE layers, Fig. 12; inside all-to-alls: pipelining efficiency, Table 3), peak memory per GPU."""
-    from moelab.sim.graphs import moe_layer_ids
-
     df = res.ops_frame()
     a2a = df[df.category == "a2a"]
     ids = moe_layer_ids(cfg.model)
@@ -298,9 +289,6 @@ def layer_timeline(scale: str, policy: str, phase: str, busiest: bool = False) -
     """Figs. 2, 7 and 8: rank 0's ops during one pass of one MoE layer (smallest model and E of the
     scale), clipped to the layer's span, one lane per stream; the middle MoE layer, or (``busiest``) the
     one whose span overlaps the most all-reduce time. ``attrs``: the all-to-all share of the span."""
-    from moelab.sim.graphs import moe_layer_ids
-    from moelab.sim.result import interval_union, overlap_seconds, union_seconds
-
     s = scale_spec(scale)
     layers, E = min(s.sim_layers), min(s.sim_experts)
     cfg = paper_config(layers, E, policy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from moelab.papers.kit.compare import load_numbers
 from moelab.papers.kit.registry import Made, Quantity, product
 
 from . import contention, frames, paper_scale
@@ -42,8 +43,6 @@ PAPER_MODELS = ("txl", "gpt2", "bert2gpt2")  # the paper's three training models
 
 def _table1_share_range() -> str:
     """Table 1's all-to-all shares (training and inference, every model at 4 and 16 GPUs), lowest to highest."""
-    from moelab.papers.kit.compare import load_numbers
-
     v = [e["value"] for k, e in load_numbers(P).items() if k.startswith(("train_a2a_share_", "infer_a2a_share_"))]
     return f"{100 * min(v):.0f}-{100 * max(v):.0f} %"
 

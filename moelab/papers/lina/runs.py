@@ -15,8 +15,18 @@ import tempfile
 import numpy as np
 import pandas as pd
 
+from moelab.comm.cpu_priority import resolve
+from moelab.comm.door import Communicator, Recorder
+from moelab.comm.topology import Topology
 from moelab.config import RunConfig
+from moelab.measure.local import emulated_call_costs
+from moelab.measure.realruns import run_real_many
 from moelab.papers.kit.cache import cached
+from moelab.papers.lina.paper_scale import fitted_gamma
+from moelab.runtime.checkpoint import save
+from moelab.runtime.ranks import run_ranks
+from moelab.runtime.serve import build, run
+from moelab.runtime.train import Trainer, topology_for
 from moelab.sim.result import interval_union, overlap_seconds, union_seconds
 from moelab.strategies.lina.options import POLICIES, SERVE_VARIANTS, LinaServeOptions
 
@@ -48,8 +58,6 @@ def train_yields(yields=None) -> bool:
     compute at SCHED_IDLE during the iterations, :mod:`moelab.comm.cpu_priority`): ``None`` = on where the
     host allows, as ``benchmarks/lina.py`` does. With 4 ranks on 2 cores a call a communication thread issues
     during backward otherwise waits for a core behind the compute (a NIC does not wait for the GPU)."""
-    from moelab.comm.cpu_priority import resolve
-
     return resolve("auto") if yields is None else bool(yields)
 
 
@@ -89,8 +97,6 @@ def emulated_links(s) -> dict:
 
 
 def _gamma() -> float:
-    from moelab.papers.lina.paper_scale import fitted_gamma
-
     return float(fitted_gamma()["gamma"])
 
 
@@ -152,8 +158,6 @@ def policy_runs(scale: str, seed: int = 0, yields=None) -> dict:
     spans, "metrics": rank 0's per-iteration metrics rows, "loads": tokens per (iteration, MoE layer, source
     rank, expert)}``, each with a policy column, warm-up dropped;
     :data:`POLICIES`, then :data:`DEPARTURES`; ``yields``: :func:`train_yields`."""
-    from moelab.measure.realruns import run_real_many
-
     s, yields = scale_spec(scale), train_yields(yields)
     names = POLICIES + tuple(DEPARTURES)
     runs = run_real_many([train_config(s, p, seed, yields) for p in names], timeout=1800)
@@ -187,8 +191,6 @@ PARTITION_FACTORS = (0.25, 1.0, 4.0, 16.0)  # Fig. 15's sweep: micro-op sizes as
 def partition_runs(scale: str, seed: int = 0, factors=PARTITION_FACTORS) -> pd.DataFrame:
     """Fig. 15 (EMULATED): ``lina``'s step at micro-op sizes ``factors`` x the scale's S (S is scaled with the
     model, as the bucket is), one row each: S, micro-ops per step (all-reduce calls of a rank), the step."""
-    from moelab.measure.realruns import run_real_many
-
     s = scale_spec(scale)
     cfgs = [train_config(s, "lina", seed, S=f * s.t_S) for f in factors]
     rows = []
@@ -232,10 +234,6 @@ def max_pack(s) -> int:
 
 
 def _suite_rank(rank, world, cfg_dict, runs, ckpt_dir, repeat=1):
-    from moelab.runtime.checkpoint import save
-    from moelab.runtime.serve import run
-    from moelab.runtime.train import Trainer
-
     cfg = RunConfig.from_dict(cfg_dict)
     tr = Trainer.build(cfg)
     rows = tr.run()
@@ -274,10 +272,6 @@ def _serve_call_costs(cfg, world) -> dict:
     each of its calls with them)."""
     import torch.distributed as dist
 
-    from moelab.comm.door import Communicator, Recorder
-    from moelab.measure.local import emulated_call_costs
-    from moelab.runtime.train import topology_for
-
     comm = Communicator(topology_for(cfg, world), cfg.emulation, Recorder(dist.get_rank()))
     try:
         return emulated_call_costs(comm, "world", "all_to_all", reps=40)
@@ -301,8 +295,6 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
     ``emulation.compute_yields`` (the ranks' serving threads at SCHED_IDLE, phase 1's loader not). ``repeat``:
     serve every run that many times, interleaved, its records pooled (each with its ``round``)."""
     import dataclasses
-
-    from moelab.runtime.ranks import run_ranks
 
     s = scale_spec(scale)
     if isinstance(emulated, (tuple, list)):
@@ -346,16 +338,10 @@ def inference_suite(scale: str, seed: int = 0, dataset: str = "pydocs", emulated
 
 def _traces(cfg, ckpt_dir) -> np.ndarray:
     """Routing traces of the trained model on the profiling split (one process: every expert on it)."""
-    from moelab.runtime.ranks import run_ranks
-
     return run_ranks(_trace_rank, 1, cfg.to_dict(), ckpt_dir, timeout=600)[0]
 
 
 def _trace_rank(rank, world, cfg_dict, ckpt_dir):
-    from moelab.comm.door import Communicator
-    from moelab.comm.topology import Topology
-    from moelab.runtime.serve import build
-
     cfg = RunConfig.from_dict(cfg_dict).with_overrides({"parallel.nproc": 1, "train.init_from": ckpt_dir,
                                                         "serve.strategy_options.profile_batches":
                                                             4 * serve_options(cfg_dict).profile_batches})

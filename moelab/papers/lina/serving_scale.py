@@ -6,9 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.comm.topology import Topology
 from moelab.papers.kit.cache import cached
+from moelab.papers.kit.compare import paper_value
 from moelab.papers.lina import runs
 from moelab.strategies.lina.options import LinaServeOptions
+from moelab.strategies.lina.popularity import PathTable
+from moelab.strategies.lina.sim_infer import InferShape, simulate_serving
 
 from .common import scale_spec
 from .paper_scale import assumed, calibrated_profile
@@ -28,8 +32,6 @@ def fitted_infer_tokens(scale: str, seed: int = 0) -> dict:
     layer equals Table 1's inference measurement (16 GPUs, 12 layers: ``infer_a2a_16gpu_12L`` ms in paper.yaml,
     / 12), the spec's calibration target for the simulator. The all-to-all time is about linear in the tokens:
     one proportional step from the assumption's value, rounded to whole REAL batches, then priced again."""
-    from moelab.papers.kit.compare import paper_value
-
     target = paper_value("lina", "infer_a2a_16gpu_12L") / 1e3 / 12
 
     def per_layer(tokens):
@@ -58,10 +60,6 @@ def inference(scale: str, seed: int = 0, tokens_per_batch=None, variants=None, f
     (phase 2 by the top sets, or by load); ``first_layers``: its ``serve.strategy_options.first_layers`` (the layers
     before path_len static, or planned from the actual counts); ``path_len``:
     the estimator's path (default: the scale's middle one, Table 5's 3 at the default scale)."""
-    from moelab.comm.topology import Topology
-    from moelab.strategies.lina.popularity import PathTable
-    from moelab.strategies.lina.sim_infer import InferShape, simulate_serving
-
     s = scale_spec(scale)
     t = np.asarray(runs.inference_suite(scale, seed)["traces"], dtype=np.int64)
     E = s.i_experts

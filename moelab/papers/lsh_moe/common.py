@@ -48,7 +48,7 @@ class ScaleSpec:
 
 def scale_spec(scale) -> ScaleSpec:
     """The :class:`ScaleSpec` of ``scale`` (a name in ``experiments/lsh_moe/scales.yaml``, or a spec)."""
-    from moelab.papers.kit.scales import load_scale
+    from moelab.papers.kit.scales import load_scale  # here: the kit loads plotly, this module does not
 
     return load_scale("lsh_moe", ScaleSpec, scale)
 

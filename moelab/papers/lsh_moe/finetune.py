@@ -16,7 +16,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.config import RunConfig
+from moelab.measure.realruns import run_real_many
+from moelab.models.tasks import num_classes
+from moelab.models.vision import num_patches
 from moelab.papers.kit.cache import cached
+from moelab.strategies.lsh_moe.options import LSHMoEOptions
 
 from . import rates, tokens
 from .common import runs_timeout, scale_spec, tiny_overrides
@@ -27,8 +32,6 @@ LSH = {}  # the paper's setting: CP, L=6, r=2, EC
 
 
 def run_config(scale, task: str, opts: dict, seed: int, iters: int, init_from=None):
-    from moelab.config import RunConfig
-
     s = scale_spec(scale)
     over = {**tiny_overrides(s, iters=iters, seed=seed), "paper": "lsh_moe", "name": f"ft-{task}",
             "parallel.nproc": s.q_nproc, "parallel.topology.nodes": s.q_nodes, "parallel.strategy": "lsh_moe",
@@ -47,8 +50,6 @@ def run_config(scale, task: str, opts: dict, seed: int, iters: int, init_from=No
 def _rows(runs) -> list:
     """One dict per run: final exact-eval top-1/top-2, measured rho, median step time (after iteration 0),
     the task's number of classes."""
-    from moelab.models.tasks import num_classes
-
     rows = []
     for run in runs:
         ev = [m for m in run.metrics if m.get("eval_acc") is not None]
@@ -71,8 +72,6 @@ def _identity(cfg) -> str:
     import dataclasses
     import json
 
-    from moelab.strategies.lsh_moe.options import LSHMoEOptions
-
     d = cfg.to_dict()
     d["parallel"]["strategy_options"] = dataclasses.asdict(LSHMoEOptions.from_dict(d["parallel"]["strategy_options"]))
     d.pop("name", None)
@@ -83,8 +82,6 @@ def _run(scale, specs) -> pd.DataFrame:
     """``specs``: (key dict, task, options, seed, iters, init_from) -> one row each, the runs not done yet in
     this process (Table 2's topic runs are Fig. 7's Origin and L = 6) in one spawn. Runs are deterministic
     in their config, so a shared row is the run's own; only its timing was measured once."""
-    from moelab.measure.realruns import run_real_many
-
     s = scale_spec(scale)
     cfgs = [run_config(scale, task, opts, seed, iters, init) for _, task, opts, seed, iters, init in specs]
     ids = [_identity(c) for c in cfgs]
@@ -157,8 +154,6 @@ def table3(scale) -> pd.DataFrame:
     """Digits: Origin, LSH-MoE (L=6) and LSH-MoE at the L whose bucket bound guarantees rho <= 0.25 (the
     digits rows are not the text model's, so the capture cannot calibrate them), per seed: Top-1, Top-2,
     rho, EMULATED samples/s."""
-    from moelab.models.vision import num_patches
-
     s = scale_spec(scale)
     rows_per_group = s.batch * num_patches(s.v_patch) * 2 / s.experts
     Lb = bounded_L(rows_per_group)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.config import RunConfig
+from moelab.measure.realruns import run_real_many
 from moelab.papers.kit.cache import cached
 
 from . import rates
@@ -34,8 +36,6 @@ PANELS = {"lm": "Fig. 6 left: RoBERTa-MoE masked LM on BooksCorpus+Wikipedia",
 
 
 def run_config(scale, opts: dict, seed: int, task: str = "lm"):
-    from moelab.config import RunConfig
-
     s = scale_spec(scale)
     return RunConfig().with_overrides({
         **tiny_overrides(s, iters=s.q_iters, seed=seed), "paper": "lsh_moe", "name": f"quality-{task}",
@@ -53,8 +53,6 @@ def convergence(scale, task: str = "lm") -> pd.DataFrame:
     """One row per (variant, seed, iteration): loss, eval_ppl (NaN between evaluations), step_s (slowest
     rank), time_s (cumulative), rho (measured; 1 for Origin). ``task``: ``lm`` (masked LM, Fig. 6 left) or
     ``span`` (T5-like span corruption on the same encoder, Fig. 6 right)."""
-    from moelab.measure.realruns import run_real_many
-
     s = scale_spec(scale)
     vs = variants(scale)
     keys = [(v, seed) for seed in range(s.q_seeds) for v in vs]

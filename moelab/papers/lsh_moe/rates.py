@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from moelab.moe.experts import seeded_generator
 from moelab.papers.kit.cache import cached
 from moelab.strategies.lsh_moe import buckets as bk
 from moelab.strategies.lsh_moe.hashing import hash_rows, rotations
@@ -24,8 +25,6 @@ from .common import scale_spec
 def bucketize(xa: torch.Tensor, expert: torch.Tensor, E: int, family: str, L: int, r: int, *, seed: int = 0,
               layer: int = 0, rank: int = 0, center: bool = False) -> bk.Buckets:
     """One source rank's buckets, as the layer makes them (rotations seeded by (seed, layer))."""
-    from moelab.moe.experts import seeded_generator
-
     d = xa.shape[1]
     R = (rotations(d, 1 if family == "hyperplane" else r, L, seed, layer)
          if family in ("cross_polytope", "hyperplane") else None)

@@ -27,9 +27,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from moelab.config import ModelConfig, MoEConfig, RunConfig
+from moelab.measure.realruns import run_real_many
+from moelab.models.params import paper_model
 from moelab.papers.kit.assumptions import Assumptions, load_assumptions
 from moelab.papers.kit.cache import cached
 from moelab.papers.kit.compare import paper_value
+from moelab.sim import simulate
+from moelab.sim.graphs import ep_iteration_graph, moe_layer_ids
+from moelab.sim.profiles import get_profile
 from moelab.strategies.lsh_moe.analysis import a2a_compute_ratio
 
 from . import common
@@ -63,9 +69,6 @@ def model_config(name: str, overrides: tuple = ()):
     """The Table 1 config (``moelab.models.params``), or the Swin-MoE-L stand-in (the paper gives none):
     a uniform 24-layer transformer at Swin-L's stage-3 width, MoE every other layer, 32 experts, top-2,
     49 tokens per window-sequence (Swin's 7x7 windows)."""
-    from moelab.config import ModelConfig, MoEConfig
-    from moelab.models.params import paper_model
-
     if name != "Swin-MoE-L":
         return paper_model(name)
     A = assumptions(overrides)
@@ -84,10 +87,6 @@ def paper_step(name: str, servers: int, mfu: float, eta: float, *, expert_mult: 
     (MFU, eta_n): balanced loads (the share at its floor); ``tokens_per_gpu`` defaults to the model's
     assumption. Fewer experts than GPUs: EP over groups of E GPUs, data parallel across them. ``overrides``: see
     :func:`assumptions`."""
-    from moelab.config import RunConfig
-    from moelab.sim.graphs import moe_layer_ids
-    from moelab.sim.profiles import get_profile
-
     m = model_config(name, overrides)
     m.moe.num_experts *= expert_mult
     tokens = int(tokens_per_gpu if tokens_per_gpu is not None else assumptions(overrides).value(TOKENS[name]))
@@ -106,9 +105,6 @@ def paper_step(name: str, servers: int, mfu: float, eta: float, *, expert_mult: 
 
 def a2a_share(name: str, servers: int, expert_mult: int, mfu: float, eta: float, overrides: tuple = ()) -> float:
     """All-to-all time / step time of one uncompressed EP iteration on lsh_a100 at (MFU, eta_n)."""
-    from moelab.sim import simulate
-    from moelab.sim.graphs import ep_iteration_graph
-
     return sim_a2a_share(simulate(ep_iteration_graph(*paper_step(name, servers, mfu, eta, expert_mult=expert_mult,
                                                                    overrides=overrides))))
 
@@ -196,8 +192,6 @@ def constants(scale, model: str, overrides: tuple = ()) -> dict:
 def fig3(scale) -> pd.DataFrame:
     """One row per (setup, model): simulated share at the fitted constants, the paper's (a) bar, Eq. 9's
     all-to-all/compute ratio turned into a share ``r / (1 + r)`` at the same constants."""
-    from moelab.sim.profiles import get_profile
-
     f = fit(scale)
     prof = get_profile("lsh_a100")
     paper = paper_a()
@@ -227,9 +221,6 @@ def fig3(scale) -> pd.DataFrame:
 @cached
 def measured(scale) -> pd.DataFrame:
     """REAL and EMULATED share of the all-to-all in tiny masked-LM MoE steps on 2 and 4 gloo ranks."""
-    from moelab.config import RunConfig
-    from moelab.measure.realruns import run_real_many
-
     s = common.scale_spec(scale)
     rows = []
     for nproc in (2, 4):

@@ -28,6 +28,10 @@ import pandas as pd
 
 from moelab.papers.kit.cache import cached
 from moelab.papers.kit.compare import paper_value
+from moelab.sim import simulate
+from moelab.sim.graphs import ep_iteration_graph
+from moelab.strategies.lsh_moe.hashing import max_buckets
+from moelab.strategies.lsh_moe.sim_graph import centroid_counts, lsh_moe_iteration_graph
 
 from . import common, rates, share
 
@@ -57,11 +61,6 @@ def step_times(model: str, profile: str, servers: int, tokens_per_gpu: int, rho:
                overrides: tuple = ()) -> dict:
     """Seconds of one EP step and of LSH-MoE steps at ``rho`` (experts on centroids / on tokens), the EP step's
     all-to-all share and the hashing ops' seconds per rank (in the experts-on-centroids step)."""
-    from moelab.sim import simulate
-    from moelab.sim.graphs import ep_iteration_graph
-    from moelab.strategies.lsh_moe.hashing import max_buckets
-    from moelab.strategies.lsh_moe.sim_graph import centroid_counts, lsh_moe_iteration_graph
-
     cfg, prof, loads = share.paper_step(model, servers, mfu, eta, tokens_per_gpu=tokens_per_gpu, profile=profile,
                                         overrides=overrides)
     gpus = cfg.parallel.nproc

@@ -13,7 +13,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moelab.config import RunConfig
+from moelab.models.tasks import make_eval_batch
+from moelab.models.transformer import lm_loss
+from moelab.moe.experts import ACTIVATIONS, ffn
 from moelab.papers.kit.cache import cached
+from moelab.runtime.checkpoint import save
+from moelab.runtime.train import Trainer
 
 from .common import scale_spec, tiny_overrides
 
@@ -26,11 +32,6 @@ def capture(scale, seed: int = 0, trained: bool = True) -> dict:
     "gates": [layer] -> the gate's weight [E, d], "ckpt": a checkpoint of the trained model (None untrained),
     "act": activation name, "cfg": the run config (dict), "loss": last training loss, "eval_ppl": held-out
     perplexity on the captured batches}`` (numpy / torch CPU)."""
-    from moelab.config import RunConfig
-    from moelab.models.tasks import make_eval_batch
-    from moelab.models.transformer import lm_loss
-    from moelab.runtime.train import Trainer
-
     s = scale_spec(scale)
     # pretrain at a quality run's global batch (q_nproc ranks x batch), capture at one rank's batch
     train_cfg = RunConfig().with_overrides({**tiny_overrides(s, iters=s.capture_iters, seed=seed), "parallel.nproc": 1,
@@ -61,8 +62,6 @@ def capture(scale, seed: int = 0, trained: bool = True) -> dict:
     ckpt = None
     if trained:  # the pretrained model the fine-tuning substitutes start from (train.init_from)
         import tempfile
-
-        from moelab.runtime.checkpoint import save
 
         ckpt = str(save(tr, tempfile.mkdtemp(prefix=f"moelab-lsh-pretrained-{s.name}-"), len(rows)))
     return dict(x=xs, idx=idx, experts=experts, gates=gates, act=cfg.model.moe.activation, cfg=cfg.to_dict(), ckpt=ckpt,
@@ -103,8 +102,6 @@ def capture_for(scale, source: str, seed: int = 0) -> dict:
 
 def expert_fn(cap: dict, layer: int):
     """``f(rows, experts) -> outputs``: the captured layer's expert FFNs (exact, no communication)."""
-    from moelab.moe.experts import ACTIVATIONS, ffn
-
     w1, b1, w2, b2 = cap["experts"][layer]
     act = ACTIVATIONS[cap["act"]]
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moelab.config import EmulationConfig
+
 SCHEDULES = ("baseline", "s1", "s2", "s2_aas")
 
 
@@ -41,14 +43,12 @@ class ScaleSpec:
 
 
 def scale_spec(scale) -> ScaleSpec:
-    from moelab.papers.kit.scales import load_scale
+    from moelab.papers.kit.scales import load_scale  # here: the kit loads plotly, this module does not
 
     return load_scale("parm", ScaleSpec, scale)
 
 
 def emulation(s: ScaleSpec):
-    from moelab.config import EmulationConfig
-
     return EmulationConfig(enabled=True, intra_bw_GBps=s.intra_GBps, inter_bw_GBps=s.inter_GBps,
                            intra_latency_us=s.intra_lat_us, inter_latency_us=s.inter_lat_us)
 
@@ -60,6 +60,6 @@ def links_label(s: ScaleSpec) -> str:
 
 def paper(key: str) -> float:
     """Parm's own number ``key`` from ``experiments/parm/paper.yaml`` (a note quoting the paper reads it here)."""
-    from moelab.papers.kit.compare import paper_value
+    from moelab.papers.kit.compare import paper_value  # here: the kit loads plotly, this module does not
 
     return paper_value("parm", key)

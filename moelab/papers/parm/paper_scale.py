@@ -17,9 +17,14 @@ import pandas as pd
 
 from moelab.comm.costs import fit_alpha_beta
 from moelab.papers.kit.cache import cached
+from moelab.sim import simulate
+from moelab.sim.profiles import get_profile
 from moelab.strategies.parm.grid import SETTINGS as GRID
 from moelab.strategies.parm.grid import filtered
-from moelab.strategies.parm.sim_graph import model_fits, sim_curve
+from moelab.strategies.parm.layout import ParmLayout
+from moelab.strategies.parm.perf_model import ParmShape, paper_fits, select
+from moelab.strategies.parm.plan import Shape
+from moelab.strategies.parm.sim_graph import layer_time, model_fits, parm_model_graph, sim_curve
 
 from . import real
 from .common import scale_spec
@@ -63,7 +68,7 @@ def testbeds() -> pd.DataFrame:
 def _assumed(name: str, overrides: tuple = ()):
     """The value of assumption ``name`` in ``experiments/parm/assumptions.yaml``, or in ``overrides`` (a gap
     ladder's ``((name, value), ...)``, each checked against the assumption's range)."""
-    from moelab.papers.kit.assumptions import load_assumptions
+    from moelab.papers.kit.assumptions import load_assumptions  # here: it imports pandas, the kit loads without
 
     a = load_assumptions("parm")
     return (a.with_values(dict(overrides)) if overrides else a).value(name)
@@ -77,8 +82,6 @@ def headline_dispatcher(overrides: tuple = ()) -> str:
 def _profile(name: str, nodes=None, overrides: tuple = ()):
     """Testbed ``name`` as Parm's reproduction prices it: at ``nodes`` nodes (None: the profile's), compute at
     the assumed efficiency (``compute_efficiency``)."""
-    from moelab.sim.profiles import get_profile
-
     p = get_profile(name)
     eff = _assumed("compute_efficiency", overrides)
     return p.with_nodes(p.nodes if nodes is None else nodes).with_efficiency(
@@ -113,9 +116,6 @@ def sim_grid(scale, dispatcher: str | None = None, overrides: tuple = ()) -> pd.
     """Every kept configuration (every ``grid_stride``-th at small scales; the dispatcher that is not the headline's
     (:func:`headline_dispatcher`; None: that one) 4x sparser) with its simulated layer times; ``overrides``: a gap
     ladder's assumption values."""
-    from moelab.strategies.parm.perf_model import ParmShape, select
-    from moelab.strategies.parm.sim_graph import layer_time
-
     head = headline_dispatcher(overrides)
     dispatcher = dispatcher or head
     stride = scale_spec(scale).grid_stride * (INDEX_STRIDE if dispatcher != head else 1)
@@ -152,7 +152,7 @@ def sim_grid(scale, dispatcher: str | None = None, overrides: tuple = ()) -> pd.
 
 
 def grid_counts(scale) -> pd.DataFrame:
-    from moelab.papers.kit.assumptions import load_assumptions
+    from moelab.papers.kit.assumptions import load_assumptions  # here: it imports pandas, the kit loads without
 
     from .common import paper
 
@@ -223,8 +223,6 @@ def saa_sweep(scale=None) -> pd.DataFrame:
     fixed costs (SAA as :func:`_saa_options` prices it; AAS: one class latency for the all-to-all, N_MP - 1 ring
     steps for the all-gather); ``aas_over_saa`` > 1: SAA is faster, as the paper claims (``saa_over_aas``).
     ``saa_fixed_ms``: SAA alone at the smallest size (its fixed costs)."""
-    from moelab.strategies.parm.layout import ParmLayout
-
     from .common import paper
 
     rows, how = [], ""
@@ -279,10 +277,6 @@ def fig7(scale) -> pd.DataFrame:
 def fig6_frame(scale, seed: int = 0) -> tuple:
     """(points and curves, fits): REAL and EMULATED measurements at P=4 (2,2), the paper's AG_MP lines (A, B),
     the simulator's curves on parm_A / parm_B (4 ranks of one node, (2,2))."""
-    from moelab.sim.profiles import get_profile
-    from moelab.strategies.parm.layout import ParmLayout
-    from moelab.strategies.parm.perf_model import paper_fits
-
     suite = real.layer_suite(4, scale, seed)
     rows, fits = [], []
     for src, fs in suite["fits"].items():
@@ -327,12 +321,6 @@ def table5_sim(scale, overrides: tuple = ()) -> pd.DataFrame:
     ``top_k``, ``table5_capacity_factor``, ``table5_batch``) on testbed A (P=8) and B (P=32), N_MP=N_ESP=4,
     E = E_l * P / N_ESP (``experts_per_rank``; 2 and 8 at E_l = 1): baseline vs Parm (Alg. 1 per layer shape,
     model fits), with the headline dispatcher (:func:`headline_dispatcher`); ``overrides``: a gap ladder's."""
-    from moelab.sim import simulate
-    from moelab.strategies.parm.layout import ParmLayout
-    from moelab.strategies.parm.perf_model import ParmShape, select
-    from moelab.strategies.parm.plan import Shape
-    from moelab.strategies.parm.sim_graph import parm_model_graph
-
     A = lambda name: _assumed(name, overrides)  # noqa: E731
     B = int(A("table5_batch"))
     k, f, e_local = int(A("top_k")), A("table5_capacity_factor"), int(A("experts_per_rank"))

@@ -18,7 +18,18 @@ import time
 
 import torch
 
+from moelab.comm.door import Communicator
+from moelab.comm.topology import Topology
+from moelab.config import RunConfig
 from moelab.papers.kit.cache import cached
+from moelab.runtime.ranks import run_ranks
+from moelab.runtime.timing import timed
+from moelab.runtime.train import Trainer
+from moelab.strategies.parm import fits as F
+from moelab.strategies.parm.layer import ParmMoE
+from moelab.strategies.parm.layout import ParmLayout
+from moelab.strategies.parm.perf_model import ParmShape, from_dicts, select
+from moelab.strategies.parm.select import live_fits
 
 from .common import SCHEDULES, emulation, scale_spec
 
@@ -35,8 +46,6 @@ def _records(comm, n0, s0):
 def time_round_robin(comm, layers: dict, x, iters: int, warmup: int) -> dict:
     """``{method: [slowest rank's seconds per call]}``: one forward + backward of each layer in turn, a
     barrier before each (:func:`moelab.runtime.timing.timed`), ``warmup`` rounds dropped."""
-    from moelab.runtime.timing import timed
-
     times = {m: [] for m in layers}
     for it in range(warmup + iters):
         for m, layer in layers.items():
@@ -49,14 +58,6 @@ def time_round_robin(comm, layers: dict, x, iters: int, warmup: int) -> dict:
 
 
 def _rank(rank, world, scale, seed=0):
-    from moelab.comm.door import Communicator
-    from moelab.comm.topology import Topology
-    from moelab.strategies.parm import fits as F
-    from moelab.strategies.parm.layer import ParmMoE
-    from moelab.strategies.parm.layout import ParmLayout
-    from moelab.strategies.parm.perf_model import ParmShape, from_dicts, select
-    from moelab.strategies.parm.select import live_fits
-
     s = scale_spec(scale)
     rpn = 4 if world == 8 else 2
     topo = Topology(world, rpn)
@@ -105,8 +106,6 @@ def _rank(rank, world, scale, seed=0):
 @cached
 def layer_suite(world: int, scale, seed: int = 0) -> dict:
     """Rank 0's view of the suite on ``world`` ranks, plus every rank's traces (for the timelines)."""
-    from moelab.runtime.ranks import run_ranks
-
     res = run_ranks(_rank, world, scale_spec(scale).name, seed, timeout=1500)
     out = dict(res[0])
     out["rank_traces"] = [r["traces"] for r in res]
@@ -131,9 +130,6 @@ def tv_overrides(s, arch: str, schedule_opts: dict, seed: int = 0) -> dict:
 
 
 def _tv_rank(rank, world, scale, seed=0):
-    from moelab.config import RunConfig
-    from moelab.runtime.train import Trainer
-
     s = scale_spec(scale)
     out = []
     for arch in ("bert", "gpt"):
@@ -153,6 +149,4 @@ def _tv_rank(rank, world, scale, seed=0):
 
 @cached
 def table5_real(scale, seed: int = 0) -> list:
-    from moelab.runtime.ranks import run_ranks
-
     return run_ranks(_tv_rank, 8, scale_spec(scale).name, seed, timeout=1500)[0]
