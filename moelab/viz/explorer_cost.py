@@ -34,8 +34,14 @@ import functools
 
 import numpy as np
 
+from moelab.comm.bytes import by_link_class
 from moelab.comm.topology import LINK_CLASSES
+from moelab.config import RunConfig
 from moelab.placement import Placement
+from moelab.sim import config_for_profile
+from moelab.sim.engine import simulate
+from moelab.sim.graphs import ep_iteration_graph, expert_param_count, get_graph, graph_bytes, route_matrix, topology_of
+from moelab.sim.migration import migration_matrix, migration_row_bytes, migration_time
 from moelab.viz.explorer_state import ExplorerState, layer_loads, placement_of, profile_of, trace_label
 
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -44,8 +50,6 @@ MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
 def sim_config(state: ExplorerState, E: int, T: int):
     """The run config the explorer simulates: one MoE layer of the state's sizes on its profile's cluster,
     ``T`` tokens per rank (also what :mod:`moelab.viz.explorer_run` exports, resized to the local ranks)."""
-    from moelab.config import RunConfig
-    from moelab.sim import config_for_profile
 
     return config_for_profile(RunConfig(), profile_of(state), **{
         "model.n_layers": 1, "model.moe_every": 1, "model.d_model": state.d_model, "model.d_ff": state.d_ff,
@@ -58,8 +62,6 @@ def replica_sync_bytes(placement: Placement, topo, param_bytes: int):
     each replica sends its gradient to the owner, the owner sends the sum back to each replica (by hand,
     the check on the graph's ``replica_sync`` ops)."""
     import pandas as pd
-
-    from moelab.comm.bytes import by_link_class
 
     out = np.zeros((placement.world_size, len(LINK_CLASSES)), dtype=np.int64)
     for h in placement.holders:
@@ -102,9 +104,6 @@ def evaluate(state: ExplorerState) -> dict:
     ``memory_limit`` (bytes per rank), ``fits_memory``, ``migration_bytes`` ([src, dst] from
     ``moved_from``), ``migration_s``, ``experts_moved``, ``breakdown``, ``result``, ``profile``, ``label``.
     Cached per state (states are immutable)."""
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import ep_iteration_graph, expert_param_count, graph_bytes, route_matrix, topology_of
-    from moelab.sim.migration import migration_matrix, migration_row_bytes, migration_time
 
     if state.strategy == "hecate":
         return _evaluate_hecate(state)
@@ -159,7 +158,6 @@ def hecate_plan(state: ExplorerState) -> dict:
 
 def hecate_graph(state: ExplorerState):
     """Hecate's own simulator graph of one iteration of ``state``'s layer (the registered ``sim_graph``)."""
-    from moelab.sim.graphs import get_graph
 
     prof, L = profile_of(state), layer_loads(state)
     N, E = L.shape
@@ -169,8 +167,6 @@ def hecate_graph(state: ExplorerState):
 
 
 def _evaluate_hecate(state: ExplorerState) -> dict:
-    from moelab.sim.engine import simulate
-    from moelab.sim.graphs import graph_bytes, route_matrix, topology_of
 
     prof, L, pl = profile_of(state), layer_loads(state), placement_of(state)
     N, E = L.shape

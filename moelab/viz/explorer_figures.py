@@ -9,14 +9,13 @@ import numpy as np
 from moelab.comm.topology import LINK_CLASSES
 from moelab.placement import Placement
 from moelab.viz.explorer_cost import MEMORY_CATEGORIES
+from moelab.viz.figures import LINK_COLOURS, check_label, finish
 
 
 def load_figure(ev: dict, *, label: Optional[str] = None, baseline: Optional[dict] = None,
                 width: Optional[int] = None):
     """Tokens computed per rank (bars), the mean (dashed), and optionally a baseline's bars (e.g. EP)."""
     import plotly.graph_objects as go
-
-    from moelab.viz.figures import check_label, finish
 
     label = check_label(label or ev["label"])
     fig = go.Figure()
@@ -33,8 +32,6 @@ def bytes_figure(ev: dict, *, label: Optional[str] = None, width: Optional[int] 
     """Bytes each rank sends in the MoE layer (count exchange + 4 all-to-alls), stacked by link class."""
     import plotly.graph_objects as go
 
-    from moelab.viz.figures import LINK_COLOURS, check_label, finish
-
     label = check_label(label or ev["label"])
     fig = go.Figure()
     b = ev["bytes"]
@@ -48,8 +45,6 @@ def memory_figure(ev: dict, *, label: Optional[str] = None, width: Optional[int]
     """Peak bytes per rank by category (each its own peak, stacked) and the peak of their sum, against the
     profile's memory per GPU."""
     import plotly.graph_objects as go
-
-    from moelab.viz.figures import check_label, finish
 
     label = check_label(label or ev["label"])
     mem = ev["memory"]
@@ -104,8 +99,6 @@ def grid_figure(ev: dict, *, colour: str = "tokens", label: Optional[str] = None
     (:mod:`moelab.viz.explorer_ui` wraps it in a ``FigureWidget`` and listens to clicks)."""
     import plotly.graph_objects as go
 
-    from moelab.viz.figures import check_label, finish
-
     label = check_label(label or ev["label"])
     pl = ev["placement"]
     E, N = pl.num_experts, pl.world_size
@@ -152,8 +145,6 @@ def ab_table(a: dict, b: dict):
 def ab_figure(a: dict, b: dict, *, label: Optional[str] = None, width: Optional[int] = None):
     """Tokens per rank of A and B side by side, and B - A of the layer time in the title."""
     import plotly.graph_objects as go
-
-    from moelab.viz.figures import check_label, finish
 
     label = check_label(label or b["label"])
     N = len(a["rank_tokens"])

@@ -16,6 +16,7 @@ import numpy as np
 
 from moelab.placement import Placement
 from moelab.viz.explorer_figures import GRID_COLOURS, expert_rank_tokens, grid_arrays, grid_headline, grid_height
+from moelab.viz.figures import check_label, finish
 
 View = Union[str, int]
 
@@ -79,8 +80,6 @@ def view_figure(ev: dict, *, colour: str = "tokens", view: View = "ranks", label
                 width: Optional[int] = None):
     """The grid of ``view`` as a heatmap figure (:func:`view_arrays`; node boundaries as lines in the rank view)."""
     import plotly.graph_objects as go
-
-    from moelab.viz.figures import check_label, finish
 
     v = view_arrays(ev, colour, view)
     E, C = v["z"].shape

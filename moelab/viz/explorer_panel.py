@@ -6,6 +6,9 @@ from __future__ import annotations
 import html
 from typing import Optional
 
+from moelab.runtime.project import project_path
+from moelab.viz.explorer_run import export_config, launch_config, real_vs_simulated
+
 
 class RunPanel:
     """``ui``: the :class:`moelab.viz.explorer_ui.ExplorerUI` whose current state is exported and run."""
@@ -33,8 +36,6 @@ class RunPanel:
 
     def on_export(self) -> Optional[str]:
         """Write the current placement's run config; refuse (with the reason) an invalid one."""
-        from moelab.runtime.project import project_path
-        from moelab.viz.explorer_run import export_config
 
         try:
             p = export_config(self.ui.state, project_path(self.path.value))
@@ -48,8 +49,6 @@ class RunPanel:
 
     def on_run(self) -> Optional[dict]:
         """Export, run on this machine's ranks (progress bar in the panel), compare with the simulator."""
-        from moelab.runtime.project import project_path
-        from moelab.viz.explorer_run import launch_config, real_vs_simulated
 
         p = self.on_export()
         if p is None:

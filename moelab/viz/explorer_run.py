@@ -22,6 +22,13 @@ from typing import Optional
 
 import numpy as np
 
+from moelab.config import RunConfig
+from moelab.measure.local import machine_profile
+from moelab.measure.realruns import RealRun
+from moelab.measure.validate import compare, simulate_real
+from moelab.runtime.project import project_path
+from moelab.runtime.results import RunResult
+from moelab.runtime.train import placement_for
 from moelab.viz.explorer_cost import check_fits, evaluate
 from moelab.viz.explorer_state import ExplorerState, mapping, profile_of, trace_shape, world_of
 
@@ -35,8 +42,6 @@ def run_config(state: ExplorerState, *, base: str = QUICKSTART, iters: int = 6, 
                emulate: bool = True, overrides: Optional[dict] = None):
     """The RunConfig of a REAL run of ``state``'s placement (module doc); ValueError if the placement is not
     valid or does not fit memory on the state's profile."""
-    from moelab.config import RunConfig
-    from moelab.runtime.project import project_path
 
     check_fits(evaluate(state))  # also validates the placement (evaluate builds it)
     p = profile_of(state)
@@ -73,9 +78,6 @@ def real_run_of(run):
     """A stored run (folder or :class:`moelab.runtime.results.RunResult`) as the validation's ``RealRun``."""
     import pandas as pd
 
-    from moelab.measure.realruns import RealRun
-    from moelab.runtime.results import RunResult
-
     run = run if isinstance(run, RunResult) else RunResult(run)
     cfg = run.config
     N, E = cfg.parallel.nproc, cfg.model.moe.num_experts
@@ -102,9 +104,6 @@ def real_vs_simulated(run, *, warmup: int = 2, compute="model") -> dict:
     "layers" (validate's per-(iter, layer) frame), "bytes_exact" (every rank's bytes per link class, iteration
     and collective equal on both sides), "real_label", "sim_label"}`` (means over the timed
     iterations and layers)."""
-    from moelab.measure.local import machine_profile
-    from moelab.measure.validate import compare, simulate_real
-    from moelab.runtime.train import placement_for
 
     real = real_run_of(run)
     cfg = real.cfg

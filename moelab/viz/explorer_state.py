@@ -27,7 +27,12 @@ from typing import Optional
 
 import numpy as np
 
+from moelab.config import ConfigError, RunConfig
+from moelab.models.presets import preset
+from moelab.models.traces import routing_trace
 from moelab.placement import Placement
+from moelab.sim import get_profile
+from moelab.sim.graphs import synthetic_loads
 
 SYNTHETIC_KINDS = ("hot_expert", "balanced", "hot_rank", "zipf_drift", "zero_rank")
 STRATEGIES = ("ep", "hecate")  # the explorer's pricing: core expert parallelism, or Hecate's FSSDP graph
@@ -57,7 +62,6 @@ class ExplorerState:
 
 # ---- the trace ------------------------------------------------------------------------------------
 def profile_of(state: ExplorerState):
-    from moelab.sim import get_profile
 
     p = get_profile(state.profile)
     p = p.with_nodes(state.nodes) if state.nodes else p
@@ -119,7 +123,6 @@ def run_global_loads(path: str) -> np.ndarray:
 
 @functools.lru_cache(maxsize=32)
 def _synthetic(kind, iters, layers, world, E, T, k, seed):
-    from moelab.models.traces import routing_trace
 
     return routing_trace(kind, iters, layers, world, E, T, k, seed).numpy()
 
@@ -143,8 +146,6 @@ def trace_loads(state: ExplorerState) -> np.ndarray:
 
 
 def _preset(name: str):
-    from moelab.config import ConfigError
-    from moelab.models.presets import preset
 
     try:
         return preset(name)
@@ -154,8 +155,6 @@ def _preset(name: str):
 
 @functools.lru_cache(maxsize=32)
 def _zipf(iters, layers, world, E, T, k, seed, skew):
-    from moelab.config import RunConfig
-    from moelab.sim.graphs import synthetic_loads
 
     if skew < 0:
         raise ValueError(f"skew must be >= 0, got {skew}")

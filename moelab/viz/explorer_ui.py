@@ -15,6 +15,8 @@ import html
 import time
 from typing import Optional
 
+from moelab.models.presets import PRESETS
+from moelab.sim import PROFILES
 from moelab.viz.explorer import (
     STRATEGIES,
     SYNTHETIC_KINDS,
@@ -42,6 +44,7 @@ from moelab.viz.explorer import (
 from moelab.viz.explorer_figures import GRID_COLOURS
 from moelab.viz.explorer_fit import fit_widget, responsive
 from moelab.viz.explorer_nodes import view_arrays, view_figure
+from moelab.viz.explorer_panel import RunPanel
 from moelab.viz.explorer_policies import POLICIES, decide
 
 # pixels the figures' titles and labels are wrapped for (the figures then autosize to their boxes): a half of a
@@ -60,9 +63,6 @@ class ExplorerUI:
                  export_path: str = "explorer_run.yaml"):
         import ipywidgets as w
 
-        from moelab.sim import PROFILES
-        from moelab.viz.explorer_panel import RunPanel
-
         self.state = state
         self.pinned: Optional[ExplorerState] = None
         self._quiet = False
@@ -74,7 +74,6 @@ class ExplorerUI:
         profiles = list(profiles or sorted(n for n, p in PROFILES.items() if p.world_size <= 64))
         if state.profile not in profiles:
             profiles.insert(0, state.profile)
-        from moelab.models.presets import PRESETS
 
         traces = ([f"synthetic:{k}" for k in SYNTHETIC_KINDS] + [f"preset:{n}" for n in sorted(PRESETS)]
                   + [f"run:{r}" for r in runs])

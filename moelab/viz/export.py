@@ -28,6 +28,7 @@ from html import escape
 from pathlib import Path
 
 from moelab.runtime.results import atomic_write_bytes, atomic_write_text
+from moelab.viz.chromium import Chromium
 
 _BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 ASSETS = "assets"
@@ -170,8 +171,6 @@ def _renderer():
     global _chromium
     if _chromium is None:
         import atexit
-
-        from moelab.viz.chromium import Chromium
 
         _chromium = Chromium()
         atexit.register(_close_renderer)  # no browser outlives the process

@@ -14,6 +14,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
+from moelab.measure.validate import median_rel_err, r2_score
 from moelab.viz.figures import check_label, finish
 
 # one colour per simulator op category, stable across figures
@@ -80,7 +81,6 @@ def predicted_vs_measured(frame, *, label: str, measured: str = "real_s", predic
     ``real_comm_s``/``sim_comm_s``, as ``Comparison`` frames do), the title gives R^2 of each part
     alone too: a good total can hide two compensating errors.
     """
-    from moelab.measure.validate import median_rel_err, r2_score
 
     label = check_label(label)
     df = frame[~frame["warmup"]] if "warmup" in frame else frame
