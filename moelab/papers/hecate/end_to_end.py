@@ -27,7 +27,9 @@ from moelab.sim.engine import simulate
 from moelab.sim.graphs import iteration_graph, moe_layer_ids
 from moelab.sim.placement_cost import cost_for_run
 
+from .baselines import FLEXMOE, flexmoe_plans, smartmoe_plans
 from .common import PAPER_MODELS, assumptions, scale_spec  # noqa: F401
+from .memory import BYTES, state_bytes
 from .paper_scale import frame_label, paper_config, paper_loads, paper_profile
 from .replay import graph_kwargs, hecate_plans
 
@@ -72,8 +74,6 @@ def memory_budget(cfg, profile) -> dict:
     activations of the batch (Megatron's per-layer estimate without recomputation, s·b·h·(34 + 5·a·s/h) bytes,
     Korthikanti et al. 2022, an assumption: the paper states neither its activation memory nor m), capped at E.
     At batch 1 it is at least E for every Table 1 model on both clusters, so it binds nothing there."""
-    from .memory import BYTES, state_bytes
-
     m, N = paper_model(cfg.name), profile.world_size  # the Table 1 model at full depth (cfg may simulate fewer layers)
     E, b, s, h = cfg.model.moe.num_experts, cfg.train.batch_size, m.seq_len, m.d_model
     act = m.n_layers * s * b * h * (34 + 5 * m.n_heads * s / h)
@@ -120,13 +120,9 @@ def system_plans(system: str, cfg, profile, loads, overrides: tuple = (), **heca
                 f"{cal.count('accepted')} of {len(cal)}; experts migrated: {moved}")
         return cfg.with_overrides({"parallel.strategy": "hecate"}), [graph_kwargs(p) for p in plans], note
     if system == "FlexMoE":
-        from .baselines import FLEXMOE, flexmoe_plans
-
         plans, note = flexmoe_plans(loads, hecate_cost(cfg, profile), **FLEXMOE)
         return cfg.with_overrides({"parallel.strategy": "flexmoe"}), plans, note
     if system == "SmartMoE":
-        from .baselines import smartmoe_plans
-
         got = smartmoe_plans(loads, hecate_cost(cfg, profile), G)
         if got is None:
             return None

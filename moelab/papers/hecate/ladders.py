@@ -10,6 +10,8 @@ toward them.
 from __future__ import annotations
 
 from . import end_to_end as EE
+from .motivation import m1, m2
+from .products import _summaries
 
 HEADLINE_SYSTEMS = tuple(s for s in EE.SYSTEMS if s != EE.T_CHOSEN)  # the rows never read the chosen-t variant
 
@@ -52,8 +54,6 @@ def speedup_up_to(scale, overrides: tuple = ()) -> float:
     fig9 and fig10 rows, as paper.yaml reads the paper's "up to")."""
     import pandas as pd
 
-    from .products import _summaries
-
     frames = [_frame(scale, c, g, overrides, HEADLINE_SYSTEMS) for c, g in (("hecate_A", 16), ("hecate_A", 32))]
     a = _summaries(pd.concat(frames, ignore_index=True))
     b = _summaries(_frame(scale, "hecate_B", 32, overrides, HEADLINE_SYSTEMS))
@@ -74,14 +74,10 @@ def t_table(scale, overrides: tuple = ()):
 
 def m2_flexmoe_speedup(scale, overrides: tuple = ()) -> float:
     """``m2_flexmoe_speedup``: FlexMoE over EP with 4x EP's expert memory (r = 6), GPT-MoE-S, cluster A."""
-    from .motivation import m2
-
     return float(m2(_name(scale), rs=(6,), overrides=tuple(overrides)).speedup.iloc[0])
 
 
 def m1_imbalance_slowdown(scale, overrides: tuple = ()) -> float:
     """``m1_imbalance_slowdown``: EP's iteration time under the trace's loads over the same tokens spread evenly,
     the largest over the 4 models, cluster A, 16 GPUs."""
-    from .motivation import m1
-
     return float(m1(_name(scale), overrides=tuple(overrides)).slowdown.max())

@@ -14,7 +14,9 @@ import pandas as pd
 
 from moelab.strategies.smartmoe.sim_graph import smartmoe_replay
 
-from .common import PAPER_MODELS, scale_spec
+from .baselines import FLEXMOE, flexmoe_plans
+from .common import PAPER_MODELS, assumptions, scale_spec
+from .end_to_end import hecate_cost, simulate_system
 from .paper_scale import frame_label, paper_config, paper_loads, paper_profile
 
 
@@ -30,15 +32,11 @@ def balanced(loads: np.ndarray) -> np.ndarray:
 
 
 def _iter_ms(cfg, prof, loads) -> float:
-    from .end_to_end import simulate_system
-
     return 1e3 * float(simulate_system(cfg, prof, loads, [{}] * len(loads)).iter_s.mean())
 
 
 def m1(scale="smoke", seed: int = 0, profile=None, overrides: tuple = ()) -> pd.DataFrame:
     """``overrides``: assumptions set for this run (a gap ladder's rungs: the batch, the trace's skew)."""
-    from .common import assumptions
-
     sp = scale_spec(scale)
     A = assumptions(overrides)
     prof = profile or paper_profile("hecate_A", 16)
@@ -72,10 +70,6 @@ def m1_fit(scale="smoke", seed: int = 0) -> pd.DataFrame:
 def m2(scale="smoke", seed: int = 0, rs=(1, 2, 4, 6, 8), overrides: tuple = ()) -> pd.DataFrame:
     """FlexMoE at r reserved slots per layer: speedup over EP and model-state memory over EP (GPT-MoE-S);
     ``overrides``: assumptions set for this run (a gap ladder's rungs: the batch, the trace's skew)."""
-    from .baselines import FLEXMOE, flexmoe_plans
-    from .common import assumptions
-    from .end_to_end import hecate_cost, simulate_system
-
     sp = scale_spec(scale)
     A = assumptions(overrides)
     prof = paper_profile("hecate_A", 16)
@@ -98,8 +92,6 @@ def m3(scale="smoke", seed: int = 0, intervals=(10, 25, 50, 100)) -> pd.DataFram
     """SmartMoE's interval K (GPT-MoE-S, cluster A, 16 GPUs, 2 layers): its policy replayed over the long trace;
     per K the mean time of iterations without a re-placement (sampled) and the total time (those, plus every
     re-placement iteration priced with its migration)."""
-    from .end_to_end import hecate_cost, simulate_system
-
     sp = scale_spec(scale)
     prof = paper_profile("hecate_A", 16)
     loads = paper_loads(sp.name, "GPT-MoE-S", "hecate_A", 16, seed, iters=sp.interval_iters, layers=2)

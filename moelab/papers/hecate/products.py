@@ -13,8 +13,11 @@ from . import (
     products_real,  # noqa: F401 - registers the other half
     trace,
 )
+from .baselines import FLEXMOE
 from .common import BASELINES, RM_UP_TO, UP_TO, P, X, scale_spec  # noqa: F401 - scale_spec: the Session's scale lookup
 from .common import table1 as _table1
+from .memory import max_replicas, state_bytes
+from .paper_scale import paper_config, paper_loads, paper_profile
 
 TABLE1_PARAMS = ("model", {m: Quantity(f"parameters of {m} (experts + attention, L*(4E+4)*d^2)", "params")
                            for m in ("GPT-MoE-S", "GPT-MoE-L", "BERT-MoE", "BERT-MoE-Deep")})
@@ -183,8 +186,6 @@ def fig15b(ctx):
     import numpy as np
     import pandas as pd
 
-    from .paper_scale import paper_config, paper_loads, paper_profile
-
     sp = ctx.scale
     prof = paper_profile("hecate_B", 32)
     loads = paper_loads(sp.name, "GPT-MoE-S", "hecate_B", 32, ctx.seed, iters=sp.interval_iters, layers=2)
@@ -223,10 +224,6 @@ def fig15b(ctx):
 def fig13(ctx):
     """Peak model-state memory per device (activations excluded, :mod:`.memory`) on the plans the replays produced."""
     import pandas as pd
-
-    from .baselines import FLEXMOE
-    from .memory import max_replicas, state_bytes
-    from .paper_scale import paper_config, paper_loads, paper_profile
 
     model, cluster, gpus = "BERT-MoE-Deep", "hecate_B", 32
     prof = paper_profile(cluster, gpus)

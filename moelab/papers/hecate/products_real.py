@@ -11,15 +11,19 @@ from moelab.sim.graphs import iteration_graph
 
 from . import end_to_end as EE
 from . import figures as F
+from . import motivation as M
+from . import real
+from .baselines import FLEXMOE
 from .common import BASELINES, RM_UP_TO, P, X
+from .memory import max_replicas, state_bytes
+from .paper_scale import paper_config, paper_loads, paper_profile
+from .trace import real_trace, upsample
 
 
 # ---- REAL (Figs. 1, 4, 5, 6, 8) ---------------------------------------------------------------------------------
 @product(P, "fig4", needs_real=True, quantities={"fsdp_over_hecate": Quantity(
     "bytes of an FSDP of the layer over Hecate's spAG + spRS bytes", X)})
 def fig4(ctx):
-    from . import real
-
     df = real.fig4_bytes(ctx.scale.name)
     df["fsdp_over_hecate"] = df.fsdp / df.hecate_sparse.where(df.hecate_sparse > 0)
     notes = [] if (df.hecate_sparse > 0).any() else [
@@ -30,8 +34,6 @@ def fig4(ctx):
 
 @product(P, "fig5", needs_real=True)
 def fig5(ctx):
-    from . import real
-
     ev = real.event_order(ctx.scale.name)
     ev["row"] = "rank " + ev["rank"].astype(str) + " " + ev["kind"]
     return Made(ev, tables={"table_fig05_events": (ev, "Fig. 5: one iteration's events (REAL)")},
@@ -44,8 +46,6 @@ def fig5(ctx):
 def fig1r(ctx):
     """Fig. 1's two timelines on the REAL runs: one iteration of EP and of Hecate on the same gloo ranks and data."""
     import pandas as pd
-
-    from . import real
 
     frames = []
     for system in ("EP", "Hecate"):
@@ -66,8 +66,6 @@ def fig1r(ctx):
 
 @product(P, "fig6", needs_real=True)
 def fig6(ctx):
-    from . import real
-
     df = real.fig6_buffers()
     return Made(df, tables={"table_fig06_chunks": (df, "Fig. 6: chunk values per device")},
                 figures={"fig06_chunks": F.chunk_grid(df, label=df.attrs["label"])})
@@ -75,8 +73,6 @@ def fig6(ctx):
 
 @product(P, "fig8", needs_real=True)
 def fig8(ctx):
-    from . import real
-
     df = real.fig8_sharding(ctx.scale.name)
     s = real.max_over_mean(df)
     return Made(s, tables={"table_fig08_sharding": (df, "Fig. 8: experts and load per device and layer"),
@@ -87,8 +83,6 @@ def fig8(ctx):
 @product(P, "fig11r", needs_real=True)
 def fig11r(ctx):
     """Fig. 11's device load on the REAL runs: max / mean tokens per device per MoE layer call."""
-    from . import real
-
     df = real.device_loads(ctx.scale.name)
     s = df.groupby("system", sort=False).max_over_mean.median()
     notes = ["median max / mean tokens per device: " + ", ".join(f"{k} {v:.2f}" for k, v in s.items())]
@@ -99,8 +93,6 @@ def fig11r(ctx):
 @product(P, "fig12r", needs_real=True)
 def fig12r(ctx):
     """Fig. 12's byte breakdown on the REAL runs: bytes per iteration by phase, every system."""
-    from . import real
-
     df = real.bytes_by_phase(ctx.scale.name)
     return Made(df, tables={"table_fig12r_bytes": (df, "Fig. 12 (REAL): bytes per iteration by phase")},
                 figures={"fig12r_bytes": F.phase_bytes(df, label=df.attrs["label"])})
@@ -109,8 +101,6 @@ def fig12r(ctx):
 @product(P, "fig15ar", needs_real=True)
 def fig15ar(ctx):
     """Fig. 15a's ablation on the REAL runs (their plans timed by the simulator, as Fig. 9's small run)."""
-    from . import real
-
     df = real.ablation_real(ctx.scale.name)
     idle = [r.system for r in df.itertuples() if r.system != "EP" and not r.policy_fired]
     notes = [f"no plan change in these iterations (the policy did not fire): {idle}"] if idle else []
@@ -129,8 +119,6 @@ def fig15ar(ctx):
     "hecate_total_over_ep": Quantity("peak memory (params + grads + optimizer) of Hecate over EP", X)})
 def fig13r(ctx):
     """Fig. 13's exact accounting on the REAL runs (fp32 storages), beside the SIMULATED paper-scale ``fig13``."""
-    from . import real
-
     df = real.fig13_real(ctx.scale.name)
     s = df.set_index("system").total_MB
     df["flexmoe_over_hecate"] = s["FlexMoE"] / s["Hecate"]
@@ -150,8 +138,6 @@ def fig13r(ctx):
 def fig1(ctx):
     """SIMULATED timelines of one GPT-MoE-S iteration (2 layers) on cluster A, EP vs Hecate, rank 0."""
     import pandas as pd
-
-    from .paper_scale import paper_config, paper_loads, paper_profile
 
     prof = paper_profile("hecate_A", 16)
     loads = paper_loads(ctx.scale.name, "GPT-MoE-S", "hecate_A", 16, ctx.seed, layers=2)
@@ -177,8 +163,6 @@ def fig1(ctx):
 # ---- motivation (M1-M3) -----------------------------------------------------------------------------------------
 @product(P, "m1", quantities={"slowdown": Quantity("EP iteration time under imbalanced over balanced loads", X)})
 def m1(ctx):
-    from . import motivation as M
-
     df = M.m1(ctx.scale.name, ctx.seed)
     fit = M.m1_fit(ctx.scale.name, ctx.seed)
     best = fit.max_slowdown.max()
@@ -196,8 +180,6 @@ def m1(ctx):
 
 @product(P, "m2", quantities={"speedup": ("r", {6: Quantity("FlexMoE speedup reached with 4x reserved memory", X)})})
 def m2(ctx):
-    from . import motivation as M
-
     df = M.m2(ctx.scale.name, ctx.seed)
     fig = F.memory_speedup(df, label=df.attrs["label"])
     return Made(df, tables={"table_m2_flexmoe": (df, "M2: FlexMoE speedup vs reserved memory")},
@@ -216,11 +198,6 @@ def fig14(ctx):
     the simulator's activation peak; a point over the GPU's memory is an OOM (no throughput)."""
     import numpy as np
     import pandas as pd
-
-    from .baselines import FLEXMOE
-    from .memory import max_replicas, state_bytes
-    from .paper_scale import paper_config, paper_loads, paper_profile
-    from .trace import real_trace, upsample
 
     sp = ctx.scale
     prof = paper_profile("hecate_B", 32)
@@ -271,8 +248,6 @@ def fig14(ctx):
 
 @product(P, "fig9r", needs_real=True)
 def fig9r(ctx):
-    from . import real
-
     df = real.fig9_real(ctx.scale.name)
     idle = [r.system for r in df.itertuples() if r.system != "EP" and r.system != "FSDP" and not r.policy_fired]
     notes = [f"no plan change in these iterations (the policy did not fire): {idle}"] if idle else []
@@ -291,8 +266,6 @@ def fig9t(ctx):
     """How the guessed overlap degree moves Fig. 9/10 (t = m): Hecate's speedup over EP for each t on both
     clusters (GPT-MoE-S and BERT-MoE), the formula's own t marked."""
     import pandas as pd
-
-    from .paper_scale import paper_config, paper_loads, paper_profile
 
     rows = []
     for cluster, gpus in (("hecate_A", 16), ("hecate_B", 32)):
@@ -321,8 +294,6 @@ def fig9t(ctx):
         "per-iteration time saved by SmartMoE at interval 10 over 25 (non-rearranging iterations)", "fraction"),
     "total_loss_10_vs_25": Quantity("total time added by SmartMoE at interval 10 over 25", "fraction")})
 def m3(ctx):
-    from . import motivation as M
-
     df = M.m3(ctx.scale.name, ctx.seed)
     return Made(df, tables={"table_m3_smartmoe": (df, "M3: SmartMoE interval")},
                 figures={"m3_smartmoe": F.interval_bars(df.assign(speedup=df.total_s.min() / df.total_s),

@@ -11,7 +11,8 @@ from . import contention, frames, paper_scale
 from . import figures as F
 from . import layer_views as LV
 from .common import P, fired, paper
-from .runs import DEPARTURE_NOTE, policy_runs
+from .gpu import gpu_timings
+from .runs import DEPARTURE_NOTE, partition_runs, policy_runs
 
 STEP = Quantity("training step speedup over DeepSpeed-MoE-style DDP overlap (ddp_overlap)", "x")
 BWD = Quantity("backward all-to-all time speedup over ddp_overlap", "x")
@@ -415,8 +416,6 @@ def fig15s(ctx):
 
 @product(P, "fig15e", needs_real=True)
 def fig15e(ctx):
-    from .runs import partition_runs
-
     df = partition_runs(ctx.scale.name, ctx.seed)
     best = df.loc[df.step_s.idxmin()]
     notes = [f"lina's step vs the micro-op size S on 4 ranks (S scaled with the model): fastest at "
@@ -440,8 +439,6 @@ def fig15e(ctx):
 
 @product(P, "gpu_c", needs_gpu=True)
 def gpu_c(ctx):
-    from .gpu import gpu_timings
-
     a = paper_scale.assumed
     df = gpu_timings("cuda", d=a("d_model"), f=a("d_ff"), heads=a("n_heads"), seq=a("seq_len"),
                      partition_MB=a("partition_MB"))

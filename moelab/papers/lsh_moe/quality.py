@@ -19,7 +19,7 @@ from moelab.config import RunConfig
 from moelab.measure.realruns import run_real_many
 from moelab.papers.kit.cache import cached
 
-from . import rates
+from . import rates, tokens
 from .common import runs_timeout, scale_spec, tiny_overrides
 
 VARIANTS = {"Origin": {"hash_family": "none"}, "LSH-MoE": {}, "LSH-MoE w/o EC": {"error_compensation": False}}
@@ -73,8 +73,6 @@ def convergence(scale, task: str = "lm") -> pd.DataFrame:
     df = pd.DataFrame(rows)
     df["eval_ppl"] = pd.to_numeric(df.eval_ppl, errors="coerce")
     if task == "lm":  # how far these runs are from a longer-trained model of the same shape
-        from . import tokens
-
         cap = tokens.capture(scale)
         df.attrs["reference_ppl"], df.attrs["reference_iters"] = cap["eval_ppl"], cap["iters"]
     df.attrs["label"] = (f"SUBSTITUTE ({PANELS[task]}): tiny bert-MoE "

@@ -27,7 +27,7 @@ from moelab.strategies.parm.plan import Shape
 from moelab.strategies.parm.sim_graph import layer_time, model_fits, parm_model_graph, sim_curve
 
 from . import real
-from .common import scale_spec
+from .common import paper, scale_spec
 
 NOTATION = [  # (paper symbol, meaning, where moelab keeps it)
     ("P", "world size (GPUs / processes)", "parallel.nproc"),
@@ -154,8 +154,6 @@ def sim_grid(scale, dispatcher: str | None = None, overrides: tuple = ()) -> pd.
 def grid_counts(scale) -> pd.DataFrame:
     from moelab.papers.kit.assumptions import load_assumptions  # here: it imports pandas, the kit loads without
 
-    from .common import paper
-
     reserve = load_assumptions("parm").value("memory_reserve_GiB")
     g = sim_grid(scale)
     rows = []
@@ -223,8 +221,6 @@ def saa_sweep(scale=None) -> pd.DataFrame:
     fixed costs (SAA as :func:`_saa_options` prices it; AAS: one class latency for the all-to-all, N_MP - 1 ring
     steps for the all-gather); ``aas_over_saa`` > 1: SAA is faster, as the paper claims (``saa_over_aas``).
     ``saa_fixed_ms``: SAA alone at the smallest size (its fixed costs)."""
-    from .common import paper
-
     rows, how = [], ""
     for setting, nodes in SAA_SWEEP:
         prof_name, _, g = GRID[setting]
