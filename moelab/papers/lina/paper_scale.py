@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from moelab.config import RunConfig
+from moelab.papers.kit.assumptions import load_assumptions
 from moelab.papers.kit.compare import paper_value
 from moelab.sim import simulate
 from moelab.sim.graphs import moe_layer_ids, synthetic_loads
@@ -183,7 +184,6 @@ def fitted_gamma(grid=PAPER_GRID, tol: float = 1e-3) -> dict:
     bracket is the range of ``gamma`` in ``experiments/lina/assumptions.yaml``, whose value only records this
     fit's result (kind fitted, ``fitted_to`` the median: the paper-vs-moelab row of that number is a fit); every
     run fits gamma again here."""
-    from moelab.papers.kit.assumptions import load_assumptions  # here: it imports pandas, the kit loads without
     target = paper_value("lina", "bwd_a2a_slowdown_median")
     alone = _alone(*grid)
 

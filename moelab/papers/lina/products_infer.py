@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.papers.kit.assumptions import load_assumptions
 from moelab.papers.kit.registry import Made, Quantity, product
 from moelab.strategies.lina.options import LinaServeOptions
 from moelab.strategies.lina.placement import BALANCE_TOL
@@ -158,8 +159,6 @@ WHAT_IF = ", scheduler costs 0 (what-if)"  # the sensitivity row priced without 
 
 def _batch_size_sensitivity(ctx) -> pd.DataFrame:
     """fig16s at the fitted batch, the assumption's value (the fit's start) and its range's ends: median speedups."""
-    from moelab.papers.kit.assumptions import load_assumptions  # here: it imports pandas, the kit loads without
-
     a = load_assumptions("lina")["infer_tokens_per_batch"]
     fit = serving_scale.fitted_infer_tokens(ctx.scale.name, ctx.seed)["tokens"]
     rows = []

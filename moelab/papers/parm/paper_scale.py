@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from moelab.comm.costs import fit_alpha_beta
+from moelab.papers.kit.assumptions import load_assumptions
 from moelab.papers.kit.cache import cached
 from moelab.sim import simulate
 from moelab.sim.profiles import get_profile
@@ -68,8 +69,6 @@ def testbeds() -> pd.DataFrame:
 def _assumed(name: str, overrides: tuple = ()):
     """The value of assumption ``name`` in ``experiments/parm/assumptions.yaml``, or in ``overrides`` (a gap
     ladder's ``((name, value), ...)``, each checked against the assumption's range)."""
-    from moelab.papers.kit.assumptions import load_assumptions  # here: it imports pandas, the kit loads without
-
     a = load_assumptions("parm")
     return (a.with_values(dict(overrides)) if overrides else a).value(name)
 
@@ -152,8 +151,6 @@ def sim_grid(scale, dispatcher: str | None = None, overrides: tuple = ()) -> pd.
 
 
 def grid_counts(scale) -> pd.DataFrame:
-    from moelab.papers.kit.assumptions import load_assumptions  # here: it imports pandas, the kit loads without
-
     reserve = load_assumptions("parm").value("memory_reserve_GiB")
     g = sim_grid(scale)
     rows = []
