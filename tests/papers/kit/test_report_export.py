@@ -175,7 +175,9 @@ def test_images_beside_a_run_fill_in_what_is_missing(tmp_path, monkeypatch):
                 out[-1].write_text("image")
         return out
 
-    monkeypatch.setattr(X, "export_images", fake)
+    from moelab.papers.kit import images as image_mod
+
+    monkeypatch.setattr(image_mod, "export_images", fake)  # where Images calls it
     (figs / "fig_b.png").write_text("made in the notebook")
     img = Images(figs).finish()
     assert sorted(calls) == [(["fig_a", "shared_stem"], ("png", "svg")), (["fig_b"], ("svg",))]
@@ -198,7 +200,7 @@ def test_without_chromium_one_line_says_what_was_skipped(tmp_path, monkeypatch):
         "record_figure(go.Figure(layout={'meta': {'label': 'SIMULATED: x'}}), f'{out_dir}/f', formats=('html',))")])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, nbs / "tiny.ipynb")
-    monkeypatch.setattr(X, "find_chromium", lambda: None)
+    monkeypatch.setattr(rp, "find_chromium", lambda: None)  # where reproduce looks for it
     lines: list = []
     batch = rp.reproduce(["tiny"], "smoke", tmp_path / "out", notebooks_dir=nbs, experiments_dir=tmp_path,
                          root=REPO, log=lines.append)

@@ -54,7 +54,6 @@ def test_time_to_equal_perplexity_is_read_where_both_curves_reach_it():
 def test_fine_tuning_runs_a_config_once_however_many_tables_ask(monkeypatch):
     """Table 2's topic runs are Fig. 7's Origin and L = 6: ``finetune._run`` spawns each distinct run once
     (options spelled out: ``{}`` is ``{"num_hashes": 6}``), and every asking row gets that run's values."""
-    from moelab.measure import realruns
     from moelab.papers.lsh_moe import finetune as ft
 
     spawned = []
@@ -63,7 +62,7 @@ def test_fine_tuning_runs_a_config_once_however_many_tables_ask(monkeypatch):
         spawned.extend(c.parallel.strategy_options.get("num_hashes", 6) for c in cfgs)
         return list(cfgs)
 
-    monkeypatch.setattr(realruns, "run_real_many", fake_runs)
+    monkeypatch.setattr(ft, "run_real_many", fake_runs)  # where finetune calls it
     monkeypatch.setattr(ft, "_rows", lambda cfgs: [dict(acc=c.parallel.strategy_options.get("num_hashes", 6) / 10)
                                                    for c in cfgs])
     monkeypatch.setattr(ft, "_DONE", {})
