@@ -105,6 +105,11 @@ def _numbers(file: tuple) -> dict:
     return out
 
 
+def paper_entry(paper: str, key: str) -> dict:
+    """One paper number's entry (a copy of that entry alone: :func:`load_numbers` copies the whole file)."""
+    return copy.deepcopy(_numbers(_numbers_file(paper))[key])
+
+
 def paper_value(paper: str, key: str) -> float:
     """The paper's own number ``key`` from paper.yaml: where moelab calibrates to a paper number (and says
     so), it reads it from here rather than retyping it."""

@@ -109,9 +109,9 @@ def cached(fn):
 
 def paper_at(key: str) -> str:
     """Where the paper measured ``key`` (its paper.yaml ``at``)."""
-    from moelab.papers.kit.compare import load_numbers  # here: the kit loads plotly, this module does not
+    from moelab.papers.kit.compare import paper_entry  # here: the kit loads plotly, this module does not
 
-    return load_numbers(P)[key].get("at", "")
+    return paper_entry(P, key).get("at", "")
 
 
 def fired(df, col: str, what: str) -> list:
