@@ -218,19 +218,25 @@ def test_export_then_run_that_file_shows_real_beside_simulated(nb, page):
     screenshot(page, "explorer_run")
 
 
+def _deepseek_on_64_ranks(page, profile: str, shape: str, shape_8_nodes: str):
+    """The widget on ``profile`` at 8 nodes (64 ranks) with DeepSeek-V3's loads: a 256 x 64 grid, drawn."""
+    w = _widget(page)
+    w.get_by_role("combobox", name="profile").select_option(profile)
+    wait_for(lambda: shape in _summary(page).inner_text(), 60, profile)
+    box = w.get_by_role("spinbutton", name="nodes")
+    box.fill("8")
+    box.press("Enter")
+    wait_for(lambda: shape_8_nodes in _summary(page).inner_text(), 60, "64 ranks")
+    w.get_by_role("combobox", name="loads").select_option("preset:deepseek_v3")
+    wait_for(lambda: (_grid_z(page, 0, 0) or [0])[0] == 256, 120, "a 256 x 64 grid")
+    return w
+
+
 @pytest.mark.timeout(400)
 def test_redraw_at_256_experts_x_64_ranks(nb, page):
     from moelab.viz import explorer as X
 
-    w = _widget(page)
-    w.get_by_role("combobox", name="profile").select_option("fastermoe_johnny")
-    wait_for(lambda: "fastermoe_johnny (2 x 8)" in _summary(page).inner_text(), 60, "johnny")
-    box = w.get_by_role("spinbutton", name="nodes")
-    box.fill("8")
-    box.press("Enter")
-    wait_for(lambda: "(8 x 8)" in _summary(page).inner_text(), 60, "64 ranks")
-    w.get_by_role("combobox", name="loads").select_option("preset:deepseek_v3")
-    wait_for(lambda: (_grid_z(page, 0, 0) or [0])[0] == 256, 120, "a 256 x 64 grid")
+    _deepseek_on_64_ranks(page, "fastermoe_johnny", "fastermoe_johnny (2 x 8)", "fastermoe_johnny (8 x 8)")
     s = X.with_preset(X.ExplorerState(profile="fastermoe_johnny", nodes=8, num_experts=E, tokens_per_rank=2048),
                       "deepseek_v3")
     hot = X.hottest_expert(s)
@@ -263,17 +269,9 @@ def test_node_view_and_a_drill_down_at_256_experts_x_64_ranks(nb, page):
     from moelab.viz import explorer as X
     from moelab.viz.explorer_nodes import expert_node_tokens
 
-    w = _widget(page)
     # hecate_B (A100-40GB) at 8 nodes: DeepSeek-V3's shape fits its memory as expert parallelism (on johnny's
     # 16 GB the hot rank's activations do not, and "reset to EP" is refused)
-    w.get_by_role("combobox", name="profile").select_option("hecate_B")
-    wait_for(lambda: "hecate_B (4 x 8)" in _summary(page).inner_text(), 60, "hecate_B")
-    box = w.get_by_role("spinbutton", name="nodes")
-    box.fill("8")
-    box.press("Enter")
-    wait_for(lambda: "hecate_B (8 x 8)" in _summary(page).inner_text(), 60, "64 ranks")
-    w.get_by_role("combobox", name="loads").select_option("preset:deepseek_v3")
-    wait_for(lambda: (_grid_z(page, 0, 0) or [0])[0] == 256, 120, "a 256 x 64 grid")
+    w = _deepseek_on_64_ranks(page, "hecate_B", "hecate_B (4 x 8)", "hecate_B (8 x 8)")
     wait_for(lambda: " 0 replica(s)" in _summary(page).inner_text(), 30, "expert parallelism")
     s = X.with_preset(X.ExplorerState(profile="hecate_B", nodes=8, num_experts=E, tokens_per_rank=2048),
                       "deepseek_v3")
