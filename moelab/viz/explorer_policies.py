@@ -41,18 +41,13 @@ def query_of(state: ExplorerState, ev: dict) -> PolicyQuery:
                        free_bytes=max(0.0, ev["memory_limit"] - float(ev["memory"]["total"].max())))
 
 
-def _from_strategy(spec: str) -> Callable:
-    mod, name = spec.split(":")
-    fn = getattr(importlib.import_module(mod), name)
-    return lambda state, ev: fn(query_of(state, ev))
-
-
 def _register_strategies() -> None:
     for s in all_strategies():
         for name, spec in s.placement_policies:
-            fn = _from_strategy(spec)
-            doc = (getattr(importlib.import_module(spec.split(":")[0]), spec.split(":")[1]).__doc__ or "")
-            register_policy(name, fn, doc.split("\n")[0], s.name if s.name in STRATEGIES else "ep")
+            mod, attr = spec.split(":")
+            fn = getattr(importlib.import_module(mod), attr)
+            register_policy(name, lambda state, ev, fn=fn: fn(query_of(state, ev)), (fn.__doc__ or "").split("\n")[0],
+                            s.name if s.name in STRATEGIES else "ep")
 
 
 def apply_policy(state: ExplorerState, name: str, ev: dict = None) -> ExplorerState:
